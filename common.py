@@ -1,0 +1,468 @@
+"""What the five algorithm files share: KL estimators, masking, log-probs, generation, the
+built-in task and its rewards, model loading, logging and plots.
+
+Nothing in here belongs to one algorithm. The math (KL estimators, masking, aggregation,
+reward-to-go) is pure: tensors in, tensors out. See shared ALGORITHMS.md §3 for the KL math.
+"""
+import hashlib
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+EMBEDDED_MODEL = os.path.join(HERE, "embedded_model")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+# ----------------------------------------------------------------------------------------
+# Configuration shared by every algorithm (each file subclasses it with what it adds)
+# ----------------------------------------------------------------------------------------
+@dataclass
+class TrainConfig:
+    model_name_or_path: str = field(default=EMBEDDED_MODEL, metadata={"help": "HF causal LM: Hub name or local folder (default: the embedded tiny model)."})
+    dataset: str = field(default="arithmetic", metadata={"help": "'arithmetic' (built-in task, no download)."})
+    reward_scales: str = field(default="uniform", metadata={"help": "'uniform': reward 1/0 for right/wrong; 'hetero': each task family has its own reward range (as a learned reward model gives different prompt kinds), see HETERO_SCALES."})
+    output_dir: str = field(default="", metadata={"help": "Where metrics, plots and the final model go (default: runs/<script name>)."})
+    seed: int = field(default=0, metadata={"help": "Random seed; rank r samples with seed + r."})
+    num_steps: int = field(default=150, metadata={"help": "Optimizer steps (one rollout batch each)."})
+    batch_size: int = field(default=64, metadata={"help": "Sampled completions per step per process (the ones the loss trains on)."})
+    learning_rate: float = field(default=2e-4, metadata={"help": "Policy learning rate (AdamW). Tiny model default; papers use ~1e-6 for 7B models."})
+    warmup_steps: int = field(default=0, metadata={"help": "Linear learning-rate warm-up steps, then constant."})
+    max_grad_norm: float = field(default=1.0, metadata={"help": "Clip the global gradient norm to this value (0 turns clipping off)."})
+    max_new_tokens: int = field(default=8, metadata={"help": "Maximum completion length in tokens."})
+    temperature: float = field(default=1.0, metadata={"help": "Sampling temperature; log-probs are computed at the same temperature."})
+    top_p: float = field(default=1.0, metadata={"help": "Nucleus sampling. Below 1, samples come from a truncated distribution but log-probs from the full one (a small off-policy bias)."})
+    eval_every: int = field(default=25, metadata={"help": "Held-out greedy accuracy every N steps (and at start and end)."})
+    log_every: int = field(default=10, metadata={"help": "Print a metrics line every N steps (every step goes to metrics.jsonl)."})
+    report_to: str = field(default="none", metadata={"help": "Extra trackers: 'none', 'tensorboard' or 'wandb'."})
+    save_model: bool = field(default=True, metadata={"help": "Save the final policy with save_pretrained (+ tokenizer) in output_dir/final."})
+
+    def __post_init__(self):
+        positive = ("num_steps", "batch_size", "learning_rate", "max_new_tokens", "temperature", "eval_every", "log_every")
+        for name in positive:
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name} must be > 0 (got {getattr(self, name)}).")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"--top_p must be in (0, 1] (got {self.top_p}).")
+        if self.max_grad_norm < 0:
+            raise ValueError(f"--max_grad_norm must be >= 0 (got {self.max_grad_norm}).")
+        if self.reward_scales not in ("uniform", "hetero"):
+            raise ValueError(f"--reward_scales must be 'uniform' or 'hetero' (got {self.reward_scales!r}).")
+        if self.report_to not in ("none", "tensorboard", "wandb"):
+            raise ValueError(f"--report_to must be none, tensorboard or wandb (got {self.report_to!r}).")
+        if self.dataset != "arithmetic":
+            raise ValueError(f"--dataset {self.dataset!r} is not supported; use 'arithmetic'.")
+
+
+def parse_config(config_class, args=None):
+    """Parse the command line into `config_class`; a bad value exits with one clear line."""
+    from transformers import HfArgumentParser
+
+    try:
+        (cfg,) = HfArgumentParser(config_class).parse_args_into_dataclasses(args=args)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    if not cfg.output_dir:
+        cfg.output_dir = os.path.join("runs", os.path.splitext(os.path.basename(sys.argv[0]))[0])
+    return cfg
+
+
+# ----------------------------------------------------------------------------------------
+# KL estimators (ALGORITHMS.md §3). Samples y ~ q = pi_theta, target KL(pi_theta || pi_ref).
+# ----------------------------------------------------------------------------------------
+def kl_k1(logp, ref_logp):
+    """k1 = log q - log p, per token.
+
+    Value: unbiased for KL(q||p), but can be negative and has high variance.
+    As a loss term (gradient through logp): E[grad k1] = 0, so it does nothing useful.
+    As a detached penalty in the reward: E[k1 * score] = grad KL(q||p), the correct one
+    (for sequences, use the reward-to-go of the per-token k1). PPO, ReMax, RLOO use this.
+    """
+    return logp - ref_logp
+
+
+def kl_k2(logp, ref_logp):
+    """k2 = 0.5 (log q - log p)^2, per token.
+
+    Value: biased (third order in the log-ratio), low variance, >= 0.
+    As a loss term: E[grad k2] = grad KL(q||p), the reverse-KL gradient.
+    As a detached penalty in the reward: a wrong gradient.
+    """
+    return 0.5 * (logp - ref_logp) ** 2
+
+
+def kl_k3(logp, ref_logp):
+    """k3 = p/q - log(p/q) - 1, per token ("low_var_kl"; Schulman's estimator).
+
+    Value: unbiased for KL(q||p), >= 0, low variance.
+    As a loss term: E[grad k3] = grad KL(p||q), the FORWARD KL gradient; this is what
+    GRPO's loss term optimises.
+    As a detached penalty in the reward: a wrong gradient.
+    """
+    log_ratio = ref_logp - logp
+    return torch.exp(log_ratio) - log_ratio - 1
+
+
+# ----------------------------------------------------------------------------------------
+# Masking and loss aggregation
+# ----------------------------------------------------------------------------------------
+def masked_sum(x, mask, dim=None):
+    """Sum of x where mask is 1 (masked entries may hold anything, even NaN)."""
+    x = torch.where(mask.bool(), x, torch.zeros_like(x))
+    return x.sum() if dim is None else x.sum(dim)
+
+
+def masked_mean(x, mask, dim=None):
+    """Mean of x where mask is 1; an all-masked slice gives 0."""
+    return masked_sum(x, mask, dim) / masked_sum(torch.ones_like(x), mask, dim).clamp(min=1)
+
+
+def masked_whiten(x, mask, shift_mean=True, eps=1e-8):
+    """(x - mean) / std over the masked entries (std with Bessel's correction, as TRL).
+    With shift_mean=False the mean is added back (only the scale changes)."""
+    mean = masked_mean(x, mask)
+    n = mask.sum()
+    var = masked_sum((x - mean) ** 2, mask) / (n - 1).clamp(min=1)
+    whitened = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return torch.where(mask.bool(), whitened, torch.zeros_like(whitened))
+
+
+def completion_mask(completion_ids, eos_token_id):
+    """1 up to and including the first EOS, 0 after it (padding after EOS included).
+    A completion with no EOS (cut at max length) keeps every token."""
+    is_eos = completion_ids == eos_token_id
+    eos_before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()  # EOS strictly before t
+    return (eos_before == 0).long()
+
+
+def aggregate_loss(per_token_loss, mask, mode, max_len=None):
+    """Reduce a (B, T) per-token loss to a scalar.
+
+    token-mean:               sum over all tokens / number of tokens (DAPO; ReMax code).
+    seq-mean-token-mean:      mean over sequences of each sequence's token mean (GRPO paper).
+    seq-mean-token-sum-norm:  mean over sequences of (token sum / max_len), max_len a constant
+                              (Dr. GRPO: no per-sequence length normalisation). Default T.
+    """
+    if mode == "token-mean":
+        return masked_sum(per_token_loss, mask) / mask.sum().clamp(min=1)
+    if mode == "seq-mean-token-mean":
+        return masked_mean(per_token_loss, mask, dim=1).mean()
+    if mode == "seq-mean-token-sum-norm":
+        max_len = per_token_loss.shape[1] if max_len is None else max_len
+        return (masked_sum(per_token_loss, mask, dim=1) / max_len).mean()
+    raise ValueError(f"unknown loss aggregation {mode!r}; choose one of {LOSS_AGG_MODES}")
+
+
+def reward_to_go(x, mask):
+    """Per-token sum over t' >= t of x[t'] (masked), i.e. the return with gamma = 1."""
+    x = torch.where(mask.bool(), x, torch.zeros_like(x))
+    return torch.flip(torch.cumsum(torch.flip(x, [1]), 1), [1])
+
+
+# ----------------------------------------------------------------------------------------
+# Log-probs and generation
+# ----------------------------------------------------------------------------------------
+def position_ids_from_mask(attention_mask):
+    """Positions that skip left padding, the same ones `generate` uses."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def token_logprobs(model, input_ids, attention_mask, num_completion_tokens, temperature=1.0, with_entropy=False):
+    """Log-probs of the last `num_completion_tokens` tokens of `input_ids` under `model`,
+    at the sampling temperature, computed in fp32. Returns (B, C) log-probs (and entropies).
+
+    Only the completion's logits are computed (`logits_to_keep`), and the log-softmax is
+    taken one sequence at a time as gather - logsumexp, so no full (B, T, V) log-softmax
+    copy is ever materialised.
+    """
+    c = num_completion_tokens
+    out = model(input_ids=input_ids, attention_mask=attention_mask,
+                position_ids=position_ids_from_mask(attention_mask), logits_to_keep=c + 1, use_cache=False)
+    logits = out.logits[:, -(c + 1):-1, :]  # (B, C, V): position t predicts token t+1
+    targets = input_ids[:, -c:]
+    logps, entropies = [], []
+    for row_logits, row_targets in zip(logits, targets):
+        row = row_logits.float() / temperature
+        lse = torch.logsumexp(row, dim=-1)
+        logps.append(row.gather(-1, row_targets[:, None]).squeeze(-1) - lse)
+        if with_entropy:
+            with torch.no_grad():
+                entropies.append(lse - (torch.softmax(row, -1) * row).sum(-1))
+    logps = torch.stack(logps)
+    return (logps, torch.stack(entropies)) if with_entropy else logps
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=1, greedy=False):
+    """Sample `num_samples` completions per prompt (or one greedy completion).
+    Prompts are left-padded; returns completion ids (B * num_samples, C), padded after EOS.
+    Works for a bare, DDP-wrapped (pass accelerator.unwrap_model) or peft model."""
+    from transformers import GenerationConfig
+
+    if greedy:
+        gen = GenerationConfig(do_sample=False, max_new_tokens=cfg.max_new_tokens)
+        num_samples = 1
+    else:
+        gen = GenerationConfig(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=0,
+                               max_new_tokens=cfg.max_new_tokens, num_return_sequences=num_samples)
+    gen.pad_token_id, gen.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    was_training = model.training
+    model.eval()
+    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen)
+    model.train(was_training)
+    completion_ids = out[:, prompt_ids.shape[1]:]
+    if completion_ids.shape[1] == 0:  # cannot happen with max_new_tokens >= 1; keep shapes sane
+        completion_ids = torch.full_like(prompt_ids[:, :1], tokenizer.eos_token_id)
+    return completion_ids
+
+
+def tokenize_prompts(tokenizer, prompts, device):
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    return enc["input_ids"].to(device), enc["attention_mask"].to(device)
+
+
+def decode_completions(tokenizer, completion_ids, mask):
+    return [tokenizer.decode(ids[m.bool()], skip_special_tokens=True) for ids, m in zip(completion_ids, mask)]
+
+
+# ----------------------------------------------------------------------------------------
+# The built-in task: arithmetic in families of different difficulty
+# ----------------------------------------------------------------------------------------
+# name: (operand digit counts, operator). Easy to hard for a 1M-parameter model.
+FAMILIES = {
+    "add_2x1": ((2, 1), "+"),
+    "sub_2x2": ((2, 2), "-"),
+    "add_2x2": ((2, 2), "+"),
+    "mul_2x1": ((2, 1), "*"),
+    "add_3x3": ((3, 3), "+"),
+}
+# reward for (wrong, right) per family under --reward_scales hetero: one offset and scale per
+# family, as a learned reward model puts different prompt kinds on different scales.
+HETERO_SCALES = {"add_2x1": (-5.0, -1.0), "sub_2x2": (-3.0, 0.0), "add_2x2": (0.0, 1.0), "mul_2x1": (1.0, 3.0), "add_3x3": (2.0, 5.0)}
+HELD_OUT_FRACTION = 5  # one prompt in 5 (by hash) is held out: never trained on
+
+
+def is_held_out(prompt):
+    return int(hashlib.md5(prompt.encode()).hexdigest(), 16) % HELD_OUT_FRACTION == 0
+
+
+def arithmetic_example(family, rng):
+    (da, db), op = FAMILIES[family]
+    a = rng.randint(10 ** (da - 1) if da > 1 else 0, 10 ** da - 1)
+    b = rng.randint(10 ** (db - 1) if db > 1 else 0, 10 ** db - 1)
+    if op == "-" and b > a:
+        a, b = b, a
+    answer = {"+": a + b, "-": a - b, "*": a * b}[op]
+    return {"prompt": f"{a}{op}{b}=", "answer": str(answer), "family": family}
+
+
+def arithmetic_examples(n, seed, held_out):
+    """n examples, families in turn, all from the held-out split or all from the train split."""
+    rng, examples, families = random.Random(seed), [], list(FAMILIES)
+    while len(examples) < n:
+        ex = arithmetic_example(families[len(examples) % len(families)], rng)
+        if is_held_out(ex["prompt"]) == held_out:
+            examples.append(ex)
+    return examples
+
+
+def load_task(cfg):
+    """(train examples, held-out eval examples). Every example: prompt, answer, family."""
+    return arithmetic_examples(20_000, seed=cfg.seed, held_out=False), arithmetic_examples(250, seed=1234, held_out=True)
+
+
+def is_correct(completion, answer):
+    return completion.strip() == answer
+
+
+def compute_rewards(examples, completions, reward_scales="uniform"):
+    """Rule-based reward. Returns (rewards, correct) as float tensors (B,)."""
+    correct = torch.tensor([float(is_correct(c, ex["answer"])) for c, ex in zip(completions, examples)])
+    if reward_scales == "uniform":
+        return correct.clone(), correct
+    lo_hi = torch.tensor([HETERO_SCALES.get(ex["family"], (0.0, 1.0)) for ex in examples])
+    return lo_hi[:, 0] + (lo_hi[:, 1] - lo_hi[:, 0]) * correct, correct
+
+
+class PromptSampler:
+    """Endless shuffled batches of examples; each rank draws from its own shard."""
+
+    def __init__(self, examples, batch_size, seed, rank=0, world_size=1):
+        self.examples, self.batch_size = examples[rank::world_size], batch_size
+        self.rng, self.order = random.Random(seed), []
+
+    def next(self):
+        batch = []
+        while len(batch) < self.batch_size:
+            if not self.order:
+                self.order = list(range(len(self.examples)))
+                self.rng.shuffle(self.order)
+            batch.append(self.examples[self.order.pop()])
+        return batch
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, examples, cfg, accelerator, batch_size=256):
+    """Held-out greedy accuracy per family and overall, sharded over ranks and summed."""
+    shard = examples[accelerator.process_index::accelerator.num_processes]
+    families = sorted({ex["family"] for ex in examples})
+    counts = torch.zeros(2, len(families), device=accelerator.device)  # (correct, total)
+    unwrapped = accelerator.unwrap_model(model)
+    for i in range(0, len(shard), batch_size):
+        batch = shard[i:i + batch_size]
+        prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [ex["prompt"] for ex in batch], accelerator.device)
+        completion_ids = generate(unwrapped, tokenizer, prompt_ids, prompt_mask, cfg, greedy=True)
+        texts = decode_completions(tokenizer, completion_ids, completion_mask(completion_ids, tokenizer.eos_token_id))
+        for text, ex in zip(texts, batch):
+            j = families.index(ex["family"])
+            counts[0, j] += is_correct(text, ex["answer"])
+            counts[1, j] += 1
+    counts = accelerator.reduce(counts, reduction="sum")
+    metrics = {"eval/accuracy": (counts[0].sum() / counts[1].sum()).item()}
+    for j, fam in enumerate(families):
+        metrics[f"eval/acc_{fam}"] = (counts[0, j] / counts[1, j].clamp(min=1)).item()
+    return metrics
+
+
+# ----------------------------------------------------------------------------------------
+# Models
+# ----------------------------------------------------------------------------------------
+def disable_dropout(model):
+    """Log-probs must be computed with dropout off (ALGORITHMS.md §4)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    for key, value in vars(model.config).items():
+        if "dropout" in key and isinstance(value, float):
+            setattr(model.config, key, 0.0)
+
+
+def load_tokenizer(cfg):
+    from transformers import AutoTokenizer
+
+    check_model_path(cfg.model_name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model_name_or_path, padding_side="left")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(cfg, trainable=True):
+    """A causal LM from a Hub name or local folder, dropout off; frozen if not trainable."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path)
+    disable_dropout(model)
+    if not trainable:
+        model.eval().requires_grad_(False)
+    return model
+
+
+def check_model_path(name):
+    """Fail fast, before anything is loaded, when the model can be found nowhere."""
+    if os.path.isdir(name):
+        if not os.path.exists(os.path.join(name, "config.json")):
+            raise SystemExit(f"error: --model_name_or_path {name!r} is a folder without config.json (not a saved HF model).")
+        return
+    looks_like_path = name.startswith((".", "/", "~")) or name.count("/") > 1
+    if looks_like_path:
+        raise SystemExit(f"error: --model_name_or_path {name!r}: no such folder.")
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(name, "config.json")
+    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
+    if not isinstance(cached, str) and offline:
+        raise SystemExit(f"error: --model_name_or_path {name!r} is not a local folder and not in the HF cache, "
+                         "and HF_HUB_OFFLINE is set: download it first or pass a local folder.")
+
+
+def make_optimizer(model, cfg):
+    from transformers import get_constant_schedule_with_warmup
+
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=cfg.learning_rate, weight_decay=0.0)
+    return optimizer, get_constant_schedule_with_warmup(optimizer, cfg.warmup_steps)
+
+
+# ----------------------------------------------------------------------------------------
+# Logging and plots
+# ----------------------------------------------------------------------------------------
+def reduce_metrics(accelerator, metrics):
+    """Mean of every scalar metric across ranks."""
+    keys = sorted(metrics)
+    values = torch.tensor([float(metrics[k]) for k in keys], device=accelerator.device)
+    values = accelerator.reduce(values, reduction="mean")
+    return dict(zip(keys, values.tolist()))
+
+
+class MetricLogger:
+    """Every step to output_dir/metrics.jsonl (+ tensorboard/wandb); a console line every
+    log_every steps. Only the main process writes."""
+
+    def __init__(self, cfg, accelerator):
+        self.cfg, self.accelerator = cfg, accelerator
+        self.path = os.path.join(cfg.output_dir, "metrics.jsonl")
+        self.start = time.time()
+        if accelerator.is_main_process:
+            os.makedirs(cfg.output_dir, exist_ok=True)
+            open(self.path, "w").close()
+            with open(os.path.join(cfg.output_dir, "config.json"), "w") as f:
+                json.dump(asdict(cfg), f, indent=2)
+        if cfg.report_to != "none":
+            accelerator.init_trackers(os.path.basename(cfg.output_dir.rstrip("/")) or "run", config=asdict(cfg))
+
+    def log(self, step, metrics):
+        metrics = {"step": step, "time/elapsed_s": round(time.time() - self.start, 3), **metrics}
+        if not self.accelerator.is_main_process:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        if self.cfg.report_to != "none":
+            self.accelerator.log({k: v for k, v in metrics.items() if k != "step"}, step=step)
+        if step % self.cfg.log_every == 0 or step == self.cfg.num_steps or "eval/accuracy" in metrics:
+            shown = {k: v for k, v in metrics.items() if k in CONSOLE_KEYS or k == "eval/accuracy"}
+            print(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in shown.items()), flush=True)
+
+    def finish(self):
+        if self.cfg.report_to != "none":
+            self.accelerator.end_training()
+        if self.accelerator.is_main_process:
+            plot_metrics(self.path, os.path.join(self.cfg.output_dir, "curves.png"))
+
+
+CONSOLE_KEYS = ("step", "train/reward", "train/kl", "train/entropy", "train/grad_norm", "time/elapsed_s")
+PLOT_KEYS = ("train/reward", "eval/accuracy", "train/kl", "train/entropy", "train/grad_norm", "train/completion_len")
+
+
+def read_metrics(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_metrics(jsonl_path, png_path, keys=PLOT_KEYS):
+    """One panel per metric versus step, from a metrics.jsonl file."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(jsonl_path)
+    fig, axes = plt.subplots(2, math.ceil(len(keys) / 2), figsize=(4 * math.ceil(len(keys) / 2), 6))
+    for ax, key in zip(axes.flat, keys):
+        points = [(r["step"], r[key]) for r in rows if key in r]
+        if points:
+            ax.plot(*zip(*points), marker="o" if key.startswith("eval") else None, markersize=3)
+        ax.set_title(key)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,147 @@
+"""ReMax: REINFORCE with the greedy response's reward as baseline (Li et al., 2023, ICML 2024,
+https://arxiv.org/abs/2310.10505).
+
+For each prompt x, sample one response y ~ pi(.|x) and decode one greedy response y_greedy.
+The advantage is A = r(x, y) - r(x, y_greedy): the greedy reward is a baseline that does not
+depend on the sampled y, so the gradient stays unbiased, and it tracks how hard each prompt is,
+which is what plain REINFORCE lacks when prompts differ (--baseline none shows the failure).
+A per-token k1 penalty -kl_coef * (logp - ref_logp) is folded into the return (reward-to-go).
+Loss: -A_t * log pi(y_t | x, y_<t), one on-policy update per batch: no ratio, no clipping,
+no value model. The price is one extra greedy generation per prompt.
+
+    accelerate launch remax.py                                   # embedded model and task
+    accelerate launch --num_processes 2 --cpu remax.py           # data-parallel on CPU
+    python remax.py --reward_scales hetero --baseline none       # watch REINFORCE fail
+"""
+from dataclasses import dataclass, field
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from tqdm.auto import tqdm
+
+import common
+
+
+@dataclass
+class Config(common.TrainConfig):
+    baseline: str = field(default="greedy", metadata={"help": "'greedy' (ReMax) or 'none' (plain REINFORCE)."})
+    kl_coef: float = field(default=0.05, metadata={"help": "Coefficient of the per-token k1 penalty folded into the return (ReMax code: 0.05)."})
+    adv_clip: float = field(default=5.0, metadata={"help": "Clip the advantage r - r_greedy to [-adv_clip, adv_clip] (ReMax code: 5; 0 = off)."})
+    loss_agg: str = field(default="token-mean", metadata={"help": "Loss aggregation: token-mean (ReMax code) | seq-mean-token-mean | seq-mean-token-sum-norm."})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.baseline not in ("greedy", "none"):
+            raise ValueError(f"--baseline must be 'greedy' or 'none' (got {self.baseline!r}).")
+        if self.kl_coef < 0:
+            raise ValueError(f"--kl_coef must be >= 0 (got {self.kl_coef}).")
+        if self.adv_clip < 0:
+            raise ValueError(f"--adv_clip must be >= 0 (got {self.adv_clip}).")
+        if self.loss_agg not in common.LOSS_AGG_MODES:
+            raise ValueError(f"--loss_agg must be one of {common.LOSS_AGG_MODES} (got {self.loss_agg!r}).")
+
+
+def remax_advantages(rewards, greedy_rewards):
+    """A_i = r(x_i, y_i) - r(x_i, y_greedy_i): the greedy response's reward as baseline. (B,)"""
+    return rewards - greedy_rewards
+
+
+def remax_loss(logp, adv, kl, mask, kl_coef, loss_agg="token-mean"):
+    """REINFORCE loss with the k1 penalty folded into the return.
+
+    logp, kl: (B, T) per-token log-probs (with grad) and k1 = logp - ref_logp (detached);
+    adv: (B,) sequence advantage. Per-token return G_t = A - kl_coef * sum_{t'>=t} k1_t'
+    (reward-to-go: the penalty on earlier tokens does not depend on later actions).
+    Loss = aggregate(-G_t * logp_t). Returns (loss, G).
+    """
+    returns = adv[:, None] - kl_coef * common.reward_to_go(kl, mask)
+    return common.aggregate_loss(-returns.detach() * logp, mask, loss_agg), returns
+
+
+def main():
+    cfg = common.parse_config(Config)
+    # ---- setup: accelerator, seed, policy, reference, data ----
+    accelerator = Accelerator(log_with=None if cfg.report_to == "none" else cfg.report_to, project_dir=cfg.output_dir)
+    set_seed(cfg.seed)  # identical initial weights on every rank
+    tokenizer = common.load_tokenizer(cfg)
+    policy = common.load_model(cfg)
+    ref_model = common.load_model(cfg, trainable=False) if cfg.kl_coef > 0 else None
+    optimizer, scheduler = common.make_optimizer(policy, cfg)
+    policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
+    if ref_model is not None:
+        ref_model = ref_model.to(accelerator.device)
+    train_data, eval_data = common.load_task(cfg)
+    sampler = common.PromptSampler(train_data, cfg.batch_size, cfg.seed, accelerator.process_index, accelerator.num_processes)
+    set_seed(cfg.seed + accelerator.process_index)  # each rank samples different completions
+    logger = common.MetricLogger(cfg, accelerator)
+    logger.log(0, common.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
+
+    for step in tqdm(range(1, cfg.num_steps + 1), disable=not accelerator.is_main_process, desc="remax"):
+        t0 = common.time.time()
+        # ---- rollout: one sample and one greedy response per prompt ----
+        batch = sampler.next()
+        prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, [ex["prompt"] for ex in batch], accelerator.device)
+        unwrapped = accelerator.unwrap_model(policy)
+        completion_ids = common.generate(unwrapped, tokenizer, prompt_ids, prompt_mask, cfg)
+        mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
+        completions = common.decode_completions(tokenizer, completion_ids, mask)
+        rewards, correct = common.compute_rewards(batch, completions, cfg.reward_scales)
+        if cfg.baseline == "greedy":
+            greedy_ids = common.generate(unwrapped, tokenizer, prompt_ids, prompt_mask, cfg, greedy=True)
+            greedy_completions = common.decode_completions(tokenizer, greedy_ids, common.completion_mask(greedy_ids, tokenizer.eos_token_id))
+            greedy_rewards, _ = common.compute_rewards(batch, greedy_completions, cfg.reward_scales)
+        else:
+            greedy_rewards = torch.zeros_like(rewards)
+        rewards, greedy_rewards = rewards.to(accelerator.device), greedy_rewards.to(accelerator.device)
+
+        # ---- log-probs of the sampled completion under policy and reference ----
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, mask], dim=1)
+        T = completion_ids.shape[1]
+        logp, entropy = common.token_logprobs(policy, input_ids, attention_mask, T, cfg.temperature, with_entropy=True)
+        if ref_model is not None:
+            with torch.no_grad():
+                ref_logp = common.token_logprobs(ref_model, input_ids, attention_mask, T, cfg.temperature)
+            kl = common.kl_k1(logp.detach(), ref_logp)
+        else:
+            kl = torch.zeros_like(logp)
+
+        # ---- advantage and loss ----
+        adv = remax_advantages(rewards, greedy_rewards)
+        if cfg.adv_clip > 0:
+            adv = adv.clamp(-cfg.adv_clip, cfg.adv_clip)
+        loss, returns = remax_loss(logp, adv, kl, mask, cfg.kl_coef, cfg.loss_agg)
+
+        # ---- one on-policy step ----
+        accelerator.backward(loss)
+        grad_norm = accelerator.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+
+        # ---- log ----
+        lengths = mask.sum(1).float()
+        metrics = {
+            "train/reward": rewards.mean(), "train/reward_std": rewards.std(), "train/correct": correct.mean(),
+            "train/greedy_reward": greedy_rewards.mean(), "train/adv_mean": adv.mean(), "train/adv_std": adv.std(),
+            "train/kl": common.masked_sum(kl, mask) / len(batch), "train/entropy": common.masked_mean(entropy, mask),
+            "train/loss": loss.detach(), "train/grad_norm": grad_norm, "train/completion_len": lengths.mean(),
+            "time/tokens_per_s": lengths.sum() / (common.time.time() - t0),
+        }
+        metrics = common.reduce_metrics(accelerator, metrics)
+        if step % cfg.eval_every == 0 or step == cfg.num_steps:
+            metrics.update(common.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
+        logger.log(step, metrics)
+
+    # ---- end: save, plot ----
+    logger.finish()
+    if cfg.save_model:
+        accelerator.wait_for_everyone()
+        if accelerator.is_main_process:
+            accelerator.unwrap_model(policy).save_pretrained(f"{cfg.output_dir}/final")
+            tokenizer.save_pretrained(f"{cfg.output_dir}/final")
+
+
+if __name__ == "__main__":
+    main()
