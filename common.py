@@ -11,6 +11,7 @@ import os
 import random
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -395,6 +396,29 @@ def make_optimizer(model, cfg):
 # ----------------------------------------------------------------------------------------
 # Logging and plots
 # ----------------------------------------------------------------------------------------
+class StepTimer:
+    """Wall time of each phase of a step: `with timer("generation"): ...`; metrics() gives
+    time/<phase>_s and resets. On a GPU it synchronises so the time is the GPU's too."""
+
+    def __init__(self):
+        self.times = {}
+
+    @contextmanager
+    def __call__(self, phase):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        yield
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - start
+
+    def metrics(self):
+        out, self.times = {f"time/{k}_s": v for k, v in self.times.items()}, {}
+        out["time/step_s"] = sum(out.values())
+        return out
+
+
 def reduce_metrics(accelerator, metrics):
     """Mean of every scalar metric across ranks."""
     keys = sorted(metrics)

@@ -77,48 +77,49 @@ def main():
     logger = common.MetricLogger(cfg, accelerator)
     logger.log(0, common.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
 
+    timer = common.StepTimer()
     for step in tqdm(range(1, cfg.num_steps + 1), disable=not accelerator.is_main_process, desc="remax"):
-        t0 = common.time.time()
-        # ---- rollout: one sample and one greedy response per prompt ----
+        # ---- rollout: one sampled and one greedy response per prompt ----
         batch = sampler.next()
         prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, [ex["prompt"] for ex in batch], accelerator.device)
-        unwrapped = accelerator.unwrap_model(policy)
-        completion_ids = common.generate(unwrapped, tokenizer, prompt_ids, prompt_mask, cfg)
-        mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
-        completions = common.decode_completions(tokenizer, completion_ids, mask)
-        rewards, correct = common.compute_rewards(batch, completions, cfg.reward_scales)
-        if cfg.baseline == "greedy":
-            greedy_ids = common.generate(unwrapped, tokenizer, prompt_ids, prompt_mask, cfg, greedy=True)
-            greedy_completions = common.decode_completions(tokenizer, greedy_ids, common.completion_mask(greedy_ids, tokenizer.eos_token_id))
-            greedy_rewards, _ = common.compute_rewards(batch, greedy_completions, cfg.reward_scales)
-        else:
-            greedy_rewards = torch.zeros_like(rewards)
-        rewards, greedy_rewards = rewards.to(accelerator.device), greedy_rewards.to(accelerator.device)
+        with timer("generation"):
+            unwrapped = accelerator.unwrap_model(policy)
+            completion_ids = common.generate(unwrapped, tokenizer, prompt_ids, prompt_mask, cfg)
+            if cfg.baseline == "greedy":
+                greedy_ids = common.generate(unwrapped, tokenizer, prompt_ids, prompt_mask, cfg, greedy=True)
+        with timer("scoring"):
+            mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
+            completions = common.decode_completions(tokenizer, completion_ids, mask)
+            rewards, correct = common.compute_rewards(batch, completions, cfg.reward_scales)
+            if cfg.baseline == "greedy":
+                greedy_mask = common.completion_mask(greedy_ids, tokenizer.eos_token_id)
+                greedy_rewards, _ = common.compute_rewards(batch, common.decode_completions(tokenizer, greedy_ids, greedy_mask), cfg.reward_scales)
+            else:
+                greedy_rewards = torch.zeros_like(rewards)
+            rewards, greedy_rewards = rewards.to(accelerator.device), greedy_rewards.to(accelerator.device)
+            input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+            attention_mask = torch.cat([prompt_mask, mask], dim=1)
+            T = completion_ids.shape[1]
+            if ref_model is not None:
+                with torch.no_grad():
+                    ref_logp = common.token_logprobs(ref_model, input_ids, attention_mask, T, cfg.temperature)
 
-        # ---- log-probs of the sampled completion under policy and reference ----
-        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-        attention_mask = torch.cat([prompt_mask, mask], dim=1)
-        T = completion_ids.shape[1]
-        logp, entropy = common.token_logprobs(policy, input_ids, attention_mask, T, cfg.temperature, with_entropy=True)
-        if ref_model is not None:
-            with torch.no_grad():
-                ref_logp = common.token_logprobs(ref_model, input_ids, attention_mask, T, cfg.temperature)
-            kl = common.kl_k1(logp.detach(), ref_logp)
-        else:
-            kl = torch.zeros_like(logp)
+        with timer("forward_backward"):
+            # ---- log-probs, KL penalty, advantage, loss ----
+            logp, entropy = common.token_logprobs(policy, input_ids, attention_mask, T, cfg.temperature, with_entropy=True)
+            kl = common.kl_k1(logp.detach(), ref_logp) if ref_model is not None else torch.zeros_like(logp)
+            adv = remax_advantages(rewards, greedy_rewards)
+            if cfg.adv_clip > 0:
+                adv = adv.clamp(-cfg.adv_clip, cfg.adv_clip)
+            loss, returns = remax_loss(logp, adv, kl, mask, cfg.kl_coef, cfg.loss_agg)
+            accelerator.backward(loss)
 
-        # ---- advantage and loss ----
-        adv = remax_advantages(rewards, greedy_rewards)
-        if cfg.adv_clip > 0:
-            adv = adv.clamp(-cfg.adv_clip, cfg.adv_clip)
-        loss, returns = remax_loss(logp, adv, kl, mask, cfg.kl_coef, cfg.loss_agg)
-
-        # ---- one on-policy step ----
-        accelerator.backward(loss)
-        grad_norm = accelerator.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
+        with timer("optimizer"):
+            # ---- one on-policy step ----
+            grad_norm = accelerator.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
 
         # ---- log ----
         lengths = mask.sum(1).float()
@@ -127,8 +128,9 @@ def main():
             "train/greedy_reward": greedy_rewards.mean(), "train/adv_mean": adv.mean(), "train/adv_std": adv.std(),
             "train/kl": common.masked_sum(kl, mask) / len(batch), "train/entropy": common.masked_mean(entropy, mask),
             "train/loss": loss.detach(), "train/grad_norm": grad_norm, "train/completion_len": lengths.mean(),
-            "time/tokens_per_s": lengths.sum() / (common.time.time() - t0),
+            **timer.metrics(),
         }
+        metrics["time/tokens_per_s"] = lengths.sum() / metrics["time/step_s"]
         metrics = common.reduce_metrics(accelerator, metrics)
         if step % cfg.eval_every == 0 or step == cfg.num_steps:
             metrics.update(common.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
