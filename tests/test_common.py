@@ -1,0 +1,152 @@
+"""Masking, aggregation, log-probs, generation and the built-in task (common.py)."""
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import common
+from common import aggregate_loss, completion_mask, masked_mean, masked_sum, masked_whiten, reward_to_go
+
+EOS = 1
+
+
+def test_completion_mask_keeps_first_eos_and_drops_the_rest():
+    ids = torch.tensor([[5, 6, EOS, 0, 0], [5, EOS, 7, EOS, 0], [5, 6, 7, 8, 9], [EOS, 0, 0, 0, 0]])
+    expected = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
+    assert torch.equal(completion_mask(ids, EOS), expected)
+
+
+def test_masked_sum_and_mean_ignore_masked_values_even_nan():
+    x = torch.tensor([[1.0, 2.0, float("nan")], [4.0, float("inf"), 6.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 1]])
+    assert masked_sum(x, mask).item() == 13.0
+    assert torch.equal(masked_sum(x, mask, dim=1), torch.tensor([3.0, 10.0]))
+    assert masked_mean(x, mask).item() == 13.0 / 4
+    assert torch.equal(masked_mean(x, mask, dim=1), torch.tensor([1.5, 5.0]))
+
+
+def test_masked_mean_of_empty_row_is_zero():
+    assert masked_mean(torch.ones(2, 3), torch.tensor([[0, 0, 0], [1, 1, 0]]), dim=1).tolist() == [0.0, 1.0]
+
+
+def test_aggregate_loss_modes_hand_computed():
+    loss = torch.tensor([[1.0, 2.0, 3.0, 4.0], [10.0, 20.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    # token-mean: (1+2+3+4+10+20) / 6
+    assert aggregate_loss(loss, mask, "token-mean").item() == pytest.approx(40.0 / 6, rel=1e-6)  # float32
+    # seq-mean-token-mean: ((10/4) + (30/2)) / 2
+    assert aggregate_loss(loss, mask, "seq-mean-token-mean").item() == pytest.approx((2.5 + 15.0) / 2, rel=1e-6)
+    # seq-mean-token-sum-norm with a constant max length 8: (10/8 + 30/8) / 2
+    assert aggregate_loss(loss, mask, "seq-mean-token-sum-norm", max_len=8).item() == pytest.approx((10 / 8 + 30 / 8) / 2, rel=1e-6)
+    assert aggregate_loss(loss, mask, "seq-mean-token-sum-norm").item() == pytest.approx((10 / 4 + 30 / 4) / 2, rel=1e-6)
+
+
+def test_aggregate_loss_rejects_unknown_mode():
+    try:
+        aggregate_loss(torch.ones(1, 1), torch.ones(1, 1), "sum")
+    except ValueError as e:
+        assert "token-mean" in str(e)
+    else:
+        raise AssertionError("no error")
+
+
+def test_masked_whiten_has_zero_mean_unit_std_on_mask_and_zero_off_it():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 7, generator=g, dtype=torch.float64) * 3 + 5
+    mask = (torch.rand(4, 7, generator=g) > 0.3).long()
+    w = masked_whiten(x, mask)
+    values = w[mask.bool()]
+    assert abs(values.mean().item()) < 1e-12
+    assert abs(values.std().item() - 1) < 1e-6  # Bessel-corrected std, as TRL
+    assert (w[~mask.bool()] == 0).all()
+    ref = (x[mask.bool()] - x[mask.bool()].mean()) / x[mask.bool()].std()
+    assert torch.allclose(values, ref, atol=1e-6)
+    kept = masked_whiten(x, mask, shift_mean=False)[mask.bool()]
+    assert torch.allclose(kept.mean(), x[mask.bool()].mean())
+
+
+def test_reward_to_go_sums_future_masked_values():
+    x = torch.tensor([[1.0, 2.0, 3.0, 100.0]])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    assert reward_to_go(x, mask).tolist() == [[6.0, 5.0, 3.0, 0.0]]
+
+
+def tiny_model(seed=0, vocab=23):
+    from transformers import Qwen2Config
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                         num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, eos_token_id=EOS)
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+def test_token_logprobs_equals_naive_full_log_softmax():
+    model = tiny_model()
+    g = torch.Generator().manual_seed(1)
+    input_ids = torch.randint(2, 23, (3, 9), generator=g)
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, :3] = 0  # left padding
+    attention_mask[1, :1] = 0
+    temperature, c = 0.7, 4
+    logp, entropy = common.token_logprobs(model, input_ids, attention_mask, c, temperature, with_entropy=True)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask,
+                   position_ids=common.position_ids_from_mask(attention_mask)).logits / temperature
+    full = torch.log_softmax(logits, -1)[:, -c - 1:-1]  # the (B, T, V) copy token_logprobs avoids
+    naive = full.gather(-1, input_ids[:, -c:, None]).squeeze(-1)
+    assert torch.allclose(logp, naive, atol=1e-5)
+    assert torch.allclose(entropy, -(full.exp() * full).sum(-1), atol=1e-5)
+
+
+def test_sampling_logprobs_match_training_logprobs_with_left_padding():
+    """The log-probs the loop trains on are those generate() sampled from (temperature, positions)."""
+    tok = AutoTokenizer.from_pretrained(common.EMBEDDED_MODEL, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(common.EMBEDDED_MODEL).eval()
+    prompt_ids, prompt_mask = common.tokenize_prompts(tok, ["1+2=", "123+456=", "99*9="], "cpu")
+    torch.manual_seed(0)
+    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, do_sample=True, temperature=0.8, top_k=0,
+                         max_new_tokens=5, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                         return_dict_in_generate=True, output_logits=True)
+    completion = out.sequences[:, prompt_ids.shape[1]:]
+    mask = completion_mask(completion, tok.eos_token_id)
+    sampled = torch.stack([torch.log_softmax(l.float() / 0.8, -1) for l in out.logits], 1)
+    sampled = sampled.gather(-1, completion[..., None]).squeeze(-1)
+    logp = common.token_logprobs(model, out.sequences, torch.cat([prompt_mask, mask], 1), completion.shape[1], 0.8)
+    assert torch.allclose(logp[mask.bool()], sampled[mask.bool()], atol=1e-4)
+
+
+def test_generate_returns_k_adjacent_samples_per_prompt_and_greedy_is_deterministic():
+    tok = AutoTokenizer.from_pretrained(common.EMBEDDED_MODEL, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(common.EMBEDDED_MODEL)
+    cfg = common.TrainConfig(max_new_tokens=6)
+    prompt_ids, prompt_mask = common.tokenize_prompts(tok, ["12+3=", "45+67="], "cpu")
+    samples = common.generate(model, tok, prompt_ids, prompt_mask, cfg, num_samples=4)
+    assert samples.shape[0] == 8 and samples.shape[1] <= 6
+    greedy = [common.generate(model, tok, prompt_ids, prompt_mask, cfg, greedy=True) for _ in range(2)]
+    assert torch.equal(greedy[0], greedy[1])
+    # greedy decoding of a left-padded batch equals decoding each prompt alone
+    alone = common.generate(model, tok, *common.tokenize_prompts(tok, ["12+3="], "cpu"), cfg, greedy=True)
+    n = alone.shape[1]
+    assert torch.equal(greedy[0][0, :n], alone[0])
+
+
+def test_held_out_split_is_disjoint_from_training_prompts():
+    train, held_out = common.load_task(common.TrainConfig())
+    assert {ex["prompt"] for ex in train}.isdisjoint({ex["prompt"] for ex in held_out})
+    assert {ex["family"] for ex in held_out} == set(common.FAMILIES)
+    for ex in held_out[:50]:
+        assert str(eval(ex["prompt"].rstrip("="))) == ex["answer"]
+
+
+def test_rewards_uniform_and_hetero_scales():
+    examples = [{"prompt": "12+3=", "answer": "15", "family": "add_2x1"}, {"prompt": "123+456=", "answer": "579", "family": "add_3x3"}]
+    rewards, correct = common.compute_rewards(examples, ["15", " 578"], "uniform")
+    assert rewards.tolist() == [1.0, 0.0] and correct.tolist() == [1.0, 0.0]
+    rewards, correct = common.compute_rewards(examples, ["15", "578"], "hetero")
+    assert rewards.tolist() == [common.HETERO_SCALES["add_2x1"][1], common.HETERO_SCALES["add_3x3"][0]]
+    assert correct.tolist() == [1.0, 0.0]
+
+
+def test_prompt_sampler_shards_differ_across_ranks():
+    examples = [{"prompt": str(i)} for i in range(100)]
+    a = common.PromptSampler(examples, 10, seed=0, rank=0, world_size=2).next()
+    b = common.PromptSampler(examples, 10, seed=0, rank=1, world_size=2).next()
+    assert {e["prompt"] for e in a}.isdisjoint({e["prompt"] for e in b})
