@@ -62,6 +62,17 @@ class TrainConfig:
             raise ValueError(f"--dataset {self.dataset!r} is not supported; use 'arithmetic'.")
 
 
+def make_accelerator(cfg):
+    """An Accelerator that falls back to CPU (gloo between processes) when there is no GPU,
+    so `accelerate launch --multi_gpu --num_processes 2 x.py` (or `torchrun --nproc_per_node 2`)
+    gives 2-process data parallelism on a laptop. (`accelerate launch --cpu --num_processes 2`
+    starts ONE process in accelerate 1.x unless an MPI hostfile is given.)"""
+    from accelerate import Accelerator
+
+    cpu = not torch.cuda.is_available() or os.environ.get("ACCELERATE_USE_CPU", "false").lower() in ("1", "true")
+    return Accelerator(cpu=cpu, log_with=None if cfg.report_to == "none" else cfg.report_to, project_dir=cfg.output_dir)
+
+
 def parse_config(config_class, args=None):
     """Parse the command line into `config_class`; a bad value exits with one clear line."""
     from transformers import HfArgumentParser
@@ -455,11 +466,34 @@ class MetricLogger:
             shown = {k: v for k, v in metrics.items() if k in CONSOLE_KEYS or k == "eval/accuracy"}
             print(" | ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in shown.items()), flush=True)
 
-    def finish(self):
+    def finish(self, model):
+        """Write summary.json (held-out accuracy before/after, wall time, a weight checksum per
+        rank: data-parallel replicas must agree) and curves.png."""
+        checksum = torch.tensor([sum(p.detach().double().sum() + p.detach().double().abs().sum() for p in model.parameters())],
+                                device=self.accelerator.device)
+        checksums = self.accelerator.gather(checksum).tolist()
         if self.cfg.report_to != "none":
             self.accelerator.end_training()
-        if self.accelerator.is_main_process:
-            plot_metrics(self.path, os.path.join(self.cfg.output_dir, "curves.png"))
+        if not self.accelerator.is_main_process:
+            return
+        evals = [r for r in read_metrics(self.path) if "eval/accuracy" in r]
+        summary = {"eval_accuracy_before": evals[0]["eval/accuracy"] if evals else None,
+                   "eval_accuracy_after": evals[-1]["eval/accuracy"] if evals else None,
+                   "wall_time_s": round(time.time() - self.start, 1), "num_processes": self.accelerator.num_processes,
+                   "replica_weight_checksums": checksums}
+        with open(os.path.join(self.cfg.output_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        plot_metrics(self.path, os.path.join(self.cfg.output_dir, "curves.png"))
+        print(f"held-out accuracy {summary['eval_accuracy_before']:.3f} -> {summary['eval_accuracy_after']:.3f} "
+              f"in {summary['wall_time_s']:.0f}s; metrics, curves.png and summary.json in {self.cfg.output_dir}", flush=True)
+
+
+def save_model(accelerator, model, tokenizer, path):
+    """save_pretrained the (unwrapped) model and its tokenizer, from the main process only."""
+    accelerator.wait_for_everyone()
+    if accelerator.is_main_process:
+        accelerator.unwrap_model(model).save_pretrained(path)
+        tokenizer.save_pretrained(path)
 
 
 CONSOLE_KEYS = ("step", "train/reward", "train/kl", "train/entropy", "train/grad_norm", "time/elapsed_s")

@@ -16,7 +16,6 @@ no value model. The price is one extra greedy generation per prompt.
 from dataclasses import dataclass, field
 
 import torch
-from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
@@ -62,7 +61,7 @@ def remax_loss(logp, adv, kl, mask, kl_coef, loss_agg="token-mean"):
 def main():
     cfg = common.parse_config(Config)
     # ---- setup: accelerator, seed, policy, reference, data ----
-    accelerator = Accelerator(log_with=None if cfg.report_to == "none" else cfg.report_to, project_dir=cfg.output_dir)
+    accelerator = common.make_accelerator(cfg)
     set_seed(cfg.seed)  # identical initial weights on every rank
     tokenizer = common.load_tokenizer(cfg)
     policy = common.load_model(cfg)
@@ -137,12 +136,9 @@ def main():
         logger.log(step, metrics)
 
     # ---- end: save, plot ----
-    logger.finish()
+    logger.finish(policy)
     if cfg.save_model:
-        accelerator.wait_for_everyone()
-        if accelerator.is_main_process:
-            accelerator.unwrap_model(policy).save_pretrained(f"{cfg.output_dir}/final")
-            tokenizer.save_pretrained(f"{cfg.output_dir}/final")
+        common.save_model(accelerator, policy, tokenizer, f"{cfg.output_dir}/final")
 
 
 if __name__ == "__main__":
