@@ -17,7 +17,7 @@ passes in every update; what it buys: a per-token, per-prefix baseline instead o
 greedy reward per prompt, and several updates per batch of samples.
 
     accelerate launch ppo.py                                     # embedded model and task
-    accelerate launch --num_processes 2 --cpu ppo.py             # data-parallel on CPU
+    ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 ppo.py   # 2 gloo ranks on CPU
     python ppo.py --adaptive_kl True --kl_target 1.0             # Ziegler et al. KL control
 """
 from dataclasses import dataclass, field
@@ -170,6 +170,11 @@ class AdaptiveKLController:
         self.value *= 1 + error * n / self.horizon
 
 
+# the critic's own panels, next to common.PLOT_KEYS in curves.png
+CRITIC_PLOT_KEYS = ("train/value_loss", "train/explained_variance", "train/value_clipfrac",
+                    "train/policy_clipfrac", "train/approx_kl", "train/kl_coef")
+
+
 def main():
     cfg = common.parse_config(Config)
     # ---- setup: accelerator, seed, policy, critic, reference, data ----
@@ -274,19 +279,13 @@ def main():
         logger.log(step, metrics)
 
     # ---- end: save, plot ----
-    logger.finish()
+    logger.finish(policy)
     if accelerator.is_main_process:
         common.plot_metrics(logger.path, f"{cfg.output_dir}/critic_curves.png", CRITIC_PLOT_KEYS)
     if cfg.save_model:
-        accelerator.wait_for_everyone()
-        if accelerator.is_main_process:
-            accelerator.unwrap_model(policy).save_pretrained(f"{cfg.output_dir}/final")
-            tokenizer.save_pretrained(f"{cfg.output_dir}/final")
-            accelerator.unwrap_model(critic).model.save_pretrained(f"{cfg.output_dir}/final/critic")
+        common.save_model(accelerator, policy, tokenizer, f"{cfg.output_dir}/final")
+        common.save_model(accelerator, accelerator.unwrap_model(critic).model, tokenizer, f"{cfg.output_dir}/final/critic")
 
-
-CRITIC_PLOT_KEYS = ("train/value_loss", "train/explained_variance", "train/value_clipfrac",
-                    "train/policy_clipfrac", "train/approx_kl", "train/kl_coef")
 
 if __name__ == "__main__":
     main()

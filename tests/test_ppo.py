@@ -1,0 +1,291 @@
+"""PPO (ALGORITHMS.md §4): GAE, the clipped policy and value losses, the critic, end-to-end runs."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import json  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+import common  # noqa: E402
+from ppo import AdaptiveKLController, Config, ValueModel, explained_variance, gae, ppo_policy_loss, ppo_value_loss  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def random_episodes(seed=0, lengths=(5, 1, 3, 7), T=7):
+    """Rewards and values with completion masks of different lengths; garbage after the end."""
+    g = torch.Generator().manual_seed(seed)
+    rewards = torch.randn(len(lengths), T, generator=g, dtype=torch.float64)
+    values = torch.randn(len(lengths), T, generator=g, dtype=torch.float64)
+    mask = (torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]).long()
+    return rewards, values, mask
+
+
+def gae_loop(rewards, values, lengths, gamma, lam):
+    """GAE written as plain Python over each episode's own length, V after the end = 0."""
+    advantages = []
+    for r, v, n in zip(rewards.tolist(), values.tolist(), lengths):
+        adv, next_adv = [0.0] * len(r), 0.0
+        for t in reversed(range(n)):
+            next_value = v[t + 1] if t + 1 < n else 0.0
+            next_adv = r[t] + gamma * next_value - v[t] + gamma * lam * next_adv
+            adv[t] = next_adv
+        advantages.append(adv)
+    return torch.tensor(advantages, dtype=torch.float64)
+
+
+# ---------------------------------------------------------------- GAE
+
+@pytest.mark.parametrize("gamma, lam", [(1.0, 0.95), (0.9, 0.8), (0.99, 0.0), (1.0, 1.0)])
+def test_gae_matches_a_hand_written_loop(gamma, lam):
+    lengths = (5, 1, 3, 7)
+    rewards, values, mask = random_episodes(lengths=lengths)
+    adv, returns = gae(rewards, values, mask, gamma, lam)
+    expected = gae_loop(rewards, values, lengths, gamma, lam)
+    torch.testing.assert_close(adv, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(returns, torch.where(mask.bool(), expected + values, torch.zeros_like(values)), rtol=1e-12, atol=1e-12)
+
+
+def test_gae_with_gamma_and_lambda_one_is_reward_to_go_minus_value():
+    """A_t = sum_{t' >= t} r_t' - V_t: PPO reduces to REINFORCE with a token-wise learned baseline."""
+    rewards, values, mask = random_episodes(seed=1)
+    adv, returns = gae(rewards, values, mask, gamma=1.0, lam=1.0)
+    expected = torch.where(mask.bool(), common.reward_to_go(rewards, mask) - values, torch.zeros_like(values))
+    torch.testing.assert_close(adv, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(returns, common.reward_to_go(rewards, mask), rtol=1e-12, atol=1e-12)
+
+
+def test_gae_with_lambda_zero_is_the_one_step_td_error():
+    rewards, values, mask = random_episodes(seed=2)
+    adv, _ = gae(rewards, values, mask, gamma=0.9, lam=0.0)
+    next_values = torch.cat([values[:, 1:] * mask[:, 1:], torch.zeros_like(values[:, :1])], 1)
+    torch.testing.assert_close(adv, (rewards + 0.9 * next_values - values) * mask, rtol=1e-12, atol=1e-12)
+
+
+def test_gae_padding_does_not_change_valid_advantages_and_gets_zero():
+    rewards, values, mask = random_episodes(seed=3)
+    adv, returns = gae(rewards, values, mask, 0.95, 0.9)
+    padding = ~mask.bool()
+    garbage_rewards = torch.where(padding, torch.full_like(rewards, float("nan")), rewards)
+    garbage_values = torch.where(padding, torch.full_like(values, 1e6), values)
+    adv2, returns2 = gae(garbage_rewards, garbage_values, mask, 0.95, 0.9)
+    assert torch.equal(adv, adv2) and torch.equal(returns, returns2)
+    assert (adv2[padding] == 0).all() and (returns2[padding] == 0).all()
+    # extra padding columns on the right change nothing either
+    wide = [torch.cat([x, torch.randn(x.shape[0], 3, dtype=x.dtype)], 1) for x in (rewards, values)]
+    adv3, _ = gae(*wide, torch.cat([mask, torch.zeros_like(mask[:, :3])], 1), 0.95, 0.9)
+    assert torch.equal(adv3[:, :mask.shape[1]], adv)
+
+
+def test_gae_last_valid_token_bootstraps_from_zero():
+    """V_{T+1} = 0: the last token's advantage is r_T - V_T whatever follows in the tensor."""
+    rewards, values, mask = random_episodes(seed=4, lengths=(2, 4), T=4)
+    adv, _ = gae(rewards, values, mask, 1.0, 0.95)
+    assert adv[0, 1].item() == pytest.approx((rewards[0, 1] - values[0, 1]).item(), abs=1e-12)
+    assert adv[1, 3].item() == pytest.approx((rewards[1, 3] - values[1, 3]).item(), abs=1e-12)
+
+
+# ---------------------------------------------------------------- clipped policy loss
+
+def policy_loss_and_grad(ratio, adv, cliprange=0.2):
+    old_logp = torch.zeros(1, len(ratio), dtype=torch.float64)
+    logp = torch.log(torch.tensor([ratio], dtype=torch.float64)).requires_grad_()
+    loss, stats = ppo_policy_loss(logp, old_logp, torch.tensor([adv], dtype=torch.float64), torch.ones(1, len(ratio)), cliprange)
+    loss.backward()
+    return loss.item(), logp.grad[0], stats
+
+
+def test_policy_loss_on_policy_gradient_is_the_policy_gradient():
+    """At rho = 1 the clip is inactive and d loss / d logp_t = -A_t / N (token-mean)."""
+    adv = [1.5, -0.5, 2.0, -3.0]
+    loss, grad, stats = policy_loss_and_grad([1.0] * 4, adv)
+    assert loss == pytest.approx(-sum(adv) / 4)
+    torch.testing.assert_close(grad, -torch.tensor(adv, dtype=torch.float64) / 4)
+    assert stats["clipfrac"].item() == 0 and stats["approx_kl"].item() == 0
+
+
+@pytest.mark.parametrize("adv, ratio, clipped", [
+    (+1.0, 1.2 + 1e-3, True),    # A > 0: past 1 + c the objective stops rewarding a higher ratio
+    (+1.0, 1.2 - 1e-3, False),
+    (+1.0, 0.8 - 1e-3, False),   # A > 0, ratio fell: no clip, the gradient pushes it back up
+    (-1.0, 0.8 - 1e-3, True),    # A < 0: below 1 - c the objective stops rewarding a lower ratio
+    (-1.0, 0.8 + 1e-3, False),
+    (-1.0, 1.2 + 1e-3, False),   # A < 0, ratio rose: no clip, the gradient pushes it back down
+])
+def test_policy_loss_gradient_is_zero_exactly_where_clipped(adv, ratio, clipped):
+    loss, grad, stats = policy_loss_and_grad([ratio], [adv])
+    c_ratio = min(max(ratio, 0.8), 1.2)
+    assert loss == pytest.approx(-adv * (c_ratio if clipped else ratio), abs=1e-12)
+    if clipped:
+        assert grad.item() == 0.0
+        assert stats["clipfrac"].item() == 1.0
+    else:
+        assert grad.item() == pytest.approx(-adv * ratio, abs=1e-12)  # d(-A rho)/d logp = -A rho
+        assert stats["clipfrac"].item() == 0.0
+
+
+@pytest.mark.parametrize("adv", [1.0, -1.0])
+def test_policy_loss_is_continuous_at_the_clip_boundaries(adv):
+    for boundary in (0.8, 1.2):
+        below, _, _ = policy_loss_and_grad([boundary - 1e-9], [adv])
+        above, _, _ = policy_loss_and_grad([boundary + 1e-9], [adv])
+        assert below == pytest.approx(above, abs=1e-8)
+
+
+def test_policy_loss_masks_padding_and_reports_the_ratio_kl():
+    logp = torch.tensor([[0.1, -0.2, 5.0]], dtype=torch.float64, requires_grad=True)
+    old_logp = torch.zeros(1, 3, dtype=torch.float64)
+    adv = torch.tensor([[1.0, 1.0, 7.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0]])
+    loss, stats = ppo_policy_loss(logp, old_logp, adv, mask, 0.2)
+    loss.backward()
+    assert logp.grad[0, 2].item() == 0.0 and torch.isfinite(loss)
+    log_r = torch.tensor([0.1, -0.2], dtype=torch.float64)  # logp - old_logp
+    k3 = torch.exp(log_r) - 1 - log_r  # rho - 1 - log rho: KL(pi_old || pi_theta), samples from pi_old
+    assert stats["approx_kl"].item() == pytest.approx(k3.mean().item())
+
+
+# ---------------------------------------------------------------- clipped value loss
+
+def value_loss_and_grad(value, old_value, ret, c=0.2):
+    values = torch.tensor([[value]], dtype=torch.float64, requires_grad=True)
+    loss, stats = ppo_value_loss(values, torch.tensor([[old_value]], dtype=torch.float64),
+                                 torch.tensor([[ret]], dtype=torch.float64), torch.ones(1, 1), c)
+    loss.backward()
+    return loss.item(), values.grad.item(), stats["clipfrac"].item()
+
+
+def test_value_loss_inside_the_clip_is_half_squared_error():
+    loss, grad, clipfrac = value_loss_and_grad(value=0.1, old_value=0.0, ret=1.0)
+    assert loss == pytest.approx(0.5 * 0.9 ** 2) and grad == pytest.approx(0.1 - 1.0) and clipfrac == 0.0
+
+
+def test_value_clip_stops_a_move_past_the_clip_towards_the_return():
+    """V moved from 0 to 0.5 towards R = 1, past c = 0.2: the clipped term (0.2 - 1)^2 is larger,
+    so the loss is constant in V and the gradient is zero."""
+    loss, grad, clipfrac = value_loss_and_grad(value=0.5, old_value=0.0, ret=1.0)
+    assert loss == pytest.approx(0.5 * 0.8 ** 2) and grad == 0.0 and clipfrac == 1.0
+
+
+def test_value_clip_never_stops_a_move_back_towards_the_return():
+    """V moved away from R past the clip: the unclipped error is larger, so it still gets the gradient."""
+    loss, grad, clipfrac = value_loss_and_grad(value=-0.5, old_value=0.0, ret=1.0)
+    assert loss == pytest.approx(0.5 * 1.5 ** 2) and grad == pytest.approx(-1.5) and clipfrac == 0.0
+    loss, grad, clipfrac = value_loss_and_grad(value=2.5, old_value=2.0, ret=1.0)  # from above
+    assert loss == pytest.approx(0.5 * 1.5 ** 2) and grad == pytest.approx(1.5) and clipfrac == 0.0
+    loss, grad, clipfrac = value_loss_and_grad(value=0.5, old_value=2.0, ret=1.0)  # overshoot past R, from above
+    assert loss == pytest.approx(0.5 * 0.8 ** 2) and grad == 0.0 and clipfrac == 1.0
+
+
+def test_value_loss_is_a_token_mean_over_the_mask():
+    values = torch.tensor([[1.0, 2.0, 3.0]], requires_grad=True)
+    loss, _ = ppo_value_loss(values, values.detach(), torch.tensor([[0.0, 0.0, float("nan")]]), torch.tensor([[1, 1, 0]]), 0.2)
+    assert loss.item() == pytest.approx(0.5 * (1 + 4) / 2)
+
+
+# ---------------------------------------------------------------- diagnostics and controller
+
+def test_explained_variance_is_one_for_a_perfect_critic_and_zero_for_the_mean():
+    returns = torch.tensor([[1.0, 2.0, 0.0], [3.0, 9.0, 9.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    assert explained_variance(returns, returns, mask).item() == pytest.approx(1.0)
+    assert explained_variance(torch.full_like(returns, 2.0), returns, mask).item() == pytest.approx(0.0)
+
+
+def test_adaptive_kl_controller_moves_kl_coef_towards_the_target_at_most_20_percent_per_horizon():
+    ctl = AdaptiveKLController(0.1, target=1.0, horizon=100)
+    ctl.update(kl=10.0, n=10)  # far above the target: error clipped to +0.2
+    assert ctl.value == pytest.approx(0.1 * (1 + 0.2 * 10 / 100))
+    ctl = AdaptiveKLController(0.1, target=1.0, horizon=100)
+    ctl.update(kl=0.9, n=50)
+    assert ctl.value == pytest.approx(0.1 * (1 - 0.1 * 50 / 100))
+
+
+# ---------------------------------------------------------------- config
+
+@pytest.mark.parametrize("kwargs, flag", [
+    ({"batch_size": 10, "num_mini_batches": 4}, "--num_mini_batches"),
+    ({"ppo_epochs": 0}, "--ppo_epochs"),
+    ({"critic_learning_rate": 0.0}, "--critic_learning_rate"),
+    ({"cliprange": -0.1}, "--cliprange"),
+    ({"lam": 1.5}, "--lam"),
+    ({"gamma": -0.1}, "--gamma"),
+    ({"kl_coef": -1.0}, "--kl_coef"),
+    ({"kl_coef": 0.0, "adaptive_kl": True}, "--adaptive_kl"),
+])
+def test_bad_config_raises_a_value_error_naming_the_flag(kwargs, flag):
+    with pytest.raises(ValueError, match=flag):
+        Config(**kwargs)
+
+
+def test_bad_flag_on_the_command_line_gives_one_clear_line(tmp_path):
+    out = subprocess.run([sys.executable, "ppo.py", "--batch_size", "10", "--num_mini_batches", "4", "--output_dir", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode != 0 and "--num_mini_batches" in out.stderr and "Traceback" not in out.stderr
+
+
+# ---------------------------------------------------------------- the critic
+
+def test_value_model_gives_the_value_of_the_prefix_before_each_completion_token_and_ignores_left_padding():
+    tokenizer = AutoTokenizer.from_pretrained(common.EMBEDDED_MODEL, padding_side="left")
+    critic = ValueModel(common.EMBEDDED_MODEL).eval()
+    policy = AutoModelForCausalLM.from_pretrained(common.EMBEDDED_MODEL)
+    assert torch.equal(critic.model.base_model.embed_tokens.weight, policy.model.embed_tokens.weight)  # initialised from the policy
+    enc = tokenizer(["12+3=15", "456+789=1245"], return_tensors="pt", padding=True, add_special_tokens=False)
+    with torch.no_grad():
+        values = critic(enc["input_ids"], enc["attention_mask"], num_completion_tokens=2)
+        alone = tokenizer(["12+3=15"], return_tensors="pt", add_special_tokens=False)
+        full = critic.model.score(critic.model.base_model(**alone).last_hidden_state).squeeze(-1)
+    assert values.shape == (2, 2)
+    torch.testing.assert_close(values[0], full[0, -3:-1], rtol=1e-4, atol=1e-5)  # V before "1" and before "5"
+
+
+# ---------------------------------------------------------------- end to end
+
+def assert_params_changed(final_dir):
+    trained = AutoModelForCausalLM.from_pretrained(final_dir)
+    start = AutoModelForCausalLM.from_pretrained(common.EMBEDDED_MODEL)
+    diffs = [(a - b).abs().max().item() for a, b in zip(trained.parameters(), start.parameters())]
+    assert max(diffs) > 0
+
+
+def test_ppo_end_to_end_writes_metrics_plots_policy_and_critic(tmp_path):
+    out = subprocess.run([sys.executable, "ppo.py", "--num_steps", "2", "--eval_every", "1", "--output_dir", str(tmp_path)],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = common.read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    for key in ("train/reward", "train/kl", "train/entropy", "train/grad_norm", "train/completion_len",
+                "train/value_loss", "train/value_clipfrac", "train/explained_variance", "train/policy_clipfrac",
+                "train/approx_kl", "train/critic_grad_norm", "time/generation_s", "time/scoring_s",
+                "time/forward_backward_s", "time/optimizer_s"):
+        assert key in rows[1], key
+    assert all("eval/accuracy" in r for r in rows)
+    assert (tmp_path / "curves.png").stat().st_size > 1000
+    assert (tmp_path / "critic_curves.png").stat().st_size > 1000
+    assert_params_changed(tmp_path / "final")
+    # the critic is a sequence-classification checkpoint that --reward_model_path can load again
+    reloaded = ValueModel(str(tmp_path / "final" / "critic"))
+    fresh = ValueModel(common.EMBEDDED_MODEL)
+    assert not torch.equal(reloaded.model.base_model.norm.weight, fresh.model.base_model.norm.weight)
+
+
+def test_two_process_gloo_run_keeps_replicas_identical(tmp_path):
+    # accelerate 1.15 runs `launch --cpu --num_processes 2` as ONE process (multi-CPU needs mpirun);
+    # torchrun processes (--multi_gpu) with ACCELERATE_USE_CPU=1 give two gloo ranks.
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "ppo.py",
+           "--num_steps", "2", "--eval_every", "2", "--batch_size", "8", "--num_mini_batches", "2", "--output_dir", str(tmp_path)]
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["num_processes"] == 2
+    a, b = summary["replica_weight_checksums"]
+    assert a == b
+    assert_params_changed(tmp_path / "final")
