@@ -17,13 +17,12 @@ passes in every update; what it buys: a per-token, per-prefix baseline instead o
 greedy reward per prompt, and several updates per batch of samples.
 
     accelerate launch ppo.py                                     # embedded model and task
-    ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2 ppo.py   # 2 gloo ranks on CPU
+    accelerate launch --multi_gpu --num_processes 2 ppo.py       # data-parallel (gloo on CPU)
     python ppo.py --adaptive_kl True --kl_target 1.0             # Ziegler et al. KL control
 """
 from dataclasses import dataclass, field
 
 import torch
-from accelerate import Accelerator
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 from transformers import AutoModelForSequenceClassification, get_constant_schedule_with_warmup
@@ -178,7 +177,7 @@ CRITIC_PLOT_KEYS = ("train/value_loss", "train/explained_variance", "train/value
 def main():
     cfg = common.parse_config(Config)
     # ---- setup: accelerator, seed, policy, critic, reference, data ----
-    accelerator = Accelerator(log_with=None if cfg.report_to == "none" else cfg.report_to, project_dir=cfg.output_dir)
+    accelerator = common.make_accelerator(cfg)
     set_seed(cfg.seed)  # identical initial weights on every rank
     tokenizer = common.load_tokenizer(cfg)
     policy = common.load_model(cfg)

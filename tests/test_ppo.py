@@ -277,11 +277,11 @@ def test_ppo_end_to_end_writes_metrics_plots_policy_and_critic(tmp_path):
 
 
 def test_two_process_gloo_run_keeps_replicas_identical(tmp_path):
-    # accelerate 1.15 runs `launch --cpu --num_processes 2` as ONE process (multi-CPU needs mpirun);
-    # torchrun processes (--multi_gpu) with ACCELERATE_USE_CPU=1 give two gloo ranks.
+    # `launch --cpu --num_processes 2` starts ONE process in accelerate 1.x; --multi_gpu starts two
+    # torchrun ranks, which common.make_accelerator puts on CPU (gloo) when there is no GPU.
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "ppo.py",
            "--num_steps", "2", "--eval_every", "2", "--batch_size", "8", "--num_mini_batches", "2", "--output_dir", str(tmp_path)]
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((tmp_path / "summary.json").read_text())
