@@ -1,0 +1,231 @@
+"""DAPO: Decoupled Clip and Dynamic sAmpling Policy Optimization (Yu et al., 2025,
+https://arxiv.org/abs/2503.14476).
+
+GRPO's group advantage A_i = (r_i - mean(r)) / (std(r) + eps) with four changes, each a flag or
+a line below:
+  1. Clip-higher: clip(rho, 1 - epsilon_low, 1 + epsilon_high) with epsilon_high > epsilon_low, so
+     low-probability tokens with A > 0 can grow further before the clip stops them (entropy
+     collapse is slower).
+  2. Dynamic sampling: a group whose answers are all right or all wrong has A = 0 and teaches
+     nothing. Drop it and sample new prompts until the batch holds batch_size / num_generations
+     groups with mixed correctness (at most --max_sampling_rounds generation rounds).
+  3. Token-mean: the loss is the mean over all tokens of the batch, so long responses weigh by
+     their length (GRPO averages per sequence first).
+  4. Overlong shaping: a length penalty, 0 up to max_len - cache_len tokens, falling linearly to
+     -1 at max_len, is added to the reward.
+No KL term and no reference model: the policy is meant to move far from its start.
+
+    accelerate launch dapo.py                                    # embedded model and task
+    accelerate launch --num_processes 2 --cpu dapo.py            # data-parallel on CPU
+    python dapo.py --epsilon_high 0.2 --overlong_cache_len 0     # symmetric clip, no length shaping
+"""
+import sys
+from dataclasses import dataclass, field
+
+import torch
+from accelerate.utils import set_seed
+from tqdm.auto import tqdm
+
+import common
+
+
+@dataclass
+class Config(common.TrainConfig):
+    num_generations: int = field(default=8, metadata={"help": "G: sampled completions per prompt (the group), >= 2. Groups per step = batch_size / num_generations."})
+    epsilon_low: float = field(default=0.2, metadata={"help": "Clip the ratio below at 1 - epsilon_low (DAPO: 0.2)."})
+    epsilon_high: float = field(default=0.28, metadata={"help": "Clip the ratio above at 1 + epsilon_high (DAPO: 0.28), >= epsilon_low."})
+    num_iterations: int = field(default=1, metadata={"help": "mu: optimizer updates per rollout batch, ratio against the sampling-time log-probs (1 = on-policy, the clip is inert)."})
+    max_sampling_rounds: int = field(default=8, metadata={"help": "Dynamic sampling: at most this many generation rounds per step; if the batch is still not full, train on the groups kept (warning), or skip the step if none."})
+    overlong_cache_len: int = field(default=3, metadata={"help": "Overlong shaping: penalty from max_new_tokens - cache_len tokens on, -1 at max_new_tokens (paper: 4096 of 20480; 3 of 8 here: the longest right answer, 4 digits + EOS, is never penalised). 0 = off."})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.num_generations < 2:
+            raise ValueError(f"--num_generations must be >= 2: the group is the baseline (got {self.num_generations}).")
+        if self.batch_size % self.num_generations:
+            raise ValueError(f"--batch_size ({self.batch_size}) must be divisible by --num_generations ({self.num_generations}): "
+                             "batch_size counts completions, batch_size / num_generations prompts are sampled per round.")
+        if not 0 < self.epsilon_low < 1:
+            raise ValueError(f"--epsilon_low must be in (0, 1) (got {self.epsilon_low}).")
+        if self.epsilon_high < self.epsilon_low:
+            raise ValueError(f"--epsilon_high ({self.epsilon_high}) must be >= --epsilon_low ({self.epsilon_low}): that is clip-higher.")
+        if self.num_iterations < 1:
+            raise ValueError(f"--num_iterations must be >= 1 (got {self.num_iterations}).")
+        if self.max_sampling_rounds < 1:
+            raise ValueError(f"--max_sampling_rounds must be >= 1 (got {self.max_sampling_rounds}).")
+        if not 0 <= self.overlong_cache_len <= self.max_new_tokens:
+            raise ValueError(f"--overlong_cache_len must be in [0, --max_new_tokens = {self.max_new_tokens}] (got {self.overlong_cache_len}).")
+
+
+def grpo_advantages(rewards, group_size, eps=1e-6):
+    """A_i = (r_i - mean(r_group)) / (std(r_group) + eps) for (B,) rewards, each group's G samples
+    adjacent (the same function as in grpo.py, group scaling only). std is torch.std (ddof=1);
+    eps = 1e-6 as verl. An all-equal group gets exactly 0. Returns (B,)."""
+    # BEGIN SOLUTION
+    grouped = rewards.view(-1, group_size)  # (B / G, G)
+    adv = grouped - grouped.mean(dim=1, keepdim=True)
+    adv[(grouped == grouped[:, :1]).all(dim=1)] = 0.0  # the mean of equal floats may round
+    adv = adv / (grouped.std(dim=1, keepdim=True) + eps)
+    return adv.view(-1)
+    # END SOLUTION
+
+
+def dynamic_sampling_filter(correct, group_size):
+    """Keep mask (num_groups,) bool: True for a group whose 0/1 correctness is mixed (some right,
+    some wrong), False when all are right or all are wrong. Filters on correctness, not on the
+    shaped reward (an all-wrong group with different lengths is still dropped)."""
+    # BEGIN SOLUTION
+    grouped = correct.view(-1, group_size)
+    return (grouped != grouped[:, :1]).any(dim=1)
+    # END SOLUTION
+
+
+def overlong_penalty(lengths, max_len, cache_len):
+    """DAPO's soft overlong punishment (eq. 13), added to the reward, for (B,) lengths in tokens:
+
+        0                                   if L <= max_len - cache_len
+        ((max_len - cache_len) - L) / cache_len   if max_len - cache_len < L <= max_len
+        -1                                  if L > max_len
+    """
+    # BEGIN SOLUTION
+    lengths = lengths.float()
+    expected_max = max_len - cache_len
+    if cache_len == 0:
+        return torch.where(lengths > max_len, -1.0, 0.0)
+    penalty = ((expected_max - lengths) / cache_len).clamp(min=-1.0, max=0.0)
+    return penalty
+    # END SOLUTION
+
+
+def dapo_loss(logp, old_logp, adv, mask, epsilon_low, epsilon_high):
+    """Clipped surrogate with decoupled clip range, token-mean over the whole batch (DAPO eq. 8).
+
+    logp: (B, T) with grad; old_logp: (B, T) at sampling time (detached); adv: (B,).
+    Returns (loss, stats): the fraction of tokens clipped below (rho < 1 - epsilon_low with
+    A < 0) and above (rho > 1 + epsilon_high with A > 0), and the approx KL(pi_old || pi_theta).
+    """
+    # BEGIN SOLUTION
+    log_ratio = logp - old_logp
+    ratio = torch.exp(log_ratio)  # rho = pi_theta / pi_old
+    adv = adv[:, None]
+    surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * adv)
+    per_token_loss = -surrogate
+    loss = common.aggregate_loss(per_token_loss, mask, "token-mean")
+    with torch.no_grad():
+        stats = {
+            "clip_frac_low": common.masked_mean(((ratio < 1 - epsilon_low) & (adv < 0)).float(), mask),
+            "clip_frac_high": common.masked_mean(((ratio > 1 + epsilon_high) & (adv > 0)).float(), mask),
+            "approx_kl": common.masked_mean(ratio - 1 - log_ratio, mask),
+        }
+    return loss, stats
+    # END SOLUTION
+
+
+def main():
+    cfg = common.parse_config(Config)
+    # ---- setup: accelerator, seed, policy, data (no reference model: no KL term) ----
+    accelerator = common.make_accelerator(cfg)
+    set_seed(cfg.seed)  # identical initial weights on every rank
+    tokenizer = common.load_tokenizer(cfg)
+    policy = common.load_model(cfg)
+    optimizer, scheduler = common.make_optimizer(policy, cfg)
+    policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
+    train_data, eval_data = common.load_task(cfg)
+    group_size = cfg.num_generations
+    sampler = common.PromptSampler(train_data, cfg.batch_size // group_size, cfg.seed, accelerator.process_index, accelerator.num_processes)
+    set_seed(cfg.seed + accelerator.process_index)  # each rank samples different completions
+    logger = common.MetricLogger(cfg, accelerator)
+    logger.log(0, common.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
+
+    timer = common.StepTimer()
+    for step in tqdm(range(1, cfg.num_steps + 1), disable=not accelerator.is_main_process, desc="dapo"):
+        # ---- rollout: dynamic sampling, rounds of groups until batch_size completions in mixed groups ----
+        kept_examples, kept_completion_ids, rounds, groups_dropped = [], [], 0, 0
+        while len(kept_examples) < cfg.batch_size and rounds < cfg.max_sampling_rounds:
+            rounds += 1
+            batch = sampler.next()
+            prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, [ex["prompt"] for ex in batch], accelerator.device)
+            with timer("generation"):
+                unwrapped = accelerator.unwrap_model(policy)
+                completion_ids = common.generate(unwrapped, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=group_size)
+            with timer("scoring"):
+                examples = [ex for ex in batch for _ in range(group_size)]  # each prompt's group_size samples adjacent, as generate
+                mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
+                _, correct = common.compute_rewards(examples, common.decode_completions(tokenizer, completion_ids, mask), cfg.reward_scales)
+                keep = dynamic_sampling_filter(correct, group_size)
+                groups_dropped += int((~keep).sum())
+                keep = keep.repeat_interleave(group_size)
+                kept_examples += [ex for ex, k in zip(examples, keep) if k]
+                kept_completion_ids += [ids for ids, k in zip(completion_ids, keep) if k]
+        if len(kept_examples) < cfg.batch_size:
+            print(f"warning: step {step} (rank {accelerator.process_index}): --max_sampling_rounds {cfg.max_sampling_rounds} reached with "
+                  f"{len(kept_examples) // group_size} of {cfg.batch_size // group_size} groups of mixed correctness; "
+                  + ("training on those." if kept_examples else "skipping the step.") + " Raise --max_sampling_rounds to fill the batch.",
+                  file=sys.stderr, flush=True)
+        if accelerator.reduce(torch.tensor(float(not kept_examples), device=accelerator.device), reduction="sum") > 0:
+            # nothing to learn from on some rank: every rank skips (DDP processes step together)
+            metrics = {"train/skipped_step": 1.0, "train/sampling_rounds": rounds, "train/groups_dropped": groups_dropped}
+            if step % cfg.eval_every == 0 or step == cfg.num_steps:
+                metrics.update(common.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
+            logger.log(step, metrics)
+            continue
+        with timer("scoring"):
+            examples = kept_examples[:cfg.batch_size]  # the last round may overfill the batch
+            completion_ids = torch.nn.utils.rnn.pad_sequence(kept_completion_ids[:cfg.batch_size], batch_first=True, padding_value=tokenizer.pad_token_id)
+            prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, [ex["prompt"] for ex in examples], accelerator.device)
+            mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
+            completions = common.decode_completions(tokenizer, completion_ids, mask)
+            rewards, correct = common.compute_rewards(examples, completions, cfg.reward_scales)
+            penalty = overlong_penalty(mask.sum(1), cfg.max_new_tokens, cfg.overlong_cache_len)
+            rewards = (rewards + penalty).to(accelerator.device)
+            input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+            attention_mask = torch.cat([prompt_mask, mask], dim=1)
+            T = completion_ids.shape[1]
+            old_logp = None
+            with torch.no_grad():
+                if cfg.num_iterations > 1:  # log-probs at sampling time; with mu = 1 they are logp.detach()
+                    old_logp = common.token_logprobs(policy, input_ids, attention_mask, T, cfg.temperature)
+            adv = grpo_advantages(rewards, group_size)
+
+        for _ in range(cfg.num_iterations):  # stats below are those of the last (most off-policy) update
+            with timer("forward_backward"):
+                # ---- log-probs, ratio, clip-higher surrogate, token-mean ----
+                logp, entropy = common.token_logprobs(policy, input_ids, attention_mask, T, cfg.temperature, with_entropy=True)
+                loss, stats = dapo_loss(logp, logp.detach() if old_logp is None else old_logp, adv, mask,
+                                        cfg.epsilon_low, cfg.epsilon_high)
+                accelerator.backward(loss)
+
+            with timer("optimizer"):
+                # ---- mu steps on the same batch ----
+                grad_norm = accelerator.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+
+        # ---- log ----
+        lengths = mask.sum(1).float()
+        metrics = {
+            "train/reward": rewards.mean(), "train/reward_std": rewards.std(), "train/correct": correct.mean(),
+            "train/frac_zero_std_groups": (rewards.view(-1, group_size) == rewards.view(-1, group_size)[:, :1]).all(1).float().mean(),
+            "train/skipped_step": 0.0, "train/sampling_rounds": rounds, "train/groups_dropped": groups_dropped,
+            "train/groups_kept": len(examples) // group_size, "train/overlong_penalty": penalty.mean(),
+            "train/adv_mean": adv.mean(), "train/adv_std": adv.std(), "train/adv_abs_max": adv.abs().max(),
+            "train/clip_frac_low": stats["clip_frac_low"], "train/clip_frac_high": stats["clip_frac_high"],
+            "train/approx_kl": stats["approx_kl"], "train/entropy": common.masked_mean(entropy, mask),
+            "train/loss": loss.detach(), "train/grad_norm": grad_norm, "train/completion_len": lengths.mean(),
+            **timer.metrics(),
+        }
+        metrics["time/tokens_per_s"] = lengths.sum() / metrics["time/step_s"]
+        metrics = common.reduce_metrics(accelerator, metrics)
+        if step % cfg.eval_every == 0 or step == cfg.num_steps:
+            metrics.update(common.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
+        logger.log(step, metrics)
+
+    # ---- end: save, plot ----
+    logger.finish(policy)
+    if cfg.save_model:
+        common.save_model(accelerator, policy, tokenizer, f"{cfg.output_dir}/final")
+
+
+if __name__ == "__main__":
+    main()

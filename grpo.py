@@ -1,0 +1,194 @@
+"""GRPO: Group Relative Policy Optimization (Shao et al., DeepSeekMath, 2024,
+https://arxiv.org/abs/2402.03300).
+
+For each prompt x, sample a group of G responses y_1..y_G ~ pi_old(.|x). The advantage of
+response i is its reward standardised within the group, A_i = (r_i - mean(r)) / (std(r) + eps),
+broadcast to every token: the group is the baseline, so no value model and no greedy decode.
+Per-token loss, the PPO clipped surrogate plus a k3 KL term to the frozen reference:
+
+    -min(rho_t A_i, clip(rho_t, 1 - epsilon, 1 + epsilon) A_i) + beta * k3_t,   rho_t = pi_theta / pi_old
+
+With one update per batch (--num_iterations 1) rho == 1 in value and the clip is inert: the
+gradient is REINFORCE with the group baseline. With mu > 1 updates the batch is reused and the
+ratio is taken against the log-probs at sampling time. Dividing by the group std rescales each
+prompt's gradient by its difficulty (a bias, see --scale_rewards none for Dr. GRPO). The price is
+G generations per prompt.
+
+    accelerate launch grpo.py                                    # embedded model and task
+    accelerate launch --num_processes 2 --cpu grpo.py            # data-parallel on CPU
+    python grpo.py --scale_rewards none --loss_agg seq-mean-token-sum-norm   # Dr. GRPO
+"""
+from dataclasses import dataclass, field
+
+import torch
+from accelerate.utils import set_seed
+from tqdm.auto import tqdm
+
+import common
+
+
+@dataclass
+class Config(common.TrainConfig):
+    num_generations: int = field(default=8, metadata={"help": "G: sampled completions per prompt (the group), >= 2. Prompts per step = batch_size / num_generations."})
+    beta: float = field(default=0.04, metadata={"help": "Coefficient of the k3 KL-to-reference term in the per-token loss (DeepSeekMath: 0.04). 0 loads no reference model at all."})
+    epsilon: float = field(default=0.2, metadata={"help": "Clip the ratio pi_theta / pi_old to [1 - epsilon, 1 + epsilon]."})
+    num_iterations: int = field(default=1, metadata={"help": "mu: optimizer updates per rollout batch, ratio against the sampling-time log-probs (1 = on-policy, the clip is inert)."})
+    scale_rewards: str = field(default="group", metadata={"help": "Divide the centred reward by the std of: group (GRPO) | batch | none (Dr. GRPO: centring only)."})
+    loss_agg: str = field(default="seq-mean-token-mean", metadata={"help": "Loss aggregation: seq-mean-token-mean (GRPO paper) | token-mean | seq-mean-token-sum-norm (Dr. GRPO, / max_new_tokens)."})
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.num_generations < 2:
+            raise ValueError(f"--num_generations must be >= 2: the group is the baseline (got {self.num_generations}).")
+        if self.batch_size % self.num_generations:
+            raise ValueError(f"--batch_size ({self.batch_size}) must be divisible by --num_generations ({self.num_generations}): "
+                             "batch_size counts completions, batch_size / num_generations prompts are sampled per step.")
+        if self.beta < 0:
+            raise ValueError(f"--beta must be >= 0 (got {self.beta}).")
+        if not 0 < self.epsilon < 1:
+            raise ValueError(f"--epsilon must be in (0, 1) (got {self.epsilon}).")
+        if self.num_iterations < 1:
+            raise ValueError(f"--num_iterations must be >= 1 (got {self.num_iterations}).")
+        if self.scale_rewards not in ("group", "batch", "none"):
+            raise ValueError(f"--scale_rewards must be 'group', 'batch' or 'none' (got {self.scale_rewards!r}).")
+        if self.loss_agg not in common.LOSS_AGG_MODES:
+            raise ValueError(f"--loss_agg must be one of {common.LOSS_AGG_MODES} (got {self.loss_agg!r}).")
+
+
+def grpo_advantages(rewards, group_size, scale_rewards="group", eps=1e-6):
+    """A_i = (r_i - mean(r_group)) / (std + eps) for (B,) rewards, each group's G samples adjacent.
+
+    std is torch.std (Bessel's correction, ddof=1, as TRL and verl); eps = 1e-6 as verl (TRL
+    uses 1e-4). scale_rewards: 'group' divides by the group's std (GRPO), 'batch' by the std of
+    all B rewards, 'none' only centres (Dr. GRPO). A group whose rewards are all equal gets
+    exactly 0 for every member. Returns (B,).
+    """
+    # BEGIN SOLUTION
+    grouped = rewards.view(-1, group_size)  # (B / G, G)
+    adv = grouped - grouped.mean(dim=1, keepdim=True)
+    adv[(grouped == grouped[:, :1]).all(dim=1)] = 0.0  # the mean of equal floats may round
+    if scale_rewards == "group":
+        adv = adv / (grouped.std(dim=1, keepdim=True) + eps)
+    elif scale_rewards == "batch":
+        adv = adv / (rewards.std() + eps)
+    elif scale_rewards != "none":
+        raise ValueError(f"unknown scale_rewards {scale_rewards!r}")
+    return adv.view(-1)
+    # END SOLUTION
+
+
+def grpo_loss(logp, old_logp, ref_logp, adv, mask, epsilon, beta, loss_agg="seq-mean-token-mean", max_len=None):
+    """Clipped surrogate plus beta * k3 to the reference, per token (DeepSeekMath eq. 3).
+
+    logp: (B, T) log-probs under the policy being trained (with grad); old_logp: (B, T) at
+    sampling time (detached); ref_logp: (B, T) under the reference, or None when beta == 0;
+    adv: (B,) sequence advantage, the same for every token. k3 keeps its gradient through logp
+    (ALGORITHMS.md §3: its expected gradient is that of the forward KL(pi_ref || pi_theta)).
+    Returns (loss, stats): the fraction of tokens clipped below (rho < 1 - eps with A < 0) and
+    above (rho > 1 + eps with A > 0), the approx KL(pi_old || pi_theta) of the ratio (k3 of
+    rho) and the mean k3 to the reference.
+    """
+    # BEGIN SOLUTION
+    log_ratio = logp - old_logp
+    ratio = torch.exp(log_ratio)  # rho = pi_theta / pi_old
+    adv = adv[:, None]
+    surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - epsilon, 1 + epsilon) * adv)
+    kl = common.kl_k3(logp, ref_logp) if ref_logp is not None else torch.zeros_like(logp)
+    per_token_loss = -surrogate + beta * kl
+    loss = common.aggregate_loss(per_token_loss, mask, loss_agg, max_len)
+    with torch.no_grad():
+        stats = {
+            "clip_frac_low": common.masked_mean(((ratio < 1 - epsilon) & (adv < 0)).float(), mask),
+            "clip_frac_high": common.masked_mean(((ratio > 1 + epsilon) & (adv > 0)).float(), mask),
+            "approx_kl": common.masked_mean(ratio - 1 - log_ratio, mask),
+            "kl": common.masked_mean(kl, mask),
+        }
+    return loss, stats
+    # END SOLUTION
+
+
+def main():
+    cfg = common.parse_config(Config)
+    # ---- setup: accelerator, seed, policy, reference, data ----
+    accelerator = common.make_accelerator(cfg)
+    set_seed(cfg.seed)  # identical initial weights on every rank
+    tokenizer = common.load_tokenizer(cfg)
+    policy = common.load_model(cfg)
+    ref_model = common.load_model(cfg, trainable=False) if cfg.beta > 0 else None
+    optimizer, scheduler = common.make_optimizer(policy, cfg)
+    policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
+    if ref_model is not None:
+        ref_model = ref_model.to(accelerator.device)
+    train_data, eval_data = common.load_task(cfg)
+    group_size = cfg.num_generations
+    sampler = common.PromptSampler(train_data, cfg.batch_size // group_size, cfg.seed, accelerator.process_index, accelerator.num_processes)
+    set_seed(cfg.seed + accelerator.process_index)  # each rank samples different completions
+    logger = common.MetricLogger(cfg, accelerator)
+    logger.log(0, common.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
+
+    timer = common.StepTimer()
+    for step in tqdm(range(1, cfg.num_steps + 1), disable=not accelerator.is_main_process, desc="grpo"):
+        # ---- rollout: a group of sampled responses per prompt ----
+        batch = sampler.next()
+        prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, [ex["prompt"] for ex in batch], accelerator.device)
+        with timer("generation"):
+            unwrapped = accelerator.unwrap_model(policy)
+            completion_ids = common.generate(unwrapped, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=group_size)
+        with timer("scoring"):
+            examples = [ex for ex in batch for _ in range(group_size)]  # each prompt's group_size samples adjacent, as generate
+            prompt_ids, prompt_mask = prompt_ids.repeat_interleave(group_size, dim=0), prompt_mask.repeat_interleave(group_size, dim=0)
+            mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
+            completions = common.decode_completions(tokenizer, completion_ids, mask)
+            rewards, correct = common.compute_rewards(examples, completions, cfg.reward_scales)
+            rewards = rewards.to(accelerator.device)
+            input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+            attention_mask = torch.cat([prompt_mask, mask], dim=1)
+            T = completion_ids.shape[1]
+            old_logp, ref_logp = None, None
+            with torch.no_grad():
+                if cfg.num_iterations > 1:  # log-probs at sampling time; with mu = 1 they are logp.detach()
+                    old_logp = common.token_logprobs(policy, input_ids, attention_mask, T, cfg.temperature)
+                if ref_model is not None:
+                    ref_logp = common.token_logprobs(ref_model, input_ids, attention_mask, T, cfg.temperature)
+            adv = grpo_advantages(rewards, group_size, cfg.scale_rewards)
+
+        for _ in range(cfg.num_iterations):  # stats below are those of the last (most off-policy) update
+            with timer("forward_backward"):
+                # ---- log-probs, ratio, clipped surrogate + k3 ----
+                logp, entropy = common.token_logprobs(policy, input_ids, attention_mask, T, cfg.temperature, with_entropy=True)
+                loss, stats = grpo_loss(logp, logp.detach() if old_logp is None else old_logp, ref_logp, adv, mask,
+                                        cfg.epsilon, cfg.beta, cfg.loss_agg, max_len=cfg.max_new_tokens)
+                accelerator.backward(loss)
+
+            with timer("optimizer"):
+                # ---- mu steps on the same batch ----
+                grad_norm = accelerator.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+
+        # ---- log ----
+        lengths = mask.sum(1).float()
+        metrics = {
+            "train/reward": rewards.mean(), "train/reward_std": rewards.std(), "train/correct": correct.mean(),
+            "train/frac_zero_std_groups": (rewards.view(-1, group_size) == rewards.view(-1, group_size)[:, :1]).all(1).float().mean(),
+            "train/adv_mean": adv.mean(), "train/adv_std": adv.std(), "train/adv_abs_max": adv.abs().max(),
+            "train/clip_frac_low": stats["clip_frac_low"], "train/clip_frac_high": stats["clip_frac_high"],
+            "train/approx_kl": stats["approx_kl"], "train/kl": stats["kl"], "train/entropy": common.masked_mean(entropy, mask),
+            "train/loss": loss.detach(), "train/grad_norm": grad_norm, "train/completion_len": lengths.mean(),
+            **timer.metrics(),
+        }
+        metrics["time/tokens_per_s"] = lengths.sum() / metrics["time/step_s"]
+        metrics = common.reduce_metrics(accelerator, metrics)
+        if step % cfg.eval_every == 0 or step == cfg.num_steps:
+            metrics.update(common.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
+        logger.log(step, metrics)
+
+    # ---- end: save, plot ----
+    logger.finish(policy)
+    if cfg.save_model:
+        common.save_model(accelerator, policy, tokenizer, f"{cfg.output_dir}/final")
+
+
+if __name__ == "__main__":
+    main()
