@@ -1,0 +1,119 @@
+"""RLOO (ALGORITHMS.md §4): leave-one-out advantage, sequence-level REINFORCE loss, end-to-end runs."""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import json  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+import common  # noqa: E402
+from rloo import Config, rloo_advantages, rloo_loss  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+F64 = torch.float64
+
+
+def test_rloo_advantage_is_reward_minus_mean_of_the_others():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 5.0, 3.0, 6.0], dtype=F64)
+    # group 2: 2 - (5+3+6)/3 = -8/3, 5 - (2+3+6)/3 = 4/3, 3 - 13/3 = -4/3, 6 - 10/3 = 8/3
+    expected = torch.tensor([1.0, -1 / 3, -1 / 3, -1 / 3, -8 / 3, 4 / 3, -4 / 3, 8 / 3], dtype=F64)
+    torch.testing.assert_close(rloo_advantages(rewards, group_size=4), expected)
+
+
+@pytest.mark.parametrize("K", [2, 3, 5])
+def test_rloo_equals_k_over_k_minus_1_times_reward_minus_mean(K):
+    rewards = torch.randn(4 * K, dtype=F64, generator=torch.Generator().manual_seed(K))
+    grouped = rewards.view(-1, K)
+    expected = K / (K - 1) * (grouped - grouped.mean(1, keepdim=True))
+    torch.testing.assert_close(rloo_advantages(rewards, K), expected.view(-1))
+
+
+def test_rloo_with_two_samples_is_the_reward_difference():
+    assert rloo_advantages(torch.tensor([3.0, 1.0, 0.0, 1.0]), 2).tolist() == [2.0, -2.0, -1.0, 1.0]
+
+
+def test_all_equal_group_gives_zero_advantage():
+    rewards = torch.tensor([0.5, 0.5, 0.5, 0.5, -3.0, -3.0, -3.0, -3.0, 1.0, 0.0, 0.0, 0.0])
+    adv = rloo_advantages(rewards, 4)
+    assert adv[:8].tolist() == [0.0] * 8
+    assert adv[8:].abs().min() > 0
+
+
+def test_rloo_advantage_is_invariant_to_a_per_prompt_reward_offset():
+    rewards = torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0, 1.0])
+    offset = torch.tensor([-5.0] * 3 + [2.0] * 3)
+    assert torch.equal(rloo_advantages(rewards + offset, 3), rloo_advantages(rewards, 3))
+
+
+def test_rloo_loss_treats_the_whole_sequence_as_one_action():
+    """loss = -mean_i A_i sum_t logp_i,t: every kept token of sequence i gets gradient -A_i / B,
+    whatever the sequence's length (no per-token averaging); padding gets 0."""
+    logp = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -50.0, -50.0]], dtype=F64, requires_grad=True)
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    adv = torch.tensor([2.0, -1.0], dtype=F64)
+    loss = rloo_loss(logp, adv, mask)
+    assert loss.item() == pytest.approx(-(2.0 * -6.0 + -1.0 * -0.5) / 2, rel=1e-12)
+    loss.backward()
+    assert logp.grad.tolist() == [[-1.0, -1.0, -1.0], [0.5, 0.0, 0.0]]
+
+
+def test_rloo_loss_does_not_backpropagate_into_the_advantage():
+    logp = torch.tensor([[-1.0]], requires_grad=True)
+    adv = torch.tensor([1.0], requires_grad=True)
+    rloo_loss(logp, adv, torch.ones(1, 1)).backward()
+    assert adv.grad is None
+
+
+@pytest.mark.parametrize("kwargs, flags", [
+    ({"batch_size": 12, "num_generations": 8}, ["--batch_size", "--num_generations"]),
+    ({"num_generations": 1, "batch_size": 8}, ["--num_generations"]),
+    ({"kl_coef": -0.1}, ["--kl_coef"]),
+])
+def test_bad_config_raises_a_value_error_naming_the_flag(kwargs, flags):
+    with pytest.raises(ValueError) as e:
+        Config(**kwargs)
+    for flag in flags:
+        assert flag in str(e.value)
+
+
+def assert_params_changed(final_dir):
+    trained = AutoModelForCausalLM.from_pretrained(final_dir)
+    start = AutoModelForCausalLM.from_pretrained(common.EMBEDDED_MODEL)
+    assert max((a - b).abs().max().item() for a, b in zip(trained.parameters(), start.parameters())) > 0
+
+
+def test_rloo_end_to_end_writes_metrics_plot_and_model(tmp_path):
+    out = subprocess.run([sys.executable, "rloo.py", "--num_steps", "2", "--eval_every", "1", "--batch_size", "32",
+                          "--output_dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = common.read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert all("eval/accuracy" in r for r in rows)
+    for key in ("train/reward", "train/reward_with_kl", "train/frac_zero_std_groups", "train/adv_mean", "train/adv_std",
+                "train/kl", "train/entropy", "train/grad_norm", "train/completion_len", "time/generation_s"):
+        assert key in rows[1], key
+    # step 1: policy == reference, so k1 = 0 and the KL leaves the reward alone; step 2: it moved
+    assert rows[1]["train/kl"] == 0.0 and rows[1]["train/reward_with_kl"] == rows[1]["train/reward"]
+    assert rows[2]["train/kl"] != 0.0 and rows[2]["train/reward_with_kl"] != rows[2]["train/reward"]
+    assert (tmp_path / "curves.png").stat().st_size > 1000
+    assert_params_changed(tmp_path / "final")
+
+
+def test_two_process_gloo_run_keeps_replicas_identical(tmp_path):
+    # `launch --cpu --num_processes 2` starts ONE process in accelerate 1.x; --multi_gpu starts two
+    # torchrun ranks, which common.make_accelerator puts on CPU (gloo) when there is no GPU.
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "rloo.py",
+           "--num_steps", "2", "--eval_every", "2", "--batch_size", "8", "--num_generations", "4", "--output_dir", str(tmp_path)]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["num_processes"] == 2
+    a, b = summary["replica_weight_checksums"]
+    assert a == b
+    assert_params_changed(tmp_path / "final")
