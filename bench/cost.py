@@ -153,9 +153,13 @@ def run_algorithm(name, model_path, args, workdir):
         return None
     result = json.loads(result_path.read_text())
     rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    timed = [r for r in rows if r["step"] > args.warmup]
-    result["time"] = {k: sum(r.get(f"time/{k}_s", 0.0) for r in timed) / len(timed) for k in (*PHASES, "step")}
+    # steps that trained (DAPO skips a step when dynamic sampling keeps no group)
+    timed = [r for r in rows if r["step"] > args.warmup and "time/step_s" in r and not r.get("train/skipped_step")]
+    result["time"] = {k: sum(r.get(f"time/{k}_s", 0.0) for r in timed) / len(timed) for k in (*PHASES, "step")} if timed else None
     result["timed_steps"] = len(timed)
+    result["skipped_steps"] = sum(1 for r in rows if r.get("train/skipped_step"))
+    rounds = [r["train/sampling_rounds"] for r in rows if r["step"] > 0 and "train/sampling_rounds" in r]
+    result["sampling_rounds"] = sum(rounds) / len(rounds) if rounds else None
     return result
 
 
@@ -181,8 +185,13 @@ def table(results, on_gpu):
         peak_bytes = r["cuda_peak_bytes"] if on_gpu else r["peak_rss_bytes"]
         above = peak_bytes if on_gpu else r["peak_rss_bytes"] - r["baseline_rss_bytes"]
         t = r["time"]
+        times = " | ".join(f"{t[k]:.3f}" for k in ("step", *PHASES)) if t else " | ".join(["no step trained"] + ["–"] * len(PHASES))
         lines.append(f"| {name} | {held} | {params / 1e6:,.2f}M | {mib(state)} | {mib(r['adam_state_bytes_measured'])} | {mib(peak_bytes)} "
-                     f"| {mib(above)} | {t['step']:.3f} | {t['generation']:.3f} | {t['scoring']:.3f} | {t['forward_backward']:.3f} | {t['optimizer']:.3f} |")
+                     f"| {mib(above)} | {times} |")
+    for name, r in results.items():
+        if r.get("sampling_rounds") is not None:
+            lines.append(f"\n{name}: {r['sampling_rounds']:.1f} generation rounds per step on average (dynamic sampling), "
+                         f"{r['skipped_steps']} of the steps skipped (no group with mixed correctness).")
     return "\n".join(lines)
 
 
@@ -193,6 +202,8 @@ def ratio_table(results, on_gpu, base="remax"):
     lines = ["| ReMax / " + " | ReMax / ".join(others) + " | quantity |", "|" + "---|" * (len(others) + 1)]
 
     def metrics(r):
+        if r["time"] is None:
+            return {}
         state = sum(m["state_bytes"] for m in r["models"])
         peak = r["cuda_peak_bytes"] if on_gpu else r["peak_rss_bytes"]
         above = peak if on_gpu else r["peak_rss_bytes"] - r["baseline_rss_bytes"]
@@ -202,7 +213,7 @@ def ratio_table(results, on_gpu, base="remax"):
 
     b = metrics(results[base])
     for key in b:
-        cells = [f"{b[key] / metrics(results[o])[key]:.2f}" if metrics(results[o])[key] > 0 else "n/a" for o in others]
+        cells = [f"{b[key] / metrics(results[o])[key]:.2f}" if metrics(results[o]).get(key, 0) > 0 else "n/a" for o in others]
         lines.append("| " + " | ".join(cells) + f" | {key} |")
     return "\n".join(lines)
 
@@ -211,9 +222,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="embedded,large", help="Comma list: embedded (the tiny model) and/or large (random ~75M Qwen2).")
     parser.add_argument("--algorithms", default=",".join(VARIANTS), help="Comma list of variants; missing scripts are skipped.")
-    parser.add_argument("--steps", type=int, default=6, help="Training steps per run.")
-    parser.add_argument("--warmup", type=int, default=2, help="Leading steps left out of the time averages.")
-    parser.add_argument("--batch_size", type=int, default=32, help="Sampled completions per step (the same for every algorithm).")
+    parser.add_argument("--steps", type=int, default=4, help="Training steps per run.")
+    parser.add_argument("--warmup", type=int, default=1, help="Leading steps left out of the time averages.")
+    parser.add_argument("--batch_size", type=int, default=16, help="Sampled completions per step (the same for every algorithm).")
     parser.add_argument("--max_new_tokens", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each child (runs are sequential).")
     parser.add_argument("--out", default=str(ROOT / "docs" / "cost_table.md"), help="Markdown file for the tables, and the raw numbers next to it as .json ('' = stdout only).")
