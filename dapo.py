@@ -157,13 +157,14 @@ def main():
                 keep = keep.repeat_interleave(group_size)
                 kept_examples += [ex for ex, k in zip(examples, keep) if k]
                 kept_completion_ids += [ids for ids, k in zip(completion_ids, keep) if k]
+        # a process with no mixed group has nothing to learn from: then every process skips (DDP steps together)
+        nothing_kept = accelerator.reduce(torch.tensor(float(not kept_examples), device=accelerator.device), reduction="sum") > 0
         if len(kept_examples) < cfg.batch_size:
             print(f"warning: step {step} (rank {accelerator.process_index}): --max_sampling_rounds {cfg.max_sampling_rounds} reached with "
                   f"{len(kept_examples) // group_size} of {cfg.batch_size // group_size} groups of mixed correctness; "
-                  + ("training on those." if kept_examples else "skipping the step.") + " Raise --max_sampling_rounds to fill the batch.",
-                  file=sys.stderr, flush=True)
-        if accelerator.reduce(torch.tensor(float(not kept_examples), device=accelerator.device), reduction="sum") > 0:
-            # nothing to learn from on some rank: every rank skips (DDP processes step together)
+                  + ("skipping the step (a process kept no group)" if nothing_kept else "training on those")
+                  + ". Raise --max_sampling_rounds to fill the batch.", file=sys.stderr, flush=True)
+        if nothing_kept:
             metrics = {"train/skipped_step": 1.0, "train/sampling_rounds": rounds, "train/groups_dropped": groups_dropped}
             if step % cfg.eval_every == 0 or step == cfg.num_steps:
                 metrics.update(common.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
