@@ -1,7 +1,14 @@
 """Build the embedded default model: a ~1M-parameter Qwen2-architecture causal LM with a
-character-level tokenizer, warmed up with supervised learning on the built-in arithmetic
-task until held-out greedy accuracy first reaches --target_accuracy (RL then has room to
-improve it). Deterministic on CPU for a given seed. Reproduce the committed folder with
+character-level tokenizer, warmed up with supervised learning on the built-in arithmetic task.
+
+The warm-up labels are deliberately noisy, the way pre-training data holds common mistakes:
+with a per-family probability (LABEL_NOISE) the answer is the one a pupil gets by forgetting
+the carry (or, for subtraction, subtracting the smaller digit from the larger in each column).
+Prompts without a carry are unaffected. Where the noise rate is above 1/2 the model learns the
+mistake as its most likely answer, so greedy decoding is wrong on carry prompts while sampling
+still finds the right answer often: the situation RL from outcome rewards is good at fixing
+(it sharpens what the model can already do). Held-out greedy accuracy starts near 40%.
+Deterministic on CPU for a given seed. Reproduce the committed folder with
 
     python embedded_model/build.py
 
@@ -59,6 +66,28 @@ def sft_batch(tokenizer, examples):
     return ids, attn, labels
 
 
+# probability that a warm-up label is the "forgot the carry" answer, per family
+LABEL_NOISE = {"add_2x1": 0.6, "sub_2x2": 0.6, "add_2x2": 0.6, "mul_2x1": 0.7, "add_3x3": 0.7}
+
+
+def no_carry_answer(prompt):
+    """The answer with every carry (or borrow) dropped: column by column, mod 10."""
+    op = next(c for c in "+-*" if c in prompt)
+    a, b = prompt.rstrip("=").split(op)
+    if op == "*":  # 2-digit times 1-digit: each digit times b, mod 10
+        digits = [int(d) * int(b) % 10 for d in a]
+    else:
+        a, b = a.zfill(max(len(a), len(b))), b.zfill(max(len(a), len(b)))
+        digits = [(int(x) + int(y)) % 10 if op == "+" else abs(int(x) - int(y)) for x, y in zip(a, b)]
+    return str(int("".join(map(str, digits))))
+
+
+def warmup_example(ex, rng):
+    if rng.random() < LABEL_NOISE[ex["family"]]:
+        return {**ex, "answer": no_carry_answer(ex["prompt"])}
+    return ex
+
+
 class _Acc:  # the minimal accelerator interface common.evaluate needs, for one process
     process_index, num_processes, device = 0, 1, torch.device("cpu")
     unwrap_model = staticmethod(lambda m: m)
@@ -69,11 +98,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--target_accuracy", type=float, default=0.30)
-    ap.add_argument("--max_steps", type=int, default=20000)
+    ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--batch_size", type=int, default=128)
     ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--eval_every", type=int, default=50)
+    ap.add_argument("--eval_every", type=int, default=250)
     args = ap.parse_args()
     torch.set_num_threads(2)
     tokenizer = build_tokenizer()
@@ -84,8 +112,8 @@ def main():
     train, held_out = common.load_task(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     rng, start, log = random.Random(args.seed), time.time(), []
-    for step in range(1, args.max_steps + 1):
-        ids, attn, labels = sft_batch(tokenizer, rng.sample(train, args.batch_size))
+    for step in range(1, args.steps + 1):
+        ids, attn, labels = sft_batch(tokenizer, [warmup_example(ex, rng) for ex in rng.sample(train, args.batch_size)])
         loss = model(input_ids=ids, attention_mask=attn, position_ids=common.position_ids_from_mask(attn), labels=labels).loss
         opt.zero_grad()
         loss.backward()
@@ -96,8 +124,6 @@ def main():
             model.train()
             log.append({"step": step, "loss": loss.item(), **metrics})
             print(f"step {step} loss {loss.item():.3f} held-out acc {metrics['eval/accuracy']:.3f} ({time.time() - start:.0f}s)", flush=True)
-            if metrics["eval/accuracy"] >= args.target_accuracy:
-                break
     model.save_pretrained(args.out)
     tokenizer.save_pretrained(args.out)
     with open(os.path.join(args.out, "build_log.json"), "w") as f:
