@@ -259,7 +259,10 @@ FAMILIES = {
 }
 # reward for (wrong, right) per family under --reward_scales hetero: one offset and scale per
 # family, as a learned reward model puts different prompt kinds on different scales.
-HETERO_SCALES = {"add_2x1": (-5.0, -1.0), "sub_2x2": (-3.0, 0.0), "add_2x2": (0.0, 1.0), "mul_2x1": (1.0, 3.0), "add_3x3": (2.0, 5.0)}
+# Same gap (1) between right and wrong everywhere, offsets from -5 to +5: a baseline removes the
+# offsets exactly; plain REINFORCE pushes up whatever it samples on the positive families and
+# down on the negative ones. All within ReMax's advantage clip of 5.
+HETERO_SCALES = {"add_2x1": (4.0, 5.0), "sub_2x2": (-5.0, -4.0), "add_2x2": (2.0, 3.0), "mul_2x1": (-3.0, -2.0), "add_3x3": (0.0, 1.0)}
 HELD_OUT_FRACTION = 5  # one prompt in 5 (by hash) is held out: never trained on
 
 
