@@ -97,7 +97,9 @@ def kl_k1(logp, ref_logp):
     As a detached penalty in the reward: E[k1 * score] = grad KL(q||p), the correct one
     (for sequences, use the reward-to-go of the per-token k1). PPO, ReMax, RLOO use this.
     """
+    # BEGIN SOLUTION
     return logp - ref_logp
+    # END SOLUTION
 
 
 def kl_k2(logp, ref_logp):
@@ -107,7 +109,9 @@ def kl_k2(logp, ref_logp):
     As a loss term: E[grad k2] = grad KL(q||p), the reverse-KL gradient.
     As a detached penalty in the reward: a wrong gradient.
     """
+    # BEGIN SOLUTION
     return 0.5 * (logp - ref_logp) ** 2
+    # END SOLUTION
 
 
 def kl_k3(logp, ref_logp):
@@ -118,8 +122,10 @@ def kl_k3(logp, ref_logp):
     GRPO's loss term optimises.
     As a detached penalty in the reward: a wrong gradient.
     """
+    # BEGIN SOLUTION
     log_ratio = ref_logp - logp
     return torch.exp(log_ratio) - log_ratio - 1
+    # END SOLUTION
 
 
 # ----------------------------------------------------------------------------------------
@@ -127,18 +133,23 @@ def kl_k3(logp, ref_logp):
 # ----------------------------------------------------------------------------------------
 def masked_sum(x, mask, dim=None):
     """Sum of x where mask is 1 (masked entries may hold anything, even NaN)."""
+    # BEGIN SOLUTION
     x = torch.where(mask.bool(), x, torch.zeros_like(x))
     return x.sum() if dim is None else x.sum(dim)
+    # END SOLUTION
 
 
 def masked_mean(x, mask, dim=None):
     """Mean of x where mask is 1; an all-masked slice gives 0."""
+    # BEGIN SOLUTION
     return masked_sum(x, mask, dim) / masked_sum(torch.ones_like(x), mask, dim).clamp(min=1)
+    # END SOLUTION
 
 
 def masked_whiten(x, mask, shift_mean=True, eps=1e-8):
     """(x - mean) / std over the masked entries (std with Bessel's correction, as TRL).
     With shift_mean=False the mean is added back (only the scale changes)."""
+    # BEGIN SOLUTION
     mean = masked_mean(x, mask)
     n = mask.sum()
     var = masked_sum((x - mean) ** 2, mask) / (n - 1).clamp(min=1)
@@ -146,14 +157,17 @@ def masked_whiten(x, mask, shift_mean=True, eps=1e-8):
     if not shift_mean:
         whitened = whitened + mean
     return torch.where(mask.bool(), whitened, torch.zeros_like(whitened))
+    # END SOLUTION
 
 
 def completion_mask(completion_ids, eos_token_id):
     """1 up to and including the first EOS, 0 after it (padding after EOS included).
     A completion with no EOS (cut at max length) keeps every token."""
+    # BEGIN SOLUTION
     is_eos = completion_ids == eos_token_id
     eos_before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()  # EOS strictly before t
     return (eos_before == 0).long()
+    # END SOLUTION
 
 
 def aggregate_loss(per_token_loss, mask, mode, max_len=None):
@@ -164,6 +178,7 @@ def aggregate_loss(per_token_loss, mask, mode, max_len=None):
     seq-mean-token-sum-norm:  mean over sequences of (token sum / max_len), max_len a constant
                               (Dr. GRPO: no per-sequence length normalisation). Default T.
     """
+    # BEGIN SOLUTION
     if mode == "token-mean":
         return masked_sum(per_token_loss, mask) / mask.sum().clamp(min=1)
     if mode == "seq-mean-token-mean":
@@ -172,12 +187,15 @@ def aggregate_loss(per_token_loss, mask, mode, max_len=None):
         max_len = per_token_loss.shape[1] if max_len is None else max_len
         return (masked_sum(per_token_loss, mask, dim=1) / max_len).mean()
     raise ValueError(f"unknown loss aggregation {mode!r}; choose one of {LOSS_AGG_MODES}")
+    # END SOLUTION
 
 
 def reward_to_go(x, mask):
     """Per-token sum over t' >= t of x[t'] (masked), i.e. the return with gamma = 1."""
+    # BEGIN SOLUTION
     x = torch.where(mask.bool(), x, torch.zeros_like(x))
     return torch.flip(torch.cumsum(torch.flip(x, [1]), 1), [1])
+    # END SOLUTION
 
 
 # ----------------------------------------------------------------------------------------

@@ -43,7 +43,9 @@ class Config(common.TrainConfig):
 
 def remax_advantages(rewards, greedy_rewards):
     """A_i = r(x_i, y_i) - r(x_i, y_greedy_i): the greedy response's reward as baseline. (B,)"""
+    # BEGIN SOLUTION
     return rewards - greedy_rewards
+    # END SOLUTION
 
 
 def remax_loss(logp, adv, kl, mask, kl_coef, loss_agg="token-mean"):
@@ -54,8 +56,10 @@ def remax_loss(logp, adv, kl, mask, kl_coef, loss_agg="token-mean"):
     (reward-to-go: the penalty on earlier tokens does not depend on later actions).
     Loss = aggregate(-G_t * logp_t). Returns (loss, G).
     """
+    # BEGIN SOLUTION
     returns = adv[:, None] - kl_coef * common.reward_to_go(kl, mask)
     return common.aggregate_loss(-returns.detach() * logp, mask, loss_agg), returns
+    # END SOLUTION
 
 
 def main():
