@@ -4,14 +4,17 @@ built-in task and its rewards, model loading, logging and plots.
 Nothing in here belongs to one algorithm. The math (KL estimators, masking, aggregation,
 reward-to-go) is pure: tensors in, tensors out. See shared ALGORITHMS.md §3 for the KL math.
 """
+import ast
 import hashlib
 import json
 import math
 import os
 import random
+import re
+import signal
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -19,6 +22,7 @@ import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EMBEDDED_MODEL = os.path.join(HERE, "embedded_model")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
@@ -28,7 +32,24 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"
 @dataclass
 class TrainConfig:
     model_name_or_path: str = field(default=EMBEDDED_MODEL, metadata={"help": "HF causal LM: Hub name or local folder (default: the embedded tiny model)."})
-    dataset: str = field(default="arithmetic", metadata={"help": "'arithmetic' (built-in task, no download)."})
+    dataset: str = field(default="arithmetic", metadata={"help": "'arithmetic' (built-in task, no download), 'gsm8k' (Hub openai/gsm8k) or a local .json/.jsonl/.parquet file."})
+    prompt_column: str = field(default="question", metadata={"help": "Prompt column of --dataset gsm8k or a local file."})
+    answer_column: str = field(default="answer", metadata={"help": "Answer column (final number after '####', in \\boxed{}, or the last number); '' for prompts without answers (reward model only)."})
+    eval_size: int = field(default=200, metadata={"help": "Held-out prompts for a real dataset (its test split, else the last rows of the file)."})
+    use_chat_template: bool = field(default=True, metadata={"help": "Wrap prompts in the tokenizer's chat template when it has one."})
+    max_prompt_length: int = field(default=512, metadata={"help": "Prompts longer than this many tokens are dropped from the data (with a warning): truncating a question makes it unanswerable."})
+    torch_dtype: str = field(default="float32", metadata={"help": "Weights dtype: float32 (use with --mixed_precision bf16/fp16 in accelerate), bfloat16 or float16 (pure low precision)."})
+    gradient_checkpointing: bool = field(default=False, metadata={"help": "Recompute activations in backward: less memory, ~30%% more time."})
+    reward_model: str = field(default="", metadata={"help": "AutoModelForSequenceClassification (Hub name or folder) scoring (prompt, completion) with its own tokenizer and chat template."})
+    reward_model_dtype: str = field(default="float32", metadata={"help": "dtype of the reward model (float32, bfloat16, float16)."})
+    reward_model_weight: float = field(default=1.0, metadata={"help": "reward = rule_reward_weight * rule reward + reward_model_weight * reward-model score."})
+    rule_reward_weight: float = field(default=1.0, metadata={"help": "Weight of the rule-based (correctness) reward; 0 with --reward_model for pure RLHF."})
+    lora_r: int = field(default=0, metadata={"help": "LoRA rank (0 = full fine-tuning). With LoRA the reference is the same model with the adapter disabled: no second copy."})
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha."})
+    lora_target_modules: str = field(default="all-linear", metadata={"help": "Comma-separated module names for LoRA, or 'all-linear'."})
+    merge_lora: bool = field(default=False, metadata={"help": "Save the final model with the LoRA adapter merged into the weights (else the adapter alone)."})
+    save_steps: int = field(default=0, metadata={"help": "Write a resumable checkpoint every N steps (0 = only on Ctrl-C/SIGTERM)."})
+    resume_from: str = field(default="", metadata={"help": "A checkpoint folder (output_dir/checkpoint-N) to continue from."})
     reward_scales: str = field(default="uniform", metadata={"help": "'uniform': reward 1/0 for right/wrong; 'hetero': each task family has its own reward range (as a learned reward model gives different prompt kinds), see HETERO_SCALES."})
     output_dir: str = field(default="", metadata={"help": "Where metrics, plots and the final model go (default: runs/<script name>)."})
     seed: int = field(default=0, metadata={"help": "Random seed; rank r samples with seed + r."})
@@ -58,8 +79,26 @@ class TrainConfig:
             raise ValueError(f"--reward_scales must be 'uniform' or 'hetero' (got {self.reward_scales!r}).")
         if self.report_to not in ("none", "tensorboard", "wandb"):
             raise ValueError(f"--report_to must be none, tensorboard or wandb (got {self.report_to!r}).")
-        if self.dataset != "arithmetic":
-            raise ValueError(f"--dataset {self.dataset!r} is not supported; use 'arithmetic'.")
+        if self.dataset not in ("arithmetic", "gsm8k"):
+            if not self.dataset.endswith((".json", ".jsonl", ".parquet")):
+                raise ValueError(f"--dataset must be 'arithmetic', 'gsm8k' or a .json/.jsonl/.parquet file (got {self.dataset!r}).")
+            if not os.path.isfile(self.dataset):
+                raise ValueError(f"--dataset {self.dataset!r}: no such file.")
+        for name in ("torch_dtype", "reward_model_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"--{name} must be one of {sorted(DTYPES)} (got {getattr(self, name)!r}).")
+        for name in ("max_prompt_length", "eval_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{name} must be > 0 (got {getattr(self, name)}).")
+        for name in ("lora_r", "save_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name} must be >= 0 (got {getattr(self, name)}).")
+        if self.resume_from and not os.path.isfile(os.path.join(self.resume_from, "trainer_state.json")):
+            raise ValueError(f"--resume_from {self.resume_from!r} is not a checkpoint folder (no trainer_state.json).")
+        if self.rule_reward_weight == 0 and not self.reward_model:
+            raise ValueError("--rule_reward_weight 0 leaves no reward: give --reward_model too.")
+        if not self.answer_column and not self.reward_model and self.dataset != "arithmetic":
+            raise ValueError("--answer_column '' (no answers) needs a --reward_model to score completions.")
 
 
 def make_accelerator(cfg):
@@ -247,12 +286,25 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=1, gree
     gen.pad_token_id, gen.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     was_training = model.training
     model.eval()
-    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen)
+    with gathered_parameters(model):
+        out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen)
     model.train(was_training)
     completion_ids = out[:, prompt_ids.shape[1]:]
     if completion_ids.shape[1] == 0:  # cannot happen with max_new_tokens >= 1; keep shapes sane
         completion_ids = torch.full_like(prompt_ids[:, :1], tokenizer.eos_token_id)
     return completion_ids
+
+
+def gathered_parameters(model):
+    """Under DeepSpeed ZeRO-3 each rank holds a shard of every weight; generating token by
+    token from shards gathers them at every step (10-100x slower). Gather once for the whole
+    generate call instead. A no-op without ZeRO-3."""
+    sharded = [p for p in model.parameters() if hasattr(p, "ds_id")]
+    if not sharded:
+        return nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(sharded)
 
 
 def tokenize_prompts(tokenizer, prompts, device):
@@ -308,22 +360,142 @@ def arithmetic_examples(n, seed, held_out):
     return examples
 
 
-def load_task(cfg):
-    """(train examples, held-out eval examples). Every example: prompt, answer, family."""
-    return arithmetic_examples(20_000, seed=cfg.seed, held_out=False), arithmetic_examples(250, seed=1234, held_out=True)
+# ----------------------------------------------------------------------------------------
+# Real data (GSM8K or a local file) and the math reward
+# ----------------------------------------------------------------------------------------
+NUMBER = r"-?[\d,]*\.?\d+"
 
 
-def is_correct(completion, answer):
+def normalize_number(text):
+    """'1,234.50' -> '1234.5'; exact string comparison after this."""
+    text = text.replace(",", "").strip()
+    if "." in text:
+        text = text.rstrip("0").rstrip(".")
+    return "0" if text in ("-0", "") else text
+
+
+def extract_final_number(text):
+    """The final answer of a math completion: after '####', else in \\boxed{}, else the last
+    number; None if there is no number."""
+    for pattern in (r"####\s*(" + NUMBER + ")", r"\\boxed\{\s*(" + NUMBER + r")\s*\}", "(" + NUMBER + ")"):
+        found = re.findall(pattern, text)
+        if found:
+            return normalize_number(found[-1] if pattern != r"####\s*(" + NUMBER + ")" else found[0])
+    return None
+
+
+def load_task(cfg, tokenizer=None):
+    """(train examples, held-out eval examples). Every example: prompt (as fed to the policy),
+    raw_prompt, answer, family, check ('exact' for arithmetic, 'number' for math data)."""
+    if cfg.dataset == "arithmetic":
+        return arithmetic_examples(20_000, seed=cfg.seed, held_out=False), arithmetic_examples(250, seed=1234, held_out=True)
+    import datasets
+
+    try:
+        if cfg.dataset == "gsm8k":
+            splits = datasets.load_dataset("openai/gsm8k", "main")
+            train_rows, eval_rows = splits["train"], splits["test"].select(range(min(cfg.eval_size, len(splits["test"]))))
+        else:
+            kind = "parquet" if cfg.dataset.endswith(".parquet") else "json"
+            rows = datasets.load_dataset(kind, data_files=cfg.dataset, split="train")
+            if len(rows) < 2:
+                raise SystemExit(f"error: --dataset {cfg.dataset!r} has {len(rows)} rows; need at least 2 (train and eval).")
+            n_eval = min(cfg.eval_size, len(rows) // 2)
+            train_rows, eval_rows = rows.select(range(len(rows) - n_eval)), rows.select(range(len(rows) - n_eval, len(rows)))
+    except (ConnectionError, OSError) as e:
+        raise SystemExit(f"error: --dataset {cfg.dataset!r} could not be loaded ({type(e).__name__}: {str(e)[:200]}). "
+                         "Offline? Download it first, or pass a local .jsonl file.")
+    columns = [c for c in (cfg.prompt_column, cfg.answer_column) if c]
+    missing = [c for c in columns if c not in train_rows.column_names]
+    if missing:
+        flags = " / ".join(f"--{'prompt' if c == cfg.prompt_column else 'answer'}_column {c!r}" for c in missing)
+        raise SystemExit(f"error: --dataset {cfg.dataset!r} has no column {flags}; its columns are {train_rows.column_names}.")
+    return [math_examples(rows, cfg, tokenizer, split) for rows, split in ((train_rows, "train"), (eval_rows, "eval"))]
+
+
+def math_examples(rows, cfg, tokenizer, split):
+    examples, too_long = [], 0
+    for row in rows:
+        question = str(row[cfg.prompt_column] or "").strip()
+        if not question:
+            continue
+        prompt = question
+        if cfg.use_chat_template and tokenizer is not None and tokenizer.chat_template:
+            prompt = tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True)
+        if tokenizer is not None and len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) > cfg.max_prompt_length:
+            too_long += 1
+            continue
+        answer = extract_final_number(str(row[cfg.answer_column])) if cfg.answer_column else None
+        examples.append({"prompt": prompt, "raw_prompt": question, "answer": answer, "family": "all", "check": "number"})
+    if too_long:
+        print(f"warning: dropped {too_long} {split} prompts longer than --max_prompt_length {cfg.max_prompt_length} tokens", flush=True)
+    if not examples:
+        raise SystemExit(f"error: no usable {split} prompts in --dataset {cfg.dataset!r} (empty prompts, or all longer than --max_prompt_length).")
+    return examples
+
+
+def is_correct(completion, answer, check="exact"):
+    if answer is None:
+        return False
+    if check == "number":
+        return extract_final_number(completion) == answer
     return completion.strip() == answer
 
 
 def compute_rewards(examples, completions, reward_scales="uniform"):
     """Rule-based reward. Returns (rewards, correct) as float tensors (B,)."""
-    correct = torch.tensor([float(is_correct(c, ex["answer"])) for c, ex in zip(completions, examples)])
+    correct = torch.tensor([float(is_correct(c, ex["answer"], ex.get("check", "exact"))) for c, ex in zip(completions, examples)])
     if reward_scales == "uniform":
         return correct.clone(), correct
     lo_hi = torch.tensor([HETERO_SCALES.get(ex["family"], (0.0, 1.0)) for ex in examples])
     return lo_hi[:, 0] + (lo_hi[:, 1] - lo_hi[:, 0]) * correct, correct
+
+
+class RewardModel:
+    """Scores (prompt, completion) with an AutoModelForSequenceClassification, its own
+    tokenizer and chat template; frozen, no grad, optionally in its own dtype."""
+
+    def __init__(self, name, dtype, device):
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        check_model_path(name, flag="--reward_model")
+        self.tokenizer = AutoTokenizer.from_pretrained(name)
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.model = AutoModelForSequenceClassification.from_pretrained(name, dtype=DTYPES[dtype]).to(device).eval().requires_grad_(False)
+        self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.device = device
+
+    @torch.no_grad()
+    def __call__(self, prompts, completions):
+        if self.tokenizer.chat_template:
+            texts = [self.tokenizer.apply_chat_template([{"role": "user", "content": p}, {"role": "assistant", "content": c}], tokenize=False)
+                     for p, c in zip(prompts, completions)]
+        else:
+            texts = [p + c for p, c in zip(prompts, completions)]
+        enc = self.tokenizer(texts, return_tensors="pt", padding=True, truncation=True, add_special_tokens=not self.tokenizer.chat_template)
+        return self.model(**enc.to(self.device)).logits[:, 0].float()
+
+
+def make_reward_fn(cfg, device):
+    """reward_fn(examples, completions) -> (rewards, correct) on `device`. Rule reward, a reward
+    model, or a weighted sum of both. A non-finite reward stops before any update."""
+    reward_model = RewardModel(cfg.reward_model, cfg.reward_model_dtype, device) if cfg.reward_model else None
+
+    def reward_fn(examples, completions):
+        rewards, correct = compute_rewards(examples, completions, cfg.reward_scales)
+        rewards, correct = cfg.rule_reward_weight * rewards.to(device), correct.to(device)
+        if reward_model is not None:
+            scores = reward_model([ex.get("raw_prompt", ex["prompt"]) for ex in examples], completions)
+            rewards = rewards + cfg.reward_model_weight * scores
+        bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
+        if bad:
+            i = bad[0]
+            raise FloatingPointError(f"reward {rewards[i].item()} for prompt {examples[i]['prompt'][:200]!r} and completion "
+                                     f"{completions[i][:200]!r}; step not applied. Check the reward function / --reward_model.")
+        return rewards, correct
+
+    return reward_fn
 
 
 class PromptSampler:
@@ -332,6 +504,13 @@ class PromptSampler:
     def __init__(self, examples, batch_size, seed, rank=0, world_size=1):
         self.examples, self.batch_size = examples[rank::world_size], batch_size
         self.rng, self.order = random.Random(seed), []
+
+    def state_dict(self):
+        return {"rng": repr(self.rng.getstate()), "order": self.order}
+
+    def load_state_dict(self, state):
+        self.rng.setstate(ast.literal_eval(state["rng"]))
+        self.order = list(state["order"])
 
     def next(self):
         batch = []
@@ -357,7 +536,7 @@ def evaluate(model, tokenizer, examples, cfg, accelerator, batch_size=256):
         texts = decode_completions(tokenizer, completion_ids, completion_mask(completion_ids, tokenizer.eos_token_id))
         for text, ex in zip(texts, batch):
             j = families.index(ex["family"])
-            counts[0, j] += is_correct(text, ex["answer"])
+            counts[0, j] += is_correct(text, ex["answer"], ex.get("check", "exact"))
             counts[1, j] += 1
     counts = accelerator.reduce(counts, reduction="sum")
     metrics = {"eval/accuracy": (counts[0].sum() / counts[1].sum()).item()}
@@ -390,31 +569,58 @@ def load_tokenizer(cfg):
 
 
 def load_model(cfg, trainable=True):
-    """A causal LM from a Hub name or local folder, dropout off; frozen if not trainable."""
+    """A causal LM from a Hub name or local folder, dropout off, in --torch_dtype; with
+    --lora_r the trainable model gets a LoRA adapter; frozen (eval, no grad) if not trainable."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path)
+    model = AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, dtype=DTYPES[cfg.torch_dtype])
     disable_dropout(model)
     if not trainable:
-        model.eval().requires_grad_(False)
-    return model
+        return model.eval().requires_grad_(False)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if cfg.lora_r > 0:
+        from peft import LoraConfig, get_peft_model
+
+        targets = cfg.lora_target_modules if cfg.lora_target_modules == "all-linear" else cfg.lora_target_modules.split(",")
+        model = get_peft_model(model, LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, target_modules=targets, task_type="CAUSAL_LM"))
+    return model.train()  # dropout is off; train mode only lets gradient checkpointing act
 
 
-def check_model_path(name):
+class AdapterDisabled(torch.nn.Module):
+    """The LoRA policy with its adapter switched off: the reference model at no memory cost."""
+
+    def __init__(self, peft_model):
+        super().__init__()
+        self.peft_model = [peft_model]  # a list, so the policy's weights are not registered twice
+
+    def forward(self, **kwargs):
+        with self.peft_model[0].disable_adapter():
+            return self.peft_model[0](**kwargs)
+
+
+def load_reference(cfg, policy):
+    """The frozen reference pi_ref: the policy's adapter disabled under LoRA, else a copy.
+    Call before accelerator.prepare(policy)."""
+    return AdapterDisabled(policy).eval() if cfg.lora_r > 0 else load_model(cfg, trainable=False)
+
+
+def check_model_path(name, flag="--model_name_or_path"):
     """Fail fast, before anything is loaded, when the model can be found nowhere."""
     if os.path.isdir(name):
         if not os.path.exists(os.path.join(name, "config.json")):
-            raise SystemExit(f"error: --model_name_or_path {name!r} is a folder without config.json (not a saved HF model).")
+            raise SystemExit(f"error: {flag} {name!r} is a folder without config.json (not a saved HF model).")
         return
     looks_like_path = name.startswith((".", "/", "~")) or name.count("/") > 1
     if looks_like_path:
-        raise SystemExit(f"error: --model_name_or_path {name!r}: no such folder.")
+        raise SystemExit(f"error: {flag} {name!r}: no such folder.")
     from huggingface_hub import try_to_load_from_cache
 
     cached = try_to_load_from_cache(name, "config.json")
     offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
     if not isinstance(cached, str) and offline:
-        raise SystemExit(f"error: --model_name_or_path {name!r} is not a local folder and not in the HF cache, "
+        raise SystemExit(f"error: {flag} {name!r} is not a local folder and not in the HF cache, "
                          "and HF_HUB_OFFLINE is set: download it first or pass a local folder.")
 
 
@@ -459,17 +665,80 @@ def reduce_metrics(accelerator, metrics):
     return dict(zip(keys, values.tolist()))
 
 
+class Checkpointer:
+    """Resumable checkpoints: output_dir/checkpoint-N holds accelerate's state (every prepared
+    model, optimizer and scheduler, and every rank's RNG states), each rank's prompt-sampler
+    state, the step counter, and the policy as save_pretrained (+ tokenizer) so that
+    `from_pretrained(checkpoint-N/model)` loads it. Ctrl-C or SIGTERM saves, then stops.
+
+        ckpt = Checkpointer(cfg, accelerator, sampler)
+        start = ckpt.resume()                    # 0, or the step of --resume_from
+        for step in range(start + 1, ...):
+            ...
+            if ckpt.step_end(step, policy, tokenizer):   # saves every --save_steps
+                break                                    # a signal arrived: saved, stop
+    """
+
+    def __init__(self, cfg, accelerator, sampler):
+        self.cfg, self.accelerator, self.sampler = cfg, accelerator, sampler
+        self.stop_requested = False
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._request_stop)
+
+    def _request_stop(self, signum, frame):
+        if self.stop_requested:  # a second Ctrl-C stops at once
+            raise KeyboardInterrupt
+        self.stop_requested = True
+        print(f"\nsignal {signum}: saving a checkpoint at the end of this step (Ctrl-C again to quit now)", flush=True)
+
+    def resume(self):
+        if not self.cfg.resume_from:
+            return 0
+        self.accelerator.load_state(self.cfg.resume_from)
+        with open(os.path.join(self.cfg.resume_from, f"sampler_rank{self.accelerator.process_index}.json")) as f:
+            self.sampler.load_state_dict(json.load(f))
+        with open(os.path.join(self.cfg.resume_from, "trainer_state.json")) as f:
+            step = json.load(f)["step"]
+        if self.accelerator.is_main_process:
+            print(f"resumed from {self.cfg.resume_from} at step {step}", flush=True)
+        return step
+
+    def save(self, step, policy, tokenizer):
+        path = os.path.join(self.cfg.output_dir, f"checkpoint-{step}")
+        self.accelerator.save_state(path)
+        with open(os.path.join(path, f"sampler_rank{self.accelerator.process_index}.json"), "w") as f:
+            json.dump(self.sampler.state_dict(), f)
+        save_model(self.accelerator, policy, tokenizer, os.path.join(path, "model"))
+        if self.accelerator.is_main_process:
+            with open(os.path.join(path, "trainer_state.json"), "w") as f:
+                json.dump({"step": step, "config": asdict(self.cfg)}, f, indent=2)
+        self.accelerator.wait_for_everyone()
+        return path
+
+    def step_end(self, step, policy, tokenizer):
+        """Save when due or when a signal arrived (on any rank); True means stop now."""
+        stop = torch.tensor([float(self.stop_requested)], device=self.accelerator.device)
+        stop = self.accelerator.reduce(stop, reduction="sum").item() > 0
+        if stop or (self.cfg.save_steps and step % self.cfg.save_steps == 0):
+            path = self.save(step, policy, tokenizer)
+            if self.accelerator.is_main_process:
+                print(f"checkpoint: {path}", flush=True)
+        return stop
+
+
 class MetricLogger:
     """Every step to output_dir/metrics.jsonl (+ tensorboard/wandb); a console line every
     log_every steps. Only the main process writes."""
 
-    def __init__(self, cfg, accelerator):
+    def __init__(self, cfg, accelerator, start_step=0):
         self.cfg, self.accelerator = cfg, accelerator
         self.path = os.path.join(cfg.output_dir, "metrics.jsonl")
         self.start = time.time()
         if accelerator.is_main_process:
             os.makedirs(cfg.output_dir, exist_ok=True)
-            open(self.path, "w").close()
+            kept = [r for r in read_metrics(self.path) if r["step"] <= start_step] if start_step and os.path.exists(self.path) else []
+            with open(self.path, "w") as f:  # a resumed run keeps the rows up to its checkpoint
+                f.writelines(json.dumps(r) + "\n" for r in kept)
             with open(os.path.join(cfg.output_dir, "config.json"), "w") as f:
                 json.dump(asdict(cfg), f, indent=2)
         if cfg.report_to != "none":
@@ -509,11 +778,18 @@ class MetricLogger:
               f"in {summary['wall_time_s']:.0f}s; metrics, curves.png and summary.json in {self.cfg.output_dir}", flush=True)
 
 
-def save_model(accelerator, model, tokenizer, path):
-    """save_pretrained the (unwrapped) model and its tokenizer, from the main process only."""
+def save_model(accelerator, model, tokenizer, path, merge_lora=False):
+    """save_pretrained the (unwrapped) model and its tokenizer, from the main process only.
+    A LoRA model saves its adapter, or with merge_lora the merged full weights."""
     accelerator.wait_for_everyone()
+    deepspeed = accelerator.state.deepspeed_plugin is not None
+    state_dict = accelerator.get_state_dict(model) if deepspeed else None  # gathers ZeRO-3 shards (all ranks)
     if accelerator.is_main_process:
-        accelerator.unwrap_model(model).save_pretrained(path)
+        unwrapped = accelerator.unwrap_model(model)
+        if merge_lora and hasattr(unwrapped, "merge_and_unload"):
+            unwrapped.merge_and_unload().save_pretrained(path)
+        else:
+            unwrapped.save_pretrained(path, state_dict=state_dict)
         tokenizer.save_pretrained(path)
 
 
