@@ -1,0 +1,192 @@
+"""From the laptop to the cluster, offline: real-data loading and the math reward, reward
+models, LoRA, mixed precision, checkpoints and resume (issue: real models and data)."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import common
+from conftest import ROOT
+
+GSM8K_ROWS = [
+    {"question": "Tom has 3 apples and buys 4 more. How many?", "answer": "3 + 4 = 7\n#### 7"},
+    {"question": "A box holds 12 eggs. How many in 2 boxes?", "answer": "12 * 2 = 24\n#### 24"},
+    {"question": "Sara had 1,000 coins and spent 1. How many left?", "answer": "#### 999"},
+    {"question": "What is 10 - 3?", "answer": "#### 7"},
+]
+
+
+def run(args, tmp_path, env=None, script="remax.py"):
+    cmd = [sys.executable, script, "--num_steps", "2", "--eval_every", "2", "--batch_size", "8", "--output_dir", str(tmp_path / "run"), *args]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **(env or {})})
+    return out
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.mark.parametrize("text, number", [
+    ("so the total is 7.\n#### 7", "7"), ("#### 1,234", "1234"), ("the answer is \\boxed{42}.", "42"),
+    ("first 3, then 5, finally 8", "8"), ("price 7.50 dollars", "7.5"), ("-3 degrees", "-3"), ("no number", None),
+])
+def test_extract_final_number(text, number):
+    assert common.extract_final_number(text) == number
+
+
+def test_math_reward_compares_final_numbers_exactly():
+    ex = {"prompt": "q", "answer": "24", "family": "all", "check": "number"}
+    rewards, correct = common.compute_rewards([ex] * 3, ["so #### 24", "24.0", "about 25"])
+    assert rewards.tolist() == [1.0, 1.0, 0.0] and correct.tolist() == [1.0, 1.0, 0.0]
+
+
+def test_local_gsm8k_file_loads_with_answers_and_held_out_rows(tmp_path):
+    path = write_jsonl(tmp_path / "gsm8k.jsonl", GSM8K_ROWS)
+    cfg = common.TrainConfig(dataset=path, eval_size=1)
+    tok = AutoTokenizer.from_pretrained(common.EMBEDDED_MODEL)
+    train, held_out = common.load_task(cfg, tok)
+    assert [ex["answer"] for ex in train] == ["7", "24", "999"] and [ex["answer"] for ex in held_out] == ["7"]
+    assert train[0]["raw_prompt"] == GSM8K_ROWS[0]["question"]
+
+
+def test_dataset_missing_column_names_the_flag_and_the_columns(tmp_path):
+    path = write_jsonl(tmp_path / "bad.jsonl", [{"problem": "1+1", "solution": "2"}] * 4)
+    out = run(["--dataset", path], tmp_path)
+    assert out.returncode != 0
+    assert "--prompt_column 'question'" in out.stderr and "problem" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_remax_trains_on_a_local_gsm8k_file(tmp_path):
+    path = write_jsonl(tmp_path / "gsm8k.jsonl", GSM8K_ROWS)
+    out = run(["--dataset", path, "--eval_size", "2", "--max_prompt_length", "64"], tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "dropped" not in out.stdout  # every prompt fits in 64 characters-tokens
+    rows = common.read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert rows[-1]["step"] == 2 and "eval/acc_all" in rows[-1]
+
+
+def test_prompts_longer_than_max_prompt_length_are_dropped_with_a_warning(tmp_path, capsys):
+    rows = [{"question": "1+2=", "answer": "3"}, {"question": "1+2+3+4+5=", "answer": "15"}, {"question": "2+2=", "answer": "4"}]
+    cfg = common.TrainConfig(dataset=write_jsonl(tmp_path / "d.jsonl", rows), eval_size=1, max_prompt_length=4)
+    tok = AutoTokenizer.from_pretrained(common.EMBEDDED_MODEL)  # one token per character
+    train, held_out = common.load_task(cfg, tok)
+    assert [ex["answer"] for ex in train] == ["3"] and [ex["answer"] for ex in held_out] == ["4"]
+    assert "dropped 1 train prompts longer than --max_prompt_length 4" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="--max_prompt_length"):
+        common.load_task(common.TrainConfig(dataset=cfg.dataset, eval_size=1, max_prompt_length=2), tok)
+
+
+def make_reward_model(path):
+    from transformers import AutoModelForSequenceClassification, Qwen2Config
+
+    tok = AutoTokenizer.from_pretrained(common.EMBEDDED_MODEL)
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=2, num_labels=1, pad_token_id=tok.pad_token_id)
+    AutoModelForSequenceClassification.from_config(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def test_reward_model_score_is_combined_with_the_rule_reward(tmp_path):
+    rm_path = make_reward_model(tmp_path / "rm")
+    cfg = common.TrainConfig(reward_model=rm_path, rule_reward_weight=0.5, reward_model_weight=2.0)
+    reward_fn = common.make_reward_fn(cfg, "cpu")
+    examples = [{"prompt": "12+3=", "answer": "15", "family": "add_2x1"}] * 2
+    rewards, correct = reward_fn(examples, ["15", "16"])
+    scores = common.RewardModel(rm_path, "float32", "cpu")(["12+3="] * 2, ["15", "16"])
+    assert torch.allclose(rewards, 0.5 * torch.tensor([1.0, 0.0]) + 2.0 * scores)
+    assert correct.tolist() == [1.0, 0.0]
+    assert not any(p.requires_grad for p in common.RewardModel(rm_path, "float32", "cpu").model.parameters())
+
+
+def test_remax_runs_with_a_reward_model(tmp_path):
+    out = run(["--reward_model", make_reward_model(tmp_path / "rm"), "--rule_reward_weight", "0"], tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_non_finite_reward_is_reported_with_prompt_and_completion():
+    cfg = common.TrainConfig(rule_reward_weight=float("nan"))
+    reward_fn = common.make_reward_fn(cfg, "cpu")
+    with pytest.raises(FloatingPointError, match="12\\+3="):
+        reward_fn([{"prompt": "12+3=", "answer": "15", "family": "add_2x1"}], ["15"])
+
+
+def test_lora_reference_is_the_base_model_with_adapter_disabled():
+    cfg = common.TrainConfig(lora_r=4)
+    policy = common.load_model(cfg)
+    for name, p in policy.named_parameters():  # make the adapter non-trivial
+        if "lora_B" in name:
+            torch.nn.init.normal_(p)
+    ref = common.load_reference(cfg, policy)
+    base = AutoModelForCausalLM.from_pretrained(common.EMBEDDED_MODEL)
+    ids = torch.tensor([[4, 5, 13, 6, 16]])
+    with torch.no_grad():
+        assert torch.allclose(ref(input_ids=ids).logits, base(input_ids=ids).logits, atol=1e-6)
+        assert not torch.allclose(policy(input_ids=ids).logits, base(input_ids=ids).logits, atol=1e-3)
+    assert sum(p.numel() for p in ref.parameters()) == 0  # no second copy of the weights
+
+
+def test_lora_run_saves_the_adapter_and_merges_on_request(tmp_path):
+    out = run(["--lora_r", "4", "--learning_rate", "1e-2"], tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert (tmp_path / "run" / "final" / "adapter_config.json").exists()
+    out = run(["--lora_r", "4", "--learning_rate", "1e-2", "--merge_lora", "--output_dir", str(tmp_path / "merged")], tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged" / "final")
+    base = AutoModelForCausalLM.from_pretrained(common.EMBEDDED_MODEL)
+    assert max((a - b).abs().max().item() for a, b in zip(merged.parameters(), base.parameters())) > 0
+
+
+def test_logprobs_are_fp32_under_bf16_autocast():
+    model = AutoModelForCausalLM.from_pretrained(common.EMBEDDED_MODEL)
+    ids, mask = torch.tensor([[4, 5, 13, 6, 16, 7]]), torch.ones(1, 6, dtype=torch.long)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logp = common.token_logprobs(model, ids, mask, 2)
+    assert logp.dtype == torch.float32
+
+
+def test_bf16_mixed_precision_run(tmp_path):
+    out = run([], tmp_path, env={"ACCELERATE_MIXED_PRECISION": "bf16"})
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+def comparable(rows):
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+
+
+def test_resume_reproduces_an_uninterrupted_run(tmp_path):
+    full = run(["--num_steps", "4", "--output_dir", str(tmp_path / "full")], tmp_path)
+    half = run(["--num_steps", "2", "--save_steps", "2", "--output_dir", str(tmp_path / "half")], tmp_path)
+    assert full.returncode == 0 and half.returncode == 0, half.stderr[-2000:]
+    ckpt = tmp_path / "half" / "checkpoint-2"
+    for f in ("optimizer.bin", "scheduler.bin", "random_states_0.pkl", "sampler_rank0.json", "trainer_state.json", "model/config.json"):
+        assert (ckpt / f).exists(), f
+    AutoModelForCausalLM.from_pretrained(ckpt / "model")  # the saved policy loads with from_pretrained
+    resumed = run(["--num_steps", "4", "--output_dir", str(tmp_path / "half"), "--resume_from", str(ckpt)], tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    a = comparable(common.read_metrics(tmp_path / "full" / "metrics.jsonl"))
+    b = comparable(common.read_metrics(tmp_path / "half" / "metrics.jsonl"))
+    assert [r["step"] for r in b] == [0, 1, 2, 3, 4]
+    assert a == b
+
+
+def test_sigterm_saves_a_checkpoint_before_exiting(tmp_path):
+    out_dir = tmp_path / "run"
+    cmd = [sys.executable, "remax.py", "--num_steps", "100000", "--eval_every", "100000", "--batch_size", "4", "--output_dir", str(out_dir)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (out_dir / "metrics.jsonl").exists() or len(common.read_metrics(out_dir / "metrics.jsonl")) < 2:
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    ckpts = list(out_dir.glob("checkpoint-*"))
+    assert len(ckpts) == 1 and (ckpts[0] / "model" / "config.json").exists()
