@@ -491,7 +491,7 @@ def make_reward_fn(cfg, device):
         bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
         if bad:
             i = bad[0]
-            raise FloatingPointError(f"reward {rewards[i].item()} for prompt {examples[i]['prompt'][:200]!r} and completion "
+            raise SystemExit(f"error: non-finite reward {rewards[i].item()} for prompt {examples[i]['prompt'][:200]!r} and completion "
                                      f"{completions[i][:200]!r}; step not applied. Check the reward function / --reward_model.")
         return rewards, correct
 
@@ -714,6 +714,16 @@ class Checkpointer:
                 json.dump({"step": step, "config": asdict(self.cfg)}, f, indent=2)
         self.accelerator.wait_for_everyone()
         return path
+
+    def check_finite(self, step, loss, grad_norm, policy, tokenizer):
+        """Call between clipping and optimizer.step(): a NaN/inf loss or gradient norm saves the
+        last good state (the weights before this update) and stops the run with a message."""
+        if torch.isfinite(loss.detach()).all() and torch.isfinite(torch.as_tensor(grad_norm)).all():
+            return
+        path = self.save(step - 1, policy, tokenizer)
+        raise SystemExit(f"error: non-finite loss ({loss.item()}) or gradient norm ({float(grad_norm)}) at step {step}; "
+                         f"the update was not applied and the last good state is in {path}. Lower --learning_rate, "
+                         "keep --max_grad_norm on, or check the rewards.")
 
     def step_end(self, step, policy, tokenizer):
         """Save when due or when a signal arrived (on any rank); True means stop now."""

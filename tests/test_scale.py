@@ -115,7 +115,7 @@ def test_remax_runs_with_a_reward_model(tmp_path):
 def test_non_finite_reward_is_reported_with_prompt_and_completion():
     cfg = common.TrainConfig(rule_reward_weight=float("nan"))
     reward_fn = common.make_reward_fn(cfg, "cpu")
-    with pytest.raises(FloatingPointError, match="12\\+3="):
+    with pytest.raises(SystemExit, match="12\\+3="):
         reward_fn([{"prompt": "12+3=", "answer": "15", "family": "add_2x1"}], ["15"])
 
 
@@ -190,3 +190,36 @@ def test_sigterm_saves_a_checkpoint_before_exiting(tmp_path):
     assert proc.returncode == 0, err[-2000:]
     ckpts = list(out_dir.glob("checkpoint-*"))
     assert len(ckpts) == 1 and (ckpts[0] / "model" / "config.json").exists()
+
+
+def test_non_finite_loss_saves_last_good_state_and_stops(tmp_path):
+    from accelerate import Accelerator
+
+    cfg = common.TrainConfig(output_dir=str(tmp_path))
+    accelerator = Accelerator(cpu=True)
+    policy = accelerator.prepare(common.load_model(cfg))
+    tokenizer = common.load_tokenizer(cfg)
+    ckpt = common.Checkpointer(cfg, accelerator, common.PromptSampler([{"prompt": "1"}], 1, 0))
+    ckpt.check_finite(5, torch.tensor(1.0), torch.tensor(2.0), policy, tokenizer)  # finite: nothing happens
+    assert not list(tmp_path.glob("checkpoint-*"))
+    with pytest.raises(SystemExit, match="non-finite loss"):
+        ckpt.check_finite(5, torch.tensor(float("nan")), torch.tensor(2.0), policy, tokenizer)
+    with pytest.raises(SystemExit, match="gradient norm"):
+        ckpt.check_finite(7, torch.tensor(1.0), torch.tensor(float("inf")), policy, tokenizer)
+    assert (tmp_path / "checkpoint-4" / "model" / "config.json").exists()
+    assert (tmp_path / "checkpoint-6" / "trainer_state.json").exists()
+
+
+def test_same_seed_gives_identical_metrics(tmp_path):
+    a = run(["--output_dir", str(tmp_path / "a")], tmp_path)
+    b = run(["--output_dir", str(tmp_path / "b")], tmp_path)
+    assert a.returncode == 0 and b.returncode == 0
+    rows_a = comparable(common.read_metrics(tmp_path / "a" / "metrics.jsonl"))
+    assert rows_a == comparable(common.read_metrics(tmp_path / "b" / "metrics.jsonl"))
+    c = run(["--output_dir", str(tmp_path / "c"), "--seed", "1"], tmp_path)
+    assert comparable(common.read_metrics(tmp_path / "c" / "metrics.jsonl"))[1:] != rows_a[1:]
+
+
+def test_gradient_checkpointing_run(tmp_path):
+    out = run(["--gradient_checkpointing"], tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
