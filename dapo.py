@@ -36,6 +36,7 @@ class Config(common.TrainConfig):
     epsilon_high: float = field(default=0.28, metadata={"help": "Clip the ratio above at 1 + epsilon_high (DAPO: 0.28), >= epsilon_low."})
     num_iterations: int = field(default=1, metadata={"help": "mu: optimizer updates per rollout batch, ratio against the sampling-time log-probs (1 = on-policy, the clip is inert)."})
     max_sampling_rounds: int = field(default=8, metadata={"help": "Dynamic sampling: at most this many generation rounds per step; if the batch is still not full, train on the groups kept (warning), or skip the step if none."})
+    dynamic_sampling_metric: str = field(default="correct", metadata={"help": "Drop groups whose 'correct' (0/1 correctness, DAPO) or 'reward' (before length shaping; for data without answers, scored by --reward_model) is all equal."})
     overlong_cache_len: int = field(default=3, metadata={"help": "Overlong shaping: penalty from max_new_tokens - cache_len tokens on, -1 at max_new_tokens (paper: 4096 of 20480; 3 of 8 here: the longest right answer, 4 digits + EOS, is never penalised). 0 = off."})
 
     # inherited defaults changed for the embedded model: with K samples per prompt a step sees
@@ -59,6 +60,10 @@ class Config(common.TrainConfig):
             raise ValueError(f"--num_iterations must be >= 1 (got {self.num_iterations}).")
         if self.max_sampling_rounds < 1:
             raise ValueError(f"--max_sampling_rounds must be >= 1 (got {self.max_sampling_rounds}).")
+        if self.dynamic_sampling_metric not in ("correct", "reward"):
+            raise ValueError(f"--dynamic_sampling_metric must be 'correct' or 'reward' (got {self.dynamic_sampling_metric!r}).")
+        if self.dynamic_sampling_metric == "correct" and not self.answer_column and self.dataset != "arithmetic":
+            raise ValueError("--answer_column '' gives no correctness to filter on: use --dynamic_sampling_metric reward.")
         if not 0 <= self.overlong_cache_len <= self.max_new_tokens:
             raise ValueError(f"--overlong_cache_len must be in [0, --max_new_tokens = {self.max_new_tokens}] (got {self.overlong_cache_len}).")
 
@@ -133,20 +138,24 @@ def main():
     accelerator = common.make_accelerator(cfg)
     set_seed(cfg.seed)  # identical initial weights on every rank
     tokenizer = common.load_tokenizer(cfg)
+    train_data, eval_data = common.load_task(cfg, tokenizer)  # data errors surface before models load
+    reward_fn = common.make_reward_fn(cfg, accelerator.device)
     policy = common.load_model(cfg)
     optimizer, scheduler = common.make_optimizer(policy, cfg)
     policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
-    train_data, eval_data = common.load_task(cfg)
     group_size = cfg.num_generations
     sampler = common.PromptSampler(train_data, cfg.batch_size // group_size, cfg.seed, accelerator.process_index, accelerator.num_processes)
     set_seed(cfg.seed + accelerator.process_index)  # each rank samples different completions
-    logger = common.MetricLogger(cfg, accelerator)
-    logger.log(0, common.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
+    ckpt = common.Checkpointer(cfg, accelerator, sampler)
+    start_step = ckpt.resume()
+    logger = common.MetricLogger(cfg, accelerator, start_step)
+    if start_step == 0:
+        logger.log(0, common.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
 
     timer = common.StepTimer()
-    for step in tqdm(range(1, cfg.num_steps + 1), disable=not accelerator.is_main_process, desc="dapo"):
+    for step in tqdm(range(start_step + 1, cfg.num_steps + 1), disable=not accelerator.is_main_process, desc="dapo"):
         # ---- rollout: dynamic sampling, rounds of groups until batch_size completions in mixed groups ----
-        kept_examples, kept_completion_ids, rounds, groups_dropped = [], [], 0, 0
+        kept_examples, kept_completion_ids, kept_rewards, kept_correct, rounds, groups_dropped = [], [], [], [], 0, 0
         while len(kept_examples) < cfg.batch_size and rounds < cfg.max_sampling_rounds:
             rounds += 1
             batch = sampler.next()
@@ -157,17 +166,20 @@ def main():
             with timer("scoring"):
                 examples = [ex for ex in batch for _ in range(group_size)]  # each prompt's group_size samples adjacent, as generate
                 mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
-                _, correct = common.compute_rewards(examples, common.decode_completions(tokenizer, completion_ids, mask), cfg.reward_scales)
-                keep = dynamic_sampling_filter(correct, group_size)
+                completions = common.decode_completions(tokenizer, completion_ids, mask)
+                rewards, correct = reward_fn(examples, completions)
+                keep = dynamic_sampling_filter(correct if cfg.dynamic_sampling_metric == "correct" else rewards, group_size)
                 groups_dropped += int((~keep).sum())
                 keep = keep.repeat_interleave(group_size)
-                kept_examples += [ex for ex, k in zip(examples, keep) if k]
-                kept_completion_ids += [ids for ids, k in zip(completion_ids, keep) if k]
+                kept_examples += [ex for ex, k in zip(examples, keep.tolist()) if k]
+                kept_completion_ids += list(completion_ids[keep])
+                kept_rewards.append(rewards[keep])
+                kept_correct.append(correct[keep])
         # a process with no mixed group has nothing to learn from: then every process skips (DDP steps together)
         nothing_kept = accelerator.reduce(torch.tensor(float(not kept_examples), device=accelerator.device), reduction="sum") > 0
         if len(kept_examples) < cfg.batch_size:
             print(f"warning: step {step} (rank {accelerator.process_index}): --max_sampling_rounds {cfg.max_sampling_rounds} reached with "
-                  f"{len(kept_examples) // group_size} of {cfg.batch_size // group_size} groups of mixed correctness; "
+                  f"{len(kept_examples) // group_size} of {cfg.batch_size // group_size} groups with mixed {cfg.dynamic_sampling_metric}; "
                   + ("skipping the step (a process kept no group)" if nothing_kept else "training on those")
                   + ". Raise --max_sampling_rounds to fill the batch.", file=sys.stderr, flush=True)
         if nothing_kept:
@@ -175,16 +187,17 @@ def main():
             if step % cfg.eval_every == 0 or step == cfg.num_steps:
                 metrics.update(common.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
             logger.log(step, metrics)
+            if ckpt.step_end(step, policy, tokenizer):
+                break
             continue
         with timer("scoring"):
-            examples = kept_examples[:cfg.batch_size]  # the last round may overfill the batch
-            completion_ids = torch.nn.utils.rnn.pad_sequence(kept_completion_ids[:cfg.batch_size], batch_first=True, padding_value=tokenizer.pad_token_id)
+            n = cfg.batch_size  # the last round may overfill the batch
+            examples, rewards, correct = kept_examples[:n], torch.cat(kept_rewards)[:n], torch.cat(kept_correct)[:n]
+            completion_ids = torch.nn.utils.rnn.pad_sequence(kept_completion_ids[:n], batch_first=True, padding_value=tokenizer.pad_token_id)
             prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, [ex["prompt"] for ex in examples], accelerator.device)
             mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
-            completions = common.decode_completions(tokenizer, completion_ids, mask)
-            rewards, correct = common.compute_rewards(examples, completions, cfg.reward_scales)
             penalty = overlong_penalty(mask.sum(1), cfg.max_new_tokens, cfg.overlong_cache_len)
-            rewards = (rewards + penalty).to(accelerator.device)
+            rewards = rewards + penalty  # overlong shaping, after the filter
             input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
             attention_mask = torch.cat([prompt_mask, mask], dim=1)
             T = completion_ids.shape[1]
@@ -227,11 +240,13 @@ def main():
         if step % cfg.eval_every == 0 or step == cfg.num_steps:
             metrics.update(common.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
         logger.log(step, metrics)
+        if ckpt.step_end(step, policy, tokenizer):
+            break
 
     # ---- end: save, plot ----
     logger.finish(policy)
     if cfg.save_model:
-        common.save_model(accelerator, policy, tokenizer, f"{cfg.output_dir}/final")
+        common.save_model(accelerator, policy, tokenizer, f"{cfg.output_dir}/final", cfg.merge_lora)
 
 
 if __name__ == "__main__":

@@ -119,21 +119,25 @@ def main():
     accelerator = common.make_accelerator(cfg)
     set_seed(cfg.seed)  # identical initial weights on every rank
     tokenizer = common.load_tokenizer(cfg)
+    train_data, eval_data = common.load_task(cfg, tokenizer)  # data errors surface before models load
+    reward_fn = common.make_reward_fn(cfg, accelerator.device)
     policy = common.load_model(cfg)
-    ref_model = common.load_model(cfg, trainable=False) if cfg.beta > 0 else None
+    ref_model = common.load_reference(cfg, policy) if cfg.beta > 0 else None
     optimizer, scheduler = common.make_optimizer(policy, cfg)
     policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
     if ref_model is not None:
         ref_model = ref_model.to(accelerator.device)
-    train_data, eval_data = common.load_task(cfg)
     group_size = cfg.num_generations
     sampler = common.PromptSampler(train_data, cfg.batch_size // group_size, cfg.seed, accelerator.process_index, accelerator.num_processes)
     set_seed(cfg.seed + accelerator.process_index)  # each rank samples different completions
-    logger = common.MetricLogger(cfg, accelerator)
-    logger.log(0, common.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
+    ckpt = common.Checkpointer(cfg, accelerator, sampler)
+    start_step = ckpt.resume()
+    logger = common.MetricLogger(cfg, accelerator, start_step)
+    if start_step == 0:
+        logger.log(0, common.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
 
     timer = common.StepTimer()
-    for step in tqdm(range(1, cfg.num_steps + 1), disable=not accelerator.is_main_process, desc="grpo"):
+    for step in tqdm(range(start_step + 1, cfg.num_steps + 1), disable=not accelerator.is_main_process, desc="grpo"):
         # ---- rollout: a group of sampled responses per prompt ----
         batch = sampler.next()
         prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, [ex["prompt"] for ex in batch], accelerator.device)
@@ -145,8 +149,7 @@ def main():
             prompt_ids, prompt_mask = prompt_ids.repeat_interleave(group_size, dim=0), prompt_mask.repeat_interleave(group_size, dim=0)
             mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
             completions = common.decode_completions(tokenizer, completion_ids, mask)
-            rewards, correct = common.compute_rewards(examples, completions, cfg.reward_scales)
-            rewards = rewards.to(accelerator.device)
+            rewards, correct = reward_fn(examples, completions)
             input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
             attention_mask = torch.cat([prompt_mask, mask], dim=1)
             T = completion_ids.shape[1]
@@ -189,11 +192,13 @@ def main():
         if step % cfg.eval_every == 0 or step == cfg.num_steps:
             metrics.update(common.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
         logger.log(step, metrics)
+        if ckpt.step_end(step, policy, tokenizer):
+            break
 
     # ---- end: save, plot ----
     logger.finish(policy)
     if cfg.save_model:
-        common.save_model(accelerator, policy, tokenizer, f"{cfg.output_dir}/final")
+        common.save_model(accelerator, policy, tokenizer, f"{cfg.output_dir}/final", cfg.merge_lora)
 
 
 if __name__ == "__main__":

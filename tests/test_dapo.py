@@ -115,6 +115,7 @@ def test_dapo_loss_is_a_token_mean_over_the_batch():
     ({"epsilon_low": 1.0, "epsilon_high": 1.0}, ["--epsilon_low"]),
     ({"max_sampling_rounds": 0}, ["--max_sampling_rounds"]),
     ({"overlong_cache_len": 9}, ["--overlong_cache_len"]),
+    ({"dynamic_sampling_metric": "score"}, ["--dynamic_sampling_metric"]),
     ({"num_iterations": 0}, ["--num_iterations"]),
 ])
 def test_bad_config_raises_a_value_error_naming_the_flag(kwargs, flags):
