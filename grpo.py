@@ -172,6 +172,7 @@ def main():
             with timer("optimizer"):
                 # ---- mu steps on the same batch ----
                 grad_norm = accelerator.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
+                ckpt.check_finite(step, loss, grad_norm, policy, tokenizer)
                 optimizer.step()
                 optimizer.zero_grad()
         scheduler.step()  # once per rollout batch, so --warmup_steps counts steps as in every script

@@ -121,6 +121,7 @@ def main():
         with timer("optimizer"):
             # ---- one on-policy step ----
             grad_norm = accelerator.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
+            ckpt.check_finite(step, loss, grad_norm, policy, tokenizer)
             optimizer.step()
             scheduler.step()
             optimizer.zero_grad()
