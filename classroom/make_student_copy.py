@@ -1,0 +1,244 @@
+"""Write a student copy of this project: the core math removed, our tests left in to grade it.
+
+    python classroom/make_student_copy.py ../student   # write the copy, print the exercises
+    python classroom/make_student_copy.py --list       # the exercise table (markdown)
+    python classroom/make_student_copy.py --tests      # node ids of the grading tests, for pytest
+
+The reference marks the computing body of each exercise function with two comment lines,
+`# BEGIN SOLUTION` and `# END SOLUTION`. In the copy that region becomes
+`raise NotImplementedError("<hint>")`, the hint being a `# HINT:` line inside the region if
+there is one, else the first paragraph of the function's docstring, on one line. Everything
+else is copied as is.
+"""
+import argparse
+import ast
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BEGIN, END, HINT = "# BEGIN SOLUTION", "# END SOLUTION", "# HINT:"
+SKIP_DIRS = {".git", ".venv", "venv", "runs", "__pycache__", ".pytest_cache"}
+
+# "file::function" -> (difficulty 1-3, test file, the tests in it that grade the function).
+# A test also runs whatever the function calls, so the order below is the order to solve them in.
+EXERCISES = {
+    "common.py::kl_k1": (1, "tests/test_kl.py", [
+        "test_k1_and_k3_are_unbiased_for_reverse_kl", "test_k3_is_nonnegative_per_sample_and_k1_is_not",
+        "test_k1_loss_gradient_is_zero", "test_k1_reward_penalty_gradient_is_reverse_kl",
+        "test_estimators_hand_computed_values"]),
+    "common.py::kl_k2": (1, "tests/test_kl.py", [
+        "test_k2_is_biased_at_third_order", "test_k2_loss_gradient_is_reverse_kl",
+        "test_k2_and_k3_reward_penalties_give_wrong_gradients", "test_estimators_hand_computed_values"]),
+    "common.py::kl_k3": (1, "tests/test_kl.py", [
+        "test_k1_and_k3_are_unbiased_for_reverse_kl", "test_k3_is_nonnegative_per_sample_and_k1_is_not",
+        "test_k3_loss_gradient_is_forward_kl", "test_k2_and_k3_reward_penalties_give_wrong_gradients",
+        "test_estimators_hand_computed_values"]),
+    "common.py::masked_sum": (1, "tests/test_common.py", [
+        "test_masked_sum_and_mean_ignore_masked_values_even_nan"]),
+    "common.py::masked_mean": (1, "tests/test_common.py", [
+        "test_masked_sum_and_mean_ignore_masked_values_even_nan", "test_masked_mean_of_empty_row_is_zero"]),
+    "common.py::masked_whiten": (2, "tests/test_common.py", [
+        "test_masked_whiten_has_zero_mean_unit_std_on_mask_and_zero_off_it"]),
+    "common.py::completion_mask": (2, "tests/test_common.py", [
+        "test_completion_mask_keeps_first_eos_and_drops_the_rest"]),
+    "common.py::aggregate_loss": (2, "tests/test_common.py", [
+        "test_aggregate_loss_modes_hand_computed", "test_aggregate_loss_rejects_unknown_mode"]),
+    "common.py::reward_to_go": (2, "tests/test_common.py", ["test_reward_to_go_sums_future_masked_values"]),
+    "remax.py::remax_advantages": (1, "tests/test_remax.py", [
+        "test_remax_advantage_subtracts_the_greedy_reward",
+        "test_remax_advantage_is_invariant_to_a_per_prompt_reward_offset"]),
+    "remax.py::remax_loss": (2, "tests/test_remax.py", [
+        "test_remax_loss_returns_fold_kl_reward_to_go",
+        "test_remax_loss_gradient_is_reinforce_with_baseline"]),
+    "rloo.py::rloo_advantages": (1, "tests/test_rloo.py", [
+        "test_rloo_advantage_is_reward_minus_mean_of_the_others",
+        "test_rloo_equals_k_over_k_minus_1_times_reward_minus_mean",
+        "test_rloo_with_two_samples_is_the_reward_difference", "test_all_equal_group_gives_zero_advantage",
+        "test_rloo_advantage_is_invariant_to_a_per_prompt_reward_offset"]),
+    "rloo.py::rloo_loss": (1, "tests/test_rloo.py", [
+        "test_rloo_loss_treats_the_whole_sequence_as_one_action",
+        "test_rloo_loss_does_not_backpropagate_into_the_advantage"]),
+    "grpo.py::grpo_advantages": (2, "tests/test_grpo.py", [
+        "test_group_advantage_uses_bessel_std_and_eps", "test_group_advantage_eps_keeps_a_tiny_std_finite",
+        "test_all_equal_group_gives_exactly_zero_advantage", "test_scale_rewards_group_batch_none",
+        "test_group_std_removes_each_prompts_reward_scale"]),
+    "grpo.py::grpo_loss": (3, "tests/test_grpo.py", [
+        "test_clip_gradient_is_zero_exactly_on_the_clipped_side",
+        "test_clip_loss_is_continuous_at_the_boundaries",
+        "test_with_one_iteration_ratio_is_one_and_gradient_is_the_policy_gradient",
+        "test_k3_term_value_and_gradient", "test_loss_ignores_tokens_after_the_mask"]),
+    "dapo.py::grpo_advantages": (1, "tests/test_dapo.py", ["test_advantage_is_grpos_group_advantage"]),
+    "dapo.py::dynamic_sampling_filter": (1, "tests/test_dapo.py", [
+        "test_dynamic_sampling_keeps_only_groups_with_mixed_correctness",
+        "test_dynamic_sampling_filters_on_correctness_not_on_the_shaped_reward"]),
+    "dapo.py::overlong_penalty": (2, "tests/test_dapo.py", [
+        "test_overlong_penalty_check_values_from_the_paper",
+        "test_overlong_penalty_default_spares_every_right_answer",
+        "test_overlong_penalty_with_no_cache_only_punishes_past_max_len"]),
+    "dapo.py::dapo_loss": (2, "tests/test_dapo.py", [
+        "test_clip_higher_bounds", "test_clip_higher_is_asymmetric",
+        "test_dapo_loss_is_a_token_mean_over_the_batch"]),
+    "ppo.py::gae": (3, "tests/test_ppo.py", [
+        "test_gae_matches_a_hand_written_loop",
+        "test_gae_with_gamma_and_lambda_one_is_reward_to_go_minus_value",
+        "test_gae_with_lambda_zero_is_the_one_step_td_error",
+        "test_gae_padding_does_not_change_valid_advantages_and_gets_zero",
+        "test_gae_last_valid_token_bootstraps_from_zero"]),
+    "ppo.py::ppo_policy_loss": (2, "tests/test_ppo.py", [
+        "test_policy_loss_on_policy_gradient_is_the_policy_gradient",
+        "test_policy_loss_gradient_is_zero_exactly_where_clipped",
+        "test_policy_loss_is_continuous_at_the_clip_boundaries",
+        "test_policy_loss_masks_padding_and_reports_the_ratio_kl"]),
+    "ppo.py::ppo_value_loss": (2, "tests/test_ppo.py", [
+        "test_value_loss_inside_the_clip_is_half_squared_error",
+        "test_value_clip_stops_a_move_past_the_clip_towards_the_return",
+        "test_value_clip_never_stops_a_move_back_towards_the_return",
+        "test_value_loss_is_a_token_mean_over_the_mask"]),
+    "toy_bandit.py::gradient_variance": (3, "tests/test_toy_bandit.py", [
+        "test_two_arm_check_values", "test_mean_baseline_is_4x_none_for_symmetric_rewards",
+        "test_dayan_mean_baseline_is_worse_than_none_exactly_for_p_above_two_thirds",
+        "test_greedy_beats_none_for_rewards_2_1_and_loses_for_rewards_1_0_once_p_above_half",
+        "test_two_arm_variance_is_quadratic_around_b_star", "test_optimal_baseline_is_argmin_of_variance",
+        "test_closed_form_matches_monte_carlo"]),
+    "toy_bandit.py::optimal_baseline": (2, "tests/test_toy_bandit.py", [
+        "test_optimal_baseline_is_argmin_of_variance", "test_optimal_baseline_with_zero_mean_reward",
+        "test_optimal_baseline_is_shift_and_scale_equivariant"]),
+    "toy_bandit.py::two_arm_baselines": (1, "tests/test_toy_bandit.py", [
+        "test_two_arm_check_values", "test_mean_baseline_is_4x_none_for_symmetric_rewards",
+        "test_dayan_mean_baseline_is_worse_than_none_exactly_for_p_above_two_thirds",
+        "test_greedy_beats_none_for_rewards_2_1_and_loses_for_rewards_1_0_once_p_above_half",
+        "test_greedy_tie_break_goes_to_lowest_index"]),
+    "toy_bandit.py::softmax_gradient_variance": (3, "tests/test_toy_bandit.py", [
+        "test_k_arm_check_values", "test_k_arm_variance_is_quadratic_around_b_star",
+        "test_k_arm_optimal_baseline_is_argmin_of_variance", "test_closed_form_matches_monte_carlo"]),
+    "toy_bandit.py::softmax_optimal_baseline": (2, "tests/test_toy_bandit.py", [
+        "test_k_arm_optimal_baseline_is_argmin_of_variance", "test_optimal_baseline_with_zero_mean_reward",
+        "test_optimal_baseline_is_shift_and_scale_equivariant"]),
+    "toy_bandit.py::softmax_baselines": (1, "tests/test_toy_bandit.py", [
+        "test_k_arm_check_values", "test_greedy_tie_break_goes_to_lowest_index"]),
+    "toy_bandit.py::rloo_advantages": (1, "tests/test_toy_bandit.py", [
+        "test_group_advantages_match_their_definitions", "test_rloo_is_unbiased_by_enumeration",
+        "test_rloo_variance_by_enumeration_matches_monte_carlo"]),
+    "toy_bandit.py::mean_advantages": (1, "tests/test_toy_bandit.py", [
+        "test_group_advantages_match_their_definitions", "test_mean_baseline_bias_is_k_minus_1_over_k"]),
+    "toy_bandit.py::grpo_advantages": (1, "tests/test_toy_bandit.py", [
+        "test_group_advantages_match_their_definitions", "test_grpo_all_equal_group_gets_zero_advantage",
+        "test_grpo_bias_ratio_depends_on_p", "test_grpo_bias_ratio_is_constant_for_groups_of_two_or_three"]),
+}
+
+
+def project_files(src):
+    """Relative paths of the project's files: `git ls-files` in a checkout, else a tree walk."""
+    git = shutil.which("git")
+    top = git and subprocess.run([git, "rev-parse", "--show-toplevel"], cwd=src, capture_output=True, text=True)
+    if top and top.returncode == 0 and Path(top.stdout.strip()).resolve() == src:
+        listed = subprocess.run([git, "ls-files", "-z"], cwd=src, capture_output=True, text=True, check=True).stdout
+        return sorted(p for p in listed.split("\0") if p and (src / p).is_file())
+    return sorted(str(p.relative_to(src)) for p in src.rglob("*")
+                  if p.is_file() and not SKIP_DIRS & set(p.relative_to(src).parts[:-1]) and p.suffix != ".pyc")
+
+
+def regions(text):
+    """(first line, last line, indent, function, hint) of each marked region; lines 0-based."""
+    lines, found, start = text.splitlines(), [], None
+    for i, line in enumerate(lines):
+        if line.strip() == BEGIN:
+            if start is not None:
+                raise ValueError(f"line {i + 1}: {BEGIN} inside another region (line {start + 1})")
+            start = i
+        elif line.strip() == END:
+            if start is None:
+                raise ValueError(f"line {i + 1}: {END} without {BEGIN}")
+            found.append((start, i))
+            start = None
+    if start is not None:
+        raise ValueError(f"line {start + 1}: {BEGIN} without {END}")
+    functions = [n for n in ast.walk(ast.parse(text)) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+    result = []
+    for start, end in found:
+        # the innermost function around the region names it and gives its docstring
+        around = [f for f in functions if f.lineno <= start + 1 <= f.end_lineno]
+        func = max(around, key=lambda f: f.lineno) if around else None
+        hints = [l.strip()[len(HINT):].strip() for l in lines[start + 1:end] if l.strip().startswith(HINT)]
+        doc = " ".join((ast.get_docstring(func) or "").strip().split("\n\n")[0].split()) if func else ""
+        hint = hints[0] if hints else doc or f"implement {func.name if func else 'this function'}"
+        indent = lines[start][:len(lines[start]) - len(lines[start].lstrip())]
+        result.append((start, end, indent, func.name if func else "?", hint))
+    return result
+
+
+def blank(text, name="<file>"):
+    """The student version of a source file: each marked region replaced by a raise."""
+    lines = text.splitlines(keepends=True)
+    for start, end, indent, _, hint in reversed(regions(text)):
+        lines[start:end + 1] = [f"{indent}raise NotImplementedError({json.dumps(hint, ensure_ascii=False)})\n"]
+    student = "".join(lines)
+    compile(student, name, "exec")  # a region that was not a whole block would show up here
+    return student
+
+
+def marked_functions(src=ROOT):
+    """{"file::function": hint} for every marked region under src."""
+    found = {}
+    for rel in project_files(src):
+        if rel.endswith(".py"):
+            text = (src / rel).read_bytes().decode("utf-8")
+            found.update({f"{rel}::{r[3]}": r[4] for r in regions(text)})
+    return found
+
+
+def grading_tests():
+    """pytest node ids of the tests that grade the exercises, each once, in table order."""
+    return list(dict.fromkeys(f"{file}::{name}" for _, file, names in EXERCISES.values() for name in names))
+
+
+def table():
+    rows = ["| Exercise | File | Difficulty | Tests that grade it |", "|---|---|---|---|"]
+    for key, (difficulty, test_file, names) in EXERCISES.items():
+        file, function = key.split("::")
+        tests = f"`{Path(test_file).name}`: " + ", ".join(f"`{name}`" for name in names)
+        rows.append(f"| `{function}` | `{file}` | {'★' * difficulty}{'☆' * (3 - difficulty)} | {tests} |")
+    return "\n".join(rows)
+
+
+def write_copy(src, out):
+    if out == src or src in out.parents:
+        sys.exit(f"error: {out} is inside the reference project {src}; write the student copy "
+                 "outside it, e.g. `python classroom/make_student_copy.py ../student`.")
+    missing = sorted(set(marked_functions(src)) - set(EXERCISES))
+    if missing:
+        print(f"warning: marked but not in EXERCISES (no tests listed): {', '.join(missing)}", file=sys.stderr)
+    for rel in project_files(src):
+        source, target = src / rel, out / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        text = source.read_bytes().decode("utf-8") if rel.endswith(".py") else ""
+        if BEGIN in text:
+            target.write_bytes(blank(text, rel).encode("utf-8"))
+            shutil.copymode(source, target)
+        else:
+            shutil.copy(source, target)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir", nargs="?", help="Where to write the student copy (outside this project).")
+    parser.add_argument("--list", action="store_true", help="Print the exercise table (markdown) and exit.")
+    parser.add_argument("--tests", action="store_true", help="Print the node ids of the grading tests and exit.")
+    args = parser.parse_args()
+    if args.list or args.tests:
+        print(table() if args.list else "\n".join(grading_tests()))
+        return
+    if not args.out_dir:
+        parser.error("give OUT_DIR (or --list / --tests)")
+    out = Path(args.out_dir).resolve()
+    write_copy(ROOT, out)
+    print(table())
+    print(f"\nWrote the student copy to {out}. Grade it with:\n"
+          f"  cd {out} && python -m pytest -v --tb=line $(python classroom/make_student_copy.py --tests)")
+
+
+if __name__ == "__main__":
+    main()
