@@ -32,9 +32,9 @@ import common
 
 @dataclass
 class Config(common.TrainConfig):
-    learning_rate: float = field(default=2e-4, metadata={"help": "Policy learning rate (AdamW). Tiny model default; papers use 1e-6..3e-6 for 7B models."})
-    critic_learning_rate: float = field(default=1e-3, metadata={"help": "Critic learning rate (AdamW). Tiny model default; papers use ~1e-5 for 7B models."})
-    reward_model_path: str = field(default="", metadata={"help": "Initialise the critic from this sequence-classification checkpoint (a reward model, or a critic saved by this script); default: from the policy, with a new value head."})
+    learning_rate: float = field(default=3e-5, metadata={"help": "Policy learning rate (AdamW). Below the common 1e-4 because each batch gives ppo_epochs x num_mini_batches = 16 steps (tuned on the embedded model); papers use 1e-6..3e-6 for 7B models."})
+    critic_learning_rate: float = field(default=1e-4, metadata={"help": "Critic learning rate (AdamW). Tiny model default (1e-3 made the critic overshoot: lower explained variance); papers use ~1e-5 for 7B models."})
+    reward_model_path: str = field(default="", metadata={"help": "Initialise the critic from this sequence-classification checkpoint with the policy's tokenizer (a reward model, or output_dir/final/critic of an earlier run); default: the policy's backbone with a new value head. (--reward_model scores; this only initialises the critic.)"})
     kl_coef: float = field(default=0.05, metadata={"help": "Coefficient of the per-token k1 penalty in the reward (initial value if --adaptive_kl)."})
     adaptive_kl: bool = field(default=False, metadata={"help": "Adapt kl_coef towards --kl_target (Ziegler et al., 2019)."})
     kl_target: float = field(default=1.0, metadata={"help": "Target KL per sequence (nats) for --adaptive_kl (Ziegler et al.: 6 for 24-token completions)."})
@@ -141,12 +141,16 @@ def explained_variance(values, returns, mask):
 class ValueModel(torch.nn.Module):
     """The critic: a sequence-classification model with one label (the policy's backbone plus a
     scalar head `score`, as reward models are stored), applied at every position.
-    From a causal-LM checkpoint the backbone is loaded and the head newly initialised."""
+    From a causal-LM checkpoint the backbone is loaded and the head newly initialised.
+    Always trained in full (also when the policy uses --lora_r), in --torch_dtype."""
 
-    def __init__(self, path):
+    def __init__(self, path, torch_dtype="float32", gradient_checkpointing=False):
         super().__init__()
-        self.model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)
+        self.model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=common.DTYPES[torch_dtype])
         common.disable_dropout(self.model)
+        if gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.train()  # dropout is off; train mode only lets gradient checkpointing act
 
     def forward(self, input_ids, attention_mask, num_completion_tokens):
         """(B, C) values V_t of the prefix before each of the last C tokens (the state in which
@@ -168,6 +172,12 @@ class AdaptiveKLController:
         error = min(max(kl / self.target - 1, -0.2), 0.2)
         self.value *= 1 + error * n / self.horizon
 
+    def state_dict(self):  # saved in resumable checkpoints (accelerator.register_for_checkpointing)
+        return {"value": self.value}
+
+    def load_state_dict(self, state):
+        self.value = state["value"]
+
 
 # the critic's own panels, next to common.PLOT_KEYS in curves.png
 CRITIC_PLOT_KEYS = ("train/value_loss", "train/explained_variance", "train/value_clipfrac",
@@ -178,11 +188,18 @@ def main():
     cfg = common.parse_config(Config)
     # ---- setup: accelerator, seed, policy, critic, reference, data ----
     accelerator = common.make_accelerator(cfg)
+    if accelerator.state.deepspeed_plugin is not None:
+        raise SystemExit("error: ppo.py trains two models (policy and critic) and accelerate's DeepSpeed integration "
+                         "prepares one model per Accelerator: launch it with DDP (e.g. configs/ddp_8gpu.yaml).")
     set_seed(cfg.seed)  # identical initial weights on every rank
     tokenizer = common.load_tokenizer(cfg)
+    train_data, eval_data = common.load_task(cfg, tokenizer)  # data errors surface before models load
+    reward_fn = common.make_reward_fn(cfg, accelerator.device)
     policy = common.load_model(cfg)
-    critic = ValueModel(cfg.reward_model_path or cfg.model_name_or_path)
-    ref_model = common.load_model(cfg, trainable=False) if cfg.kl_coef > 0 else None
+    if cfg.reward_model_path:
+        common.check_model_path(cfg.reward_model_path, flag="--reward_model_path")
+    critic = ValueModel(cfg.reward_model_path or cfg.model_name_or_path, cfg.torch_dtype, cfg.gradient_checkpointing)
+    ref_model = common.load_reference(cfg, policy) if cfg.kl_coef > 0 else None
     optimizer, scheduler = common.make_optimizer(policy, cfg)
     critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_learning_rate, weight_decay=0.0)
     critic_scheduler = get_constant_schedule_with_warmup(critic_optimizer, cfg.warmup_steps)
@@ -191,14 +208,17 @@ def main():
     if ref_model is not None:
         ref_model = ref_model.to(accelerator.device)
     kl_ctl = AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
-    train_data, eval_data = common.load_task(cfg)
+    accelerator.register_for_checkpointing(kl_ctl)
     sampler = common.PromptSampler(train_data, cfg.batch_size, cfg.seed, accelerator.process_index, accelerator.num_processes)
     set_seed(cfg.seed + accelerator.process_index)  # each rank samples different completions
-    logger = common.MetricLogger(cfg, accelerator)
-    logger.log(0, common.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
+    ckpt = common.Checkpointer(cfg, accelerator, sampler)
+    start_step = ckpt.resume()
+    logger = common.MetricLogger(cfg, accelerator, start_step)
+    if start_step == 0:
+        logger.log(0, common.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
 
     timer = common.StepTimer()
-    for step in tqdm(range(1, cfg.num_steps + 1), disable=not accelerator.is_main_process, desc="ppo"):
+    for step in tqdm(range(start_step + 1, cfg.num_steps + 1), disable=not accelerator.is_main_process, desc="ppo"):
         # ---- rollout: one sampled response per prompt ----
         batch = sampler.next()
         prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, [ex["prompt"] for ex in batch], accelerator.device)
@@ -208,8 +228,7 @@ def main():
         with timer("scoring"):
             mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
             completions = common.decode_completions(tokenizer, completion_ids, mask)
-            rewards, correct = common.compute_rewards(batch, completions, cfg.reward_scales)
-            rewards = rewards.to(accelerator.device)
+            rewards, correct = reward_fn(batch, completions)
             input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
             attention_mask = torch.cat([prompt_mask, mask], dim=1)
             T = completion_ids.shape[1]
@@ -245,15 +264,15 @@ def main():
                     max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
                     grad_norm = accelerator.clip_grad_norm_(policy.parameters(), max_norm)
                     critic_grad_norm = accelerator.clip_grad_norm_(critic.parameters(), max_norm)
+                    ckpt.check_finite(step, loss, torch.stack([grad_norm, critic_grad_norm]), policy, tokenizer)
                     optimizer.step()
                     critic_optimizer.step()
                     optimizer.zero_grad()
                     critic_optimizer.zero_grad()
                 updates.append(torch.stack([loss.detach(), pg_loss.detach(), vf_loss.detach(), pg_stats["clipfrac"], pg_stats["approx_kl"],
                                             vf_stats["clipfrac"], grad_norm, critic_grad_norm]))
-        with timer("optimizer"):
-            scheduler.step()
-            critic_scheduler.step()
+        scheduler.step()  # once per rollout batch, so --warmup_steps counts steps as in every script
+        critic_scheduler.step()
         loss, pg_loss, vf_loss, policy_clipfrac, approx_kl, value_clipfrac, grad_norm, critic_grad_norm = torch.stack(updates).mean(0)
 
         # ---- log ----
@@ -276,13 +295,15 @@ def main():
         if step % cfg.eval_every == 0 or step == cfg.num_steps:
             metrics.update(common.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
         logger.log(step, metrics)
+        if ckpt.step_end(step, policy, tokenizer):
+            break
 
     # ---- end: save, plot ----
     logger.finish(policy)
     if accelerator.is_main_process:
         common.plot_metrics(logger.path, f"{cfg.output_dir}/critic_curves.png", CRITIC_PLOT_KEYS)
     if cfg.save_model:
-        common.save_model(accelerator, policy, tokenizer, f"{cfg.output_dir}/final")
+        common.save_model(accelerator, policy, tokenizer, f"{cfg.output_dir}/final", cfg.merge_lora)
         common.save_model(accelerator, accelerator.unwrap_model(critic).model, tokenizer, f"{cfg.output_dir}/final/critic")
 
 
