@@ -1,0 +1,82 @@
+"""Every bad input is a clear error naming the flag (or column), raised before any model is
+loaded: configs are validated while the command line is parsed (common.parse_config)."""
+import importlib
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import common
+from conftest import ROOT
+
+BAD_INPUTS = [  # (script, arguments, what the message must name)
+    ("grpo", ["--num_generations", "1"], "--num_generations"),
+    ("rloo", ["--num_generations", "1"], "--num_generations"),
+    ("grpo", ["--batch_size", "10", "--num_generations", "4"], "--batch_size"),
+    ("dapo", ["--epsilon_low", "0.2", "--epsilon_high", "0.1"], "--epsilon_high"),
+    ("remax", ["--learning_rate", "0"], "--learning_rate"),
+    ("remax", ["--num_steps", "0"], "--num_steps"),
+    ("remax", ["--max_new_tokens", "0"], "--max_new_tokens"),
+    ("remax", ["--temperature", "-1"], "--temperature"),
+    ("remax", ["--kl_coef", "-0.1"], "--kl_coef"),
+    ("grpo", ["--beta", "-1"], "--beta"),
+    ("grpo", ["--loss_agg", "sum"], "--loss_agg"),
+    ("grpo", ["--scale_rewards", "global"], "--scale_rewards"),
+    ("ppo", ["--batch_size", "64", "--num_mini_batches", "3"], "--num_mini_batches"),
+    ("ppo", ["--adaptive_kl", "--kl_coef", "0"], "--adaptive_kl"),
+    ("remax", ["--top_p", "0"], "--top_p"),
+    ("remax", ["--dataset", "data.csv"], "--dataset"),
+    ("remax", ["--dataset", "no_such_file.jsonl"], "--dataset"),
+    ("remax", ["--torch_dtype", "int8"], "--torch_dtype"),
+    ("remax", ["--resume_from", "/no/such/checkpoint"], "--resume_from"),
+    ("remax", ["--rule_reward_weight", "0"], "--reward_model"),
+    ("remax", ["--lora_r", "-1"], "--lora_r"),
+    ("remax", ["--report_to", "mlflow"], "--report_to"),
+    ("remax", ["--reward_scales", "random"], "--reward_scales"),
+    ("remax", ["--baseline", "mean"], "--baseline"),
+]
+
+
+@pytest.mark.parametrize("script, args, flag", BAD_INPUTS, ids=[f"{s}:{' '.join(a)}" for s, a, _ in BAD_INPUTS])
+def test_bad_config_names_the_flag(script, args, flag):
+    module = importlib.import_module(script)
+    with pytest.raises(SystemExit) as e:
+        common.parse_config(module.Config, args)
+    assert flag in str(e.value), str(e.value)
+    assert str(e.value).startswith("error: ")
+
+
+def test_at_least_fifteen_distinct_bad_inputs():
+    assert len({(s, tuple(a)) for s, a, _ in BAD_INPUTS}) >= 15
+
+
+def run(args, tmp_path, env=None):
+    return subprocess.run([sys.executable, "remax.py", "--output_dir", str(tmp_path / "run"), *args], cwd=ROOT,
+                          capture_output=True, text=True, env={**os.environ, **(env or {})})
+
+
+def test_unknown_hub_model_offline_says_so(tmp_path):
+    out = run(["--model_name_or_path", "nobody/no-such-model-xyz"], tmp_path, env={"HF_HUB_OFFLINE": "1"})
+    assert out.returncode != 0 and "--model_name_or_path" in out.stderr and "HF_HUB_OFFLINE" in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def test_folder_that_is_not_a_model_is_refused(tmp_path):
+    out = run(["--model_name_or_path", str(tmp_path)], tmp_path)
+    assert out.returncode != 0 and "config.json" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_empty_prompts_are_an_error_naming_the_dataset(tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("".join(json.dumps({"question": "  ", "answer": "#### 1"}) + "\n" for _ in range(4)))
+    out = run(["--dataset", str(path)], tmp_path)
+    assert out.returncode != 0 and "no usable train prompts" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_no_answers_without_reward_model_is_refused(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"question": "1+1="}) + "\n")
+    with pytest.raises(SystemExit, match="--answer_column"):
+        common.parse_config(importlib.import_module("remax").Config, ["--dataset", str(path), "--answer_column", ""])
