@@ -32,6 +32,7 @@ import common
 
 @dataclass
 class Config(common.TrainConfig):
+    num_steps: int = field(default=150, metadata={"help": "Rollout batches (each gives ppo_epochs x num_mini_batches optimizer steps). 150 fit in 5 minutes on 2 CPU cores with the embedded model."})
     learning_rate: float = field(default=3e-5, metadata={"help": "Policy learning rate (AdamW). Below the common 1e-4 because each batch gives ppo_epochs x num_mini_batches = 16 steps (tuned on the embedded model); papers use 1e-6..3e-6 for 7B models."})
     critic_learning_rate: float = field(default=1e-4, metadata={"help": "Critic learning rate (AdamW). Tiny model default (1e-3 made the critic overshoot: lower explained variance); papers use ~1e-5 for 7B models."})
     reward_model_path: str = field(default="", metadata={"help": "Initialise the critic from this sequence-classification checkpoint with the policy's tokenizer (a reward model, or output_dir/final/critic of an earlier run); default: the policy's backbone with a new value head. (--reward_model scores; this only initialises the critic.)"})
