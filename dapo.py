@@ -16,7 +16,7 @@ a line below:
 No KL term and no reference model: the policy is meant to move far from its start.
 
     accelerate launch dapo.py                                    # embedded model and task
-    accelerate launch --num_processes 2 --cpu dapo.py            # data-parallel on CPU
+    accelerate launch --multi_gpu --num_processes 2 dapo.py      # data-parallel on CPU
     python dapo.py --epsilon_high 0.2 --overlong_cache_len 0     # symmetric clip, no length shaping
 """
 import sys

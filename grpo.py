@@ -15,7 +15,7 @@ prompt's gradient by its difficulty (a bias, see --scale_rewards none for Dr. GR
 G generations per prompt.
 
     accelerate launch grpo.py                                    # embedded model and task
-    accelerate launch --num_processes 2 --cpu grpo.py            # data-parallel on CPU
+    accelerate launch --multi_gpu --num_processes 2 grpo.py      # data-parallel on CPU
     python grpo.py --scale_rewards none --loss_agg seq-mean-token-sum-norm   # Dr. GRPO
 """
 from dataclasses import dataclass, field

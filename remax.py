@@ -10,7 +10,7 @@ Loss: -A_t * log pi(y_t | x, y_<t), one on-policy update per batch: no ratio, no
 no value model. The price is one extra greedy generation per prompt.
 
     accelerate launch remax.py                                   # embedded model and task
-    accelerate launch --num_processes 2 --cpu remax.py           # data-parallel on CPU
+    accelerate launch --multi_gpu --num_processes 2 remax.py     # data-parallel on CPU
     python remax.py --reward_scales hetero --baseline none       # watch REINFORCE fail
 """
 from dataclasses import dataclass, field

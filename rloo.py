@@ -12,7 +12,7 @@ averaged over the samples; one on-policy update per batch: no ratio, no clipping
 model. The price is K generations per prompt.
 
     accelerate launch rloo.py                                    # embedded model and task
-    accelerate launch --num_processes 2 --cpu rloo.py            # data-parallel on CPU
+    accelerate launch --multi_gpu --num_processes 2 rloo.py      # data-parallel on CPU
     python rloo.py --reward_scales hetero                        # the group baseline adapts per prompt
 """
 from dataclasses import dataclass, field
