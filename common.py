@@ -483,11 +483,15 @@ def make_reward_fn(cfg, device):
     reward_model = RewardModel(cfg.reward_model, cfg.reward_model_dtype, device) if cfg.reward_model else None
 
     def reward_fn(examples, completions):
-        rewards, correct = compute_rewards(examples, completions, cfg.reward_scales)
-        rewards, correct = cfg.rule_reward_weight * rewards.to(device), correct.to(device)
-        if reward_model is not None:
-            scores = reward_model([ex.get("raw_prompt", ex["prompt"]) for ex in examples], completions)
-            rewards = rewards + cfg.reward_model_weight * scores
+        try:
+            rewards, correct = compute_rewards(examples, completions, cfg.reward_scales)
+            rewards, correct = cfg.rule_reward_weight * rewards.to(device), correct.to(device)
+            if reward_model is not None:
+                scores = reward_model([ex.get("raw_prompt", ex["prompt"]) for ex in examples], completions)
+                rewards = rewards + cfg.reward_model_weight * scores
+        except Exception as e:  # a reward that raises: say on what, and apply nothing
+            raise SystemExit(f"error: the reward raised {type(e).__name__}: {e} (first prompt {examples[0]['prompt'][:200]!r}, "
+                             f"completion {completions[0][:200]!r}); step not applied.") from e
         bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
         if bad:
             i = bad[0]

@@ -223,3 +223,39 @@ def test_same_seed_gives_identical_metrics(tmp_path):
 def test_gradient_checkpointing_run(tmp_path):
     out = run(["--gradient_checkpointing"], tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_a_reward_that_raises_is_reported_and_nothing_is_applied(monkeypatch):
+    def broken(*args, **kwargs):
+        raise KeyError("answer")
+
+    monkeypatch.setattr(common, "compute_rewards", broken)
+    reward_fn = common.make_reward_fn(common.TrainConfig(), "cpu")
+    with pytest.raises(SystemExit, match="reward raised KeyError.*12\\+3="):
+        reward_fn([{"prompt": "12+3=", "answer": "15", "family": "add_2x1"}], ["15"])
+
+
+@pytest.mark.parametrize("name", ["cpu_2proc", "ddp_8gpu", "multi_node", "zero2", "zero3"])
+def test_accelerate_configs_parse(name):
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    config = load_config_from_file(str(ROOT / "configs" / f"{name}.yaml"))
+    assert config.num_processes >= 2
+    if name.startswith("zero"):
+        assert config.deepspeed_config["zero_stage"] == int(name[-1])
+
+
+def test_two_process_checkpoint_resumes_every_rank(tmp_path):
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "configs" / "cpu_2proc.yaml"), "remax.py",
+              "--eval_every", "2", "--batch_size", "4", "--output_dir", str(tmp_path / "run")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    first = subprocess.run(launch + ["--num_steps", "1", "--save_steps", "1"], cwd=ROOT, capture_output=True, text=True, env=env)
+    assert first.returncode == 0, first.stderr[-2000:]
+    ckpt = tmp_path / "run" / "checkpoint-1"
+    assert (ckpt / "sampler_rank0.json").exists() and (ckpt / "sampler_rank1.json").exists()
+    assert (ckpt / "random_states_0.pkl").exists() and (ckpt / "random_states_1.pkl").exists()
+    second = subprocess.run(launch + ["--num_steps", "2", "--resume_from", str(ckpt)], cwd=ROOT, capture_output=True, text=True, env=env)
+    assert second.returncode == 0, second.stderr[-2000:]
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["num_processes"] == 2 and len(set(summary["replica_weight_checksums"])) == 1
+    assert [r["step"] for r in common.read_metrics(tmp_path / "run" / "metrics.jsonl")] == [0, 1, 2]
