@@ -11,9 +11,9 @@ import subprocess  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
 
 import common  # noqa: E402
+from conftest import assert_params_changed  # noqa: E402
 import grpo  # noqa: E402
 from grpo import Config, grpo_advantages, grpo_loss  # noqa: E402
 
@@ -205,10 +205,6 @@ def test_several_iterations_take_the_ratio_against_the_sampling_time_policy(tmp_
     assert rows[1]["train/adv_std"] > 0 and rows[1]["train/approx_kl"] > 0
 
 
-def assert_params_changed(final_dir):
-    trained = AutoModelForCausalLM.from_pretrained(final_dir)
-    start = AutoModelForCausalLM.from_pretrained(common.EMBEDDED_MODEL)
-    assert max((a - b).abs().max().item() for a, b in zip(trained.parameters(), start.parameters())) > 0
 
 
 def run(args, tmp_path):

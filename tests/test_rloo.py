@@ -10,9 +10,9 @@ import subprocess  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
 
 import common  # noqa: E402
+from conftest import assert_params_changed  # noqa: E402
 from rloo import Config, rloo_advantages, rloo_loss  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,10 +82,6 @@ def test_bad_config_raises_a_value_error_naming_the_flag(kwargs, flags):
         assert flag in str(e.value)
 
 
-def assert_params_changed(final_dir):
-    trained = AutoModelForCausalLM.from_pretrained(final_dir)
-    start = AutoModelForCausalLM.from_pretrained(common.EMBEDDED_MODEL)
-    assert max((a - b).abs().max().item() for a, b in zip(trained.parameters(), start.parameters())) > 0
 
 
 def test_rloo_end_to_end_writes_metrics_plot_and_model(tmp_path):
