@@ -16,13 +16,14 @@ runs its main() and records, per algorithm:
   reported next to it. On a GPU: torch.cuda.max_memory_allocated().
 - wall time per step, split into generation / scoring / forward_backward / optimizer, from
   the time/*_s columns that common.StepTimer writes to metrics.jsonl, averaged over the steps
-  after --warmup.
+  after --warmup. CPU/wall (process CPU time over wall time of the whole run) shows contention:
+  with --threads 1 it is ~1.0 on an idle machine and drops when other processes compete.
 
 Held-out evaluation is stubbed out in the child (common.evaluate returns NaN): it is the same
 for every algorithm, outside the timed phases, and would otherwise add its own generation
 batch to the peak.
 
-    python bench/cost.py                                    # embedded + random ~75M Qwen2, writes docs/cost_table.md
+    python bench/cost.py                                    # embedded + random ~75M Qwen2 -> runs/bench_cost/cost.md
     python bench/cost.py --models embedded --steps 3 --warmup 1 --out /tmp/cost.md
 """
 import argparse
@@ -30,6 +31,7 @@ import importlib.util
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -103,14 +105,14 @@ def run_child(script, result_path, script_args):
     baseline_rss = proc_status_bytes("VmRSS")
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     module.main()
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
 
     adam_bytes = sum(t.numel() * t.element_size() for opt in optimizers for state in opt.state.values()
                      for name, t in state.items() if torch.is_tensor(t) and name != "step")
     result = {"models": model_state(loaded), "adam_state_bytes_measured": adam_bytes,
-              "baseline_rss_bytes": baseline_rss, "peak_rss_bytes": proc_status_bytes("VmHWM"), "wall_s": wall,
+              "baseline_rss_bytes": baseline_rss, "peak_rss_bytes": proc_status_bytes("VmHWM"), "wall_s": wall, "cpu_s": cpu,
               "cuda_peak_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
               "torch_threads": torch.get_num_threads()}
@@ -175,8 +177,8 @@ def mib(x):
 def table(results, on_gpu):
     peak = "peak GPU alloc (MiB)" if on_gpu else "peak RSS (MiB)"
     lines = [f"| algorithm | models: trainable + frozen | params held | model state accounted (MiB) | AdamW state measured (MiB) "
-             f"| {peak} | peak − runtime (MiB) | step (s) | generation | scoring | fwd+bwd | optimizer |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"| {peak} | peak − runtime (MiB) | step (s) | generation | scoring | fwd+bwd | optimizer | CPU/wall |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         trainable = sum(m["trainable_params"] > 0 for m in r["models"])
         held = f"{trainable} + {len(r['models']) - trainable}"
@@ -187,7 +189,7 @@ def table(results, on_gpu):
         t = r["time"]
         times = " | ".join(f"{t[k]:.3f}" for k in ("step", *PHASES)) if t else " | ".join(["no step trained"] + ["–"] * len(PHASES))
         lines.append(f"| {name} | {held} | {params / 1e6:,.2f}M | {mib(state)} | {mib(r['adam_state_bytes_measured'])} | {mib(peak_bytes)} "
-                     f"| {mib(above)} | {times} |")
+                     f"| {mib(above)} | {times} | {r['cpu_s'] / r['wall_s']:.2f} |")
     for name, r in results.items():
         if r.get("sampling_rounds") is not None:
             lines.append(f"\n{name}: {r['sampling_rounds']:.1f} generation rounds per step on average (dynamic sampling), "
@@ -222,12 +224,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="embedded,large", help="Comma list: embedded (the tiny model) and/or large (random ~75M Qwen2).")
     parser.add_argument("--algorithms", default=",".join(VARIANTS), help="Comma list of variants; missing scripts are skipped.")
-    parser.add_argument("--steps", type=int, default=4, help="Training steps per run.")
+    parser.add_argument("--steps", type=int, default=5, help="Training steps per run.")
     parser.add_argument("--warmup", type=int, default=1, help="Leading steps left out of the time averages.")
     parser.add_argument("--batch_size", type=int, default=16, help="Sampled completions per step (the same for every algorithm).")
     parser.add_argument("--max_new_tokens", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of each child (runs are sequential).")
-    parser.add_argument("--out", default=str(ROOT / "docs" / "cost_table.md"), help="Markdown file for the tables, and the raw numbers next to it as .json ('' = stdout only).")
+    parser.add_argument("--out", default=str(ROOT / "runs" / "bench_cost" / "cost.md"), help="Markdown file for the tables, and the raw numbers next to it as .json ('' = stdout only).")
     args = parser.parse_args()
     if args.steps <= args.warmup:
         parser.error("--steps must be larger than --warmup")
@@ -239,8 +241,9 @@ def main():
     header = [f"Machine: {machine}; torch {torch.__version__}; {args.threads} thread(s) per run, runs one after another.",
               f"Per run: {args.steps} steps, first {args.warmup} left out of the times; batch {args.batch_size} sampled "
               f"completions, max_new_tokens {args.max_new_tokens}; each script's own defaults otherwise.",
-              f"Command: `{' '.join(['python', 'bench/cost.py', *sys.argv[1:]])}`"]
+              f"Command: `{shlex.join(['python', 'bench/cost.py', *sys.argv[1:]])}`"]
     sections, all_results = ["\n".join(header)], {}
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="cost_") as tmp:
         for model_name in args.models.split(","):
             if model_name == "embedded":
@@ -271,6 +274,8 @@ def main():
             params = next(iter(results.values()))["models"][0]["params"]
             sections.append(f"### {model_name} model ({params / 1e6:.2f}M parameters per copy)\n\n"
                             f"{table(results, on_gpu)}\n\nRatios (below 1: ReMax needs less):\n\n{ratio_table(results, on_gpu)}")
+    sections[0] += (f"\nLoad average (1 min) before / after: {load_before:.2f} / {os.getloadavg()[0]:.2f} "
+                    "(other processes on the machine inflate the times, not the memory).")
     text = "\n\n".join(sections) + "\n"
     print(text)
     if args.out:
