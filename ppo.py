@@ -265,6 +265,7 @@ def main():
                     max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
                     grad_norm = accelerator.clip_grad_norm_(policy.parameters(), max_norm)
                     critic_grad_norm = accelerator.clip_grad_norm_(critic.parameters(), max_norm)
+                    # a NaN stops here; earlier minibatches of this step are already in the saved weights
                     ckpt.check_finite(step, loss, torch.stack([grad_norm, critic_grad_norm]), policy, tokenizer)
                     optimizer.step()
                     critic_optimizer.step()
