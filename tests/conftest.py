@@ -17,3 +17,23 @@ def assert_params_changed(final_dir):
     trained = AutoModelForCausalLM.from_pretrained(final_dir)
     start = AutoModelForCausalLM.from_pretrained(common.EMBEDDED_MODEL)
     assert max((a - b).abs().max().item() for a, b in zip(trained.parameters(), start.parameters())) > 0
+
+
+def launch_two_processes(script, args, out_dir):
+    """`accelerate launch --multi_gpu --num_processes 2 script args` on CPU (gloo): asserts the run
+    succeeds with 2 ranks whose final weights are identical and changed. Returns the process.
+    (`launch --cpu --num_processes 2` starts ONE process in accelerate 1.x; --multi_gpu starts two
+    torchrun ranks, which common.make_accelerator puts on CPU when there is no GPU.)"""
+    import json
+    import subprocess
+
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", script,
+           *args, "--output_dir", str(out_dir)]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((Path(out_dir) / "summary.json").read_text())
+    assert summary["num_processes"] == 2
+    a, b = summary["replica_weight_checksums"]
+    assert a == b
+    assert_params_changed(Path(out_dir) / "final")
+    return out

@@ -4,9 +4,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import json  # noqa: E402
 import math  # noqa: E402
-import os  # noqa: E402
 import subprocess  # noqa: E402
 
 import pytest  # noqa: E402
@@ -14,6 +12,7 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 import common  # noqa: E402
+from conftest import launch_two_processes  # noqa: E402
 import grpo  # noqa: E402
 from dapo import Config, dapo_loss, dynamic_sampling_filter, grpo_advantages, overlong_penalty  # noqa: E402
 
@@ -174,14 +173,4 @@ def test_dynamic_sampling_trains_on_the_groups_kept_when_the_cap_is_hit(tmp_path
 
 
 def test_two_process_gloo_run_keeps_replicas_identical(tmp_path):
-    # `launch --cpu --num_processes 2` starts ONE process in accelerate 1.x; --multi_gpu starts two
-    # torchrun ranks, which common.make_accelerator puts on CPU (gloo) when there is no GPU.
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "dapo.py",
-           "--num_steps", "2", "--eval_every", "2", "--batch_size", "8", "--num_generations", "4", "--output_dir", str(tmp_path)]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert out.returncode == 0, out.stderr[-3000:]
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["num_processes"] == 2
-    a, b = summary["replica_weight_checksums"]
-    assert a == b
-    assert_params_changed(tmp_path / "final")
+    launch_two_processes("dapo.py", ["--num_steps", "2", "--eval_every", "2", "--batch_size", "8", "--num_generations", "4"], tmp_path)

@@ -4,15 +4,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import json  # noqa: E402
 import math  # noqa: E402
-import os  # noqa: E402
 import subprocess  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import common  # noqa: E402
+from conftest import launch_two_processes  # noqa: E402
 from conftest import assert_params_changed  # noqa: E402
 import grpo  # noqa: E402
 from grpo import Config, grpo_advantages, grpo_loss  # noqa: E402
@@ -205,8 +204,6 @@ def test_several_iterations_take_the_ratio_against_the_sampling_time_policy(tmp_
     assert rows[1]["train/adv_std"] > 0 and rows[1]["train/approx_kl"] > 0
 
 
-
-
 def run(args, tmp_path):
     out = subprocess.run([sys.executable, "grpo.py", *args, "--output_dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -230,14 +227,4 @@ def test_grpo_end_to_end_writes_metrics_plot_and_model(tmp_path):
 
 
 def test_two_process_gloo_run_keeps_replicas_identical(tmp_path):
-    # `launch --cpu --num_processes 2` starts ONE process in accelerate 1.x; --multi_gpu starts two
-    # torchrun ranks, which common.make_accelerator puts on CPU (gloo) when there is no GPU.
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "grpo.py",
-           "--num_steps", "2", "--eval_every", "2", "--batch_size", "8", "--num_generations", "4", "--output_dir", str(tmp_path)]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert out.returncode == 0, out.stderr[-3000:]
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["num_processes"] == 2
-    a, b = summary["replica_weight_checksums"]
-    assert a == b
-    assert_params_changed(tmp_path / "final")
+    launch_two_processes("grpo.py", ["--num_steps", "2", "--eval_every", "2", "--batch_size", "8", "--num_generations", "4"], tmp_path)

@@ -4,7 +4,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import json  # noqa: E402
 import os  # noqa: E402
 import subprocess  # noqa: E402
 
@@ -13,6 +12,7 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import common  # noqa: E402
+from conftest import launch_two_processes  # noqa: E402
 from ppo import AdaptiveKLController, Config, ValueModel, explained_variance, gae, ppo_policy_loss, ppo_value_loss  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -277,18 +277,7 @@ def test_ppo_end_to_end_writes_metrics_plots_policy_and_critic(tmp_path):
 
 
 def test_two_process_gloo_run_keeps_replicas_identical(tmp_path):
-    # `launch --cpu --num_processes 2` starts ONE process in accelerate 1.x; --multi_gpu starts two
-    # torchrun ranks, which common.make_accelerator puts on CPU (gloo) when there is no GPU.
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "ppo.py",
-           "--num_steps", "2", "--eval_every", "2", "--batch_size", "8", "--num_mini_batches", "2", "--output_dir", str(tmp_path)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
-    assert out.returncode == 0, out.stderr[-3000:]
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["num_processes"] == 2
-    a, b = summary["replica_weight_checksums"]
-    assert a == b
-    assert_params_changed(tmp_path / "final")
+    launch_two_processes("ppo.py", ["--num_steps", "2", "--eval_every", "2", "--batch_size", "8", "--num_mini_batches", "2"], tmp_path)
 
 
 def test_resume_restores_critic_optimizers_and_kl_controller(tmp_path):

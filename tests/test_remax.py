@@ -1,5 +1,4 @@
 """ReMax: advantage, loss, and end-to-end runs (single process and 2-process gloo)."""
-import json
 import subprocess
 import sys
 
@@ -7,8 +6,9 @@ import pytest
 import torch
 
 import common
+from conftest import launch_two_processes  # noqa: E402
 from conftest import assert_params_changed  # noqa: E402
-from remax import Config, remax_advantages, remax_loss
+from remax import remax_advantages, remax_loss
 
 from conftest import ROOT
 
@@ -70,8 +70,6 @@ def test_bad_input_gives_a_clear_error_naming_the_flag(args, flag, tmp_path):
     assert "Traceback" not in out.stderr
 
 
-
-
 def test_remax_end_to_end_writes_metrics_plot_and_model(tmp_path):
     out = subprocess.run([sys.executable, "remax.py", "--num_steps", "3", "--eval_every", "2", "--batch_size", "16",
                           "--output_dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
@@ -87,12 +85,4 @@ def test_remax_end_to_end_writes_metrics_plot_and_model(tmp_path):
 
 
 def test_two_process_gloo_run_keeps_replicas_identical(tmp_path):
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "remax.py",
-           "--num_steps", "2", "--eval_every", "2", "--batch_size", "8", "--output_dir", str(tmp_path)]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr[-3000:]
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["num_processes"] == 2
-    a, b = summary["replica_weight_checksums"]
-    assert a == b
-    assert_params_changed(tmp_path / "final")
+    launch_two_processes("remax.py", ["--num_steps", "2", "--eval_every", "2", "--batch_size", "8"], tmp_path)

@@ -217,6 +217,7 @@ def test_same_seed_gives_identical_metrics(tmp_path):
     rows_a = comparable(common.read_metrics(tmp_path / "a" / "metrics.jsonl"))
     assert rows_a == comparable(common.read_metrics(tmp_path / "b" / "metrics.jsonl"))
     c = run(["--output_dir", str(tmp_path / "c"), "--seed", "1"], tmp_path)
+    assert c.returncode == 0
     assert comparable(common.read_metrics(tmp_path / "c" / "metrics.jsonl"))[1:] != rows_a[1:]
 
 
