@@ -181,6 +181,7 @@ def main():
         lengths = mask.sum(1).float()
         metrics = {
             "train/reward": rewards.mean(), "train/reward_std": rewards.std(), "train/correct": correct.mean(),
+            "train/generated": len(completion_ids),
             "train/frac_zero_std_groups": (rewards.view(-1, group_size) == rewards.view(-1, group_size)[:, :1]).all(1).float().mean(),
             "train/adv_mean": adv.mean(), "train/adv_std": adv.std(), "train/adv_abs_max": adv.abs().max(),
             "train/clip_frac_low": stats["clip_frac_low"], "train/clip_frac_high": stats["clip_frac_high"],

@@ -282,6 +282,7 @@ def main():
         seq_kl = common.masked_sum(kl, mask) / len(batch)
         metrics = {
             "train/reward": rewards.mean(), "train/reward_std": rewards.std(), "train/correct": correct.mean(),
+            "train/generated": len(completion_ids),
             "train/value_mean": common.masked_mean(old_values, mask), "train/return_mean": common.masked_mean(returns, mask),
             "train/kl": seq_kl, "train/kl_coef": kl_ctl.value, "train/entropy": common.masked_mean(entropy, mask),
             "train/loss": loss, "train/policy_loss": pg_loss, "train/value_loss": vf_loss,

@@ -132,6 +132,7 @@ def main():
         lengths = mask.sum(1).float()
         metrics = {
             "train/reward": rewards.mean(), "train/reward_std": rewards.std(), "train/correct": correct.mean(),
+            "train/generated": len(completion_ids) + (len(greedy_ids) if cfg.baseline == "greedy" else 0),
             "train/greedy_reward": greedy_rewards.mean(), "train/adv_mean": adv.mean(), "train/adv_std": adv.std(),
             "train/kl": common.masked_sum(kl, mask) / len(batch), "train/entropy": common.masked_mean(entropy, mask),
             "train/loss": loss.detach(), "train/grad_norm": grad_norm, "train/completion_len": lengths.mean(),

@@ -130,6 +130,7 @@ def main():
         lengths = mask.sum(1).float()
         metrics = {
             "train/reward": rewards.mean(), "train/reward_std": rewards.std(), "train/correct": correct.mean(),
+            "train/generated": len(completion_ids),
             "train/frac_zero_std_groups": (rewards.view(-1, group_size) == rewards.view(-1, group_size)[:, :1]).all(1).float().mean(),
             "train/reward_with_kl": rewards_kl.mean(), "train/adv_mean": adv.mean(), "train/adv_std": adv.std(),
             "train/kl": common.masked_sum(kl, mask) / len(examples), "train/entropy": common.masked_mean(entropy, mask),
