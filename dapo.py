@@ -186,7 +186,7 @@ def main():
                   + ". Raise --max_sampling_rounds to fill the batch.", file=sys.stderr, flush=True)
         if nothing_kept:
             metrics = {"train/skipped_step": 1.0, "train/sampling_rounds": rounds, "train/groups_dropped": groups_dropped,
-                       "train/generated": len(torch.cat(sampled_rewards)), "train/reward_sampled": torch.cat(sampled_rewards).mean()}
+                       "train/generated": len(torch.cat(sampled_rewards)), "train/reward_sampled": torch.cat(sampled_rewards).mean().item()}
             if step % cfg.eval_every == 0 or step == cfg.num_steps:
                 metrics.update(common.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
             logger.log(step, metrics)

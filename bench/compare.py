@@ -52,7 +52,7 @@ TASK_TITLES = {"uniform": "reward 1 if right, 0 if wrong",
                "hetero": "--reward_scales hetero: each family's reward on its own offset (-5..+4)"}
 # rough relative cost per step at one thread (measured here), to start the longest runs first
 COST = {"reinforce": 0.2, "remax": 0.3, "grpo": 0.24, "rloo": 0.23, "dapo": 0.3, "ppo": 1.3}
-REWARD_WINDOW = 10  # moving average of the per-step training reward in the figure and table
+REWARD_WINDOW = 25  # moving average of the per-step training reward in the figure and table
 
 
 # ----------------------------------------------------------------------------------------
@@ -148,7 +148,9 @@ def summarize_run(rows, config, peak_rss_mib):
     train/reward covers only the kept, mixed groups. Completions trained on count the batch the
     loss saw (DAPO: the groups kept, which can fall short of the batch; a skipped step trains
     none). Wall-clock is time/elapsed_s: seconds since the logger started (after loading),
-    evaluation included.
+    evaluation included. grad_norm is the policy's gradient norm before clipping, averaged over
+    steps (PPO: over its minibatch updates); it compares runs of one loss (REINFORCE vs ReMax,
+    uniform vs hetero), not losses of different scale.
     """
     steps = [r for r in rows if r["step"] > 0 and ("train/generated" in r)]
     evals = [r for r in rows if "eval/accuracy" in r]
@@ -179,6 +181,7 @@ def summarize_run(rows, config, peak_rss_mib):
         "accuracy_final": evals[-1]["eval/accuracy"],
         "reward_final": sum(r.get(reward_key, 0.0) for r in steps[-REWARD_WINDOW:]) / len(steps[-REWARD_WINDOW:]),
         "wall_s": rows[-1]["time/elapsed_s"],
+        "grad_norm": sum(r["train/grad_norm"] for r in steps if "train/grad_norm" in r) / max(1, sum("train/grad_norm" in r for r in steps)),
         "step_s": sum(r["time/step_s"] for r in steps if "time/step_s" in r) / max(1, sum("time/step_s" in r for r in steps)),
         "completions_trained": sum(trained),
         "sequences_generated": sum(r["train/generated"] for r in steps),
@@ -189,7 +192,7 @@ def summarize_run(rows, config, peak_rss_mib):
 
 def aggregate(run_summaries):
     """Mean and std over seeds of each run's totals; the curves averaged step by step."""
-    keys = ("accuracy_start", "accuracy_final", "reward_final", "wall_s", "step_s", "completions_trained",
+    keys = ("accuracy_start", "accuracy_final", "reward_final", "grad_norm", "wall_s", "step_s", "completions_trained",
             "sequences_generated", "optimizer_steps", "peak_rss_mib")
     out = {k: mean_std([s[k] for s in run_summaries]) for k in keys}
     out["seeds"] = len(run_summaries)
@@ -208,16 +211,23 @@ def fmt(ms, digits=3):
 
 def markdown_tables(task, per_algo):
     """The summary table and the per-family table of one task variant (markdown lines)."""
-    lines = [f"| `{task}` | held-out acc. (start → end) | train reward, last {REWARD_WINDOW} steps | wall s | s / step "
+    lines = [f"| `{task}` | held-out acc. (start → end) | train reward, last {REWARD_WINDOW} steps | grad norm | wall s | s / step "
              "| completions trained | sequences generated | optimizer steps | peak RSS MiB |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for algo, agg in per_algo.items():
         lines.append(f"| {algo} | {agg['accuracy_start'][0]:.3f} → **{fmt(agg['accuracy_final'])}** | {fmt(agg['reward_final'])} "
+                     f"| {agg['grad_norm'][0]:.2f} "
                      f"| {agg['wall_s'][0]:.0f} ± {agg['wall_s'][1]:.0f} | {agg['step_s'][0]:.3f} "
                      f"| {agg['completions_trained'][0]:,.0f} | {agg['sequences_generated'][0]:,.0f} "
                      f"| {agg['optimizer_steps'][0]:,.0f} | {agg['peak_rss_mib'][0]:.0f} |")
-    families = list(next(iter(per_algo.values()))["family_accuracy"])
-    lines += ["", f"| `{task}`, held-out acc. per family at the end | " + " | ".join(f"`{f}`" for f in families) + " |",
+    sys.path.insert(0, str(ROOT))
+    import common  # the task's family order (easiest first) and hetero reward offsets
+
+    found = next(iter(per_algo.values()))["family_accuracy"]
+    families = [f for f in common.FAMILIES if f in found] + sorted(f for f in found if f not in common.FAMILIES)
+    label = lambda f: f"`{f}`" + (f" ({common.HETERO_SCALES[f][0]:+.0f}/{common.HETERO_SCALES[f][1]:+.0f})"
+                                  if task == "hetero" and f in common.HETERO_SCALES else "")
+    lines += ["", f"| `{task}`, held-out acc. per family at the end | " + " | ".join(label(f) for f in families) + " |",
               "|---|" + "---|" * len(families)]
     start = next(iter(per_algo.values()))["family_accuracy_start"]
     lines.append("| (start) | " + " | ".join(f"{start[f][0]:.2f}" for f in families) + " |")
@@ -265,10 +275,12 @@ def plot_task(task, runs_by_algo, path):
             axes[1, col].plot(x_step, rew, color=COLORS[algo], label=label)
             axes[1, col].fill_between(x_step, rew_lo, rew_hi, color=COLORS[algo], alpha=0.15)
     for col, xlabel in enumerate(["completions trained on", "sequences generated (sampled + greedy + dropped)",
-                                  "wall-clock seconds (evaluation included)"]):
+                                  "wall-clock seconds, log scale (evaluation included)"]):
         axes[1, col].set_xlabel(xlabel)
         for row in range(2):
             axes[row, col].grid(alpha=0.3)
+    for row in range(2):
+        axes[row, 2].set_xscale("log")  # PPO's 16 updates per batch would squeeze the others into the left edge
     axes[0, 0].set_ylabel("held-out greedy accuracy")
     axes[1, 0].set_ylabel(f"training reward (moving avg. {REWARD_WINDOW} steps)")
     axes[0, 0].legend(loc="lower right", fontsize=9)
@@ -362,7 +374,7 @@ def main(argv=None):
             f"on {m['cpu']} ({m['cores']} cores), {m['platform']}, Python {m['python']}, torch {m['torch']}.",
             f"Budget per run: {args.steps} steps x {args.batch_size} = {args.steps * args.batch_size:,} sampled completions trained on; "
             f"seeds {', '.join(map(str, args.seeds))}; values are mean ± sample std over seeds "
-            f"(wall s, s / step and peak RSS: mean; std of wall s shown).", ""]
+            f"(grad norm: the policy's before clipping, mean over steps and seeds; wall s, s / step and peak RSS: mean; std of wall s shown).", ""]
     (out / "results.md").write_text("\n".join(head + md))
     (out / "results.json").write_text(json.dumps(results, indent=1))
     print("\n".join(head + md))

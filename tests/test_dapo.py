@@ -159,6 +159,7 @@ def test_dynamic_sampling_stops_at_the_cap_and_skips_a_step_with_nothing_kept(tm
     rows, stderr = run(["--num_steps", "1", "--batch_size", "16", "--temperature", "1e-4", "--max_sampling_rounds", "3"], tmp_path)
     assert rows[1]["train/sampling_rounds"] == 3 and rows[1]["train/groups_dropped"] == 3 * 16 / 8
     assert rows[1]["train/skipped_step"] == 1.0
+    assert rows[1]["train/generated"] == 3 * 16  # every round's samples count, none trained on
     assert "--max_sampling_rounds 3" in stderr and "skipping the step" in stderr
     assert_params_changed(tmp_path / "final", changed=False)
 
@@ -168,6 +169,11 @@ def test_dynamic_sampling_trains_on_the_groups_kept_when_the_cap_is_hit(tmp_path
     rows, stderr = run(["--num_steps", "1", "--batch_size", "64", "--num_generations", "2", "--max_sampling_rounds", "1"], tmp_path)
     assert rows[1]["train/sampling_rounds"] == 1 and rows[1]["train/skipped_step"] == 0.0
     assert 0 < rows[1]["train/groups_kept"] < 32 and rows[1]["train/groups_kept"] + rows[1]["train/groups_dropped"] == 32
+    assert rows[1]["train/generated"] == 64
+    # the sampled reward covers all 32 groups of 2: a kept (mixed) group sums to 1, a dropped one to 0 or 2
+    dropped_sum = rows[1]["train/reward_sampled"] * 64 - rows[1]["train/groups_kept"]
+    assert round(dropped_sum) == pytest.approx(dropped_sum, abs=1e-4) and round(dropped_sum) % 2 == 0
+    assert 0 <= dropped_sum <= 2 * rows[1]["train/groups_dropped"]
     assert "--max_sampling_rounds 1" in stderr and "training on those" in stderr
     assert_params_changed(tmp_path / "final")
 

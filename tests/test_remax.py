@@ -76,6 +76,7 @@ def test_remax_end_to_end_writes_metrics_plot_and_model(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     rows = common.read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert rows[1]["train/generated"] == 2 * 16  # sampled + greedy
     for key in ("train/reward", "train/greedy_reward", "train/adv_mean", "train/kl", "train/entropy", "train/grad_norm",
                 "train/completion_len", "time/tokens_per_s", "time/generation_s"):
         assert key in rows[1], key
