@@ -121,3 +121,23 @@ def test_runner_smoke(tmp_path):
     again = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     assert again.returncode == 0 and "12 runs (12 already done)" in again.stdout
     assert json.loads((tmp_path / "results.json").read_text())["aggregate"] == results["aggregate"]
+
+
+def test_readme_results_are_the_runners_output():
+    """The README's Results tables are docs/results/results.md, which `python bench/compare.py`
+    wrote (default budget: all six algorithms, both tasks, three seeds), row for row."""
+    committed = (ROOT / "docs" / "results" / "results.md").read_text()
+    results = json.loads((ROOT / "docs" / "results" / "results.json").read_text())
+    assert results["command"] == "python bench/compare.py" and results["steps"] == 150
+    assert set(results["aggregate"]) == {"uniform", "hetero"}
+    assert all(list(a) == list(compare.ALGORITHMS) and all(x["seeds"] == 3 for x in a.values())
+               for a in results["aggregate"].values())
+    rows = [line for line in committed.splitlines() if line.startswith("| ")]
+    assert len(rows) == 2 * (1 + 6 + 1 + 1 + 6)  # per task: header + 6 algorithms, header + start + 6
+    readme = (ROOT / "README.md").read_text()
+    missing = [row for row in rows if row not in readme]
+    assert not missing, missing
+    for task in ("uniform", "hetero"):
+        assert (ROOT / "docs" / "results" / f"compare_{task}.png").stat().st_size > 10_000
+        remax = results["aggregate"][task]["remax"]["accuracy_final"]
+        assert f"| remax | 0.416 → **{remax[0]:.3f} ± {remax[1]:.3f}**" in committed
