@@ -7,7 +7,7 @@ Equal budget: every run trains on the same number of sampled completions, --step
 batches of --batch_size (64). What each algorithm spends to get them differs, and is reported
 rather than hidden: ReMax also decodes one greedy response per prompt (2x the sequences
 generated), DAPO's dynamic sampling generates extra rounds and drops groups, PPO takes
-ppo_epochs x num_mini_batches = 16 optimizer steps per batch and trains a critic. The figure
+ppo_epochs x num_mini_batches = 16 optimizer steps per batch and trains a critic. The figures
 puts held-out accuracy and training reward against all three axes: completions trained on,
 sequences generated, and wall-clock seconds. Everything else is each script's default
 (learning rates, KL coefficients, group size 8, ...), so each algorithm runs as its file ships.
@@ -17,7 +17,7 @@ time with --threads torch threads each; its peak resident memory (ru_maxrss from
 recorded. A run whose run.json says it finished with the same command is reused, so an
 interrupted comparison continues where it stopped (--force reruns everything).
 
-    python bench/compare.py                                   # the README's Results: 36 runs, ~25 min on 2 CPU cores
+    python bench/compare.py                                   # the README's Results: 36 runs, 23 min on 2 CPU cores
     python bench/compare.py --algorithms reinforce remax --tasks hetero --seeds 0 1 2 3 4
     python bench/compare.py --steps 2 --eval_every 1 --seeds 0 1 --out /tmp/cmp   # smoke test
 
