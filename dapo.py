@@ -156,7 +156,7 @@ def main():
     for step in tqdm(range(start_step + 1, cfg.num_steps + 1), disable=not accelerator.is_main_process, desc="dapo"):
         # ---- rollout: dynamic sampling, rounds of groups until batch_size completions in mixed groups ----
         kept_examples, kept_completion_ids, kept_rewards, kept_correct, rounds, groups_dropped = [], [], [], [], 0, 0
-        sampled_rewards = []  # every round's rewards, kept or dropped (logged only)
+        round_rewards = []  # every round's rewards, kept or dropped (logged only)
         while len(kept_examples) < cfg.batch_size and rounds < cfg.max_sampling_rounds:
             rounds += 1
             batch = sampler.next()
@@ -169,7 +169,7 @@ def main():
                 mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
                 completions = common.decode_completions(tokenizer, completion_ids, mask)
                 rewards, correct = reward_fn(examples, completions)
-                sampled_rewards.append(rewards)
+                round_rewards.append(rewards)
                 keep = dynamic_sampling_filter(correct if cfg.dynamic_sampling_metric == "correct" else rewards, group_size)
                 groups_dropped += int((~keep).sum())
                 keep = keep.repeat_interleave(group_size)
@@ -177,6 +177,7 @@ def main():
                 kept_completion_ids += list(completion_ids[keep])
                 kept_rewards.append(rewards[keep])
                 kept_correct.append(correct[keep])
+        sampled_rewards = torch.cat(round_rewards)
         # a process with no mixed group has nothing to learn from: then every process skips (DDP steps together)
         nothing_kept = accelerator.reduce(torch.tensor(float(not kept_examples), device=accelerator.device), reduction="sum") > 0
         if len(kept_examples) < cfg.batch_size:
@@ -186,7 +187,7 @@ def main():
                   + ". Raise --max_sampling_rounds to fill the batch.", file=sys.stderr, flush=True)
         if nothing_kept:
             metrics = {"train/skipped_step": 1.0, "train/sampling_rounds": rounds, "train/groups_dropped": groups_dropped,
-                       "train/generated": len(torch.cat(sampled_rewards)), "train/reward_sampled": torch.cat(sampled_rewards).mean().item()}
+                       "train/generated": len(sampled_rewards), "train/reward_sampled": sampled_rewards.mean().item()}
             if step % cfg.eval_every == 0 or step == cfg.num_steps:
                 metrics.update(common.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
             logger.log(step, metrics)
@@ -230,7 +231,7 @@ def main():
         lengths = mask.sum(1).float()
         metrics = {
             "train/reward": rewards.mean(), "train/reward_std": rewards.std(), "train/correct": correct.mean(),
-            "train/generated": len(torch.cat(sampled_rewards)), "train/reward_sampled": torch.cat(sampled_rewards).mean(),
+            "train/generated": len(sampled_rewards), "train/reward_sampled": sampled_rewards.mean(),
             "train/frac_zero_std_groups": (rewards.view(-1, group_size) == rewards.view(-1, group_size)[:, :1]).all(1).float().mean(),
             "train/skipped_step": 0.0, "train/sampling_rounds": rounds, "train/groups_dropped": groups_dropped,
             "train/groups_kept": len(examples) // group_size, "train/overlong_penalty": penalty.mean(),

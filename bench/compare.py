@@ -8,7 +8,7 @@ batches of --batch_size (64). What each algorithm spends to get them differs, an
 rather than hidden: ReMax also decodes one greedy response per prompt (2x the sequences
 generated), DAPO's dynamic sampling generates extra rounds and drops groups, PPO takes
 ppo_epochs x num_mini_batches = 16 optimizer steps per batch and trains a critic. The figures
-puts held-out accuracy and training reward against all three axes: completions trained on,
+put held-out accuracy and training reward against all three axes: completions trained on,
 sequences generated, and wall-clock seconds. Everything else is each script's default
 (learning rates, KL coefficients, group size 8, ...), so each algorithm runs as its file ships.
 
@@ -33,9 +33,14 @@ import shlex
 import subprocess
 import sys
 import time
+from itertools import accumulate
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import common  # noqa: E402  (read_metrics; the task's family order and hetero offsets)
+import torch  # noqa: E402
+
 # name -> (script, extra arguments); colours fixed so the figures of both tasks match
 ALGORITHMS = {
     "reinforce": ("remax.py", ["--baseline", "none"]),
@@ -133,6 +138,12 @@ def mean_std(values):
     return mean, std
 
 
+def mean_of(rows, key):
+    """Mean of `key` over the rows that have it (0 if none do)."""
+    values = [r[key] for r in rows if key in r]
+    return sum(values) / len(values) if values else 0.0
+
+
 def optimizer_steps_per_batch(config):
     """Optimizer steps per rollout batch, from a run's config.json."""
     if "ppo_epochs" in config:
@@ -164,14 +175,13 @@ def summarize_run(rows, config, peak_rss_mib):
         else:
             trained.append(0 if r.get("train/skipped_step", 0) else batch)
     reward_key = "train/reward_sampled" if "train/reward_sampled" in steps[0] else "train/reward"
-    cum = lambda xs: [sum(xs[:i + 1]) for i in range(len(xs))]
     families = sorted(k[len("eval/acc_"):] for k in evals[-1] if k.startswith("eval/acc_"))
     return {
         "step": [r["step"] for r in steps],
         "reward": [r.get(reward_key, float("nan")) for r in steps],
         "elapsed_s": [r["time/elapsed_s"] for r in steps],
-        "trained": cum(trained),
-        "generated": cum([r["train/generated"] for r in steps]),
+        "trained": list(accumulate(trained)),
+        "generated": list(accumulate(r["train/generated"] for r in steps)),
         "eval_step": [r["step"] for r in evals],
         "eval_elapsed_s": [r["time/elapsed_s"] for r in evals],
         "eval_accuracy": [r["eval/accuracy"] for r in evals],
@@ -181,8 +191,8 @@ def summarize_run(rows, config, peak_rss_mib):
         "accuracy_final": evals[-1]["eval/accuracy"],
         "reward_final": sum(r.get(reward_key, 0.0) for r in steps[-REWARD_WINDOW:]) / len(steps[-REWARD_WINDOW:]),
         "wall_s": rows[-1]["time/elapsed_s"],
-        "grad_norm": sum(r["train/grad_norm"] for r in steps if "train/grad_norm" in r) / max(1, sum("train/grad_norm" in r for r in steps)),
-        "step_s": sum(r["time/step_s"] for r in steps if "time/step_s" in r) / max(1, sum("time/step_s" in r for r in steps)),
+        "grad_norm": mean_of(steps, "train/grad_norm"),
+        "step_s": mean_of(steps, "time/step_s"),
         "completions_trained": sum(trained),
         "sequences_generated": sum(r["train/generated"] for r in steps),
         "optimizer_steps": len(steps) * optimizer_steps_per_batch(config),
@@ -220,11 +230,8 @@ def markdown_tables(task, per_algo):
                      f"| {agg['wall_s'][0]:.0f} ± {agg['wall_s'][1]:.0f} | {agg['step_s'][0]:.3f} "
                      f"| {agg['completions_trained'][0]:,.0f} | {agg['sequences_generated'][0]:,.0f} "
                      f"| {agg['optimizer_steps'][0]:,.0f} | {agg['peak_rss_mib'][0]:.0f} |")
-    sys.path.insert(0, str(ROOT))
-    import common  # the task's family order (easiest first) and hetero reward offsets
-
     found = next(iter(per_algo.values()))["family_accuracy"]
-    families = [f for f in common.FAMILIES if f in found] + sorted(f for f in found if f not in common.FAMILIES)
+    families = [f for f in common.FAMILIES if f in found]  # easiest first + sorted(f for f in found if f not in common.FAMILIES)
     label = lambda f: f"`{f}`" + (f" ({common.HETERO_SCALES[f][0]:+.0f}/{common.HETERO_SCALES[f][1]:+.0f})"
                                   if task == "hetero" and f in common.HETERO_SCALES else "")
     lines += ["", f"| `{task}`, held-out acc. per family at the end | " + " | ".join(label(f) for f in families) + " |",
@@ -297,8 +304,6 @@ def machine():
             cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), cpu)
     except OSError:
         pass
-    import torch
-
     return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
             "torch": torch.__version__}
 
@@ -355,7 +360,7 @@ def main(argv=None):
             summaries = []
             for seed in args.seeds:
                 run_dir = out / task / algo / f"seed{seed}"
-                rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
+                rows = common.read_metrics(run_dir / "metrics.jsonl")
                 config = json.loads((run_dir / "config.json").read_text())
                 info = json.loads((run_dir / "run.json").read_text())
                 summary = summarize_run(rows, config, info["peak_rss_mib"])

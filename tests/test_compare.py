@@ -51,7 +51,7 @@ def test_summarize_run_remax_budget():
     assert summary["accuracy_start"] == 0.4 and summary["accuracy_final"] == 0.7
     assert summary["family_accuracy"] == {"a": 0.5, "b": 0.9}
     assert summary["eval_step"] == [0, 4] and summary["eval_elapsed_s"] == [0.5, 4.5]
-    assert summary["reward_final"] == pytest.approx((0.1 + 0.2 + 0.3 + 0.4) / 4)  # window 10 > 4 steps
+    assert summary["reward_final"] == pytest.approx((0.1 + 0.2 + 0.3 + 0.4) / 4)  # window 25 > 4 steps
     assert summary["step_s"] == pytest.approx(0.75)
     assert summary["wall_s"] == 4.5
 
