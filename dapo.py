@@ -20,65 +20,47 @@ No KL term and no reference model: the policy is meant to move far from its star
     python dapo.py --epsilon_high 0.2 --overlong_cache_len 0     # symmetric clip, no length shaping
 """
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 import common
+from grpo import grpo_advantages
+from support import config, models, run, tasks
+from support.config import arg
 
 
 @dataclass
-class Config(common.TrainConfig):
-    num_generations: int = field(default=8, metadata={"help": "G: sampled completions per prompt (the group), >= 2. Groups per step = batch_size / num_generations."})
-    epsilon_low: float = field(default=0.2, metadata={"help": "Clip the ratio below at 1 - epsilon_low (DAPO: 0.2)."})
-    epsilon_high: float = field(default=0.28, metadata={"help": "Clip the ratio above at 1 + epsilon_high (DAPO: 0.28), >= epsilon_low."})
-    num_iterations: int = field(default=1, metadata={"help": "mu: optimizer updates per rollout batch, ratio against the sampling-time log-probs (1 = on-policy, the clip is inert)."})
-    max_sampling_rounds: int = field(default=8, metadata={"help": "Dynamic sampling: at most this many generation rounds per step; if the batch is still not full, train on the groups kept (warning), or skip the step if none."})
-    dynamic_sampling_metric: str = field(default="correct", metadata={"help": "Drop groups whose 'correct' (0/1 correctness, DAPO) or 'reward' (before length shaping; for data without answers, scored by --reward_model) is all equal."})
-    overlong_cache_len: int = field(default=3, metadata={"help": "Overlong shaping: penalty from max_new_tokens - cache_len tokens on, -1 at max_new_tokens (paper: 4096 of 20480; 3 of 8 here: the longest right answer, 4 digits + EOS, is never penalised). 0 = off."})
-
-    # inherited defaults changed for the embedded model: with K samples per prompt a step sees
-    # batch_size / K = 8 prompts, and held-out accuracy still rises at 200 steps; it levels off
-    # near 600 (2-3.5 minutes on 2 CPU cores, docs/group_family.md)
-    num_steps: int = field(default=600, metadata={"help": "Optimizer steps (one rollout batch each)."})
-    eval_every: int = field(default=50, metadata={"help": "Held-out greedy accuracy every N steps (and at start and end)."})
+class Config(config.GroupConfig):
+    epsilon_low: float = arg(0.2, "Clip the ratio below at 1 - epsilon_low (DAPO: 0.2).")
+    epsilon_high: float = arg(0.28, "Clip the ratio above at 1 + epsilon_high (DAPO: 0.28), >= epsilon_low.")
+    num_epochs: int = arg(1, "mu: optimizer updates per rollout batch (1 = on-policy, the clip is inert).")
+    max_sampling_rounds: int = arg(8, "Dynamic sampling: at most this many generation rounds per step.")
+    dynamic_sampling_metric: str = arg("correct", "Drop groups whose 'correct' (DAPO) or 'reward' is all equal.")
+    overlong_cache_len: int = arg(3, "Overlong shaping: penalty from max_new_tokens - cache_len tokens on (0 = off).")
 
     def __post_init__(self):
         super().__post_init__()
-        if self.num_generations < 2:
-            raise ValueError(f"--num_generations must be >= 2: the group is the baseline (got {self.num_generations}).")
-        if self.batch_size % self.num_generations:
-            raise ValueError(f"--batch_size ({self.batch_size}) must be divisible by --num_generations ({self.num_generations}): "
-                             "batch_size counts completions, batch_size / num_generations prompts are sampled per round.")
         if not 0 < self.epsilon_low < 1:
             raise ValueError(f"--epsilon_low must be in (0, 1) (got {self.epsilon_low}).")
         if self.epsilon_high < self.epsilon_low:
-            raise ValueError(f"--epsilon_high ({self.epsilon_high}) must be >= --epsilon_low ({self.epsilon_low}): that is clip-higher.")
-        if self.num_iterations < 1:
-            raise ValueError(f"--num_iterations must be >= 1 (got {self.num_iterations}).")
+            raise ValueError(f"--epsilon_high ({self.epsilon_high}) must be >= --epsilon_low ({self.epsilon_low}): "
+                             "that is clip-higher.")
+        if self.num_epochs < 1:
+            raise ValueError(f"--num_epochs must be >= 1 (got {self.num_epochs}).")
         if self.max_sampling_rounds < 1:
             raise ValueError(f"--max_sampling_rounds must be >= 1 (got {self.max_sampling_rounds}).")
         if self.dynamic_sampling_metric not in ("correct", "reward"):
-            raise ValueError(f"--dynamic_sampling_metric must be 'correct' or 'reward' (got {self.dynamic_sampling_metric!r}).")
+            raise ValueError("--dynamic_sampling_metric must be 'correct' or 'reward' "
+                             f"(got {self.dynamic_sampling_metric!r}).")
         if self.dynamic_sampling_metric == "correct" and not self.answer_column and self.dataset != "arithmetic":
-            raise ValueError("--answer_column '' gives no correctness to filter on: use --dynamic_sampling_metric reward.")
+            raise ValueError("--answer_column '' gives no correctness to filter on: "
+                             "use --dynamic_sampling_metric reward.")
         if not 0 <= self.overlong_cache_len <= self.max_new_tokens:
-            raise ValueError(f"--overlong_cache_len must be in [0, --max_new_tokens = {self.max_new_tokens}] (got {self.overlong_cache_len}).")
-
-
-def grpo_advantages(rewards, group_size, eps=1e-6):
-    """A_i = (r_i - mean(r_group)) / (std(r_group) + eps) for (B,) rewards, each group's G samples
-    adjacent (the same function as in grpo.py, group scaling only). std is torch.std (ddof=1);
-    eps = 1e-6 as verl. An all-equal group gets exactly 0. Returns (B,)."""
-    # BEGIN SOLUTION
-    grouped = rewards.view(-1, group_size)  # (B / G, G)
-    adv = grouped - grouped.mean(dim=1, keepdim=True)
-    adv[(grouped == grouped[:, :1]).all(dim=1)] = 0.0  # the mean of equal floats may round
-    adv = adv / (grouped.std(dim=1, keepdim=True) + eps)
-    return adv.view(-1)
-    # END SOLUTION
+            raise ValueError(f"--overlong_cache_len must be in [0, --max_new_tokens = {self.max_new_tokens}] "
+                             f"(got {self.overlong_cache_len}).")
 
 
 def dynamic_sampling_filter(correct, group_size):
@@ -133,44 +115,48 @@ def dapo_loss(logp, old_logp, adv, mask, epsilon_low, epsilon_high):
 
 
 def main():
-    cfg = common.parse_config(Config)
+    cfg = config.parse_config(Config)
     # ---- setup: accelerator, seed, policy, data (no reference model: no KL term) ----
-    accelerator = common.make_accelerator(cfg)
+    accelerator = config.make_accelerator(cfg)
     set_seed(cfg.seed)  # identical initial weights on every rank
-    tokenizer = common.load_tokenizer(cfg)
-    train_data, eval_data = common.load_task(cfg, tokenizer)  # data errors surface before models load
-    reward_fn = common.make_reward_fn(cfg, accelerator.device)
-    policy = common.load_model(cfg)
-    optimizer, scheduler = common.make_optimizer(policy, cfg)
+    tokenizer = models.load_tokenizer(cfg)
+    train_data, eval_data = tasks.load_task(cfg, tokenizer)  # data errors surface before models load
+    reward_fn = tasks.make_reward_fn(cfg, accelerator.device)
+    policy = models.load_model(cfg)
+    optimizer, scheduler = models.make_optimizer(policy, cfg)
     policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
     group_size = cfg.num_generations
-    sampler = common.PromptSampler(train_data, cfg.batch_size // group_size, cfg.seed, accelerator.process_index, accelerator.num_processes)
+    sampler = tasks.PromptSampler(train_data, cfg.batch_size // group_size, cfg.seed, accelerator.process_index,
+                                  accelerator.num_processes)
     set_seed(cfg.seed + accelerator.process_index)  # each rank samples different completions
-    ckpt = common.Checkpointer(cfg, accelerator, sampler)
+    ckpt = run.Checkpointer(cfg, accelerator, sampler)
     start_step = ckpt.resume()
-    logger = common.MetricLogger(cfg, accelerator, start_step)
+    logger = run.MetricLogger(cfg, accelerator, start_step)
     if start_step == 0:
-        logger.log(0, common.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
+        logger.log(0, tasks.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
 
-    timer = common.StepTimer()
+    timer = run.StepTimer()
     for step in tqdm(range(start_step + 1, cfg.num_steps + 1), disable=not accelerator.is_main_process, desc="dapo"):
         # ---- rollout: dynamic sampling, rounds of groups until batch_size completions in mixed groups ----
-        kept_examples, kept_completion_ids, kept_rewards, kept_correct, rounds, groups_dropped = [], [], [], [], 0, 0
-        round_rewards = []  # every round's rewards, kept or dropped (logged only)
+        kept_examples, kept_completion_ids, kept_rewards, kept_correct = [], [], [], []
+        round_rewards, rounds, groups_dropped = [], 0, 0  # every round's rewards, kept or dropped (logged only)
         while len(kept_examples) < cfg.batch_size and rounds < cfg.max_sampling_rounds:
             rounds += 1
             batch = sampler.next()
-            prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, [ex["prompt"] for ex in batch], accelerator.device)
+            prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, [ex["prompt"] for ex in batch],
+                                                              accelerator.device)
             with timer("generation"):
                 unwrapped = accelerator.unwrap_model(policy)
-                completion_ids = common.generate(unwrapped, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=group_size)
+                completion_ids = common.generate(unwrapped, tokenizer, prompt_ids, prompt_mask, cfg,
+                                                 num_samples=group_size)
             with timer("scoring"):
-                examples = [ex for ex in batch for _ in range(group_size)]  # each prompt's group_size samples adjacent, as generate
+                examples = [ex for ex in batch for _ in range(group_size)]  # each prompt's samples adjacent
                 mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
                 completions = common.decode_completions(tokenizer, completion_ids, mask)
                 rewards, correct = reward_fn(examples, completions)
                 round_rewards.append(rewards)
-                keep = dynamic_sampling_filter(correct if cfg.dynamic_sampling_metric == "correct" else rewards, group_size)
+                keep = dynamic_sampling_filter(correct if cfg.dynamic_sampling_metric == "correct" else rewards,
+                                               group_size)
                 groups_dropped += int((~keep).sum())
                 keep = keep.repeat_interleave(group_size)
                 kept_examples += [ex for ex, k in zip(examples, keep.tolist()) if k]
@@ -179,80 +165,96 @@ def main():
                 kept_correct.append(correct[keep])
         sampled_rewards = torch.cat(round_rewards)
         # a process with no mixed group has nothing to learn from: then every process skips (DDP steps together)
-        nothing_kept = accelerator.reduce(torch.tensor(float(not kept_examples), device=accelerator.device), reduction="sum") > 0
+        nothing_kept = accelerator.reduce(torch.tensor(float(not kept_examples), device=accelerator.device),
+                                          reduction="sum").item() > 0
         if len(kept_examples) < cfg.batch_size:
-            print(f"warning: step {step} (rank {accelerator.process_index}): --max_sampling_rounds {cfg.max_sampling_rounds} reached with "
-                  f"{len(kept_examples) // group_size} of {cfg.batch_size // group_size} groups with mixed {cfg.dynamic_sampling_metric}; "
+            print(f"warning: step {step} (rank {accelerator.process_index}): --max_sampling_rounds "
+                  f"{cfg.max_sampling_rounds} reached with {len(kept_examples) // group_size} of "
+                  f"{cfg.batch_size // group_size} groups with mixed {cfg.dynamic_sampling_metric}; "
                   + ("skipping the step (a process kept no group)" if nothing_kept else "training on those")
                   + ". Raise --max_sampling_rounds to fill the batch.", file=sys.stderr, flush=True)
-        if nothing_kept:
-            metrics = {"train/skipped_step": 1.0, "train/sampling_rounds": rounds, "train/groups_dropped": groups_dropped,
-                       "train/generated": len(sampled_rewards), "train/reward_sampled": sampled_rewards.mean().item()}
-            if step % cfg.eval_every == 0 or step == cfg.num_steps:
-                metrics.update(common.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
-            logger.log(step, metrics)
-            if ckpt.step_end(step, policy, tokenizer):
-                break
-            continue
-        with timer("scoring"):
-            n = cfg.batch_size  # the last round may overfill the batch
-            examples, rewards, correct = kept_examples[:n], torch.cat(kept_rewards)[:n], torch.cat(kept_correct)[:n]
-            completion_ids = torch.nn.utils.rnn.pad_sequence(kept_completion_ids[:n], batch_first=True, padding_value=tokenizer.pad_token_id)
-            prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, [ex["prompt"] for ex in examples], accelerator.device)
-            mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
-            penalty = overlong_penalty(mask.sum(1), cfg.max_new_tokens, cfg.overlong_cache_len)
-            rewards = rewards + penalty  # overlong shaping, after the filter
-            input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-            attention_mask = torch.cat([prompt_mask, mask], dim=1)
-            T = completion_ids.shape[1]
-            old_logp = None
-            with torch.no_grad():
-                if cfg.num_iterations > 1:  # log-probs at sampling time; with mu = 1 they are logp.detach()
-                    old_logp = common.token_logprobs(policy, input_ids, attention_mask, T, cfg.temperature)
-            adv = grpo_advantages(rewards, group_size)
+        metrics, samples = {}, []
+        if not nothing_kept:
+            with timer("scoring"):
+                n = cfg.batch_size  # the last round may overfill the batch
+                examples, rewards, correct = kept_examples[:n], torch.cat(kept_rewards)[:n], torch.cat(kept_correct)[:n]
+                completion_ids = torch.nn.utils.rnn.pad_sequence(kept_completion_ids[:n], batch_first=True,
+                                                                 padding_value=tokenizer.pad_token_id)
+                prompts = [ex["prompt"] for ex in examples]
+                prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, prompts, accelerator.device)
+                mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
+                penalty = overlong_penalty(mask.sum(1), cfg.max_new_tokens, cfg.overlong_cache_len)
+                rewards = rewards + penalty  # overlong shaping, after the filter
+                input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+                attention_mask = torch.cat([prompt_mask, mask], dim=1)
+                T = completion_ids.shape[1]
+                old_logp = None
+                with torch.no_grad():
+                    if cfg.num_epochs > 1:  # log-probs at sampling time; with mu = 1 they are logp.detach()
+                        old_logp = common.token_logprobs(policy, input_ids, attention_mask, T, cfg.temperature)
+                adv = grpo_advantages(rewards, group_size)
 
-        for _ in range(cfg.num_iterations):  # stats below are those of the last (most off-policy) update
-            with timer("forward_backward"):
-                # ---- log-probs, ratio, clip-higher surrogate, token-mean ----
-                logp, entropy = common.token_logprobs(policy, input_ids, attention_mask, T, cfg.temperature, with_entropy=True)
-                loss, stats = dapo_loss(logp, logp.detach() if old_logp is None else old_logp, adv, mask,
-                                        cfg.epsilon_low, cfg.epsilon_high)
-                accelerator.backward(loss)
+            for _ in range(cfg.num_epochs):  # stats below are those of the last (most off-policy) update
+                with timer("forward_backward"):
+                    # ---- log-probs, ratio, clip-higher surrogate, token-mean ----
+                    logp, entropy = common.token_logprobs(policy, input_ids, attention_mask, T, cfg.temperature,
+                                                          with_entropy=True)
+                    loss, stats = dapo_loss(logp, logp.detach() if old_logp is None else old_logp, adv, mask,
+                                            cfg.epsilon_low, cfg.epsilon_high)
+                    accelerator.backward(loss)
 
-            with timer("optimizer"):
-                # ---- mu steps on the same batch ----
-                grad_norm = accelerator.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
-                ckpt.check_finite(step, loss, grad_norm, policy, tokenizer)
-                optimizer.step()
-                optimizer.zero_grad()
-        scheduler.step()  # once per rollout batch, so --warmup_steps counts steps as in every script
+                with timer("optimizer"):
+                    # ---- mu steps on the same batch ----
+                    max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+                    grad_norm = accelerator.clip_grad_norm_(policy.parameters(), max_norm)
+                    ckpt.check_finite(step, loss, grad_norm, policy, tokenizer)
+                    optimizer.step()
+                    optimizer.zero_grad()
+            scheduler.step()  # once per rollout batch, so --warmup_steps counts steps as in every script
 
-        # ---- log ----
-        lengths = mask.sum(1).float()
-        metrics = {
-            "train/reward": rewards.mean(), "train/reward_std": rewards.std(), "train/correct": correct.mean(),
-            "train/generated": len(sampled_rewards), "train/reward_sampled": sampled_rewards.mean(),
-            "train/frac_zero_std_groups": (rewards.view(-1, group_size) == rewards.view(-1, group_size)[:, :1]).all(1).float().mean(),
-            "train/skipped_step": 0.0, "train/sampling_rounds": rounds, "train/groups_dropped": groups_dropped,
-            "train/groups_kept": len(examples) // group_size, "train/overlong_penalty": penalty.mean(),
-            "train/adv_mean": adv.mean(), "train/adv_std": adv.std(), "train/adv_abs_max": adv.abs().max(),
-            "train/clip_frac_low": stats["clip_frac_low"], "train/clip_frac_high": stats["clip_frac_high"],
-            "train/approx_kl": stats["approx_kl"], "train/entropy": common.masked_mean(entropy, mask),
-            "train/loss": loss.detach(), "train/grad_norm": grad_norm, "train/completion_len": lengths.mean(),
-            **timer.metrics(),
-        }
-        metrics["time/tokens_per_s"] = lengths.sum() / metrics["time/step_s"]
-        metrics = common.reduce_metrics(accelerator, metrics)
+            lengths = mask.sum(1).float()
+            grouped = rewards.view(-1, group_size)
+            metrics = {
+                "train/reward": rewards.mean(),
+                "train/reward_std": rewards.std(),
+                "train/correct": correct.mean(),
+                "train/frac_zero_std_groups": (grouped == grouped[:, :1]).all(1).float().mean(),
+                "train/groups_kept": len(examples) // group_size,
+                "train/overlong_penalty": penalty.mean(),
+                "train/adv_mean": adv.mean(),
+                "train/adv_std": adv.std(),
+                "train/adv_abs_max": adv.abs().max(),
+                "train/clip_frac_low": stats["clip_frac_low"],
+                "train/clip_frac_high": stats["clip_frac_high"],
+                "train/approx_kl": stats["approx_kl"],
+                "train/entropy": common.masked_mean(entropy, mask),
+                "train/loss": loss.detach(),
+                "train/grad_norm": grad_norm,
+                "train/completion_len": lengths.mean(),
+                **timer.metrics(),
+            }
+            metrics["time/tokens_per_s"] = lengths.sum() / metrics["time/step_s"]
+            samples = zip(prompts, common.decode_completions(tokenizer, completion_ids, mask), rewards.tolist())
+
+        # ---- log (a skipped step logs only what dynamic sampling did) ----
+        metrics.update({
+            "train/skipped_step": float(nothing_kept),
+            "train/sampling_rounds": rounds,
+            "train/groups_dropped": groups_dropped,
+            "train/generated": len(sampled_rewards),
+            "train/reward_sampled": sampled_rewards.mean(),
+        })
+        metrics = run.reduce_metrics(accelerator, metrics)
         if step % cfg.eval_every == 0 or step == cfg.num_steps:
-            metrics.update(common.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
-        logger.log(step, metrics)
+            metrics.update(tasks.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
+        logger.log(step, metrics, samples=samples)
         if ckpt.step_end(step, policy, tokenizer):
             break
 
     # ---- end: save, plot ----
     logger.finish(policy)
     if cfg.save_model:
-        common.save_model(accelerator, policy, tokenizer, f"{cfg.output_dir}/final", cfg.merge_lora)
+        models.save_model(accelerator, policy, tokenizer, f"{cfg.output_dir}/final", cfg.merge_lora)
 
 
 if __name__ == "__main__":

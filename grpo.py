@@ -8,7 +8,7 @@ Per-token loss, the PPO clipped surrogate plus a k3 KL term to the frozen refere
 
     -min(rho_t A_i, clip(rho_t, 1 - epsilon, 1 + epsilon) A_i) + beta * k3_t,   rho_t = pi_theta / pi_old
 
-With one update per batch (--num_iterations 1) rho == 1 in value and the clip is inert: the
+With one update per batch (--num_epochs 1) rho == 1 in value and the clip is inert: the
 gradient is REINFORCE with the group baseline. With mu > 1 updates the batch is reused and the
 ratio is taken against the log-probs at sampling time. Dividing by the group std rescales each
 prompt's gradient by its difficulty (a bias, see --scale_rewards none for Dr. GRPO). The price is
@@ -18,47 +18,38 @@ G generations per prompt.
     accelerate launch --multi_gpu --num_processes 2 grpo.py      # data-parallel on CPU
     python grpo.py --scale_rewards none --loss_agg seq-mean-token-sum-norm   # Dr. GRPO
 """
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 import common
+from support import config, models, run, tasks
+from support.config import arg
 
 
 @dataclass
-class Config(common.TrainConfig):
-    num_generations: int = field(default=8, metadata={"help": "G: sampled completions per prompt (the group), >= 2. Prompts per step = batch_size / num_generations."})
-    beta: float = field(default=0.04, metadata={"help": "Coefficient of the k3 KL-to-reference term in the per-token loss (DeepSeekMath: 0.04). 0 loads no reference model at all."})
-    epsilon: float = field(default=0.2, metadata={"help": "Clip the ratio pi_theta / pi_old to [1 - epsilon, 1 + epsilon]."})
-    num_iterations: int = field(default=1, metadata={"help": "mu: optimizer updates per rollout batch, ratio against the sampling-time log-probs (1 = on-policy, the clip is inert)."})
-    scale_rewards: str = field(default="group", metadata={"help": "Divide the centred reward by the std of: group (GRPO) | batch | none (Dr. GRPO: centring only)."})
-    loss_agg: str = field(default="seq-mean-token-mean", metadata={"help": "Loss aggregation: seq-mean-token-mean (GRPO paper) | token-mean | seq-mean-token-sum-norm (Dr. GRPO, / max_new_tokens)."})
-
-    # inherited defaults changed for the embedded model: with K samples per prompt a step sees
-    # batch_size / K = 8 prompts, and held-out accuracy still rises at 200 steps; it levels off
-    # near 600 (2-3.5 minutes on 2 CPU cores, docs/group_family.md)
-    num_steps: int = field(default=600, metadata={"help": "Optimizer steps (one rollout batch each)."})
-    eval_every: int = field(default=50, metadata={"help": "Held-out greedy accuracy every N steps (and at start and end)."})
+class Config(config.GroupConfig):
+    beta: float = arg(0.04, "Coefficient of the k3 KL-to-reference term in the per-token loss (0 = no reference).")
+    epsilon: float = arg(0.2, "Clip the ratio pi_theta / pi_old to [1 - epsilon, 1 + epsilon].")
+    num_epochs: int = arg(1, "mu: optimizer updates per rollout batch (1 = on-policy, the clip is inert).")
+    scale_rewards: str = arg("group", "Divide the centred reward by the std of: group | batch | none (Dr. GRPO).")
+    loss_agg: str = arg("seq-mean-token-mean", "Loss aggregation: seq-mean-token-mean (GRPO paper) | token-mean | "
+                        "seq-mean-token-sum-norm (Dr. GRPO).")
 
     def __post_init__(self):
         super().__post_init__()
-        if self.num_generations < 2:
-            raise ValueError(f"--num_generations must be >= 2: the group is the baseline (got {self.num_generations}).")
-        if self.batch_size % self.num_generations:
-            raise ValueError(f"--batch_size ({self.batch_size}) must be divisible by --num_generations ({self.num_generations}): "
-                             "batch_size counts completions, batch_size / num_generations prompts are sampled per step.")
         if self.beta < 0:
             raise ValueError(f"--beta must be >= 0 (got {self.beta}).")
         if not 0 < self.epsilon < 1:
             raise ValueError(f"--epsilon must be in (0, 1) (got {self.epsilon}).")
-        if self.num_iterations < 1:
-            raise ValueError(f"--num_iterations must be >= 1 (got {self.num_iterations}).")
+        if self.num_epochs < 1:
+            raise ValueError(f"--num_epochs must be >= 1 (got {self.num_epochs}).")
         if self.scale_rewards not in ("group", "batch", "none"):
             raise ValueError(f"--scale_rewards must be 'group', 'batch' or 'none' (got {self.scale_rewards!r}).")
-        if self.loss_agg not in common.LOSS_AGG_MODES:
-            raise ValueError(f"--loss_agg must be one of {common.LOSS_AGG_MODES} (got {self.loss_agg!r}).")
+        if self.loss_agg not in config.LOSS_AGG_MODES:
+            raise ValueError(f"--loss_agg must be one of {config.LOSS_AGG_MODES} (got {self.loss_agg!r}).")
 
 
 def grpo_advantages(rewards, group_size, scale_rewards="group", eps=1e-6):
@@ -89,10 +80,11 @@ def grpo_loss(logp, old_logp, ref_logp, adv, mask, epsilon, beta, loss_agg="seq-
     logp: (B, T) log-probs under the policy being trained (with grad); old_logp: (B, T) at
     sampling time (detached); ref_logp: (B, T) under the reference, or None when beta == 0;
     adv: (B,) sequence advantage, the same for every token. k3 keeps its gradient through logp
-    (ALGORITHMS.md §3: its expected gradient is that of the forward KL(pi_ref || pi_theta)).
-    Returns (loss, stats): the fraction of tokens clipped below (rho < 1 - eps with A < 0) and
-    above (rho > 1 + eps with A > 0), the approx KL(pi_old || pi_theta) of the ratio (k3 of
-    rho) and the mean k3 to the reference.
+    (on one categorical its expected gradient is that of the forward KL(pi_ref || pi_theta); on a
+    sequence, of the per-state forward KL with the states held fixed: docs/algorithms.md).
+    Returns (loss, stats): clip_frac_low / clip_frac_high, the fraction of tokens clipped below
+    (rho < 1 - eps with A < 0) and above (rho > 1 + eps with A > 0); approx_kl, KL(pi_old ||
+    pi_theta) estimated by k3 of the ratio; kl_k3, the mean per-token k3 to the reference.
     """
     # BEGIN SOLUTION
     log_ratio = logp - old_logp
@@ -107,36 +99,37 @@ def grpo_loss(logp, old_logp, ref_logp, adv, mask, epsilon, beta, loss_agg="seq-
             "clip_frac_low": common.masked_mean(((ratio < 1 - epsilon) & (adv < 0)).float(), mask),
             "clip_frac_high": common.masked_mean(((ratio > 1 + epsilon) & (adv > 0)).float(), mask),
             "approx_kl": common.masked_mean(ratio - 1 - log_ratio, mask),
-            "kl": common.masked_mean(kl, mask),
+            "kl_k3": common.masked_mean(kl, mask),
         }
     return loss, stats
     # END SOLUTION
 
 
 def main():
-    cfg = common.parse_config(Config)
+    cfg = config.parse_config(Config)
     # ---- setup: accelerator, seed, policy, reference, data ----
-    accelerator = common.make_accelerator(cfg)
+    accelerator = config.make_accelerator(cfg)
     set_seed(cfg.seed)  # identical initial weights on every rank
-    tokenizer = common.load_tokenizer(cfg)
-    train_data, eval_data = common.load_task(cfg, tokenizer)  # data errors surface before models load
-    reward_fn = common.make_reward_fn(cfg, accelerator.device)
-    policy = common.load_model(cfg)
-    ref_model = common.load_reference(cfg, policy) if cfg.beta > 0 else None
-    optimizer, scheduler = common.make_optimizer(policy, cfg)
+    tokenizer = models.load_tokenizer(cfg)
+    train_data, eval_data = tasks.load_task(cfg, tokenizer)  # data errors surface before models load
+    reward_fn = tasks.make_reward_fn(cfg, accelerator.device)
+    policy = models.load_model(cfg)
+    ref_model = models.load_reference(cfg, policy) if cfg.beta > 0 else None
+    optimizer, scheduler = models.make_optimizer(policy, cfg)
     policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
     if ref_model is not None:
         ref_model = ref_model.to(accelerator.device)
     group_size = cfg.num_generations
-    sampler = common.PromptSampler(train_data, cfg.batch_size // group_size, cfg.seed, accelerator.process_index, accelerator.num_processes)
+    sampler = tasks.PromptSampler(train_data, cfg.batch_size // group_size, cfg.seed, accelerator.process_index,
+                                  accelerator.num_processes)
     set_seed(cfg.seed + accelerator.process_index)  # each rank samples different completions
-    ckpt = common.Checkpointer(cfg, accelerator, sampler)
+    ckpt = run.Checkpointer(cfg, accelerator, sampler)
     start_step = ckpt.resume()
-    logger = common.MetricLogger(cfg, accelerator, start_step)
+    logger = run.MetricLogger(cfg, accelerator, start_step)
     if start_step == 0:
-        logger.log(0, common.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
+        logger.log(0, tasks.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
 
-    timer = common.StepTimer()
+    timer = run.StepTimer()
     for step in tqdm(range(start_step + 1, cfg.num_steps + 1), disable=not accelerator.is_main_process, desc="grpo"):
         # ---- rollout: a group of sampled responses per prompt ----
         batch = sampler.next()
@@ -145,8 +138,10 @@ def main():
             unwrapped = accelerator.unwrap_model(policy)
             completion_ids = common.generate(unwrapped, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=group_size)
         with timer("scoring"):
-            examples = [ex for ex in batch for _ in range(group_size)]  # each prompt's group_size samples adjacent, as generate
-            prompt_ids, prompt_mask = prompt_ids.repeat_interleave(group_size, dim=0), prompt_mask.repeat_interleave(group_size, dim=0)
+            examples = [ex for ex in batch for _ in range(group_size)]  # each prompt's samples adjacent, as generate
+            prompts = [ex["prompt"] for ex in examples]
+            prompt_ids = prompt_ids.repeat_interleave(group_size, dim=0)
+            prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
             mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
             completions = common.decode_completions(tokenizer, completion_ids, mask)
             rewards, correct = reward_fn(examples, completions)
@@ -155,23 +150,25 @@ def main():
             T = completion_ids.shape[1]
             old_logp, ref_logp = None, None
             with torch.no_grad():
-                if cfg.num_iterations > 1:  # log-probs at sampling time; with mu = 1 they are logp.detach()
+                if cfg.num_epochs > 1:  # log-probs at sampling time; with mu = 1 they are logp.detach()
                     old_logp = common.token_logprobs(policy, input_ids, attention_mask, T, cfg.temperature)
                 if ref_model is not None:
                     ref_logp = common.token_logprobs(ref_model, input_ids, attention_mask, T, cfg.temperature)
             adv = grpo_advantages(rewards, group_size, cfg.scale_rewards)
 
-        for _ in range(cfg.num_iterations):  # stats below are those of the last (most off-policy) update
+        for _ in range(cfg.num_epochs):  # stats below are those of the last (most off-policy) update
             with timer("forward_backward"):
                 # ---- log-probs, ratio, clipped surrogate + k3 ----
-                logp, entropy = common.token_logprobs(policy, input_ids, attention_mask, T, cfg.temperature, with_entropy=True)
+                logp, entropy = common.token_logprobs(policy, input_ids, attention_mask, T, cfg.temperature,
+                                                      with_entropy=True)
                 loss, stats = grpo_loss(logp, logp.detach() if old_logp is None else old_logp, ref_logp, adv, mask,
                                         cfg.epsilon, cfg.beta, cfg.loss_agg, max_len=cfg.max_new_tokens)
                 accelerator.backward(loss)
 
             with timer("optimizer"):
                 # ---- mu steps on the same batch ----
-                grad_norm = accelerator.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
+                max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+                grad_norm = accelerator.clip_grad_norm_(policy.parameters(), max_norm)
                 ckpt.check_finite(step, loss, grad_norm, policy, tokenizer)
                 optimizer.step()
                 optimizer.zero_grad()
@@ -179,28 +176,40 @@ def main():
 
         # ---- log ----
         lengths = mask.sum(1).float()
+        grouped = rewards.view(-1, group_size)
+        kl = common.kl_k1(logp.detach(), ref_logp) if ref_model is not None else torch.zeros_like(logp)
         metrics = {
-            "train/reward": rewards.mean(), "train/reward_std": rewards.std(), "train/correct": correct.mean(),
+            "train/reward": rewards.mean(),
+            "train/reward_std": rewards.std(),
+            "train/correct": correct.mean(),
             "train/generated": len(completion_ids),
-            "train/frac_zero_std_groups": (rewards.view(-1, group_size) == rewards.view(-1, group_size)[:, :1]).all(1).float().mean(),
-            "train/adv_mean": adv.mean(), "train/adv_std": adv.std(), "train/adv_abs_max": adv.abs().max(),
-            "train/clip_frac_low": stats["clip_frac_low"], "train/clip_frac_high": stats["clip_frac_high"],
-            "train/approx_kl": stats["approx_kl"], "train/kl": stats["kl"], "train/entropy": common.masked_mean(entropy, mask),
-            "train/loss": loss.detach(), "train/grad_norm": grad_norm, "train/completion_len": lengths.mean(),
+            "train/frac_zero_std_groups": (grouped == grouped[:, :1]).all(1).float().mean(),
+            "train/adv_mean": adv.mean(),
+            "train/adv_std": adv.std(),
+            "train/adv_abs_max": adv.abs().max(),
+            "train/clip_frac_low": stats["clip_frac_low"],
+            "train/clip_frac_high": stats["clip_frac_high"],
+            "train/approx_kl": stats["approx_kl"],
+            "train/kl_k3": stats["kl_k3"],
+            "train/kl_seq": common.masked_sum(kl, mask) / len(examples),
+            "train/entropy": common.masked_mean(entropy, mask),
+            "train/loss": loss.detach(),
+            "train/grad_norm": grad_norm,
+            "train/completion_len": lengths.mean(),
             **timer.metrics(),
         }
         metrics["time/tokens_per_s"] = lengths.sum() / metrics["time/step_s"]
-        metrics = common.reduce_metrics(accelerator, metrics)
+        metrics = run.reduce_metrics(accelerator, metrics)
         if step % cfg.eval_every == 0 or step == cfg.num_steps:
-            metrics.update(common.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
-        logger.log(step, metrics)
+            metrics.update(tasks.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
+        logger.log(step, metrics, samples=zip(prompts, completions, rewards.tolist()))
         if ckpt.step_end(step, policy, tokenizer):
             break
 
     # ---- end: save, plot ----
     logger.finish(policy)
     if cfg.save_model:
-        common.save_model(accelerator, policy, tokenizer, f"{cfg.output_dir}/final", cfg.merge_lora)
+        models.save_model(accelerator, policy, tokenizer, f"{cfg.output_dir}/final", cfg.merge_lora)
 
 
 if __name__ == "__main__":

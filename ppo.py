@@ -3,14 +3,14 @@ for LLMs: Ouyang et al., 2022, and Huang et al., "The N+ implementation details 
 with PPO", 2024).
 
 Each sampled completion is an episode whose actions are its tokens. The reward is
-r_t = -kl_coef * (logp_t - ref_logp_t) on every token plus the task reward R(x, y) on the
+r_t = -beta * (logp_t - ref_logp_t) on every token plus the task reward R(x, y) on the
 last one. A critic V (the policy's backbone with a scalar head instead of the LM head)
 predicts the return from every prefix, and GAE turns rewards and values into per-token
 advantages:
 
     delta_t = r_t + gamma V_{t+1} - V_t,   A_t = delta_t + gamma lam A_{t+1},   V_{T+1} = 0.
 
-The batch is then reused for --ppo_epochs passes over --num_mini_batches minibatches, which
+The batch is then reused for --num_epochs passes over --num_mini_batches minibatches, which
 is why the ratio rho = pi_theta / pi_old and its clip are needed. What this costs against
 remax.py: a second trainable model (its gradients and Adam state) and its forward/backward
 passes in every update; what it buys: a per-token, per-prefix baseline instead of one
@@ -20,7 +20,7 @@ greedy reward per prompt, and several updates per batch of samples.
     accelerate launch --multi_gpu --num_processes 2 ppo.py       # data-parallel (gloo on CPU)
     python ppo.py --adaptive_kl True --kl_target 1.0             # Ziegler et al. KL control
 """
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from accelerate.utils import set_seed
@@ -28,41 +28,48 @@ from tqdm.auto import tqdm
 from transformers import AutoModelForSequenceClassification, get_constant_schedule_with_warmup
 
 import common
+from support import config, models, run, tasks
+from support.config import arg
 
 
 @dataclass
-class Config(common.TrainConfig):
-    num_steps: int = field(default=150, metadata={"help": "Rollout batches (each gives ppo_epochs x num_mini_batches optimizer steps). 150 fit in 5 minutes on 2 CPU cores with the embedded model."})
-    learning_rate: float = field(default=3e-5, metadata={"help": "Policy learning rate (AdamW). Below the common 1e-4 because each batch gives ppo_epochs x num_mini_batches = 16 steps (tuned on the embedded model); papers use 1e-6..3e-6 for 7B models."})
-    critic_learning_rate: float = field(default=1e-4, metadata={"help": "Critic learning rate (AdamW). Tiny model default (1e-3 made the critic overshoot: lower explained variance); papers use ~1e-5 for 7B models."})
-    reward_model_path: str = field(default="", metadata={"help": "Initialise the critic from this sequence-classification checkpoint with the policy's tokenizer (a reward model, or output_dir/final/critic of an earlier run); default: the policy's backbone with a new value head. (--reward_model scores; this only initialises the critic.)"})
-    kl_coef: float = field(default=0.05, metadata={"help": "Coefficient of the per-token k1 penalty in the reward (initial value if --adaptive_kl)."})
-    adaptive_kl: bool = field(default=False, metadata={"help": "Adapt kl_coef towards --kl_target (Ziegler et al., 2019)."})
-    kl_target: float = field(default=1.0, metadata={"help": "Target KL per sequence (nats) for --adaptive_kl (Ziegler et al.: 6 for 24-token completions)."})
-    kl_horizon: int = field(default=10000, metadata={"help": "Horizon of the adaptive KL controller, in samples (Ziegler et al.: 10000)."})
-    gamma: float = field(default=1.0, metadata={"help": "Discount factor of GAE."})
-    lam: float = field(default=0.95, metadata={"help": "GAE lambda: 1 = Monte Carlo returns (high variance), 0 = one-step TD (biased by V)."})
-    ppo_epochs: int = field(default=4, metadata={"help": "Passes over each rollout batch."})
-    num_mini_batches: int = field(default=4, metadata={"help": "Minibatches per pass (one optimizer step each); must divide --batch_size."})
-    cliprange: float = field(default=0.2, metadata={"help": "Clip the ratio pi/pi_old to [1 - c, 1 + c] in the policy loss."})
-    cliprange_value: float = field(default=0.2, metadata={"help": "Clip the new value to V_old +- c in the value loss."})
-    vf_coef: float = field(default=0.1, metadata={"help": "Weight of the value loss. Policy and critic are separate models, so it only scales the critic's gradient (before clipping)."})
+class Config(config.TrainConfig):
+    # 150 batches of num_epochs x num_mini_batches = 16 optimizer steps each: 5 minutes on 2 CPU cores
+    num_steps: int = arg(150, "Rollout batches (each gives num_epochs x num_mini_batches optimizer steps).")
+    # below the common 1e-4 because each batch gives 16 steps (tuned on the embedded model, docs/ppo.md)
+    learning_rate: float = arg(3e-5, "Policy learning rate (AdamW); papers use 1e-6..3e-6 for 7B models.")
+    critic_learning_rate: float = arg(1e-4, "Critic learning rate (AdamW); papers use ~1e-5 for 7B models.")
+    reward_model_path: str = arg("", "Initialise the critic from this sequence-classification checkpoint "
+                                 "(default: the policy's backbone with a new value head).")
+    beta: float = arg(0.05, "Coefficient of the per-token k1 penalty in the reward (initial value if --adaptive_kl).")
+    adaptive_kl: bool = arg(False, "Adapt beta towards --kl_target (Ziegler et al., 2019).")
+    kl_target: float = arg(1.0, "Target KL per sequence (nats) for --adaptive_kl.")
+    kl_horizon: int = arg(10000, "Horizon of the adaptive KL controller, in samples.")
+    gamma: float = arg(1.0, "Discount factor of GAE.")
+    lam: float = arg(0.95, "GAE lambda: 1 = Monte Carlo returns (high variance), 0 = one-step TD (biased by V).")
+    num_epochs: int = arg(4, "K: passes over each rollout batch.")
+    num_mini_batches: int = arg(4, "Minibatches per pass (one optimizer step each); must divide --batch_size.")
+    epsilon: float = arg(0.2, "Clip the ratio pi_theta / pi_old to [1 - epsilon, 1 + epsilon] in the policy loss.")
+    epsilon_value: float = arg(0.2, "Clip the new value to V_old +- epsilon_value in the value loss.")
+    vf_coef: float = arg(0.1, "Weight of the value loss (it only scales the critic's gradient before clipping).")
 
     def __post_init__(self):
         super().__post_init__()
-        for name in ("critic_learning_rate", "ppo_epochs", "num_mini_batches", "cliprange", "cliprange_value", "vf_coef", "kl_target", "kl_horizon"):
+        for name in ("critic_learning_rate", "num_epochs", "num_mini_batches", "epsilon", "epsilon_value", "vf_coef",
+                     "kl_target", "kl_horizon"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name} must be > 0 (got {getattr(self, name)}).")
-        if self.kl_coef < 0:
-            raise ValueError(f"--kl_coef must be >= 0 (got {self.kl_coef}).")
-        if self.adaptive_kl and self.kl_coef == 0:
-            raise ValueError("--adaptive_kl needs --kl_coef > 0 (it scales kl_coef multiplicatively).")
+        if self.beta < 0:
+            raise ValueError(f"--beta must be >= 0 (got {self.beta}).")
+        if self.adaptive_kl and self.beta == 0:
+            raise ValueError("--adaptive_kl needs --beta > 0 (it scales beta multiplicatively).")
         if not 0 <= self.gamma <= 1:
             raise ValueError(f"--gamma must be in [0, 1] (got {self.gamma}).")
         if not 0 <= self.lam <= 1:
             raise ValueError(f"--lam must be in [0, 1] (got {self.lam}).")
         if self.batch_size % self.num_mini_batches != 0:
-            raise ValueError(f"--num_mini_batches ({self.num_mini_batches}) must divide --batch_size ({self.batch_size}).")
+            raise ValueError(f"--num_mini_batches ({self.num_mini_batches}) must divide "
+                             f"--batch_size ({self.batch_size}).")
 
 
 def gae(rewards, values, mask, gamma, lam):
@@ -90,43 +97,45 @@ def gae(rewards, values, mask, gamma, lam):
     # END SOLUTION
 
 
-def ppo_policy_loss(logp, old_logp, adv, mask, cliprange):
+def ppo_policy_loss(logp, old_logp, adv, mask, epsilon):
     """Clipped surrogate (Schulman et al., 2017, eq. 7), token-mean over the minibatch.
 
     logp: (B, T) with grad; old_logp, adv: (B, T) from rollout time. Per token
-    -min(rho A, clip(rho, 1 - c, 1 + c) A), rho = exp(logp - old_logp): once the ratio has
-    moved past the clip in the direction A favours, the gradient is zero.
-    Returns (loss, stats) with stats: clipfrac (fraction of tokens where the clip is active)
-    and approx_kl (k3 estimate of KL(pi_old || pi_theta) from the ratio).
+    -min(rho A, clip(rho, 1 - epsilon, 1 + epsilon) A), rho = exp(logp - old_logp): once the ratio
+    has moved past the clip in the direction A favours, the gradient is zero.
+    Returns (loss, stats): clip_frac_low / clip_frac_high, the fraction of tokens clipped below
+    (rho < 1 - epsilon with A < 0) and above (rho > 1 + epsilon with A > 0); approx_kl, the k3
+    estimate of KL(pi_old || pi_theta) from the ratio.
     """
     # BEGIN SOLUTION
-    ratio = torch.exp(logp - old_logp)
-    unclipped = -adv * ratio
-    clipped = -adv * torch.clamp(ratio, 1 - cliprange, 1 + cliprange)
-    loss = common.masked_mean(torch.max(unclipped, clipped), mask)
+    log_ratio = logp - old_logp
+    ratio = torch.exp(log_ratio)
+    surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - epsilon, 1 + epsilon) * adv)
+    loss = common.masked_mean(-surrogate, mask)
     with torch.no_grad():
         stats = {
-            "clipfrac": common.masked_mean((clipped > unclipped).float(), mask),
-            "approx_kl": common.masked_mean(common.kl_k3(old_logp, logp), mask),
+            "clip_frac_low": common.masked_mean(((ratio < 1 - epsilon) & (adv < 0)).float(), mask),
+            "clip_frac_high": common.masked_mean(((ratio > 1 + epsilon) & (adv > 0)).float(), mask),
+            "approx_kl": common.masked_mean(ratio - 1 - log_ratio, mask),
         }
     return loss, stats
     # END SOLUTION
 
 
-def ppo_value_loss(values, old_values, returns, mask, cliprange_value):
+def ppo_value_loss(values, old_values, returns, mask, epsilon_value):
     """Clipped value loss, token-mean: 0.5 max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2).
 
     values: (B, T) with grad; old_values, returns: (B, T) from rollout time. Like the policy
     clip, it keeps the critic near the one that produced the advantages.
-    Returns (loss, stats) with stats: clipfrac (fraction of tokens where the clipped term wins).
+    Returns (loss, stats) with stats: clip_frac (fraction of tokens where the clipped term wins).
     """
     # BEGIN SOLUTION
-    values_clipped = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
+    values_clipped = old_values + torch.clamp(values - old_values, -epsilon_value, epsilon_value)
     unclipped = (values - returns) ** 2
     clipped = (values_clipped - returns) ** 2
     loss = 0.5 * common.masked_mean(torch.max(unclipped, clipped), mask)
     with torch.no_grad():
-        stats = {"clipfrac": common.masked_mean((clipped > unclipped).float(), mask)}
+        stats = {"clip_frac": common.masked_mean((clipped > unclipped).float(), mask)}
     return loss, stats
     # END SOLUTION
 
@@ -147,8 +156,9 @@ class ValueModel(torch.nn.Module):
 
     def __init__(self, path, torch_dtype="float32", gradient_checkpointing=False):
         super().__init__()
-        self.model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=common.DTYPES[torch_dtype])
-        common.disable_dropout(self.model)
+        self.model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1,
+                                                                        dtype=config.DTYPES[torch_dtype])
+        models.disable_dropout(self.model)
         if gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.train()  # dropout is off; train mode only lets gradient checkpointing act
@@ -157,17 +167,18 @@ class ValueModel(torch.nn.Module):
         """(B, C) values V_t of the prefix before each of the last C tokens (the state in which
         token t is chosen: the same positions whose logits give logp_t), in fp32."""
         c = num_completion_tokens
-        hidden = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                                       position_ids=common.position_ids_from_mask(attention_mask), use_cache=False).last_hidden_state
+        position_ids = common.position_ids_from_mask(attention_mask)
+        hidden = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                       use_cache=False).last_hidden_state
         return self.model.score(hidden[:, -(c + 1):-1]).squeeze(-1).float()
 
 
 class AdaptiveKLController:
-    """Ziegler et al. (2019), section 2.2: move kl_coef so that the KL per sequence tracks a target,
-    kl_coef <- kl_coef * (1 + clip(KL / target - 1, -0.2, 0.2) * n / horizon) after n samples."""
+    """Ziegler et al. (2019), section 2.2: move beta so that the KL per sequence tracks a target,
+    beta <- beta * (1 + clip(KL / target - 1, -0.2, 0.2) * n / horizon) after n samples."""
 
-    def __init__(self, kl_coef, target, horizon):
-        self.value, self.target, self.horizon = kl_coef, target, horizon
+    def __init__(self, beta, target, horizon):
+        self.value, self.target, self.horizon = beta, target, horizon
 
     def update(self, kl, n):
         error = min(max(kl / self.target - 1, -0.2), 0.2)
@@ -180,49 +191,51 @@ class AdaptiveKLController:
         self.value = state["value"]
 
 
-# the critic's own panels, next to common.PLOT_KEYS in curves.png
-CRITIC_PLOT_KEYS = ("train/value_loss", "train/explained_variance", "train/value_clipfrac",
-                    "train/policy_clipfrac", "train/approx_kl", "train/kl_coef")
+# the critic's own panels, next to run.PLOT_KEYS in curves.png
+CRITIC_PLOT_KEYS = ("train/value_loss", "train/explained_variance", "train/value_clip_frac",
+                    "train/clip_frac_high", "train/approx_kl", "train/beta")
 
 
 def main():
-    cfg = common.parse_config(Config)
+    cfg = config.parse_config(Config)
     # ---- setup: accelerator, seed, policy, critic, reference, data ----
-    accelerator = common.make_accelerator(cfg)
+    accelerator = config.make_accelerator(cfg)
     if accelerator.state.deepspeed_plugin is not None:
         raise SystemExit("error: ppo.py trains two models (policy and critic) and accelerate's DeepSpeed integration "
                          "prepares one model per Accelerator: launch it with DDP (e.g. configs/ddp_8gpu.yaml).")
     set_seed(cfg.seed)  # identical initial weights on every rank
-    tokenizer = common.load_tokenizer(cfg)
-    train_data, eval_data = common.load_task(cfg, tokenizer)  # data errors surface before models load
-    reward_fn = common.make_reward_fn(cfg, accelerator.device)
-    policy = common.load_model(cfg)
+    tokenizer = models.load_tokenizer(cfg)
+    train_data, eval_data = tasks.load_task(cfg, tokenizer)  # data errors surface before models load
+    reward_fn = tasks.make_reward_fn(cfg, accelerator.device)
+    policy = models.load_model(cfg)
     if cfg.reward_model_path:
-        common.check_model_path(cfg.reward_model_path, flag="--reward_model_path")
+        models.check_model_path(cfg.reward_model_path, flag="--reward_model_path")
     critic = ValueModel(cfg.reward_model_path or cfg.model_name_or_path, cfg.torch_dtype, cfg.gradient_checkpointing)
-    ref_model = common.load_reference(cfg, policy) if cfg.kl_coef > 0 else None
-    optimizer, scheduler = common.make_optimizer(policy, cfg)
+    ref_model = models.load_reference(cfg, policy) if cfg.beta > 0 else None
+    optimizer, scheduler = models.make_optimizer(policy, cfg)
     critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_learning_rate, weight_decay=0.0)
     critic_scheduler = get_constant_schedule_with_warmup(critic_optimizer, cfg.warmup_steps)
     policy, critic, optimizer, critic_optimizer, scheduler, critic_scheduler = accelerator.prepare(
         policy, critic, optimizer, critic_optimizer, scheduler, critic_scheduler)
     if ref_model is not None:
         ref_model = ref_model.to(accelerator.device)
-    kl_ctl = AdaptiveKLController(cfg.kl_coef, cfg.kl_target, cfg.kl_horizon)
+    kl_ctl = AdaptiveKLController(cfg.beta, cfg.kl_target, cfg.kl_horizon)
     accelerator.register_for_checkpointing(kl_ctl)
-    sampler = common.PromptSampler(train_data, cfg.batch_size, cfg.seed, accelerator.process_index, accelerator.num_processes)
+    sampler = tasks.PromptSampler(train_data, cfg.batch_size, cfg.seed, accelerator.process_index,
+                                  accelerator.num_processes)
     set_seed(cfg.seed + accelerator.process_index)  # each rank samples different completions
-    ckpt = common.Checkpointer(cfg, accelerator, sampler)
+    ckpt = run.Checkpointer(cfg, accelerator, sampler)
     start_step = ckpt.resume()
-    logger = common.MetricLogger(cfg, accelerator, start_step)
+    logger = run.MetricLogger(cfg, accelerator, start_step)
     if start_step == 0:
-        logger.log(0, common.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
+        logger.log(0, tasks.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
 
-    timer = common.StepTimer()
+    timer = run.StepTimer()
     for step in tqdm(range(start_step + 1, cfg.num_steps + 1), disable=not accelerator.is_main_process, desc="ppo"):
         # ---- rollout: one sampled response per prompt ----
         batch = sampler.next()
-        prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, [ex["prompt"] for ex in batch], accelerator.device)
+        prompts = [ex["prompt"] for ex in batch]
+        prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, prompts, accelerator.device)
         with timer("generation"):
             unwrapped = accelerator.unwrap_model(policy)
             completion_ids = common.generate(unwrapped, tokenizer, prompt_ids, prompt_mask, cfg)
@@ -235,13 +248,14 @@ def main():
             T = completion_ids.shape[1]
             with torch.no_grad():
                 # log-probs and values at rollout time: pi_old and V_old for every update below
-                old_logp, entropy = common.token_logprobs(policy, input_ids, attention_mask, T, cfg.temperature, with_entropy=True)
+                old_logp, entropy = common.token_logprobs(policy, input_ids, attention_mask, T, cfg.temperature,
+                                                          with_entropy=True)
                 old_values = critic(input_ids, attention_mask, T)
                 if ref_model is not None:
                     ref_logp = common.token_logprobs(ref_model, input_ids, attention_mask, T, cfg.temperature)
 
-        with timer("forward_backward"):
-            # ---- per-token reward, GAE advantage (the critic is the baseline) ----
+        with timer("gae"):
+            # ---- per-token reward, GAE advantages (the critic is the baseline), whitened ----
             kl = common.kl_k1(old_logp, ref_logp) if ref_model is not None else torch.zeros_like(old_logp)
             last = mask.sum(1) - 1  # index of the EOS, or of the last token when cut at max length
             token_rewards = -kl_ctl.value * kl
@@ -249,16 +263,17 @@ def main():
             adv, returns = gae(token_rewards, old_values, mask, cfg.gamma, cfg.lam)
             adv = common.masked_whiten(adv, mask)
 
-        # ---- ppo_epochs passes over num_mini_batches minibatches ----
+        # ---- num_epochs passes over num_mini_batches minibatches, one step each ----
         updates = []
         mb_size = cfg.batch_size // cfg.num_mini_batches
-        for _ in range(cfg.ppo_epochs):
+        for _ in range(cfg.num_epochs):
             for idx in torch.randperm(cfg.batch_size, device=accelerator.device).split(mb_size):
                 with timer("forward_backward"):
                     logp = common.token_logprobs(policy, input_ids[idx], attention_mask[idx], T, cfg.temperature)
-                    pg_loss, pg_stats = ppo_policy_loss(logp, old_logp[idx], adv[idx], mask[idx], cfg.cliprange)
+                    pg_loss, pg_stats = ppo_policy_loss(logp, old_logp[idx], adv[idx], mask[idx], cfg.epsilon)
                     values = critic(input_ids[idx], attention_mask[idx], T)
-                    vf_loss, vf_stats = ppo_value_loss(values, old_values[idx], returns[idx], mask[idx], cfg.cliprange_value)
+                    vf_loss, vf_stats = ppo_value_loss(values, old_values[idx], returns[idx], mask[idx],
+                                                       cfg.epsilon_value)
                     loss = pg_loss + cfg.vf_coef * vf_loss
                     accelerator.backward(loss)
                 with timer("optimizer"):
@@ -271,43 +286,48 @@ def main():
                     critic_optimizer.step()
                     optimizer.zero_grad()
                     critic_optimizer.zero_grad()
-                updates.append(torch.stack([loss.detach(), pg_loss.detach(), vf_loss.detach(), pg_stats["clipfrac"], pg_stats["approx_kl"],
-                                            vf_stats["clipfrac"], grad_norm, critic_grad_norm]))
+                updates.append({"loss": loss.detach(), "policy_loss": pg_loss.detach(), "value_loss": vf_loss.detach(),
+                                "value_clip_frac": vf_stats["clip_frac"], "grad_norm": grad_norm,
+                                "critic_grad_norm": critic_grad_norm, **pg_stats})
         scheduler.step()  # once per rollout batch, so --warmup_steps counts steps as in every script
         critic_scheduler.step()
-        loss, pg_loss, vf_loss, policy_clipfrac, approx_kl, value_clipfrac, grad_norm, critic_grad_norm = torch.stack(updates).mean(0)
+        stats = {key: torch.stack([u[key] for u in updates]).mean() for key in updates[0]}  # mean over updates
 
         # ---- log ----
         lengths = mask.sum(1).float()
-        seq_kl = common.masked_sum(kl, mask) / len(batch)
         metrics = {
-            "train/reward": rewards.mean(), "train/reward_std": rewards.std(), "train/correct": correct.mean(),
+            "train/reward": rewards.mean(),
+            "train/reward_std": rewards.std(),
+            "train/correct": correct.mean(),
             "train/generated": len(completion_ids),
-            "train/value_mean": common.masked_mean(old_values, mask), "train/return_mean": common.masked_mean(returns, mask),
-            "train/kl": seq_kl, "train/kl_coef": kl_ctl.value, "train/entropy": common.masked_mean(entropy, mask),
-            "train/loss": loss, "train/policy_loss": pg_loss, "train/value_loss": vf_loss,
-            "train/policy_clipfrac": policy_clipfrac, "train/approx_kl": approx_kl, "train/value_clipfrac": value_clipfrac,
-            "train/explained_variance": explained_variance(old_values, returns, mask), "train/grad_norm": grad_norm, "train/critic_grad_norm": critic_grad_norm,
+            "train/value_mean": common.masked_mean(old_values, mask),
+            "train/return_mean": common.masked_mean(returns, mask),
+            "train/explained_variance": explained_variance(old_values, returns, mask),
+            "train/kl_seq": common.masked_sum(kl, mask) / len(batch),
+            "train/beta": kl_ctl.value,
+            "train/entropy": common.masked_mean(entropy, mask),
+            **{f"train/{key}": value for key, value in stats.items()},
             "train/completion_len": lengths.mean(),
             **timer.metrics(),
         }
         metrics["time/tokens_per_s"] = lengths.sum() / metrics["time/step_s"]
-        metrics = common.reduce_metrics(accelerator, metrics)
+        metrics = run.reduce_metrics(accelerator, metrics)
         if cfg.adaptive_kl:
-            kl_ctl.update(metrics["train/kl"], cfg.batch_size * accelerator.num_processes)
+            kl_ctl.update(metrics["train/kl_seq"], cfg.batch_size * accelerator.num_processes)
         if step % cfg.eval_every == 0 or step == cfg.num_steps:
-            metrics.update(common.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
-        logger.log(step, metrics)
+            metrics.update(tasks.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
+        logger.log(step, metrics, samples=zip(prompts, completions, rewards.tolist()))
         if ckpt.step_end(step, policy, tokenizer):
             break
 
     # ---- end: save, plot ----
     logger.finish(policy)
     if accelerator.is_main_process:
-        common.plot_metrics(logger.path, f"{cfg.output_dir}/critic_curves.png", CRITIC_PLOT_KEYS)
+        run.plot_metrics(logger.path, f"{cfg.output_dir}/critic_curves.png", CRITIC_PLOT_KEYS)
     if cfg.save_model:
-        common.save_model(accelerator, policy, tokenizer, f"{cfg.output_dir}/final", cfg.merge_lora)
-        common.save_model(accelerator, accelerator.unwrap_model(critic).model, tokenizer, f"{cfg.output_dir}/final/critic")
+        models.save_model(accelerator, policy, tokenizer, f"{cfg.output_dir}/final", cfg.merge_lora)
+        critic_model = accelerator.unwrap_model(critic).model
+        models.save_model(accelerator, critic_model, tokenizer, f"{cfg.output_dir}/final/critic")
 
 
 if __name__ == "__main__":

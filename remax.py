@@ -5,7 +5,7 @@ For each prompt x, sample one response y ~ pi(.|x) and decode one greedy respons
 The advantage is A = r(x, y) - r(x, y_greedy): the greedy reward is a baseline that does not
 depend on the sampled y, so the gradient stays unbiased, and it tracks how hard each prompt is,
 which is what plain REINFORCE lacks when prompts differ (--baseline none shows the failure).
-A per-token k1 penalty -kl_coef * (logp - ref_logp) is folded into the return (reward-to-go).
+A per-token k1 penalty -beta * (logp - ref_logp) is folded into the return (reward-to-go).
 Loss: -A_t * log pi(y_t | x, y_<t), one on-policy update per batch: no ratio, no clipping,
 no value model. The price is one extra greedy generation per prompt.
 
@@ -13,32 +13,34 @@ no value model. The price is one extra greedy generation per prompt.
     accelerate launch --multi_gpu --num_processes 2 remax.py     # data-parallel on CPU
     python remax.py --reward_scales hetero --baseline none       # watch REINFORCE fail
 """
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 import common
+from support import config, models, run, tasks
+from support.config import arg
 
 
 @dataclass
-class Config(common.TrainConfig):
-    baseline: str = field(default="greedy", metadata={"help": "'greedy' (ReMax) or 'none' (plain REINFORCE)."})
-    kl_coef: float = field(default=0.05, metadata={"help": "Coefficient of the per-token k1 penalty folded into the return (ReMax code: 0.05)."})
-    adv_clip: float = field(default=5.0, metadata={"help": "Clip the advantage r - r_greedy to [-adv_clip, adv_clip] (ReMax code: 5; 0 = off)."})
-    loss_agg: str = field(default="token-mean", metadata={"help": "Loss aggregation: token-mean (ReMax code) | seq-mean-token-mean | seq-mean-token-sum-norm."})
+class Config(config.TrainConfig):
+    baseline: str = arg("greedy", "'greedy' (ReMax) or 'none' (plain REINFORCE).")
+    beta: float = arg(0.05, "Coefficient of the per-token k1 penalty folded into the return (0 = no reference).")
+    adv_clip: float = arg(5.0, "Clip the advantage r - r_greedy to [-adv_clip, adv_clip] (0 = off).")
+    loss_agg: str = arg("token-mean", "Loss aggregation: token-mean | seq-mean-token-mean | seq-mean-token-sum-norm.")
 
     def __post_init__(self):
         super().__post_init__()
         if self.baseline not in ("greedy", "none"):
             raise ValueError(f"--baseline must be 'greedy' or 'none' (got {self.baseline!r}).")
-        if self.kl_coef < 0:
-            raise ValueError(f"--kl_coef must be >= 0 (got {self.kl_coef}).")
+        if self.beta < 0:
+            raise ValueError(f"--beta must be >= 0 (got {self.beta}).")
         if self.adv_clip < 0:
             raise ValueError(f"--adv_clip must be >= 0 (got {self.adv_clip}).")
-        if self.loss_agg not in common.LOSS_AGG_MODES:
-            raise ValueError(f"--loss_agg must be one of {common.LOSS_AGG_MODES} (got {self.loss_agg!r}).")
+        if self.loss_agg not in config.LOSS_AGG_MODES:
+            raise ValueError(f"--loss_agg must be one of {config.LOSS_AGG_MODES} (got {self.loss_agg!r}).")
 
 
 def remax_advantages(rewards, greedy_rewards):
@@ -48,61 +50,58 @@ def remax_advantages(rewards, greedy_rewards):
     # END SOLUTION
 
 
-def remax_loss(logp, adv, kl, mask, kl_coef, loss_agg="token-mean"):
+def remax_loss(logp, adv, kl, mask, beta, loss_agg="token-mean", max_len=None):
     """REINFORCE loss with the k1 penalty folded into the return.
 
     logp, kl: (B, T) per-token log-probs (with grad) and k1 = logp - ref_logp (detached);
-    adv: (B,) sequence advantage. Per-token return G_t = A - kl_coef * sum_{t'>=t} k1_t'
+    adv: (B,) sequence advantage. Per-token return G_t = A - beta * sum_{t'>=t} k1_t'
     (reward-to-go: the penalty on earlier tokens does not depend on later actions).
-    Loss = aggregate(-G_t * logp_t). Returns (loss, G).
+    Loss = aggregate(-G_t * logp_t); max_len is the seq-mean-token-sum-norm constant
+    (--max_new_tokens). Returns (loss, stats) with stats: return_mean (mean G_t over tokens).
     """
     # BEGIN SOLUTION
-    returns = adv[:, None] - kl_coef * common.reward_to_go(kl, mask)
-    return common.aggregate_loss(-returns.detach() * logp, mask, loss_agg), returns
+    returns = (adv[:, None] - beta * common.reward_to_go(kl, mask)).detach()
+    loss = common.aggregate_loss(-returns * logp, mask, loss_agg, max_len)
+    return loss, {"return_mean": common.masked_mean(returns, mask)}
     # END SOLUTION
 
 
 def main():
-    cfg = common.parse_config(Config)
+    cfg = config.parse_config(Config)
     # ---- setup: accelerator, seed, policy, reference, data ----
-    accelerator = common.make_accelerator(cfg)
+    accelerator = config.make_accelerator(cfg)
     set_seed(cfg.seed)  # identical initial weights on every rank
-    tokenizer = common.load_tokenizer(cfg)
-    train_data, eval_data = common.load_task(cfg, tokenizer)  # data errors surface before models load
-    reward_fn = common.make_reward_fn(cfg, accelerator.device)
-    policy = common.load_model(cfg)
-    ref_model = common.load_reference(cfg, policy) if cfg.kl_coef > 0 else None
-    optimizer, scheduler = common.make_optimizer(policy, cfg)
+    tokenizer = models.load_tokenizer(cfg)
+    train_data, eval_data = tasks.load_task(cfg, tokenizer)  # data errors surface before models load
+    reward_fn = tasks.make_reward_fn(cfg, accelerator.device)
+    policy = models.load_model(cfg)
+    ref_model = models.load_reference(cfg, policy) if cfg.beta > 0 else None
+    optimizer, scheduler = models.make_optimizer(policy, cfg)
     policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
     if ref_model is not None:
         ref_model = ref_model.to(accelerator.device)
-    sampler = common.PromptSampler(train_data, cfg.batch_size, cfg.seed, accelerator.process_index, accelerator.num_processes)
+    sampler = tasks.PromptSampler(train_data, cfg.batch_size, cfg.seed, accelerator.process_index,
+                                  accelerator.num_processes)
     set_seed(cfg.seed + accelerator.process_index)  # each rank samples different completions
-    ckpt = common.Checkpointer(cfg, accelerator, sampler)
+    ckpt = run.Checkpointer(cfg, accelerator, sampler)
     start_step = ckpt.resume()
-    logger = common.MetricLogger(cfg, accelerator, start_step)
+    logger = run.MetricLogger(cfg, accelerator, start_step)
     if start_step == 0:
-        logger.log(0, common.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
+        logger.log(0, tasks.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
 
-    timer = common.StepTimer()
+    timer = run.StepTimer()
     for step in tqdm(range(start_step + 1, cfg.num_steps + 1), disable=not accelerator.is_main_process, desc="remax"):
-        # ---- rollout: one sampled and one greedy response per prompt ----
+        # ---- rollout: one sampled response per prompt ----
         batch = sampler.next()
-        prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, [ex["prompt"] for ex in batch], accelerator.device)
+        prompts = [ex["prompt"] for ex in batch]
+        prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, prompts, accelerator.device)
         with timer("generation"):
             unwrapped = accelerator.unwrap_model(policy)
             completion_ids = common.generate(unwrapped, tokenizer, prompt_ids, prompt_mask, cfg)
-            if cfg.baseline == "greedy":
-                greedy_ids = common.generate(unwrapped, tokenizer, prompt_ids, prompt_mask, cfg, greedy=True)
         with timer("scoring"):
             mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
             completions = common.decode_completions(tokenizer, completion_ids, mask)
             rewards, correct = reward_fn(batch, completions)
-            if cfg.baseline == "greedy":
-                greedy_mask = common.completion_mask(greedy_ids, tokenizer.eos_token_id)
-                greedy_rewards, _ = reward_fn(batch, common.decode_completions(tokenizer, greedy_ids, greedy_mask))
-            else:
-                greedy_rewards = torch.zeros_like(rewards)
             input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
             attention_mask = torch.cat([prompt_mask, mask], dim=1)
             T = completion_ids.shape[1]
@@ -110,19 +109,31 @@ def main():
                 with torch.no_grad():
                     ref_logp = common.token_logprobs(ref_model, input_ids, attention_mask, T, cfg.temperature)
 
+        # ---- baseline: the reward of the greedy response (ReMax), or none (REINFORCE) ----
+        if cfg.baseline == "greedy":
+            with timer("generation"):
+                greedy_ids = common.generate(unwrapped, tokenizer, prompt_ids, prompt_mask, cfg, greedy=True)
+            with timer("scoring"):
+                greedy_mask = common.completion_mask(greedy_ids, tokenizer.eos_token_id)
+                greedy_rewards, _ = reward_fn(batch, common.decode_completions(tokenizer, greedy_ids, greedy_mask))
+        else:
+            greedy_ids, greedy_rewards = completion_ids[:0], torch.zeros_like(rewards)
+        adv = remax_advantages(rewards, greedy_rewards)
+        if cfg.adv_clip > 0:
+            adv = adv.clamp(-cfg.adv_clip, cfg.adv_clip)
+
         with timer("forward_backward"):
-            # ---- log-probs, KL penalty, advantage, loss ----
-            logp, entropy = common.token_logprobs(policy, input_ids, attention_mask, T, cfg.temperature, with_entropy=True)
+            # ---- log-probs, KL penalty, loss ----
+            logp, entropy = common.token_logprobs(policy, input_ids, attention_mask, T, cfg.temperature,
+                                                  with_entropy=True)
             kl = common.kl_k1(logp.detach(), ref_logp) if ref_model is not None else torch.zeros_like(logp)
-            adv = remax_advantages(rewards, greedy_rewards)
-            if cfg.adv_clip > 0:
-                adv = adv.clamp(-cfg.adv_clip, cfg.adv_clip)
-            loss, returns = remax_loss(logp, adv, kl, mask, cfg.kl_coef, cfg.loss_agg)
+            loss, stats = remax_loss(logp, adv, kl, mask, cfg.beta, cfg.loss_agg, max_len=cfg.max_new_tokens)
             accelerator.backward(loss)
 
         with timer("optimizer"):
             # ---- one on-policy step ----
-            grad_norm = accelerator.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
+            max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+            grad_norm = accelerator.clip_grad_norm_(policy.parameters(), max_norm)
             ckpt.check_finite(step, loss, grad_norm, policy, tokenizer)
             optimizer.step()
             scheduler.step()
@@ -131,25 +142,33 @@ def main():
         # ---- log ----
         lengths = mask.sum(1).float()
         metrics = {
-            "train/reward": rewards.mean(), "train/reward_std": rewards.std(), "train/correct": correct.mean(),
-            "train/generated": len(completion_ids) + (len(greedy_ids) if cfg.baseline == "greedy" else 0),
-            "train/greedy_reward": greedy_rewards.mean(), "train/adv_mean": adv.mean(), "train/adv_std": adv.std(),
-            "train/kl": common.masked_sum(kl, mask) / len(batch), "train/entropy": common.masked_mean(entropy, mask),
-            "train/loss": loss.detach(), "train/grad_norm": grad_norm, "train/completion_len": lengths.mean(),
+            "train/reward": rewards.mean(),
+            "train/reward_std": rewards.std(),
+            "train/correct": correct.mean(),
+            "train/greedy_reward": greedy_rewards.mean(),
+            "train/generated": len(completion_ids) + len(greedy_ids),
+            "train/adv_mean": adv.mean(),
+            "train/adv_std": adv.std(),
+            "train/return_mean": stats["return_mean"],
+            "train/kl_seq": common.masked_sum(kl, mask) / len(batch),
+            "train/entropy": common.masked_mean(entropy, mask),
+            "train/loss": loss.detach(),
+            "train/grad_norm": grad_norm,
+            "train/completion_len": lengths.mean(),
             **timer.metrics(),
         }
         metrics["time/tokens_per_s"] = lengths.sum() / metrics["time/step_s"]
-        metrics = common.reduce_metrics(accelerator, metrics)
+        metrics = run.reduce_metrics(accelerator, metrics)
         if step % cfg.eval_every == 0 or step == cfg.num_steps:
-            metrics.update(common.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
-        logger.log(step, metrics)
+            metrics.update(tasks.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
+        logger.log(step, metrics, samples=zip(prompts, completions, rewards.tolist()))
         if ckpt.step_end(step, policy, tokenizer):
             break
 
     # ---- end: save, plot ----
     logger.finish(policy)
     if cfg.save_model:
-        common.save_model(accelerator, policy, tokenizer, f"{cfg.output_dir}/final", cfg.merge_lora)
+        models.save_model(accelerator, policy, tokenizer, f"{cfg.output_dir}/final", cfg.merge_lora)
 
 
 if __name__ == "__main__":

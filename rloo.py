@@ -4,7 +4,7 @@ https://arxiv.org/abs/2402.14740; the estimator is Kool et al., 2019).
 For each prompt x, sample K responses y_1..y_K ~ pi(.|x). The baseline of response i is the mean
 reward of the OTHER K-1 responses, so it does not depend on y_i and the gradient stays unbiased:
 
-    A_i = r~_i - mean_{j != i} r~_j = K / (K-1) * (r~_i - mean(r~)),   r~ = r - kl_coef * sum_t k1_t
+    A_i = r~_i - mean_{j != i} r~_j = K / (K-1) * (r~_i - mean(r~)),   r~ = r - beta * sum_t k1_t
 
 The per-token k1 penalty (detached) is summed over the sequence and folded into the reward.
 The whole completion is one action: loss -A_i * log pi(y_i | x) (sum of the token log-probs),
@@ -15,35 +15,25 @@ model. The price is K generations per prompt.
     accelerate launch --multi_gpu --num_processes 2 rloo.py      # data-parallel on CPU
     python rloo.py --reward_scales hetero                        # the group baseline adapts per prompt
 """
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 import common
+from support import config, models, run, tasks
+from support.config import arg
 
 
 @dataclass
-class Config(common.TrainConfig):
-    num_generations: int = field(default=8, metadata={"help": "K: sampled completions per prompt, >= 2. Prompts per step = batch_size / num_generations."})
-    kl_coef: float = field(default=0.05, metadata={"help": "Coefficient of the sequence k1 penalty folded into the reward (TRL RLOO: 0.05). 0 loads no reference model."})
-
-    # inherited defaults changed for the embedded model: with K samples per prompt a step sees
-    # batch_size / K = 8 prompts, and held-out accuracy still rises at 200 steps; it levels off
-    # near 600 (2-3.5 minutes on 2 CPU cores, docs/group_family.md)
-    num_steps: int = field(default=600, metadata={"help": "Optimizer steps (one rollout batch each)."})
-    eval_every: int = field(default=50, metadata={"help": "Held-out greedy accuracy every N steps (and at start and end)."})
+class Config(config.GroupConfig):
+    beta: float = arg(0.05, "Coefficient of the sequence k1 penalty folded into the reward (0 = no reference).")
 
     def __post_init__(self):
         super().__post_init__()
-        if self.num_generations < 2:
-            raise ValueError(f"--num_generations must be >= 2: leave-one-out needs another sample (got {self.num_generations}).")
-        if self.batch_size % self.num_generations:
-            raise ValueError(f"--batch_size ({self.batch_size}) must be divisible by --num_generations ({self.num_generations}): "
-                             "batch_size counts completions, batch_size / num_generations prompts are sampled per step.")
-        if self.kl_coef < 0:
-            raise ValueError(f"--kl_coef must be >= 0 (got {self.kl_coef}).")
+        if self.beta < 0:
+            raise ValueError(f"--beta must be >= 0 (got {self.beta}).")
 
 
 def rloo_advantages(rewards, group_size):
@@ -59,36 +49,40 @@ def rloo_advantages(rewards, group_size):
 def rloo_loss(logp, adv, mask):
     """REINFORCE with the whole completion as one action: mean_i of -A_i * sum_t logp_{i,t}.
 
-    logp: (B, T) per-token log-probs (with grad); adv: (B,) detached; mask: (B, T)."""
+    logp: (B, T) per-token log-probs (with grad); adv: (B,) detached; mask: (B, T).
+    Returns (loss, stats) with stats: seq_logp_mean, the mean sequence log-prob log pi(y_i|x)."""
     # BEGIN SOLUTION
-    return -(adv.detach() * common.masked_sum(logp, mask, dim=1)).mean()
+    seq_logp = common.masked_sum(logp, mask, dim=1)  # log pi(y_i | x)
+    loss = -(adv.detach() * seq_logp).mean()
+    return loss, {"seq_logp_mean": seq_logp.detach().mean()}
     # END SOLUTION
 
 
 def main():
-    cfg = common.parse_config(Config)
+    cfg = config.parse_config(Config)
     # ---- setup: accelerator, seed, policy, reference, data ----
-    accelerator = common.make_accelerator(cfg)
+    accelerator = config.make_accelerator(cfg)
     set_seed(cfg.seed)  # identical initial weights on every rank
-    tokenizer = common.load_tokenizer(cfg)
-    train_data, eval_data = common.load_task(cfg, tokenizer)  # data errors surface before models load
-    reward_fn = common.make_reward_fn(cfg, accelerator.device)
-    policy = common.load_model(cfg)
-    ref_model = common.load_reference(cfg, policy) if cfg.kl_coef > 0 else None
-    optimizer, scheduler = common.make_optimizer(policy, cfg)
+    tokenizer = models.load_tokenizer(cfg)
+    train_data, eval_data = tasks.load_task(cfg, tokenizer)  # data errors surface before models load
+    reward_fn = tasks.make_reward_fn(cfg, accelerator.device)
+    policy = models.load_model(cfg)
+    ref_model = models.load_reference(cfg, policy) if cfg.beta > 0 else None
+    optimizer, scheduler = models.make_optimizer(policy, cfg)
     policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
     if ref_model is not None:
         ref_model = ref_model.to(accelerator.device)
     group_size = cfg.num_generations
-    sampler = common.PromptSampler(train_data, cfg.batch_size // group_size, cfg.seed, accelerator.process_index, accelerator.num_processes)
+    sampler = tasks.PromptSampler(train_data, cfg.batch_size // group_size, cfg.seed, accelerator.process_index,
+                                  accelerator.num_processes)
     set_seed(cfg.seed + accelerator.process_index)  # each rank samples different completions
-    ckpt = common.Checkpointer(cfg, accelerator, sampler)
+    ckpt = run.Checkpointer(cfg, accelerator, sampler)
     start_step = ckpt.resume()
-    logger = common.MetricLogger(cfg, accelerator, start_step)
+    logger = run.MetricLogger(cfg, accelerator, start_step)
     if start_step == 0:
-        logger.log(0, common.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
+        logger.log(0, tasks.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
 
-    timer = common.StepTimer()
+    timer = run.StepTimer()
     for step in tqdm(range(start_step + 1, cfg.num_steps + 1), disable=not accelerator.is_main_process, desc="rloo"):
         # ---- rollout: a group of sampled responses per prompt ----
         batch = sampler.next()
@@ -97,8 +91,10 @@ def main():
             unwrapped = accelerator.unwrap_model(policy)
             completion_ids = common.generate(unwrapped, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=group_size)
         with timer("scoring"):
-            examples = [ex for ex in batch for _ in range(group_size)]  # each prompt's group_size samples adjacent, as generate
-            prompt_ids, prompt_mask = prompt_ids.repeat_interleave(group_size, dim=0), prompt_mask.repeat_interleave(group_size, dim=0)
+            examples = [ex for ex in batch for _ in range(group_size)]  # each prompt's samples adjacent, as generate
+            prompts = [ex["prompt"] for ex in examples]
+            prompt_ids = prompt_ids.repeat_interleave(group_size, dim=0)
+            prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
             mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
             completions = common.decode_completions(tokenizer, completion_ids, mask)
             rewards, correct = reward_fn(examples, completions)
@@ -111,16 +107,18 @@ def main():
 
         with timer("forward_backward"):
             # ---- log-probs, KL folded into the reward, leave-one-out advantage, loss ----
-            logp, entropy = common.token_logprobs(policy, input_ids, attention_mask, T, cfg.temperature, with_entropy=True)
+            logp, entropy = common.token_logprobs(policy, input_ids, attention_mask, T, cfg.temperature,
+                                                  with_entropy=True)
             kl = common.kl_k1(logp.detach(), ref_logp) if ref_model is not None else torch.zeros_like(logp)
-            rewards_kl = rewards - cfg.kl_coef * common.masked_sum(kl, mask, dim=1)  # r~ = r - kl_coef * sum_t k1_t
+            rewards_kl = rewards - cfg.beta * common.masked_sum(kl, mask, dim=1)  # r~ = r - beta * sum_t k1_t
             adv = rloo_advantages(rewards_kl, group_size)
-            loss = rloo_loss(logp, adv, mask)
+            loss, stats = rloo_loss(logp, adv, mask)
             accelerator.backward(loss)
 
         with timer("optimizer"):
             # ---- one on-policy step ----
-            grad_norm = accelerator.clip_grad_norm_(policy.parameters(), cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf"))
+            max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+            grad_norm = accelerator.clip_grad_norm_(policy.parameters(), max_norm)
             ckpt.check_finite(step, loss, grad_norm, policy, tokenizer)
             optimizer.step()
             scheduler.step()
@@ -128,27 +126,36 @@ def main():
 
         # ---- log ----
         lengths = mask.sum(1).float()
+        grouped = rewards.view(-1, group_size)
         metrics = {
-            "train/reward": rewards.mean(), "train/reward_std": rewards.std(), "train/correct": correct.mean(),
+            "train/reward": rewards.mean(),
+            "train/reward_std": rewards.std(),
+            "train/correct": correct.mean(),
             "train/generated": len(completion_ids),
-            "train/frac_zero_std_groups": (rewards.view(-1, group_size) == rewards.view(-1, group_size)[:, :1]).all(1).float().mean(),
-            "train/reward_with_kl": rewards_kl.mean(), "train/adv_mean": adv.mean(), "train/adv_std": adv.std(),
-            "train/kl": common.masked_sum(kl, mask) / len(examples), "train/entropy": common.masked_mean(entropy, mask),
-            "train/loss": loss.detach(), "train/grad_norm": grad_norm, "train/completion_len": lengths.mean(),
+            "train/frac_zero_std_groups": (grouped == grouped[:, :1]).all(1).float().mean(),
+            "train/reward_with_kl": rewards_kl.mean(),
+            "train/adv_mean": adv.mean(),
+            "train/adv_std": adv.std(),
+            "train/seq_logp": stats["seq_logp_mean"],
+            "train/kl_seq": common.masked_sum(kl, mask) / len(examples),
+            "train/entropy": common.masked_mean(entropy, mask),
+            "train/loss": loss.detach(),
+            "train/grad_norm": grad_norm,
+            "train/completion_len": lengths.mean(),
             **timer.metrics(),
         }
         metrics["time/tokens_per_s"] = lengths.sum() / metrics["time/step_s"]
-        metrics = common.reduce_metrics(accelerator, metrics)
+        metrics = run.reduce_metrics(accelerator, metrics)
         if step % cfg.eval_every == 0 or step == cfg.num_steps:
-            metrics.update(common.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
-        logger.log(step, metrics)
+            metrics.update(tasks.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
+        logger.log(step, metrics, samples=zip(prompts, completions, rewards.tolist()))
         if ckpt.step_end(step, policy, tokenizer):
             break
 
     # ---- end: save, plot ----
     logger.finish(policy)
     if cfg.save_model:
-        common.save_model(accelerator, policy, tokenizer, f"{cfg.output_dir}/final", cfg.merge_lora)
+        models.save_model(accelerator, policy, tokenizer, f"{cfg.output_dir}/final", cfg.merge_lora)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ reward of the greedy (argmax) action instead. For a two-armed logistic bandit an
 softmax bandit this file computes the exact variance of the one-sample estimator
 g = (r_a - b) s(a) for each baseline, checks it by Monte Carlo, and computes by exact
 enumeration the bias of the group estimators (RLOO, mean incl. self, GRPO).
-Math and check values: shared/ALGORITHMS.md sections 1-2.
+Math and check values: docs/algorithms.md (baselines and the toy bandit).
 
 Conventions. "Variance" of a vector estimator is the trace of its covariance. The greedy action
 breaks ties to the lowest action index (as np.argmax does): action 0 at p = 1/2 in the two-arm

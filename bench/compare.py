@@ -1,5 +1,5 @@
-"""Results: every algorithm side by side on the embedded task, at an equal budget, over seeds
-(issue 7). Two claims are tested: the survey's "PPO, ReMax, GRPO and RLOO reach comparable
+"""Results: every algorithm side by side on the embedded task, at an equal budget, over seeds.
+Two claims are tested: the survey's "PPO, ReMax, GRPO and RLOO reach comparable
 performance", and ReMax's "plain REINFORCE fails when reward scales differ across prompts and a
 baseline fixes it" (the --reward_scales hetero variant of the task).
 
@@ -7,7 +7,7 @@ Equal budget: every run trains on the same number of sampled completions, --step
 batches of --batch_size (64). What each algorithm spends to get them differs, and is reported
 rather than hidden: ReMax also decodes one greedy response per prompt (2x the sequences
 generated), DAPO's dynamic sampling generates extra rounds and drops groups, PPO takes
-ppo_epochs x num_mini_batches = 16 optimizer steps per batch and trains a critic. The figures
+num_epochs x num_mini_batches = 16 optimizer steps per batch and trains a critic. The figures
 put held-out accuracy and training reward against all three axes: completions trained on,
 sequences generated, and wall-clock seconds. Everything else is each script's default
 (learning rates, KL coefficients, group size 8, ...), so each algorithm runs as its file ships.
@@ -38,7 +38,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-import common  # noqa: E402  (read_metrics; the task's family order and hetero offsets)
+from support import run, tasks  # noqa: E402
 import torch  # noqa: E402
 
 # name -> (script, extra arguments); colours fixed so the figures of both tasks match
@@ -146,9 +146,7 @@ def mean_of(rows, key):
 
 def optimizer_steps_per_batch(config):
     """Optimizer steps per rollout batch, from a run's config.json."""
-    if "ppo_epochs" in config:
-        return config["ppo_epochs"] * config["num_mini_batches"]
-    return config.get("num_iterations", 1)
+    return config.get("num_epochs", 1) * config.get("num_mini_batches", 1)
 
 
 def summarize_run(rows, config, peak_rss_mib):
@@ -231,9 +229,9 @@ def markdown_tables(task, per_algo):
                      f"| {agg['completions_trained'][0]:,.0f} | {agg['sequences_generated'][0]:,.0f} "
                      f"| {agg['optimizer_steps'][0]:,.0f} | {agg['peak_rss_mib'][0]:.0f} |")
     found = next(iter(per_algo.values()))["family_accuracy"]
-    families = [f for f in common.FAMILIES if f in found]  # easiest first + sorted(f for f in found if f not in common.FAMILIES)
-    label = lambda f: f"`{f}`" + (f" ({common.HETERO_SCALES[f][0]:+.0f}/{common.HETERO_SCALES[f][1]:+.0f})"
-                                  if task == "hetero" and f in common.HETERO_SCALES else "")
+    families = [f for f in tasks.FAMILIES if f in found]  # easiest first + sorted(f for f in found if f not in tasks.FAMILIES)
+    label = lambda f: f"`{f}`" + (f" ({tasks.HETERO_SCALES[f][0]:+.0f}/{tasks.HETERO_SCALES[f][1]:+.0f})"
+                                  if task == "hetero" and f in tasks.HETERO_SCALES else "")
     lines += ["", f"| `{task}`, held-out acc. per family at the end | " + " | ".join(label(f) for f in families) + " |",
               "|---|" + "---|" * len(families)]
     start = next(iter(per_algo.values()))["family_accuracy_start"]
@@ -360,7 +358,7 @@ def main(argv=None):
             summaries = []
             for seed in args.seeds:
                 run_dir = out / task / algo / f"seed{seed}"
-                rows = common.read_metrics(run_dir / "metrics.jsonl")
+                rows = run.read_metrics(run_dir / "metrics.jsonl")
                 config = json.loads((run_dir / "config.json").read_text())
                 info = json.loads((run_dir / "run.json").read_text())
                 summary = summarize_run(rows, config, info["peak_rss_mib"])

@@ -1,5 +1,5 @@
 """The cost of the critic, measured: memory and time per step of each algorithm on the same
-model and batch shape (issue 5; the ReMax paper's claim: ~46% less GPU memory and 1.6-2x
+model and batch shape (the ReMax paper's claim: ~46% less GPU memory and 1.6-2x
 faster than PPO on 7B models).
 
 Each algorithm script (remax, grpo, rloo, dapo, ppo: whichever exist) runs in its own
@@ -15,11 +15,11 @@ runs its main() and records, per algorithm:
   and every activation, so the runtime baseline (VmRSS after imports, before main()) is
   reported next to it. On a GPU: torch.cuda.max_memory_allocated().
 - wall time per step, split into generation / scoring / forward_backward / optimizer, from
-  the time/*_s columns that common.StepTimer writes to metrics.jsonl, averaged over the steps
+  the time/*_s columns that support.run.StepTimer writes to metrics.jsonl, averaged over the steps
   after --warmup. CPU/wall (process CPU time over wall time of the whole run) shows contention:
   with --threads 1 it is ~1.0 on an idle machine and drops when other processes compete.
 
-Held-out evaluation is stubbed out in the child (common.evaluate returns NaN): it is the same
+Held-out evaluation is stubbed out in the child (tasks.evaluate returns NaN): it is the same
 for every algorithm, outside the timed phases, and would otherwise add its own generation
 batch to the peak.
 
@@ -40,7 +40,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ALGORITHMS = ("remax", "grpo", "rloo", "dapo", "ppo")
-PHASES = ("generation", "scoring", "forward_backward", "optimizer")
+PHASES = ("generation", "scoring", "gae", "forward_backward", "optimizer")
 # a Qwen2 of ~75M parameters with the embedded tokenizer (vocab 18), randomly initialised
 LARGE_CONFIG = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=12,
                     num_key_value_heads=12, max_position_embeddings=64, tie_word_embeddings=True)
@@ -78,7 +78,7 @@ def run_child(script, result_path, script_args):
     from transformers import PreTrainedModel
 
     sys.path.insert(0, str(ROOT))
-    import common
+    from support import tasks
 
     loaded, optimizers = [], []
     from_pretrained = PreTrainedModel.from_pretrained.__func__
@@ -96,7 +96,7 @@ def run_child(script, result_path, script_args):
 
     PreTrainedModel.from_pretrained = classmethod(recording_from_pretrained)
     torch.optim.Optimizer.__init__ = recording_optimizer_init
-    common.evaluate = lambda *args, **kwargs: {"eval/accuracy": float("nan")}
+    tasks.evaluate = lambda *args, **kwargs: {"eval/accuracy": float("nan")}
 
     spec = importlib.util.spec_from_file_location(Path(script).stem, script)
     module = importlib.util.module_from_spec(spec)
@@ -128,9 +128,9 @@ def make_large_model(folder):
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
     sys.path.insert(0, str(ROOT))
-    import common
+    from support.config import EMBEDDED_MODEL
 
-    tokenizer = AutoTokenizer.from_pretrained(common.EMBEDDED_MODEL)
+    tokenizer = AutoTokenizer.from_pretrained(EMBEDDED_MODEL)
     config = Qwen2Config(vocab_size=len(tokenizer), bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id, **LARGE_CONFIG)
     torch.manual_seed(0)
@@ -167,7 +167,7 @@ def run_algorithm(name, model_path, args, workdir):
 
 # name: (script, extra flags). ppo-1x1 isolates the critic from PPO's batch reuse.
 VARIANTS = {name: (f"{name}.py", []) for name in ALGORITHMS}
-VARIANTS["ppo-1x1"] = ("ppo.py", ["--ppo_epochs", "1", "--num_mini_batches", "1"])
+VARIANTS["ppo-1x1"] = ("ppo.py", ["--num_epochs", "1", "--num_mini_batches", "1"])
 
 
 def mib(x):
@@ -177,8 +177,8 @@ def mib(x):
 def table(results, on_gpu):
     peak = "peak GPU alloc (MiB)" if on_gpu else "peak RSS (MiB)"
     lines = [f"| algorithm | models: trainable + frozen | params held | model state accounted (MiB) | AdamW state measured (MiB) "
-             f"| {peak} | peak − runtime (MiB) | step (s) | generation | scoring | fwd+bwd | optimizer | CPU/wall |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"| {peak} | peak − runtime (MiB) | step (s) | generation | scoring | gae | fwd+bwd | optimizer | CPU/wall |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, r in results.items():
         trainable = sum(m["trainable_params"] > 0 for m in r["models"])
         held = f"{trainable} + {len(r['models']) - trainable}"
@@ -248,8 +248,8 @@ def main():
         for model_name in args.models.split(","):
             if model_name == "embedded":
                 sys.path.insert(0, str(ROOT))
-                import common
-                model_path = common.EMBEDDED_MODEL
+                from support.config import EMBEDDED_MODEL
+                model_path = EMBEDDED_MODEL
             elif model_name == "large":
                 model_path = make_large_model(os.path.join(tmp, "large_model"))
             else:

@@ -70,7 +70,6 @@ EXERCISES = {
         "test_clip_loss_is_continuous_at_the_boundaries",
         "test_with_one_iteration_ratio_is_one_and_gradient_is_the_policy_gradient",
         "test_k3_term_value_and_gradient", "test_loss_ignores_tokens_after_the_mask"]),
-    "dapo.py::grpo_advantages": (1, "tests/test_dapo.py", ["test_advantage_is_grpos_group_advantage"]),
     "dapo.py::dynamic_sampling_filter": (1, "tests/test_dapo.py", [
         "test_dynamic_sampling_keeps_only_groups_with_mixed_correctness",
         "test_dynamic_sampling_filters_on_correctness_not_on_the_shaped_reward"]),

@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
+from support import config, tasks  # noqa: E402
 
 SPECIAL = ["<pad>", "<eos>", "<unk>"]
 CHARS = list("0123456789+-*= ")
@@ -88,7 +89,7 @@ def warmup_example(ex, rng):
     return ex
 
 
-class _Acc:  # the minimal accelerator interface common.evaluate needs, for one process
+class _Acc:  # the minimal accelerator interface tasks.evaluate needs, for one process
     process_index, num_processes, device = 0, 1, torch.device("cpu")
     unwrap_model = staticmethod(lambda m: m)
     reduce = staticmethod(lambda t, reduction: t)
@@ -108,8 +109,8 @@ def main():
     model = build_model(tokenizer, args.seed)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"{n_params / 1e6:.2f}M parameters")
-    cfg = common.TrainConfig(seed=args.seed)
-    train, held_out = common.load_task(cfg)
+    cfg = config.TrainConfig(seed=args.seed)
+    train, held_out = tasks.load_task(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     rng, start, log = random.Random(args.seed), time.time(), []
     for step in range(1, args.steps + 1):
@@ -120,7 +121,7 @@ def main():
         opt.step()
         if step % args.eval_every == 0:
             model.eval()
-            metrics = common.evaluate(model, tokenizer, held_out, cfg, _Acc())
+            metrics = tasks.evaluate(model, tokenizer, held_out, cfg, _Acc())
             model.train()
             log.append({"step": step, "loss": loss.item(), **metrics})
             print(f"step {step} loss {loss.item():.3f} held-out acc {metrics['eval/accuracy']:.3f} ({time.time() - start:.0f}s)", flush=True)

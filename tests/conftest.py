@@ -12,10 +12,10 @@ def assert_params_changed(final_dir):
     """The model saved in final_dir differs from the embedded model it started from."""
     from transformers import AutoModelForCausalLM
 
-    import common
+    from support import config
 
     trained = AutoModelForCausalLM.from_pretrained(final_dir)
-    start = AutoModelForCausalLM.from_pretrained(common.EMBEDDED_MODEL)
+    start = AutoModelForCausalLM.from_pretrained(config.EMBEDDED_MODEL)
     assert max((a - b).abs().max().item() for a, b in zip(trained.parameters(), start.parameters())) > 0
 
 
@@ -23,7 +23,7 @@ def launch_two_processes(script, args, out_dir):
     """`accelerate launch --multi_gpu --num_processes 2 script args` on CPU (gloo): asserts the run
     succeeds with 2 ranks whose final weights are identical and changed. Returns the process.
     (`launch --cpu --num_processes 2` starts ONE process in accelerate 1.x; --multi_gpu starts two
-    torchrun ranks, which common.make_accelerator puts on CPU when there is no GPU.)"""
+    torchrun ranks, which config.make_accelerator puts on CPU when there is no GPU.)"""
     import json
     import subprocess
 

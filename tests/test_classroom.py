@@ -1,4 +1,4 @@
-"""classroom/make_student_copy.py (issue 8): the student copy imports cleanly and its exercise
+"""classroom/make_student_copy.py: the student copy imports cleanly and its exercise
 tests fail with NotImplementedError; the reference passes the same tests; the script is
 idempotent and never touches the reference."""
 import hashlib

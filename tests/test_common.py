@@ -4,6 +4,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import common
+from support import config, tasks
 from common import aggregate_loss, completion_mask, masked_mean, masked_sum, masked_whiten, reward_to_go
 
 EOS = 1
@@ -98,8 +99,8 @@ def test_token_logprobs_equals_naive_full_log_softmax():
 
 def test_sampling_logprobs_match_training_logprobs_with_left_padding():
     """The log-probs the loop trains on are those generate() sampled from (temperature, positions)."""
-    tok = AutoTokenizer.from_pretrained(common.EMBEDDED_MODEL, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(common.EMBEDDED_MODEL).eval()
+    tok = AutoTokenizer.from_pretrained(config.EMBEDDED_MODEL, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(config.EMBEDDED_MODEL).eval()
     prompt_ids, prompt_mask = common.tokenize_prompts(tok, ["1+2=", "123+456=", "99*9="], "cpu")
     torch.manual_seed(0)
     out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, do_sample=True, temperature=0.8, top_k=0,
@@ -114,9 +115,9 @@ def test_sampling_logprobs_match_training_logprobs_with_left_padding():
 
 
 def test_generate_returns_k_adjacent_samples_per_prompt_and_greedy_is_deterministic():
-    tok = AutoTokenizer.from_pretrained(common.EMBEDDED_MODEL, padding_side="left")
-    model = AutoModelForCausalLM.from_pretrained(common.EMBEDDED_MODEL)
-    cfg = common.TrainConfig(max_new_tokens=6)
+    tok = AutoTokenizer.from_pretrained(config.EMBEDDED_MODEL, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(config.EMBEDDED_MODEL)
+    cfg = config.TrainConfig(max_new_tokens=6)
     prompt_ids, prompt_mask = common.tokenize_prompts(tok, ["12+3=", "45+67="], "cpu")
     samples = common.generate(model, tok, prompt_ids, prompt_mask, cfg, num_samples=4)
     assert samples.shape[0] == 8 and samples.shape[1] <= 6
@@ -129,24 +130,24 @@ def test_generate_returns_k_adjacent_samples_per_prompt_and_greedy_is_determinis
 
 
 def test_held_out_split_is_disjoint_from_training_prompts():
-    train, held_out = common.load_task(common.TrainConfig())
+    train, held_out = tasks.load_task(config.TrainConfig())
     assert {ex["prompt"] for ex in train}.isdisjoint({ex["prompt"] for ex in held_out})
-    assert {ex["family"] for ex in held_out} == set(common.FAMILIES)
+    assert {ex["family"] for ex in held_out} == set(tasks.FAMILIES)
     for ex in held_out[:50]:
         assert str(eval(ex["prompt"].rstrip("="))) == ex["answer"]
 
 
 def test_rewards_uniform_and_hetero_scales():
     examples = [{"prompt": "12+3=", "answer": "15", "family": "add_2x1"}, {"prompt": "123+456=", "answer": "579", "family": "add_3x3"}]
-    rewards, correct = common.compute_rewards(examples, ["15", " 578"], "uniform")
+    rewards, correct = tasks.compute_rewards(examples, ["15", " 578"], "uniform")
     assert rewards.tolist() == [1.0, 0.0] and correct.tolist() == [1.0, 0.0]
-    rewards, correct = common.compute_rewards(examples, ["15", "578"], "hetero")
-    assert rewards.tolist() == [common.HETERO_SCALES["add_2x1"][1], common.HETERO_SCALES["add_3x3"][0]]
+    rewards, correct = tasks.compute_rewards(examples, ["15", "578"], "hetero")
+    assert rewards.tolist() == [tasks.HETERO_SCALES["add_2x1"][1], tasks.HETERO_SCALES["add_3x3"][0]]
     assert correct.tolist() == [1.0, 0.0]
 
 
 def test_prompt_sampler_shards_differ_across_ranks():
     examples = [{"prompt": str(i)} for i in range(100)]
-    a = common.PromptSampler(examples, 10, seed=0, rank=0, world_size=2).next()
-    b = common.PromptSampler(examples, 10, seed=0, rank=1, world_size=2).next()
+    a = tasks.PromptSampler(examples, 10, seed=0, rank=0, world_size=2).next()
+    b = tasks.PromptSampler(examples, 10, seed=0, rank=1, world_size=2).next()
     assert {e["prompt"] for e in a}.isdisjoint({e["prompt"] for e in b})

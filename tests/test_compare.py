@@ -27,8 +27,8 @@ def test_mean_std_is_the_sample_std():
 
 
 def test_optimizer_steps_per_batch():
-    assert compare.optimizer_steps_per_batch({"ppo_epochs": 4, "num_mini_batches": 4}) == 16
-    assert compare.optimizer_steps_per_batch({"num_iterations": 2}) == 2
+    assert compare.optimizer_steps_per_batch({"num_epochs": 4, "num_mini_batches": 4}) == 16
+    assert compare.optimizer_steps_per_batch({"num_epochs": 2}) == 2
     assert compare.optimizer_steps_per_batch({"baseline": "greedy"}) == 1
 
 
@@ -72,7 +72,7 @@ def test_summarize_run_dapo_counts_kept_groups_and_sampled_reward():
 
 
 def test_summarize_run_ppo_optimizer_steps():
-    summary = compare.summarize_run(rows_for(3, 64), {"batch_size": 64, "ppo_epochs": 4, "num_mini_batches": 2}, 1.0)
+    summary = compare.summarize_run(rows_for(3, 64), {"batch_size": 64, "num_epochs": 4, "num_mini_batches": 2}, 1.0)
     assert summary["optimizer_steps"] == 24 and summary["completions_trained"] == 192
 
 

@@ -1,4 +1,4 @@
-"""DAPO (ALGORITHMS.md §4): clip-higher, token-mean, dynamic sampling, overlong shaping, runs."""
+"""DAPO (docs/algorithms.md): clip-higher, token-mean, dynamic sampling, overlong shaping, runs."""
 import sys
 from pathlib import Path
 
@@ -11,7 +11,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-import common  # noqa: E402
+from support import config, tasks  # noqa: E402
+from support.run import read_metrics  # noqa: E402
 from conftest import launch_two_processes  # noqa: E402
 import grpo  # noqa: E402
 from dapo import Config, dapo_loss, dynamic_sampling_filter, grpo_advantages, overlong_penalty  # noqa: E402
@@ -32,7 +33,7 @@ def test_overlong_penalty_default_spares_every_right_answer():
     (4 digits + EOS = 5 tokens) gets 0, then -1/3, -2/3, -1."""
     penalty = overlong_penalty(torch.arange(1, 9), max_len=8, cache_len=3)
     torch.testing.assert_close(penalty, torch.tensor([0, 0, 0, 0, 0, -1 / 3, -2 / 3, -1]))
-    longest = max(len(ex["answer"]) for ex in common.arithmetic_examples(5000, seed=0, held_out=False))
+    longest = max(len(ex["answer"]) for ex in tasks.arithmetic_examples(5000, seed=0, held_out=False))
     assert longest + 1 <= 8 - 3  # answer + EOS fits under max_len - cache_len
 
 
@@ -115,7 +116,7 @@ def test_dapo_loss_is_a_token_mean_over_the_batch():
     ({"max_sampling_rounds": 0}, ["--max_sampling_rounds"]),
     ({"overlong_cache_len": 9}, ["--overlong_cache_len"]),
     ({"dynamic_sampling_metric": "score"}, ["--dynamic_sampling_metric"]),
-    ({"num_iterations": 0}, ["--num_iterations"]),
+    ({"num_epochs": 0}, ["--num_epochs"]),
 ])
 def test_bad_config_raises_a_value_error_naming_the_flag(kwargs, flags):
     with pytest.raises(ValueError) as e:
@@ -128,14 +129,14 @@ def test_bad_config_raises_a_value_error_naming_the_flag(kwargs, flags):
 
 def assert_params_changed(final_dir, changed=True):
     trained = AutoModelForCausalLM.from_pretrained(final_dir)
-    start = AutoModelForCausalLM.from_pretrained(common.EMBEDDED_MODEL)
+    start = AutoModelForCausalLM.from_pretrained(config.EMBEDDED_MODEL)
     assert (max((a - b).abs().max().item() for a, b in zip(trained.parameters(), start.parameters())) > 0) == changed
 
 
 def run(args, tmp_path):
     out = subprocess.run([sys.executable, "dapo.py", *args, "--output_dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
-    return common.read_metrics(tmp_path / "metrics.jsonl"), out.stderr
+    return read_metrics(tmp_path / "metrics.jsonl"), out.stderr
 
 
 def test_dapo_end_to_end_writes_metrics_plot_and_model(tmp_path):
@@ -146,7 +147,7 @@ def test_dapo_end_to_end_writes_metrics_plot_and_model(tmp_path):
                 "train/clip_frac_low", "train/clip_frac_high", "train/approx_kl", "train/entropy", "train/grad_norm",
                 "train/completion_len", "time/generation_s"):
         assert key in rows[1], key
-    assert "train/kl" not in rows[1]  # no reference model, no KL
+    assert "train/kl_seq" not in rows[1] and "train/kl_k3" not in rows[1]  # no reference model, no KL
     for r in rows[1:]:
         assert r["train/frac_zero_std_groups"] == 0.0 and r["train/groups_kept"] == 16 / 8
     assert (tmp_path / "curves.png").stat().st_size > 1000

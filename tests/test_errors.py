@@ -1,5 +1,5 @@
 """Every bad input is a clear error naming the flag (or column), raised before any model is
-loaded: configs are validated while the command line is parsed (common.parse_config)."""
+loaded: configs are validated while the command line is parsed (config.parse_config)."""
 import importlib
 import json
 import os
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-import common
+from support import config
 from conftest import ROOT
 
 BAD_INPUTS = [  # (script, arguments, what the message must name)
@@ -20,12 +20,12 @@ BAD_INPUTS = [  # (script, arguments, what the message must name)
     ("remax", ["--num_steps", "0"], "--num_steps"),
     ("remax", ["--max_new_tokens", "0"], "--max_new_tokens"),
     ("remax", ["--temperature", "-1"], "--temperature"),
-    ("remax", ["--kl_coef", "-0.1"], "--kl_coef"),
+    ("remax", ["--beta", "-0.1"], "--beta"),
     ("grpo", ["--beta", "-1"], "--beta"),
     ("grpo", ["--loss_agg", "sum"], "--loss_agg"),
     ("grpo", ["--scale_rewards", "global"], "--scale_rewards"),
     ("ppo", ["--batch_size", "64", "--num_mini_batches", "3"], "--num_mini_batches"),
-    ("ppo", ["--adaptive_kl", "--kl_coef", "0"], "--adaptive_kl"),
+    ("ppo", ["--adaptive_kl", "--beta", "0"], "--adaptive_kl"),
     ("remax", ["--top_p", "0"], "--top_p"),
     ("remax", ["--dataset", "data.csv"], "--dataset"),
     ("remax", ["--dataset", "no_such_file.jsonl"], "--dataset"),
@@ -43,7 +43,7 @@ BAD_INPUTS = [  # (script, arguments, what the message must name)
 def test_bad_config_names_the_flag(script, args, flag):
     module = importlib.import_module(script)
     with pytest.raises(SystemExit) as e:
-        common.parse_config(module.Config, args)
+        config.parse_config(module.Config, args)
     assert flag in str(e.value), str(e.value)
     assert str(e.value).startswith("error: ")
 
@@ -79,4 +79,4 @@ def test_no_answers_without_reward_model_is_refused(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps({"question": "1+1="}) + "\n")
     with pytest.raises(SystemExit, match="--answer_column"):
-        common.parse_config(importlib.import_module("remax").Config, ["--dataset", str(path), "--answer_column", ""])
+        config.parse_config(importlib.import_module("remax").Config, ["--dataset", str(path), "--answer_column", ""])

@@ -1,4 +1,4 @@
-"""GRPO (ALGORITHMS.md §4): group advantage, clipped surrogate + k3, end-to-end runs."""
+"""GRPO (docs/algorithms.md): group advantage, clipped surrogate + k3, end-to-end runs."""
 import sys
 from pathlib import Path
 
@@ -10,7 +10,8 @@ import subprocess  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-import common  # noqa: E402
+from support import config, models  # noqa: E402
+from support.run import read_metrics  # noqa: E402
 from conftest import launch_two_processes  # noqa: E402
 from conftest import assert_params_changed  # noqa: E402
 import grpo  # noqa: E402
@@ -64,7 +65,7 @@ def test_scale_rewards_group_batch_none():
 
 def test_group_std_removes_each_prompts_reward_scale():
     """hetero rewards: groups [-5, -1] and [2, 5] both give about -+1/sqrt(2): the per-prompt
-    rescaling that makes GRPO scale-free (and biased, ALGORITHMS.md §1)."""
+    rescaling that makes GRPO scale-free (and biased, docs/algorithms.md)."""
     adv = grpo_advantages(torch.tensor([-5.0, -1.0, 2.0, 5.0], dtype=F64), 2)
     expected = [-2 / (2 * math.sqrt(2) + EPS), 2 / (2 * math.sqrt(2) + EPS), -1.5 / (3 / math.sqrt(2) + EPS), 1.5 / (3 / math.sqrt(2) + EPS)]
     torch.testing.assert_close(adv, torch.tensor(expected, dtype=F64))
@@ -118,7 +119,7 @@ def seqs():
     return logits, logp, mask
 
 
-@pytest.mark.parametrize("loss_agg", common.LOSS_AGG_MODES)
+@pytest.mark.parametrize("loss_agg", config.LOSS_AGG_MODES)
 def test_with_one_iteration_ratio_is_one_and_gradient_is_the_policy_gradient(loss_agg):
     """mu = 1: old_logp = logp.detach(), so rho == 1 in value, and the gradient equals that of
     REINFORCE with the advantage, -A_i log pi(y_i,t), aggregated the same way."""
@@ -144,7 +145,7 @@ def test_k3_term_value_and_gradient():
     loss, stats = grpo_loss(logp, logp.detach(), ref_logp, torch.zeros(1, dtype=F64), torch.ones(1, 2), 0.2, beta)
     loss.backward()
     # k3 = r - log r - 1 with r = pi_ref / pi: (0.5 + ln 2 - 1) and (2 - ln 2 - 1), mean 0.25
-    assert stats["kl"].item() == pytest.approx(0.25, rel=1e-12)
+    assert stats["kl_k3"].item() == pytest.approx(0.25, rel=1e-12)
     assert loss.item() == pytest.approx(beta * 0.25, rel=1e-12)
     # per token beta (1 - r) = 0.04 * 0.5 and 0.04 * (-1), then the mean over the 2 tokens
     torch.testing.assert_close(logp.grad, torch.tensor([[0.01, -0.02]], dtype=F64))
@@ -165,7 +166,7 @@ def test_loss_ignores_tokens_after_the_mask():
     ({"num_generations": 1, "batch_size": 8}, ["--num_generations"]),
     ({"beta": -0.1}, ["--beta"]),
     ({"epsilon": 0.0}, ["--epsilon"]),
-    ({"num_iterations": 0}, ["--num_iterations"]),
+    ({"num_epochs": 0}, ["--num_epochs"]),
     ({"scale_rewards": "mean"}, ["--scale_rewards"]),
     ({"loss_agg": "sum"}, ["--loss_agg"]),
 ])
@@ -178,7 +179,7 @@ def test_bad_config_raises_a_value_error_naming_the_flag(kwargs, flags):
 
 def test_bad_flag_on_the_command_line_gives_one_clear_line():
     with pytest.raises(SystemExit) as e:
-        common.parse_config(Config, ["--batch_size", "12", "--num_generations", "8"])
+        config.parse_config(Config, ["--batch_size", "12", "--num_generations", "8"])
     assert "--num_generations" in str(e.value) and "\n" not in str(e.value)
 
 
@@ -187,27 +188,27 @@ def test_bad_flag_on_the_command_line_gives_one_clear_line():
 def run_in_process(args, tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["grpo.py", *args, "--save_model", "False", "--output_dir", str(tmp_path)])
     grpo.main()
-    return common.read_metrics(tmp_path / "metrics.jsonl")
+    return read_metrics(tmp_path / "metrics.jsonl")
 
 
 @pytest.mark.parametrize("beta, loaded", [(0.0, [True]), (0.04, [True, False])])
 def test_beta_zero_loads_no_reference_model(beta, loaded, tmp_path, monkeypatch):
-    calls, load_model = [], common.load_model
-    monkeypatch.setattr(common, "load_model", lambda cfg, trainable=True: calls.append(trainable) or load_model(cfg, trainable))
+    calls, load_model = [], models.load_model
+    monkeypatch.setattr(models, "load_model", lambda cfg, trainable=True: calls.append(trainable) or load_model(cfg, trainable))
     run_in_process(["--beta", str(beta), "--num_steps", "1", "--batch_size", "8"], tmp_path, monkeypatch)
     assert calls == loaded
 
 
 def test_several_iterations_take_the_ratio_against_the_sampling_time_policy(tmp_path, monkeypatch):
     """mu = 2: the second update sees rho != 1 (the first moved the policy), so approx KL > 0."""
-    rows = run_in_process(["--num_steps", "1", "--num_iterations", "2", "--beta", "0"], tmp_path, monkeypatch)
+    rows = run_in_process(["--num_steps", "1", "--num_epochs", "2", "--beta", "0"], tmp_path, monkeypatch)
     assert rows[1]["train/adv_std"] > 0 and rows[1]["train/approx_kl"] > 0
 
 
 def run(args, tmp_path):
     out = subprocess.run([sys.executable, "grpo.py", *args, "--output_dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
-    return common.read_metrics(tmp_path / "metrics.jsonl")
+    return read_metrics(tmp_path / "metrics.jsonl")
 
 
 def test_grpo_end_to_end_writes_metrics_plot_and_model(tmp_path):
@@ -215,13 +216,13 @@ def test_grpo_end_to_end_writes_metrics_plot_and_model(tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert all("eval/accuracy" in r for r in rows)
     for key in ("train/reward", "train/reward_std", "train/frac_zero_std_groups", "train/adv_mean", "train/adv_std",
-                "train/clip_frac_low", "train/clip_frac_high", "train/approx_kl", "train/kl", "train/entropy",
+                "train/clip_frac_low", "train/clip_frac_high", "train/approx_kl", "train/kl_k3", "train/kl_seq", "train/entropy",
                 "train/grad_norm", "train/completion_len", "time/generation_s", "time/scoring_s",
                 "time/forward_backward_s", "time/optimizer_s"):
         assert key in rows[1], key
     # step 1: policy == reference, k3 = 0; a group with mixed rewards moves the policy, so k3 > 0 at step 2
     assert rows[1]["train/adv_std"] > 0
-    assert rows[1]["train/kl"] == 0.0 < rows[2]["train/kl"]
+    assert rows[1]["train/kl_k3"] == 0.0 < rows[2]["train/kl_k3"]
     assert (tmp_path / "curves.png").stat().st_size > 1000
     assert_params_changed(tmp_path / "final")
 

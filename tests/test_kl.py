@@ -1,4 +1,4 @@
-"""KL estimators, ALGORITHMS.md §3, by exact enumeration over a small categorical.
+"""KL estimators, docs/algorithms.md, by exact enumeration over a small categorical.
 Samples y ~ q = softmax(theta), target KL(q || p); gradients by autograd on theta."""
 import torch
 

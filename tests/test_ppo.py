@@ -1,4 +1,4 @@
-"""PPO (ALGORITHMS.md §4): GAE, the clipped policy and value losses, the critic, end-to-end runs."""
+"""PPO (docs/algorithms.md): GAE, the clipped policy and value losses, the critic, end-to-end runs."""
 import sys
 from pathlib import Path
 
@@ -12,6 +12,8 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import common  # noqa: E402
+from support import config  # noqa: E402
+from support.run import read_metrics  # noqa: E402
 from conftest import launch_two_processes  # noqa: E402
 from ppo import AdaptiveKLController, Config, ValueModel, explained_variance, gae, ppo_policy_loss, ppo_value_loss  # noqa: E402
 
@@ -93,10 +95,10 @@ def test_gae_last_valid_token_bootstraps_from_zero():
 
 # ---------------------------------------------------------------- clipped policy loss
 
-def policy_loss_and_grad(ratio, adv, cliprange=0.2):
+def policy_loss_and_grad(ratio, adv, epsilon=0.2):
     old_logp = torch.zeros(1, len(ratio), dtype=torch.float64)
     logp = torch.log(torch.tensor([ratio], dtype=torch.float64)).requires_grad_()
-    loss, stats = ppo_policy_loss(logp, old_logp, torch.tensor([adv], dtype=torch.float64), torch.ones(1, len(ratio)), cliprange)
+    loss, stats = ppo_policy_loss(logp, old_logp, torch.tensor([adv], dtype=torch.float64), torch.ones(1, len(ratio)), epsilon)
     loss.backward()
     return loss.item(), logp.grad[0], stats
 
@@ -107,7 +109,7 @@ def test_policy_loss_on_policy_gradient_is_the_policy_gradient():
     loss, grad, stats = policy_loss_and_grad([1.0] * 4, adv)
     assert loss == pytest.approx(-sum(adv) / 4)
     torch.testing.assert_close(grad, -torch.tensor(adv, dtype=torch.float64) / 4)
-    assert stats["clipfrac"].item() == 0 and stats["approx_kl"].item() == 0
+    assert stats["clip_frac_low"].item() == stats["clip_frac_high"].item() == 0 and stats["approx_kl"].item() == 0
 
 
 @pytest.mark.parametrize("adv, ratio, clipped", [
@@ -124,10 +126,10 @@ def test_policy_loss_gradient_is_zero_exactly_where_clipped(adv, ratio, clipped)
     assert loss == pytest.approx(-adv * (c_ratio if clipped else ratio), abs=1e-12)
     if clipped:
         assert grad.item() == 0.0
-        assert stats["clipfrac"].item() == 1.0
+        assert stats["clip_frac_high" if adv > 0 else "clip_frac_low"].item() == 1.0
     else:
         assert grad.item() == pytest.approx(-adv * ratio, abs=1e-12)  # d(-A rho)/d logp = -A rho
-        assert stats["clipfrac"].item() == 0.0
+        assert stats["clip_frac_low"].item() == stats["clip_frac_high"].item() == 0.0
 
 
 @pytest.mark.parametrize("adv", [1.0, -1.0])
@@ -158,7 +160,7 @@ def value_loss_and_grad(value, old_value, ret, c=0.2):
     loss, stats = ppo_value_loss(values, torch.tensor([[old_value]], dtype=torch.float64),
                                  torch.tensor([[ret]], dtype=torch.float64), torch.ones(1, 1), c)
     loss.backward()
-    return loss.item(), values.grad.item(), stats["clipfrac"].item()
+    return loss.item(), values.grad.item(), stats["clip_frac"].item()
 
 
 def test_value_loss_inside_the_clip_is_half_squared_error():
@@ -198,7 +200,7 @@ def test_explained_variance_is_one_for_a_perfect_critic_and_zero_for_the_mean():
     assert explained_variance(torch.full_like(returns, 2.0), returns, mask).item() == pytest.approx(0.0)
 
 
-def test_adaptive_kl_controller_moves_kl_coef_towards_the_target_at_most_20_percent_per_horizon():
+def test_adaptive_kl_controller_moves_beta_towards_the_target_at_most_20_percent_per_horizon():
     ctl = AdaptiveKLController(0.1, target=1.0, horizon=100)
     ctl.update(kl=10.0, n=10)  # far above the target: error clipped to +0.2
     assert ctl.value == pytest.approx(0.1 * (1 + 0.2 * 10 / 100))
@@ -211,13 +213,13 @@ def test_adaptive_kl_controller_moves_kl_coef_towards_the_target_at_most_20_perc
 
 @pytest.mark.parametrize("kwargs, flag", [
     ({"batch_size": 10, "num_mini_batches": 4}, "--num_mini_batches"),
-    ({"ppo_epochs": 0}, "--ppo_epochs"),
+    ({"num_epochs": 0}, "--num_epochs"),
     ({"critic_learning_rate": 0.0}, "--critic_learning_rate"),
-    ({"cliprange": -0.1}, "--cliprange"),
+    ({"epsilon": -0.1}, "--epsilon"),
     ({"lam": 1.5}, "--lam"),
     ({"gamma": -0.1}, "--gamma"),
-    ({"kl_coef": -1.0}, "--kl_coef"),
-    ({"kl_coef": 0.0, "adaptive_kl": True}, "--adaptive_kl"),
+    ({"beta": -1.0}, "--beta"),
+    ({"beta": 0.0, "adaptive_kl": True}, "--adaptive_kl"),
 ])
 def test_bad_config_raises_a_value_error_naming_the_flag(kwargs, flag):
     with pytest.raises(ValueError, match=flag):
@@ -233,9 +235,9 @@ def test_bad_flag_on_the_command_line_gives_one_clear_line(tmp_path):
 # ---------------------------------------------------------------- the critic
 
 def test_value_model_gives_the_value_of_the_prefix_before_each_completion_token_and_ignores_left_padding():
-    tokenizer = AutoTokenizer.from_pretrained(common.EMBEDDED_MODEL, padding_side="left")
-    critic = ValueModel(common.EMBEDDED_MODEL).eval()
-    policy = AutoModelForCausalLM.from_pretrained(common.EMBEDDED_MODEL)
+    tokenizer = AutoTokenizer.from_pretrained(config.EMBEDDED_MODEL, padding_side="left")
+    critic = ValueModel(config.EMBEDDED_MODEL).eval()
+    policy = AutoModelForCausalLM.from_pretrained(config.EMBEDDED_MODEL)
     assert torch.equal(critic.model.base_model.embed_tokens.weight, policy.model.embed_tokens.weight)  # initialised from the policy
     enc = tokenizer(["12+3=15", "456+789=1245"], return_tensors="pt", padding=True, add_special_tokens=False)
     with torch.no_grad():
@@ -250,7 +252,7 @@ def test_value_model_gives_the_value_of_the_prefix_before_each_completion_token_
 
 def assert_params_changed(final_dir):
     trained = AutoModelForCausalLM.from_pretrained(final_dir)
-    start = AutoModelForCausalLM.from_pretrained(common.EMBEDDED_MODEL)
+    start = AutoModelForCausalLM.from_pretrained(config.EMBEDDED_MODEL)
     diffs = [(a - b).abs().max().item() for a, b in zip(trained.parameters(), start.parameters())]
     assert max(diffs) > 0
 
@@ -259,10 +261,10 @@ def test_ppo_end_to_end_writes_metrics_plots_policy_and_critic(tmp_path):
     out = subprocess.run([sys.executable, "ppo.py", "--num_steps", "2", "--eval_every", "1", "--output_dir", str(tmp_path)],
                          cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = common.read_metrics(tmp_path / "metrics.jsonl")
+    rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2]
-    for key in ("train/reward", "train/kl", "train/entropy", "train/grad_norm", "train/completion_len",
-                "train/value_loss", "train/value_clipfrac", "train/explained_variance", "train/policy_clipfrac",
+    for key in ("train/reward", "train/kl_seq", "train/entropy", "train/grad_norm", "train/completion_len",
+                "train/value_loss", "train/value_clip_frac", "train/explained_variance", "train/clip_frac_low", "train/clip_frac_high",
                 "train/approx_kl", "train/critic_grad_norm", "time/generation_s", "time/scoring_s",
                 "time/forward_backward_s", "time/optimizer_s"):
         assert key in rows[1], key
@@ -272,7 +274,7 @@ def test_ppo_end_to_end_writes_metrics_plots_policy_and_critic(tmp_path):
     assert_params_changed(tmp_path / "final")
     # the critic is a sequence-classification checkpoint that --reward_model_path can load again
     reloaded = ValueModel(str(tmp_path / "final" / "critic"))
-    fresh = ValueModel(common.EMBEDDED_MODEL)
+    fresh = ValueModel(config.EMBEDDED_MODEL)
     assert not torch.equal(reloaded.model.base_model.norm.weight, fresh.model.base_model.norm.weight)
 
 
@@ -282,7 +284,7 @@ def test_two_process_gloo_run_keeps_replicas_identical(tmp_path):
 
 def test_resume_restores_critic_optimizers_and_kl_controller(tmp_path):
     """A run stopped at step 2 and resumed equals the uninterrupted run: the critic, both AdamW
-    states and the adaptive kl_coef all travel in the checkpoint."""
+    states and the adaptive beta all travel in the checkpoint."""
     def run(*args):
         cmd = [sys.executable, "ppo.py", "--eval_every", "2", "--batch_size", "8", "--num_mini_batches", "2", "--adaptive_kl",
                "--kl_horizon", "20", "--save_model", "False", *args]
@@ -290,12 +292,12 @@ def test_resume_restores_critic_optimizers_and_kl_controller(tmp_path):
         assert out.returncode == 0, out.stderr[-3000:]
 
     def comparable(path):
-        return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in common.read_metrics(path)]
+        return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in read_metrics(path)]
 
     run("--num_steps", "4", "--output_dir", str(tmp_path / "full"))
     run("--num_steps", "2", "--save_steps", "2", "--output_dir", str(tmp_path / "half"))
     run("--num_steps", "4", "--output_dir", str(tmp_path / "half"), "--resume_from", str(tmp_path / "half" / "checkpoint-2"))
     full, resumed = comparable(tmp_path / "full" / "metrics.jsonl"), comparable(tmp_path / "half" / "metrics.jsonl")
     assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
-    assert full[3]["train/kl_coef"] != 0.05  # the controller moved, so restoring it matters
+    assert full[3]["train/beta"] != 0.05  # the controller moved, so restoring it matters
     assert full == resumed

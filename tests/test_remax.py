@@ -5,7 +5,7 @@ import sys
 import pytest
 import torch
 
-import common
+from support import run
 from conftest import launch_two_processes  # noqa: E402
 from conftest import assert_params_changed  # noqa: E402
 from remax import remax_advantages, remax_loss
@@ -30,9 +30,9 @@ def test_remax_loss_returns_fold_kl_reward_to_go():
     logp = torch.zeros(1, 3, requires_grad=True)
     kl = torch.tensor([[0.5, 1.0, 2.0]])
     mask = torch.tensor([[1, 1, 0]])
-    loss, returns = remax_loss(logp, torch.tensor([1.0]), kl, mask, kl_coef=0.1)
+    loss, stats = remax_loss(logp, torch.tensor([1.0]), kl, mask, beta=0.1)
     # G_t = A - beta * sum_{t'>=t} k1_t' over kept tokens: [1 - 0.15, 1 - 0.1, 1 - 0]
-    assert torch.allclose(returns[0, :2], torch.tensor([0.85, 0.9]))
+    assert stats["return_mean"].item() == pytest.approx((0.85 + 0.9) / 2)
     loss.backward()
     # token-mean over the 2 kept tokens: d loss / d logp_t = -G_t / 2; masked token gets 0
     assert torch.allclose(logp.grad, torch.tensor([[-0.425, -0.45, 0.0]]))
@@ -46,7 +46,7 @@ def test_remax_loss_gradient_is_reinforce_with_baseline():
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
     logp = torch.log_softmax(logits, -1).gather(-1, tokens[..., None]).squeeze(-1)
     adv = remax_advantages(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0]))
-    loss, _ = remax_loss(logp, adv, torch.zeros_like(logp), mask, kl_coef=0.05, loss_agg="seq-mean-token-mean")
+    loss, _ = remax_loss(logp, adv, torch.zeros_like(logp), mask, beta=0.05, loss_agg="seq-mean-token-mean")
     (g,) = torch.autograd.grad(loss, logits, retain_graph=True)
     expected = -(adv[0] * logp[0].sum() / 3 + adv[1] * logp[1, 0]) / 2
     (g_expected,) = torch.autograd.grad(expected, logits)
@@ -57,7 +57,7 @@ def test_remax_loss_gradient_is_reinforce_with_baseline():
     (["--batch_size", "0"], "--batch_size"),
     (["--learning_rate", "-1"], "--learning_rate"),
     (["--temperature", "0"], "--temperature"),
-    (["--kl_coef", "-0.1"], "--kl_coef"),
+    (["--beta", "-0.1"], "--beta"),
     (["--baseline", "mean"], "--baseline"),
     (["--loss_agg", "sum"], "--loss_agg"),
     (["--top_p", "1.5"], "--top_p"),
@@ -74,10 +74,10 @@ def test_remax_end_to_end_writes_metrics_plot_and_model(tmp_path):
     out = subprocess.run([sys.executable, "remax.py", "--num_steps", "3", "--eval_every", "2", "--batch_size", "16",
                           "--output_dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = common.read_metrics(tmp_path / "metrics.jsonl")
+    rows = run.read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert rows[1]["train/generated"] == 2 * 16  # sampled + greedy
-    for key in ("train/reward", "train/greedy_reward", "train/adv_mean", "train/kl", "train/entropy", "train/grad_norm",
+    for key in ("train/reward", "train/greedy_reward", "train/adv_mean", "train/kl_seq", "train/entropy", "train/grad_norm",
                 "train/completion_len", "time/tokens_per_s", "time/generation_s"):
         assert key in rows[1], key
     assert "eval/accuracy" in rows[0] and "eval/accuracy" in rows[2] and "eval/accuracy" in rows[3]

@@ -1,4 +1,4 @@
-"""RLOO (ALGORITHMS.md §4): leave-one-out advantage, sequence-level REINFORCE loss, end-to-end runs."""
+"""RLOO (docs/algorithms.md): leave-one-out advantage, sequence-level REINFORCE loss, end-to-end runs."""
 import sys
 from pathlib import Path
 
@@ -9,7 +9,7 @@ import subprocess  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-import common  # noqa: E402
+from support import run  # noqa: E402
 from conftest import launch_two_processes  # noqa: E402
 from conftest import assert_params_changed  # noqa: E402
 from rloo import Config, rloo_advantages, rloo_loss  # noqa: E402
@@ -56,7 +56,8 @@ def test_rloo_loss_treats_the_whole_sequence_as_one_action():
     logp = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -50.0, -50.0]], dtype=F64, requires_grad=True)
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
     adv = torch.tensor([2.0, -1.0], dtype=F64)
-    loss = rloo_loss(logp, adv, mask)
+    loss, stats = rloo_loss(logp, adv, mask)
+    assert stats["seq_logp_mean"].item() == pytest.approx((-6.0 - 0.5) / 2, rel=1e-12)
     assert loss.item() == pytest.approx(-(2.0 * -6.0 + -1.0 * -0.5) / 2, rel=1e-12)
     loss.backward()
     assert logp.grad.tolist() == [[-1.0, -1.0, -1.0], [0.5, 0.0, 0.0]]
@@ -65,14 +66,14 @@ def test_rloo_loss_treats_the_whole_sequence_as_one_action():
 def test_rloo_loss_does_not_backpropagate_into_the_advantage():
     logp = torch.tensor([[-1.0]], requires_grad=True)
     adv = torch.tensor([1.0], requires_grad=True)
-    rloo_loss(logp, adv, torch.ones(1, 1)).backward()
+    rloo_loss(logp, adv, torch.ones(1, 1))[0].backward()
     assert adv.grad is None
 
 
 @pytest.mark.parametrize("kwargs, flags", [
     ({"batch_size": 12, "num_generations": 8}, ["--batch_size", "--num_generations"]),
     ({"num_generations": 1, "batch_size": 8}, ["--num_generations"]),
-    ({"kl_coef": -0.1}, ["--kl_coef"]),
+    ({"beta": -0.1}, ["--beta"]),
 ])
 def test_bad_config_raises_a_value_error_naming_the_flag(kwargs, flags):
     with pytest.raises(ValueError) as e:
@@ -85,17 +86,17 @@ def test_rloo_end_to_end_writes_metrics_plot_and_model(tmp_path):
     out = subprocess.run([sys.executable, "rloo.py", "--num_steps", "2", "--eval_every", "1",
                           "--output_dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
-    rows = common.read_metrics(tmp_path / "metrics.jsonl")
+    rows = run.read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2]
     assert all("eval/accuracy" in r for r in rows)
     for key in ("train/reward", "train/reward_with_kl", "train/frac_zero_std_groups", "train/adv_mean", "train/adv_std",
-                "train/kl", "train/entropy", "train/grad_norm", "train/completion_len", "time/generation_s"):
+                "train/kl_seq", "train/entropy", "train/grad_norm", "train/completion_len", "time/generation_s"):
         assert key in rows[1], key
     # step 1: policy == reference, so k1 = 0 and the KL leaves the reward alone; a group with mixed
     # rewards moves the policy, so at step 2 the KL changes the reward
     assert rows[1]["train/adv_std"] > 0
-    assert rows[1]["train/kl"] == 0.0 and rows[1]["train/reward_with_kl"] == rows[1]["train/reward"]
-    assert rows[2]["train/kl"] != 0.0 and rows[2]["train/reward_with_kl"] != rows[2]["train/reward"]
+    assert rows[1]["train/kl_seq"] == 0.0 and rows[1]["train/reward_with_kl"] == rows[1]["train/reward"]
+    assert rows[2]["train/kl_seq"] != 0.0 and rows[2]["train/reward_with_kl"] != rows[2]["train/reward"]
     assert (tmp_path / "curves.png").stat().st_size > 1000
     assert_params_changed(tmp_path / "final")
 

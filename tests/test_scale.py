@@ -1,5 +1,5 @@
 """From the laptop to the cluster, offline: real-data loading and the math reward, reward
-models, LoRA, mixed precision, checkpoints and resume (issue: real models and data)."""
+models, LoRA, mixed precision, checkpoints and resume."""
 import json
 import os
 import signal
@@ -12,6 +12,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import common
+from support import config, models, tasks
+from support.run import Checkpointer, read_metrics
 from conftest import ROOT
 
 GSM8K_ROWS = [
@@ -38,20 +40,20 @@ def write_jsonl(path, rows):
     ("first 3, then 5, finally 8", "8"), ("price 7.50 dollars", "7.5"), ("-3 degrees", "-3"), ("no number", None),
 ])
 def test_extract_final_number(text, number):
-    assert common.extract_final_number(text) == number
+    assert tasks.extract_final_number(text) == number
 
 
 def test_math_reward_compares_final_numbers_exactly():
     ex = {"prompt": "q", "answer": "24", "family": "all", "check": "number"}
-    rewards, correct = common.compute_rewards([ex] * 3, ["so #### 24", "24.0", "about 25"])
+    rewards, correct = tasks.compute_rewards([ex] * 3, ["so #### 24", "24.0", "about 25"])
     assert rewards.tolist() == [1.0, 1.0, 0.0] and correct.tolist() == [1.0, 1.0, 0.0]
 
 
 def test_local_gsm8k_file_loads_with_answers_and_held_out_rows(tmp_path):
     path = write_jsonl(tmp_path / "gsm8k.jsonl", GSM8K_ROWS)
-    cfg = common.TrainConfig(dataset=path, eval_size=1)
-    tok = AutoTokenizer.from_pretrained(common.EMBEDDED_MODEL)
-    train, held_out = common.load_task(cfg, tok)
+    cfg = config.TrainConfig(dataset=path, eval_size=1)
+    tok = AutoTokenizer.from_pretrained(config.EMBEDDED_MODEL)
+    train, held_out = tasks.load_task(cfg, tok)
     assert [ex["answer"] for ex in train] == ["7", "24", "999"] and [ex["answer"] for ex in held_out] == ["7"]
     assert train[0]["raw_prompt"] == GSM8K_ROWS[0]["question"]
 
@@ -68,43 +70,43 @@ def test_remax_trains_on_a_local_gsm8k_file(tmp_path):
     out = run(["--dataset", path, "--eval_size", "2", "--max_prompt_length", "64"], tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "dropped" not in out.stdout  # every prompt fits in 64 characters-tokens
-    rows = common.read_metrics(tmp_path / "run" / "metrics.jsonl")
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert rows[-1]["step"] == 2 and "eval/acc_all" in rows[-1]
 
 
 def test_prompts_longer_than_max_prompt_length_are_dropped_with_a_warning(tmp_path, capsys):
     rows = [{"question": "1+2=", "answer": "3"}, {"question": "1+2+3+4+5=", "answer": "15"}, {"question": "2+2=", "answer": "4"}]
-    cfg = common.TrainConfig(dataset=write_jsonl(tmp_path / "d.jsonl", rows), eval_size=1, max_prompt_length=4)
-    tok = AutoTokenizer.from_pretrained(common.EMBEDDED_MODEL)  # one token per character
-    train, held_out = common.load_task(cfg, tok)
+    cfg = config.TrainConfig(dataset=write_jsonl(tmp_path / "d.jsonl", rows), eval_size=1, max_prompt_length=4)
+    tok = AutoTokenizer.from_pretrained(config.EMBEDDED_MODEL)  # one token per character
+    train, held_out = tasks.load_task(cfg, tok)
     assert [ex["answer"] for ex in train] == ["3"] and [ex["answer"] for ex in held_out] == ["4"]
     assert "dropped 1 train prompts longer than --max_prompt_length 4" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--max_prompt_length"):
-        common.load_task(common.TrainConfig(dataset=cfg.dataset, eval_size=1, max_prompt_length=2), tok)
+        tasks.load_task(config.TrainConfig(dataset=cfg.dataset, eval_size=1, max_prompt_length=2), tok)
 
 
 def make_reward_model(path):
     from transformers import AutoModelForSequenceClassification, Qwen2Config
 
-    tok = AutoTokenizer.from_pretrained(common.EMBEDDED_MODEL)
+    tok = AutoTokenizer.from_pretrained(config.EMBEDDED_MODEL)
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+    rm_config = Qwen2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                          num_key_value_heads=2, num_labels=1, pad_token_id=tok.pad_token_id)
-    AutoModelForSequenceClassification.from_config(config).save_pretrained(path)
+    AutoModelForSequenceClassification.from_config(rm_config).save_pretrained(path)
     tok.save_pretrained(path)
     return str(path)
 
 
 def test_reward_model_score_is_combined_with_the_rule_reward(tmp_path):
     rm_path = make_reward_model(tmp_path / "rm")
-    cfg = common.TrainConfig(reward_model=rm_path, rule_reward_weight=0.5, reward_model_weight=2.0)
-    reward_fn = common.make_reward_fn(cfg, "cpu")
+    cfg = config.TrainConfig(reward_model=rm_path, rule_reward_weight=0.5, reward_model_weight=2.0)
+    reward_fn = tasks.make_reward_fn(cfg, "cpu")
     examples = [{"prompt": "12+3=", "answer": "15", "family": "add_2x1"}] * 2
     rewards, correct = reward_fn(examples, ["15", "16"])
-    scores = common.RewardModel(rm_path, "float32", "cpu")(["12+3="] * 2, ["15", "16"])
+    scores = tasks.RewardModel(rm_path, "float32", "cpu")(["12+3="] * 2, ["15", "16"])
     assert torch.allclose(rewards, 0.5 * torch.tensor([1.0, 0.0]) + 2.0 * scores)
     assert correct.tolist() == [1.0, 0.0]
-    assert not any(p.requires_grad for p in common.RewardModel(rm_path, "float32", "cpu").model.parameters())
+    assert not any(p.requires_grad for p in tasks.RewardModel(rm_path, "float32", "cpu").model.parameters())
 
 
 def test_remax_runs_with_a_reward_model(tmp_path):
@@ -113,20 +115,20 @@ def test_remax_runs_with_a_reward_model(tmp_path):
 
 
 def test_non_finite_reward_is_reported_with_prompt_and_completion():
-    cfg = common.TrainConfig(rule_reward_weight=float("nan"))
-    reward_fn = common.make_reward_fn(cfg, "cpu")
+    cfg = config.TrainConfig(rule_reward_weight=float("nan"))
+    reward_fn = tasks.make_reward_fn(cfg, "cpu")
     with pytest.raises(SystemExit, match="12\\+3="):
         reward_fn([{"prompt": "12+3=", "answer": "15", "family": "add_2x1"}], ["15"])
 
 
 def test_lora_reference_is_the_base_model_with_adapter_disabled():
-    cfg = common.TrainConfig(lora_r=4)
-    policy = common.load_model(cfg)
+    cfg = config.TrainConfig(lora_r=4)
+    policy = models.load_model(cfg)
     for name, p in policy.named_parameters():  # make the adapter non-trivial
         if "lora_B" in name:
             torch.nn.init.normal_(p)
-    ref = common.load_reference(cfg, policy)
-    base = AutoModelForCausalLM.from_pretrained(common.EMBEDDED_MODEL)
+    ref = models.load_reference(cfg, policy)
+    base = AutoModelForCausalLM.from_pretrained(config.EMBEDDED_MODEL)
     ids = torch.tensor([[4, 5, 13, 6, 16]])
     with torch.no_grad():
         assert torch.allclose(ref(input_ids=ids).logits, base(input_ids=ids).logits, atol=1e-6)
@@ -141,12 +143,12 @@ def test_lora_run_saves_the_adapter_and_merges_on_request(tmp_path):
     out = run(["--lora_r", "4", "--learning_rate", "1e-2", "--merge_lora", "--output_dir", str(tmp_path / "merged")], tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged" / "final")
-    base = AutoModelForCausalLM.from_pretrained(common.EMBEDDED_MODEL)
+    base = AutoModelForCausalLM.from_pretrained(config.EMBEDDED_MODEL)
     assert max((a - b).abs().max().item() for a, b in zip(merged.parameters(), base.parameters())) > 0
 
 
 def test_logprobs_are_fp32_under_bf16_autocast():
-    model = AutoModelForCausalLM.from_pretrained(common.EMBEDDED_MODEL)
+    model = AutoModelForCausalLM.from_pretrained(config.EMBEDDED_MODEL)
     ids, mask = torch.tensor([[4, 5, 13, 6, 16, 7]]), torch.ones(1, 6, dtype=torch.long)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logp = common.token_logprobs(model, ids, mask, 2)
@@ -172,8 +174,8 @@ def test_resume_reproduces_an_uninterrupted_run(tmp_path):
     AutoModelForCausalLM.from_pretrained(ckpt / "model")  # the saved policy loads with from_pretrained
     resumed = run(["--num_steps", "4", "--output_dir", str(tmp_path / "half"), "--resume_from", str(ckpt)], tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
-    a = comparable(common.read_metrics(tmp_path / "full" / "metrics.jsonl"))
-    b = comparable(common.read_metrics(tmp_path / "half" / "metrics.jsonl"))
+    a = comparable(read_metrics(tmp_path / "full" / "metrics.jsonl"))
+    b = comparable(read_metrics(tmp_path / "half" / "metrics.jsonl"))
     assert [r["step"] for r in b] == [0, 1, 2, 3, 4]
     assert a == b
 
@@ -183,7 +185,7 @@ def test_sigterm_saves_a_checkpoint_before_exiting(tmp_path):
     cmd = [sys.executable, "remax.py", "--num_steps", "100000", "--eval_every", "100000", "--batch_size", "4", "--output_dir", str(out_dir)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
-    while time.time() < deadline and not (out_dir / "metrics.jsonl").exists() or len(common.read_metrics(out_dir / "metrics.jsonl")) < 2:
+    while time.time() < deadline and not (out_dir / "metrics.jsonl").exists() or len(read_metrics(out_dir / "metrics.jsonl")) < 2:
         time.sleep(0.5)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
@@ -195,11 +197,11 @@ def test_sigterm_saves_a_checkpoint_before_exiting(tmp_path):
 def test_non_finite_loss_saves_last_good_state_and_stops(tmp_path):
     from accelerate import Accelerator
 
-    cfg = common.TrainConfig(output_dir=str(tmp_path))
+    cfg = config.TrainConfig(output_dir=str(tmp_path))
     accelerator = Accelerator(cpu=True)
-    policy = accelerator.prepare(common.load_model(cfg))
-    tokenizer = common.load_tokenizer(cfg)
-    ckpt = common.Checkpointer(cfg, accelerator, common.PromptSampler([{"prompt": "1"}], 1, 0))
+    policy = accelerator.prepare(models.load_model(cfg))
+    tokenizer = models.load_tokenizer(cfg)
+    ckpt = Checkpointer(cfg, accelerator, tasks.PromptSampler([{"prompt": "1"}], 1, 0))
     ckpt.check_finite(5, torch.tensor(1.0), torch.tensor(2.0), policy, tokenizer)  # finite: nothing happens
     assert not list(tmp_path.glob("checkpoint-*"))
     with pytest.raises(SystemExit, match="non-finite loss"):
@@ -214,11 +216,11 @@ def test_same_seed_gives_identical_metrics(tmp_path):
     a = run(["--output_dir", str(tmp_path / "a")], tmp_path)
     b = run(["--output_dir", str(tmp_path / "b")], tmp_path)
     assert a.returncode == 0 and b.returncode == 0
-    rows_a = comparable(common.read_metrics(tmp_path / "a" / "metrics.jsonl"))
-    assert rows_a == comparable(common.read_metrics(tmp_path / "b" / "metrics.jsonl"))
+    rows_a = comparable(read_metrics(tmp_path / "a" / "metrics.jsonl"))
+    assert rows_a == comparable(read_metrics(tmp_path / "b" / "metrics.jsonl"))
     c = run(["--output_dir", str(tmp_path / "c"), "--seed", "1"], tmp_path)
     assert c.returncode == 0
-    assert comparable(common.read_metrics(tmp_path / "c" / "metrics.jsonl"))[1:] != rows_a[1:]
+    assert comparable(read_metrics(tmp_path / "c" / "metrics.jsonl"))[1:] != rows_a[1:]
 
 
 def test_gradient_checkpointing_run(tmp_path):
@@ -230,8 +232,8 @@ def test_a_reward_that_raises_is_reported_and_nothing_is_applied(monkeypatch):
     def broken(*args, **kwargs):
         raise KeyError("answer")
 
-    monkeypatch.setattr(common, "compute_rewards", broken)
-    reward_fn = common.make_reward_fn(common.TrainConfig(), "cpu")
+    monkeypatch.setattr(tasks, "compute_rewards", broken)
+    reward_fn = tasks.make_reward_fn(config.TrainConfig(), "cpu")
     with pytest.raises(SystemExit, match="reward raised KeyError.*12\\+3="):
         reward_fn([{"prompt": "12+3=", "answer": "15", "family": "add_2x1"}], ["15"])
 
@@ -259,4 +261,4 @@ def test_two_process_checkpoint_resumes_every_rank(tmp_path):
     assert second.returncode == 0, second.stderr[-2000:]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["num_processes"] == 2 and len(set(summary["replica_weight_checksums"])) == 1
-    assert [r["step"] for r in common.read_metrics(tmp_path / "run" / "metrics.jsonl")] == [0, 1, 2]
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [0, 1, 2]

@@ -1,4 +1,4 @@
-"""Tests for toy_bandit.py: one test per property in shared/ALGORITHMS.md sections 1-2."""
+"""Tests for toy_bandit.py: one test per property in docs/algorithms.md (baselines and the toy bandit)."""
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +23,7 @@ def softmax_variances(theta, r, bernoulli=False):
     return {n: tb.softmax_gradient_variance(theta, r, b, bernoulli) for n, b in tb.softmax_baselines(theta, r).items()}
 
 
-# ---------------------------------------------------------------- check values (ALGORITHMS.md §2)
+# ---------------------------------------------------------------- check values (docs/algorithms.md)
 
 @pytest.mark.parametrize("r1, r0, p, expected", [
     (1.0, 0.0, 0.9, [0.0009, 0.0576, 0.0729, 0.0]),

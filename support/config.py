@@ -1,0 +1,132 @@
+"""Configuration every script shares: TrainConfig (each algorithm file subclasses it with
+what it adds), GroupConfig (the group methods' shared fields and defaults), parsing and the
+Accelerator."""
+import os
+import sys
+from dataclasses import dataclass, field
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EMBEDDED_MODEL = os.path.join(ROOT, "embedded_model")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def arg(default, help):
+    """A config field with its --help text."""
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class TrainConfig:
+    # model and data
+    model_name_or_path: str = arg(EMBEDDED_MODEL, "Causal LM: Hub name or local folder (default: the embedded model).")
+    dataset: str = arg("arithmetic", "'arithmetic' (built-in), 'gsm8k' (Hub) or a local .json/.jsonl/.parquet file.")
+    prompt_column: str = arg("question", "Prompt column of --dataset gsm8k or a local file.")
+    answer_column: str = arg("answer", "Answer column ('' for prompts without answers, scored by a reward model).")
+    eval_size: int = arg(200, "Held-out prompts of a real dataset (its test split, else the file's last rows).")
+    use_chat_template: bool = arg(True, "Wrap prompts in the tokenizer's chat template when it has one.")
+    max_prompt_length: int = arg(512, "Prompts longer than this many tokens are dropped (with a warning).")
+    torch_dtype: str = arg("float32", "Weights dtype: float32 (for mixed precision), bfloat16 or float16.")
+    gradient_checkpointing: bool = arg(False, "Recompute activations in backward: less memory, more time.")
+    reward_model: str = arg("", "A sequence-classification reward model (Hub name or folder) scoring each completion.")
+    reward_model_dtype: str = arg("float32", "dtype of the reward model (float32, bfloat16, float16).")
+    reward_model_weight: float = arg(1.0, "Weight of the reward-model score in the reward.")
+    rule_reward_weight: float = arg(1.0, "Weight of the rule (correctness) reward; 0 with --reward_model for RLHF.")
+    reward_scales: str = arg("uniform", "'uniform' (1/0 for right/wrong) or 'hetero' (each family on its own offset).")
+    lora_r: int = arg(0, "LoRA rank (0 = full fine-tuning); the reference is then the policy with its adapter off.")
+    lora_alpha: int = arg(16, "LoRA alpha.")
+    lora_target_modules: str = arg("all-linear", "Comma-separated module names for LoRA, or 'all-linear'.")
+    merge_lora: bool = arg(False, "Save the final model with the LoRA adapter merged into the weights.")
+    # the run
+    output_dir: str = arg("", "Where metrics, plots, checkpoints and the final model go (default: runs/<script name>).")
+    seed: int = arg(0, "Random seed; rank r samples with seed + r.")
+    num_steps: int = arg(200, "Optimizer steps (one rollout batch each).")
+    batch_size: int = arg(64, "Sampled completions per step per process (the ones the loss trains on).")
+    learning_rate: float = arg(1e-4, "Policy learning rate (AdamW); papers use ~1e-6 for 7B models.")
+    warmup_steps: int = arg(0, "Linear learning-rate warm-up steps, then constant.")
+    max_grad_norm: float = arg(1.0, "Clip the global gradient norm to this value (0 = off).")
+    max_new_tokens: int = arg(8, "Maximum completion length in tokens.")
+    temperature: float = arg(1.0, "Sampling temperature; log-probs are computed at the same temperature.")
+    top_p: float = arg(1.0, "Nucleus sampling; below 1 log-probs still come from the full softmax (a small bias).")
+    eval_every: int = arg(25, "Held-out greedy accuracy every N steps (and at start and end).")
+    log_every: int = arg(10, "Print a metrics line and two samples every N steps (every step goes to metrics.jsonl).")
+    report_to: str = arg("none", "Extra trackers: 'none', 'tensorboard' or 'wandb'.")
+    save_steps: int = arg(0, "Write a resumable checkpoint every N steps (0 = only on Ctrl-C/SIGTERM).")
+    resume_from: str = arg("", "A checkpoint folder (output_dir/checkpoint-N) to continue from.")
+    save_model: bool = arg(True, "Save the final policy with save_pretrained (+ tokenizer) in output_dir/final.")
+
+    def __post_init__(self):
+        for name in ("num_steps", "batch_size", "learning_rate", "max_new_tokens", "temperature", "eval_every",
+                     "log_every", "max_prompt_length", "eval_size"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name} must be > 0 (got {getattr(self, name)}).")
+        for name in ("lora_r", "save_steps", "max_grad_norm"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name} must be >= 0 (got {getattr(self, name)}).")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"--top_p must be in (0, 1] (got {self.top_p}).")
+        if self.reward_scales not in ("uniform", "hetero"):
+            raise ValueError(f"--reward_scales must be 'uniform' or 'hetero' (got {self.reward_scales!r}).")
+        if self.report_to not in ("none", "tensorboard", "wandb"):
+            raise ValueError(f"--report_to must be none, tensorboard or wandb (got {self.report_to!r}).")
+        if self.dataset not in ("arithmetic", "gsm8k"):
+            if not self.dataset.endswith((".json", ".jsonl", ".parquet")):
+                raise ValueError("--dataset must be 'arithmetic', 'gsm8k' or a .json/.jsonl/.parquet file "
+                                 f"(got {self.dataset!r}).")
+            if not os.path.isfile(self.dataset):
+                raise ValueError(f"--dataset {self.dataset!r}: no such file.")
+        for name in ("torch_dtype", "reward_model_dtype"):
+            if getattr(self, name) not in DTYPES:
+                raise ValueError(f"--{name} must be one of {sorted(DTYPES)} (got {getattr(self, name)!r}).")
+        if self.resume_from and not os.path.isfile(os.path.join(self.resume_from, "trainer_state.json")):
+            raise ValueError(f"--resume_from {self.resume_from!r} is not a checkpoint folder (no trainer_state.json).")
+        if self.rule_reward_weight == 0 and not self.reward_model:
+            raise ValueError("--rule_reward_weight 0 leaves no reward: give --reward_model too.")
+        if not self.answer_column and not self.reward_model and self.dataset != "arithmetic":
+            raise ValueError("--answer_column '' (no answers) needs a --reward_model to score completions.")
+
+
+@dataclass
+class GroupConfig(TrainConfig):
+    """What GRPO, RLOO and DAPO share: a group of samples per prompt is the baseline."""
+    num_generations: int = arg(8, "G (or K): sampled completions per prompt, >= 2; batch_size / G prompts per step.")
+    # With G samples per prompt a step sees batch_size / G = 8 prompts: held-out accuracy on the
+    # embedded task still rises at 200 steps and levels off near 600 (docs/group_family.md).
+    num_steps: int = arg(600, "Optimizer steps (one rollout batch each).")
+    eval_every: int = arg(50, "Held-out greedy accuracy every N steps (and at start and end).")
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.num_generations < 2:
+            raise ValueError(f"--num_generations must be >= 2: the group is the baseline (got {self.num_generations}).")
+        if self.batch_size % self.num_generations:
+            raise ValueError(f"--batch_size ({self.batch_size}) must be divisible by --num_generations "
+                             f"({self.num_generations}): batch_size counts completions, batch_size / num_generations "
+                             "prompts are sampled per step.")
+
+
+def parse_config(config_class, args=None):
+    """Parse the command line into `config_class`; a bad value exits with one clear line."""
+    from transformers import HfArgumentParser
+
+    try:
+        (cfg,) = HfArgumentParser(config_class).parse_args_into_dataclasses(args=args)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    if not cfg.output_dir:
+        cfg.output_dir = os.path.join("runs", os.path.splitext(os.path.basename(sys.argv[0]))[0])
+    return cfg
+
+
+def make_accelerator(cfg):
+    """An Accelerator that falls back to CPU (gloo between processes) when there is no GPU,
+    so `accelerate launch --multi_gpu --num_processes 2 x.py` (or `torchrun --nproc_per_node 2`)
+    gives 2-process data parallelism on a laptop. (`accelerate launch --cpu --num_processes 2`
+    starts ONE process in accelerate 1.x unless an MPI hostfile is given.)"""
+    from accelerate import Accelerator
+
+    use_cpu = os.environ.get("ACCELERATE_USE_CPU", "false").lower() in ("1", "true")
+    cpu = not torch.cuda.is_available() or use_cpu
+    return Accelerator(cpu=cpu, log_with=None if cfg.report_to == "none" else cfg.report_to, project_dir=cfg.output_dir)

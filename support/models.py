@@ -1,0 +1,108 @@
+"""Models: the tokenizer, the policy (full or LoRA), the frozen reference, the optimizer, and
+saving with save_pretrained."""
+import os
+
+import torch
+
+from support.config import DTYPES
+
+
+def disable_dropout(model):
+    """Log-probs must be computed with dropout off."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+    for key, value in vars(model.config).items():
+        if "dropout" in key and isinstance(value, float):
+            setattr(model.config, key, 0.0)
+
+
+def load_tokenizer(cfg):
+    from transformers import AutoTokenizer
+
+    check_model_path(cfg.model_name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model_name_or_path, padding_side="left")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(cfg, trainable=True):
+    """A causal LM from a Hub name or local folder, dropout off, in --torch_dtype; with
+    --lora_r the trainable model gets a LoRA adapter; frozen (eval, no grad) if not trainable."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, dtype=DTYPES[cfg.torch_dtype])
+    disable_dropout(model)
+    if not trainable:
+        return model.eval().requires_grad_(False)
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if cfg.lora_r > 0:
+        from peft import LoraConfig, get_peft_model
+
+        targets = cfg.lora_target_modules
+        targets = targets if targets == "all-linear" else targets.split(",")
+        lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, target_modules=targets, task_type="CAUSAL_LM")
+        model = get_peft_model(model, lora)
+    return model.train()  # dropout is off; train mode only lets gradient checkpointing act
+
+
+class AdapterDisabled(torch.nn.Module):
+    """The LoRA policy with its adapter switched off: the reference model at no memory cost."""
+
+    def __init__(self, peft_model):
+        super().__init__()
+        self.peft_model = [peft_model]  # a list, so the policy's weights are not registered twice
+
+    def forward(self, **kwargs):
+        with self.peft_model[0].disable_adapter():
+            return self.peft_model[0](**kwargs)
+
+
+def load_reference(cfg, policy):
+    """The frozen reference pi_ref: the policy's adapter disabled under LoRA, else a copy.
+    Call before accelerator.prepare(policy)."""
+    return AdapterDisabled(policy).eval() if cfg.lora_r > 0 else load_model(cfg, trainable=False)
+
+
+def check_model_path(name, flag="--model_name_or_path"):
+    """Fail fast, before anything is loaded, when the model can be found nowhere."""
+    if os.path.isdir(name):
+        if not os.path.exists(os.path.join(name, "config.json")):
+            raise SystemExit(f"error: {flag} {name!r} is a folder without config.json (not a saved HF model).")
+        return
+    looks_like_path = name.startswith((".", "/", "~")) or name.count("/") > 1
+    if looks_like_path:
+        raise SystemExit(f"error: {flag} {name!r}: no such folder.")
+    from huggingface_hub import try_to_load_from_cache
+
+    cached = try_to_load_from_cache(name, "config.json")
+    offline = os.environ.get("HF_HUB_OFFLINE", "0") not in ("0", "", "false")
+    if not isinstance(cached, str) and offline:
+        raise SystemExit(f"error: {flag} {name!r} is not a local folder and not in the HF cache, "
+                         "and HF_HUB_OFFLINE is set: download it first or pass a local folder.")
+
+
+def make_optimizer(model, cfg):
+    from transformers import get_constant_schedule_with_warmup
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=0.0)
+    return optimizer, get_constant_schedule_with_warmup(optimizer, cfg.warmup_steps)
+
+
+def save_model(accelerator, model, tokenizer, path, merge_lora=False):
+    """save_pretrained the (unwrapped) model and its tokenizer, from the main process only.
+    A LoRA model saves its adapter, or with merge_lora the merged full weights."""
+    accelerator.wait_for_everyone()
+    deepspeed = accelerator.state.deepspeed_plugin is not None
+    state_dict = accelerator.get_state_dict(model) if deepspeed else None  # gathers ZeRO-3 shards (all ranks)
+    if accelerator.is_main_process:
+        unwrapped = accelerator.unwrap_model(model)
+        if merge_lora and hasattr(unwrapped, "merge_and_unload"):
+            unwrapped.merge_and_unload().save_pretrained(path)
+        else:
+            unwrapped.save_pretrained(path, state_dict=state_dict)
+        tokenizer.save_pretrained(path)

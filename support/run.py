@@ -1,0 +1,215 @@
+"""The run around the loop: phase timer, metric reduction and logging, checkpoints and resume,
+plots."""
+import json
+import math
+import os
+import signal
+import time
+from contextlib import contextmanager
+from dataclasses import asdict
+
+import torch
+from tqdm.auto import tqdm
+
+from support.models import save_model
+
+
+class StepTimer:
+    """Wall time of each phase of a step: `with timer("generation"): ...`; metrics() gives
+    time/<phase>_s and resets. On a GPU it synchronises so the time is the GPU's too."""
+
+    def __init__(self):
+        self.times = {}
+
+    @contextmanager
+    def __call__(self, phase):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        yield
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - start
+
+    def metrics(self):
+        out, self.times = {f"time/{k}_s": v for k, v in self.times.items()}, {}
+        out["time/step_s"] = sum(out.values())
+        return out
+
+
+def reduce_metrics(accelerator, metrics):
+    """Mean of every scalar metric across ranks."""
+    keys = sorted(metrics)
+    values = torch.tensor([float(metrics[k]) for k in keys], device=accelerator.device)
+    values = accelerator.reduce(values, reduction="mean")
+    return dict(zip(keys, values.tolist()))
+
+
+class Checkpointer:
+    """Resumable checkpoints: output_dir/checkpoint-N holds accelerate's state (every prepared
+    model, optimizer and scheduler, and every rank's RNG states), each rank's prompt-sampler
+    state, the step counter, and the policy as save_pretrained (+ tokenizer) so that
+    `from_pretrained(checkpoint-N/model)` loads it. Ctrl-C or SIGTERM saves, then stops.
+
+        ckpt = Checkpointer(cfg, accelerator, sampler)
+        start = ckpt.resume()                    # 0, or the step of --resume_from
+        for step in range(start + 1, ...):
+            ...
+            if ckpt.step_end(step, policy, tokenizer):   # saves every --save_steps
+                break                                    # a signal arrived: saved, stop
+    """
+
+    def __init__(self, cfg, accelerator, sampler):
+        self.cfg, self.accelerator, self.sampler = cfg, accelerator, sampler
+        self.stop_requested = False
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._request_stop)
+
+    def _request_stop(self, signum, frame):
+        if self.stop_requested:  # a second Ctrl-C stops at once
+            raise KeyboardInterrupt
+        self.stop_requested = True
+        print(f"\nsignal {signum}: saving a checkpoint at the end of this step (Ctrl-C again to quit now)", flush=True)
+
+    def resume(self):
+        if not self.cfg.resume_from:
+            return 0
+        self.accelerator.load_state(self.cfg.resume_from)
+        with open(os.path.join(self.cfg.resume_from, f"sampler_rank{self.accelerator.process_index}.json")) as f:
+            self.sampler.load_state_dict(json.load(f))
+        with open(os.path.join(self.cfg.resume_from, "trainer_state.json")) as f:
+            step = json.load(f)["step"]
+        if self.accelerator.is_main_process:
+            print(f"resumed from {self.cfg.resume_from} at step {step}", flush=True)
+        return step
+
+    def save(self, step, policy, tokenizer):
+        path = os.path.join(self.cfg.output_dir, f"checkpoint-{step}")
+        self.accelerator.save_state(path)
+        with open(os.path.join(path, f"sampler_rank{self.accelerator.process_index}.json"), "w") as f:
+            json.dump(self.sampler.state_dict(), f)
+        save_model(self.accelerator, policy, tokenizer, os.path.join(path, "model"))
+        if self.accelerator.is_main_process:
+            with open(os.path.join(path, "trainer_state.json"), "w") as f:
+                json.dump({"step": step, "config": asdict(self.cfg)}, f, indent=2)
+        self.accelerator.wait_for_everyone()
+        return path
+
+    def check_finite(self, step, loss, grad_norm, policy, tokenizer):
+        """Call between clipping and optimizer.step(): a NaN/inf loss or gradient norm saves the
+        last good state (the weights before this update) and stops the run with a message."""
+        if torch.isfinite(loss.detach()).all() and torch.isfinite(torch.as_tensor(grad_norm)).all():
+            return
+        path = self.save(step - 1, policy, tokenizer)
+        raise SystemExit(f"error: non-finite loss ({loss.item()}) or gradient norm ({float(grad_norm)}) at step "
+                         f"{step}; the update was not applied and the last good state is in {path}. Lower "
+                         "--learning_rate, keep --max_grad_norm on, or check the rewards.")
+
+    def step_end(self, step, policy, tokenizer):
+        """Save when due or when a signal arrived (on any rank); True means stop now."""
+        stop = torch.tensor([float(self.stop_requested)], device=self.accelerator.device)
+        stop = self.accelerator.reduce(stop, reduction="sum").item() > 0
+        if stop or (self.cfg.save_steps and step % self.cfg.save_steps == 0):
+            path = self.save(step, policy, tokenizer)
+            if self.accelerator.is_main_process:
+                tqdm.write(f"checkpoint: {path}")
+        return stop
+
+
+class MetricLogger:
+    """Every step to output_dir/metrics.jsonl (+ tensorboard/wandb); a console line every
+    log_every steps. Only the main process writes."""
+
+    def __init__(self, cfg, accelerator, start_step=0):
+        self.cfg, self.accelerator = cfg, accelerator
+        self.path = os.path.join(cfg.output_dir, "metrics.jsonl")
+        self.start = time.time()
+        if accelerator.is_main_process:
+            os.makedirs(cfg.output_dir, exist_ok=True)
+            kept = []  # a resumed run keeps the rows up to its checkpoint
+            if start_step and os.path.exists(self.path):
+                kept = [r for r in read_metrics(self.path) if r["step"] <= start_step]
+            with open(self.path, "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in kept)
+            with open(os.path.join(cfg.output_dir, "config.json"), "w") as f:
+                json.dump(asdict(cfg), f, indent=2)
+        if cfg.report_to != "none":
+            accelerator.init_trackers(os.path.basename(cfg.output_dir.rstrip("/")) or "run", config=asdict(cfg))
+
+    def log(self, step, metrics, samples=()):
+        """Write one row; every log_every steps also print it (and up to two (prompt, completion,
+        reward) samples) above the progress bar."""
+        metrics = {"step": step, "time/elapsed_s": round(time.time() - self.start, 3), **metrics}
+        if not self.accelerator.is_main_process:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        if self.cfg.report_to != "none":
+            self.accelerator.log({k: v for k, v in metrics.items() if k != "step"}, step=step)
+        if step > 0 and (step % self.cfg.log_every == 0 or step == self.cfg.num_steps):
+            shown = [f"{name} {metrics[key]:.4g}" for key, name in CONSOLE_KEYS if key in metrics]
+            if "time/step_s" in metrics:
+                shown.append(f"{metrics['time/step_s']:.3g} s/step")
+            tqdm.write(" | ".join([f"step {step}"] + shown))
+            for prompt, completion, reward in list(samples)[:2]:
+                tqdm.write(f"  sample {prompt[-60:]!r} -> {completion[:60]!r} reward {reward:.3g}")
+        if "eval/accuracy" in metrics:
+            accs = [f"{k[len('eval/acc_'):]} {v:.3g}" for k, v in metrics.items() if k.startswith("eval/acc_")]
+            tqdm.write(" | ".join([f"eval {step}", f"accuracy {metrics['eval/accuracy']:.3f}"] + accs))
+
+    def finish(self, model):
+        """Write summary.json (held-out accuracy before/after, wall time, a weight checksum per
+        rank: data-parallel replicas must agree) and curves.png."""
+        weights = [p.detach().double() for p in model.parameters()]
+        checksum = torch.tensor([sum(w.sum() + w.abs().sum() for w in weights)],
+                                device=self.accelerator.device)
+        checksums = self.accelerator.gather(checksum).tolist()
+        if self.cfg.report_to != "none":
+            self.accelerator.end_training()
+        if not self.accelerator.is_main_process:
+            return
+        evals = [r for r in read_metrics(self.path) if "eval/accuracy" in r]
+        summary = {"eval_accuracy_before": evals[0]["eval/accuracy"] if evals else None,
+                   "eval_accuracy_after": evals[-1]["eval/accuracy"] if evals else None,
+                   "wall_time_s": round(time.time() - self.start, 1), "num_processes": self.accelerator.num_processes,
+                   "replica_weight_checksums": checksums}
+        with open(os.path.join(self.cfg.output_dir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        plot_metrics(self.path, os.path.join(self.cfg.output_dir, "curves.png"))
+        print(f"held-out accuracy {summary['eval_accuracy_before']:.3f} -> {summary['eval_accuracy_after']:.3f} "
+              f"in {summary['wall_time_s']:.0f}s; metrics, curves.png and summary.json in {self.cfg.output_dir}",
+              flush=True)
+
+
+# (metric, console name) of the metrics line; every metric is in metrics.jsonl and docs/metrics.md
+CONSOLE_KEYS = (("train/reward", "reward"), ("train/correct", "correct"), ("train/kl_seq", "kl_seq"),
+                ("train/kl_k3", "kl_k3"), ("train/entropy", "entropy"), ("train/grad_norm", "grad_norm"),
+                ("train/completion_len", "len"))
+PLOT_KEYS = ("train/reward", "eval/accuracy", "train/kl_seq", "train/entropy", "train/grad_norm",
+             "train/completion_len")
+
+
+def read_metrics(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_metrics(jsonl_path, png_path, keys=PLOT_KEYS):
+    """One panel per metric versus step, from a metrics.jsonl file."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(jsonl_path)
+    fig, axes = plt.subplots(2, math.ceil(len(keys) / 2), figsize=(4 * math.ceil(len(keys) / 2), 6))
+    for ax, key in zip(axes.flat, keys):
+        points = [(r["step"], r[key]) for r in rows if key in r]
+        if points:
+            ax.plot(*zip(*points), marker="o" if key.startswith("eval") else None, markersize=3)
+        ax.set_title(key)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,263 @@
+"""Tasks and rewards: the built-in arithmetic task, real data (GSM8K or a local file) with its
+math reward, an optional reward model, the prompt sampler and held-out evaluation."""
+import ast
+import hashlib
+import random
+import re
+
+import torch
+
+import common
+from support.config import DTYPES
+from support.models import check_model_path
+
+# ----------------------------------------------------------------------------------------
+# The built-in task: arithmetic in families of different difficulty
+# ----------------------------------------------------------------------------------------
+# name: (operand digit counts, operator). Easy to hard for a 1M-parameter model.
+FAMILIES = {
+    "add_2x1": ((2, 1), "+"),
+    "sub_2x2": ((2, 2), "-"),
+    "add_2x2": ((2, 2), "+"),
+    "mul_2x1": ((2, 1), "*"),
+    "add_3x3": ((3, 3), "+"),
+}
+# reward for (wrong, right) per family under --reward_scales hetero: one offset and scale per
+# family, as a learned reward model puts different prompt kinds on different scales.
+# Same gap (1) between right and wrong everywhere, offsets from -5 to +5: a baseline removes the
+# offsets exactly; plain REINFORCE pushes up whatever it samples on the positive families and
+# down on the negative ones. All within ReMax's advantage clip of 5.
+HETERO_SCALES = {"add_2x1": (4.0, 5.0), "sub_2x2": (-5.0, -4.0), "add_2x2": (2.0, 3.0), "mul_2x1": (-3.0, -2.0),
+                 "add_3x3": (0.0, 1.0)}
+HELD_OUT_FRACTION = 5  # one prompt in 5 (by hash) is held out: never trained on
+
+
+def is_held_out(prompt):
+    return int(hashlib.md5(prompt.encode()).hexdigest(), 16) % HELD_OUT_FRACTION == 0
+
+
+def arithmetic_example(family, rng):
+    (da, db), op = FAMILIES[family]
+    a = rng.randint(10 ** (da - 1) if da > 1 else 0, 10 ** da - 1)
+    b = rng.randint(10 ** (db - 1) if db > 1 else 0, 10 ** db - 1)
+    if op == "-" and b > a:
+        a, b = b, a
+    answer = {"+": a + b, "-": a - b, "*": a * b}[op]
+    return {"prompt": f"{a}{op}{b}=", "answer": str(answer), "family": family}
+
+
+def arithmetic_examples(n, seed, held_out):
+    """n examples, families in turn, all from the held-out split or all from the train split."""
+    rng, examples, families = random.Random(seed), [], list(FAMILIES)
+    while len(examples) < n:
+        ex = arithmetic_example(families[len(examples) % len(families)], rng)
+        if is_held_out(ex["prompt"]) == held_out:
+            examples.append(ex)
+    return examples
+
+
+# ----------------------------------------------------------------------------------------
+# Real data (GSM8K or a local file) and the math reward
+# ----------------------------------------------------------------------------------------
+NUMBER = r"-?[\d,]*\.?\d+"
+
+
+def normalize_number(text):
+    """'1,234.50' -> '1234.5'; exact string comparison after this."""
+    text = text.replace(",", "").strip()
+    if "." in text:
+        text = text.rstrip("0").rstrip(".")
+    return "0" if text in ("-0", "") else text
+
+
+def extract_final_number(text):
+    """The final answer of a math completion: after '####', else in \\boxed{}, else the last
+    number; None if there is no number."""
+    for pattern in (r"####\s*(" + NUMBER + ")", r"\\boxed\{\s*(" + NUMBER + r")\s*\}", "(" + NUMBER + ")"):
+        found = re.findall(pattern, text)
+        if found:
+            return normalize_number(found[-1] if pattern != r"####\s*(" + NUMBER + ")" else found[0])
+    return None
+
+
+def load_task(cfg, tokenizer=None):
+    """(train examples, held-out eval examples). Every example: prompt (as fed to the policy),
+    raw_prompt, answer, family, check ('exact' for arithmetic, 'number' for math data)."""
+    if cfg.dataset == "arithmetic":
+        train = arithmetic_examples(20_000, seed=cfg.seed, held_out=False)
+        return train, arithmetic_examples(250, seed=1234, held_out=True)
+    import datasets
+
+    try:
+        if cfg.dataset == "gsm8k":
+            splits = datasets.load_dataset("openai/gsm8k", "main")
+            train_rows = splits["train"]
+            eval_rows = splits["test"].select(range(min(cfg.eval_size, len(splits["test"]))))
+        else:
+            kind = "parquet" if cfg.dataset.endswith(".parquet") else "json"
+            rows = datasets.load_dataset(kind, data_files=cfg.dataset, split="train")
+            if len(rows) < 2:
+                raise SystemExit(f"error: --dataset {cfg.dataset!r} has {len(rows)} rows; "
+                                 "need at least 2 (train and eval).")
+            n_eval = min(cfg.eval_size, len(rows) // 2)
+            train_rows = rows.select(range(len(rows) - n_eval))
+            eval_rows = rows.select(range(len(rows) - n_eval, len(rows)))
+    except (ConnectionError, OSError) as e:
+        raise SystemExit(f"error: --dataset {cfg.dataset!r} could not be loaded ({type(e).__name__}: {str(e)[:200]}). "
+                         "Offline? Download it first, or pass a local .jsonl file.")
+    columns = [c for c in (cfg.prompt_column, cfg.answer_column) if c]
+    missing = [c for c in columns if c not in train_rows.column_names]
+    if missing:
+        flags = " / ".join(f"--{'prompt' if c == cfg.prompt_column else 'answer'}_column {c!r}" for c in missing)
+        raise SystemExit(f"error: --dataset {cfg.dataset!r} has no column {flags}; "
+                         f"its columns are {train_rows.column_names}.")
+    return [math_examples(rows, cfg, tokenizer, split) for rows, split in ((train_rows, "train"), (eval_rows, "eval"))]
+
+
+def math_examples(rows, cfg, tokenizer, split):
+    examples, too_long = [], 0
+    for row in rows:
+        question = str(row[cfg.prompt_column] or "").strip()
+        if not question:
+            continue
+        prompt = question
+        if cfg.use_chat_template and tokenizer is not None and tokenizer.chat_template:
+            messages = [{"role": "user", "content": question}]
+            prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        n_tokens = len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) if tokenizer is not None else 0
+        if n_tokens > cfg.max_prompt_length:
+            too_long += 1
+            continue
+        answer = extract_final_number(str(row[cfg.answer_column])) if cfg.answer_column else None
+        examples.append({"prompt": prompt, "raw_prompt": question, "answer": answer, "family": "all",
+                         "check": "number"})
+    if too_long:
+        print(f"warning: dropped {too_long} {split} prompts longer than --max_prompt_length "
+              f"{cfg.max_prompt_length} tokens", flush=True)
+    if not examples:
+        raise SystemExit(f"error: no usable {split} prompts in --dataset {cfg.dataset!r} "
+                         "(empty prompts, or all longer than --max_prompt_length).")
+    return examples
+
+
+def is_correct(completion, answer, check="exact"):
+    if answer is None:
+        return False
+    if check == "number":
+        return extract_final_number(completion) == answer
+    return completion.strip() == answer
+
+
+def compute_rewards(examples, completions, reward_scales="uniform"):
+    """Rule-based reward. Returns (rewards, correct) as float tensors (B,)."""
+    correct = [is_correct(c, ex["answer"], ex.get("check", "exact")) for c, ex in zip(completions, examples)]
+    correct = torch.tensor(correct, dtype=torch.float32)
+    if reward_scales == "uniform":
+        return correct.clone(), correct
+    lo_hi = torch.tensor([HETERO_SCALES.get(ex["family"], (0.0, 1.0)) for ex in examples])
+    return lo_hi[:, 0] + (lo_hi[:, 1] - lo_hi[:, 0]) * correct, correct
+
+
+class RewardModel:
+    """Scores (prompt, completion) with an AutoModelForSequenceClassification, its own
+    tokenizer and chat template; frozen, no grad, optionally in its own dtype."""
+
+    def __init__(self, name, dtype, device):
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        check_model_path(name, flag="--reward_model")
+        self.tokenizer = AutoTokenizer.from_pretrained(name)
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.model = AutoModelForSequenceClassification.from_pretrained(name, dtype=DTYPES[dtype])
+        self.model = self.model.to(device).eval().requires_grad_(False)
+        self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.device = device
+
+    @torch.no_grad()
+    def __call__(self, prompts, completions):
+        if self.tokenizer.chat_template:
+            texts = [self.tokenizer.apply_chat_template([{"role": "user", "content": p},
+                                                         {"role": "assistant", "content": c}], tokenize=False)
+                     for p, c in zip(prompts, completions)]
+        else:
+            texts = [p + c for p, c in zip(prompts, completions)]
+        enc = self.tokenizer(texts, return_tensors="pt", padding=True, truncation=True,
+                             add_special_tokens=not self.tokenizer.chat_template)
+        return self.model(**enc.to(self.device)).logits[:, 0].float()
+
+
+def make_reward_fn(cfg, device):
+    """reward_fn(examples, completions) -> (rewards, correct) on `device`. Rule reward, a reward
+    model, or a weighted sum of both. A non-finite reward stops before any update."""
+    reward_model = RewardModel(cfg.reward_model, cfg.reward_model_dtype, device) if cfg.reward_model else None
+
+    def reward_fn(examples, completions):
+        try:
+            rewards, correct = compute_rewards(examples, completions, cfg.reward_scales)
+            rewards, correct = cfg.rule_reward_weight * rewards.to(device), correct.to(device)
+            if reward_model is not None:
+                scores = reward_model([ex.get("raw_prompt", ex["prompt"]) for ex in examples], completions)
+                rewards = rewards + cfg.reward_model_weight * scores
+        except Exception as e:  # a reward that raises: say on what, and apply nothing
+            raise SystemExit(f"error: the reward raised {type(e).__name__}: {e} "
+                             f"(first prompt {examples[0]['prompt'][:200]!r}, "
+                             f"completion {completions[0][:200]!r}); step not applied.") from e
+        bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
+        if bad:
+            i = bad[0]
+            raise SystemExit(f"error: non-finite reward {rewards[i].item()} for prompt {examples[i]['prompt'][:200]!r} "
+                             f"and completion {completions[i][:200]!r}; step not applied. Check the reward function "
+                             "/ --reward_model.")
+        return rewards, correct
+
+    return reward_fn
+
+
+class PromptSampler:
+    """Endless shuffled batches of examples; each rank draws from its own shard."""
+
+    def __init__(self, examples, batch_size, seed, rank=0, world_size=1):
+        self.examples, self.batch_size = examples[rank::world_size], batch_size
+        self.rng, self.order = random.Random(seed), []
+
+    def state_dict(self):
+        return {"rng": repr(self.rng.getstate()), "order": self.order}
+
+    def load_state_dict(self, state):
+        self.rng.setstate(ast.literal_eval(state["rng"]))
+        self.order = list(state["order"])
+
+    def next(self):
+        batch = []
+        while len(batch) < self.batch_size:
+            if not self.order:
+                self.order = list(range(len(self.examples)))
+                self.rng.shuffle(self.order)
+            batch.append(self.examples[self.order.pop()])
+        return batch
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, examples, cfg, accelerator, batch_size=256):
+    """Held-out greedy accuracy per family and overall, sharded over ranks and summed."""
+    shard = examples[accelerator.process_index::accelerator.num_processes]
+    families = sorted({ex["family"] for ex in examples})
+    counts = torch.zeros(2, len(families), device=accelerator.device)  # (correct, total)
+    unwrapped = accelerator.unwrap_model(model)
+    for i in range(0, len(shard), batch_size):
+        batch = shard[i:i + batch_size]
+        prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, [ex["prompt"] for ex in batch], accelerator.device)
+        completion_ids = common.generate(unwrapped, tokenizer, prompt_ids, prompt_mask, cfg, greedy=True)
+        mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
+        texts = common.decode_completions(tokenizer, completion_ids, mask)
+        for text, ex in zip(texts, batch):
+            j = families.index(ex["family"])
+            counts[0, j] += is_correct(text, ex["answer"], ex.get("check", "exact"))
+            counts[1, j] += 1
+    counts = accelerator.reduce(counts, reduction="sum")
+    metrics = {"eval/accuracy": (counts[0].sum() / counts[1].sum()).item()}
+    for j, fam in enumerate(families):
+        metrics[f"eval/acc_{fam}"] = (counts[0, j] / counts[1, j].clamp(min=1)).item()
+    return metrics
+
