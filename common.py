@@ -19,7 +19,7 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"
 # The gradient statements below hold for ONE categorical (the state held fixed). For a
 # sequence, a per-token term in the loss holds the prefixes fixed and drops each token's effect
 # on the KL of later tokens: only k1 folded into the reward with reward-to-go gives the
-# gradient of the sequence KL(pi_theta || pi_ref) (tests/test_kl.py proves both).
+# gradient of the sequence KL(pi_theta || pi_ref). tests/test_kl.py proves both by enumeration.
 # ----------------------------------------------------------------------------------------
 def kl_k1(logp, ref_logp):
     """k1 = log q - log p, per token.
@@ -38,7 +38,8 @@ def kl_k2(logp, ref_logp):
     """k2 = 0.5 (log q - log p)^2, per token.
 
     Value: biased (third order in the log-ratio), low variance, >= 0.
-    As a loss term on one categorical: E[grad k2] = grad KL(q||p), the reverse-KL gradient.
+    As a loss term on one categorical: E[grad k2] = grad KL(q||p), the reverse-KL gradient
+    (per token on a sequence: the per-state reverse KL with the states held fixed).
     As a detached penalty in the reward: a wrong gradient.
     """
     # BEGIN SOLUTION
@@ -52,11 +53,26 @@ def kl_k3(logp, ref_logp):
     Value: unbiased for KL(q||p), >= 0, low variance.
     As a loss term on one categorical: E[grad k3] = grad KL(p||q), the FORWARD-KL gradient
     (GRPO's loss term; per token on a sequence it is the per-state forward KL, states fixed).
-    As a detached penalty in the reward: a wrong gradient.
+    As a detached penalty in the reward: a wrong gradient. Not clamped (verl clamps the log-ratio
+    to +-20 and k3 to 10): where a clamp binds the gradient is 0 and the blow-up is hidden.
     """
     # BEGIN SOLUTION
     log_ratio = ref_logp - logp
     return torch.exp(log_ratio) - log_ratio - 1
+    # END SOLUTION
+
+
+def kl_penalty(logp, ref_logp, estimator="k3", old_logp=None):
+    """Per-token KL term for a loss, gradient through logp: k1, k2 or k3 of (logp, ref_logp).
+
+    With old_logp (the tokens were sampled by pi_old) the term is multiplied by the ratio
+    pi_theta / pi_old WITH its gradient (DeepSeek-V3.2): E_old[ratio * k] = E_theta[k] as a
+    function of theta, so k1 and k3 give the per-state reverse-KL gradient (grad(ratio * k3)
+    = ratio * k1 * score). A detached ratio would keep k3's forward-KL gradient.
+    """
+    # BEGIN SOLUTION
+    kl = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}[estimator](logp, ref_logp)
+    return kl if old_logp is None else torch.exp(logp - old_logp) * kl
     # END SOLUTION
 
 
@@ -131,6 +147,50 @@ def reward_to_go(x, mask):
 
 
 # ----------------------------------------------------------------------------------------
+# Off-policy corrections: the sampler mu (an inference engine, or the policy before the
+# updates) is not the policy being trained (docs/stability.md)
+# ----------------------------------------------------------------------------------------
+def truncated_is_weight(logp, rollout_logp, cap):
+    """Truncated importance sampling, per token: min(pi_train / pi_rollout, cap), detached.
+    It reweights each token's policy-gradient term towards the trainer's distribution."""
+    # BEGIN SOLUTION
+    return torch.exp(logp - rollout_logp).clamp(max=cap).detach()
+    # END SOLUTION
+
+
+def geometric_sequence_mask(logp, old_logp, adv, mask, delta):
+    """Off-policy sequence masking (DeepSeek-V3.2): 0 for sequence i when A_i < 0 and
+    (1/|y_i|) sum_t log(pi_old / pi_theta) > delta, else 1. The mean log-ratio is the log of
+    the geometric mean ratio, so the test does not grow with the length. (B,) detached."""
+    # BEGIN SOLUTION
+    drift = masked_mean((old_logp - logp).detach(), mask, dim=1)
+    return 1.0 - ((adv < 0) & (drift > delta)).to(logp.dtype)
+    # END SOLUTION
+
+
+def rollout_correction(logp, old_logp, rollout_logp, adv, mask, tis_cap=0.0, geo_mask_delta=0.0):
+    """The (B, T) detached weight on each token's policy-gradient term, and mismatch stats.
+
+    logp: the policy being trained; old_logp: the trainer's log-probs at sampling time;
+    rollout_logp: those of the model that sampled (None: the trainer sampled, they are old_logp).
+    TIS weighs by min(old / rollout, tis_cap); the geometric mask plays pi_old with rollout_logp,
+    so it sees both the mismatch and the updates since sampling. 0 turns either off.
+    """
+    rollout_logp = old_logp if rollout_logp is None else rollout_logp
+    weight = truncated_is_weight(old_logp, rollout_logp, tis_cap) if tis_cap > 0 else torch.ones_like(logp)
+    keep = geometric_sequence_mask(logp, rollout_logp, adv, mask, geo_mask_delta) if geo_mask_delta > 0 else \
+        torch.ones_like(adv, dtype=logp.dtype)
+    with torch.no_grad():
+        ratio = torch.exp(old_logp - rollout_logp)  # trainer over sampler, the same weights
+        stats = {"mismatch_k3": masked_mean(kl_k3(rollout_logp, old_logp), mask),  # KL(sampler || trainer)
+                 "mismatch_ratio_max": torch.where(mask.bool(), ratio, 0.0).max(),
+                 "mismatch_ratio_min": torch.where(mask.bool(), ratio, float("inf")).min(),
+                 "tis_clip_frac": masked_mean((ratio > tis_cap).float(), mask) if tis_cap > 0 else 0.0,
+                 "geo_masked_frac": 1 - keep.mean()}
+    return weight * keep[:, None], stats
+
+
+# ----------------------------------------------------------------------------------------
 # Log-probs and generation
 # ----------------------------------------------------------------------------------------
 def position_ids_from_mask(attention_mask):
@@ -138,9 +198,28 @@ def position_ids_from_mask(attention_mask):
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def token_logprobs(model, input_ids, attention_mask, num_completion_tokens, temperature=1.0, with_entropy=False):
+def sampling_mask(logits, top_k=0, top_p=1.0):
+    """The logits the sampler draws from: top-k, then top-p (nucleus) on the tempered logits, the
+    rest set to -inf, as transformers' TopKLogitsWarper and TopPLogitsWarper (ties at the k-th
+    value are kept; the most likely token always is). (..., V) in, out."""
+    if top_k > 0:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1)  # ascending
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        drop = cumulative <= 1 - top_p  # the tail whose mass is at most 1 - top_p
+        drop[..., -1] = False
+        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return logits
+
+
+def token_logprobs(model, input_ids, attention_mask, num_completion_tokens, temperature=1.0, with_entropy=False,
+                   top_k=0, top_p=1.0):
     """Log-probs of the last `num_completion_tokens` tokens of `input_ids` under `model`,
     at the sampling temperature, computed in fp32. Returns (B, C) log-probs (and entropies).
+    With top_k / top_p they are those of the truncated, renormalised distribution the sampler
+    drew from (DeepSeek-V3.2's "keep sampling mask"); pass the defaults for the reference.
 
     Only the completion's logits are computed (`logits_to_keep`), and the log-softmax is
     taken one sequence at a time as gather - logsumexp, so no full (B, T, V) log-softmax
@@ -154,11 +233,17 @@ def token_logprobs(model, input_ids, attention_mask, num_completion_tokens, temp
     logps, entropies = [], []
     for row_logits, row_targets in zip(logits, targets):
         row = row_logits.float() / temperature
+        if top_k > 0 or top_p < 1.0:
+            # the sampled token stays in: a rounding difference from generate() must not give log 0
+            kept = sampling_mask(row.detach(), top_k, top_p).isfinite()
+            kept.scatter_(-1, row_targets[:, None], True)
+            row = row.masked_fill(~kept, float("-inf"))
         lse = torch.logsumexp(row, dim=-1)
         logps.append(row.gather(-1, row_targets[:, None]).squeeze(-1) - lse)
         if with_entropy:
             with torch.no_grad():
-                entropies.append(lse - (torch.softmax(row, -1) * row).sum(-1))
+                probs = torch.softmax(row, -1)
+                entropies.append(lse - (probs * row.masked_fill(probs == 0, 0)).sum(-1))
     logps = torch.stack(logps)
     return (logps, torch.stack(entropies)) if with_entropy else logps
 
@@ -174,7 +259,7 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=1, gree
         gen = GenerationConfig(do_sample=False, max_new_tokens=cfg.max_new_tokens)
         num_samples = 1
     else:
-        gen = GenerationConfig(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=0,
+        gen = GenerationConfig(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                max_new_tokens=cfg.max_new_tokens, num_return_sequences=num_samples)
     gen.pad_token_id, gen.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     was_training = model.training

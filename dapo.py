@@ -36,6 +36,7 @@ from support.config import arg
 class Config(config.GroupConfig):
     epsilon_low: float = arg(0.2, "Clip the ratio below at 1 - epsilon_low (DAPO: 0.2).")
     epsilon_high: float = arg(0.28, "Clip the ratio above at 1 + epsilon_high (DAPO: 0.28), >= epsilon_low.")
+    dual_clip_c: float = arg(0.0, "Dual clip: a token with A < 0 loses at most c |A|, whatever its ratio (0 = off).")
     num_epochs: int = arg(1, "mu: optimizer updates per rollout batch (1 = on-policy, the clip is inert).")
     max_sampling_rounds: int = arg(8, "Dynamic sampling: at most this many generation rounds per step.")
     dynamic_sampling_metric: str = arg("correct", "Drop groups whose 'correct' (DAPO) or 'reward' is all equal.")
@@ -48,6 +49,8 @@ class Config(config.GroupConfig):
         if self.epsilon_high < self.epsilon_low:
             raise ValueError(f"--epsilon_high ({self.epsilon_high}) must be >= --epsilon_low ({self.epsilon_low}): "
                              "that is clip-higher.")
+        if self.dual_clip_c < 0 or 0 < self.dual_clip_c <= 1:
+            raise ValueError(f"--dual_clip_c must be 0 (off) or > 1 (got {self.dual_clip_c}).")
         if self.num_epochs < 1:
             raise ValueError(f"--num_epochs must be >= 1 (got {self.num_epochs}).")
         if self.max_sampling_rounds < 1:
@@ -90,10 +93,12 @@ def overlong_penalty(lengths, max_len, cache_len):
     # END SOLUTION
 
 
-def dapo_loss(logp, old_logp, adv, mask, epsilon_low, epsilon_high):
+def dapo_loss(logp, old_logp, adv, mask, epsilon_low, epsilon_high, dual_clip_c=0.0, pg_weight=None):
     """Clipped surrogate with decoupled clip range, token-mean over the whole batch (DAPO eq. 8).
 
     logp: (B, T) with grad; old_logp: (B, T) at sampling time (detached); adv: (B,).
+    dual_clip_c > 1 bounds the loss of a token with A < 0 by c |A|; pg_weight (B, T), detached,
+    multiplies the surrogate (TIS, masks).
     Returns (loss, stats): the fraction of tokens clipped below (rho < 1 - epsilon_low with
     A < 0) and above (rho > 1 + epsilon_high with A > 0), and the approx KL(pi_old || pi_theta).
     """
@@ -102,6 +107,10 @@ def dapo_loss(logp, old_logp, adv, mask, epsilon_low, epsilon_high):
     ratio = torch.exp(log_ratio)  # rho = pi_theta / pi_old
     adv = adv[:, None]
     surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * adv)
+    if dual_clip_c > 0:  # dual clip (Ye et al., 2020): with A < 0 the min above is unbounded in rho
+        surrogate = torch.where(adv < 0, torch.max(surrogate, dual_clip_c * adv), surrogate)
+    if pg_weight is not None:
+        surrogate = pg_weight * surrogate
     per_token_loss = -surrogate
     loss = common.aggregate_loss(per_token_loss, mask, "token-mean")
     with torch.no_grad():
@@ -123,8 +132,11 @@ def main():
     train_data, eval_data = tasks.load_task(cfg, tokenizer)  # data errors surface before models load
     reward_fn = tasks.make_reward_fn(cfg, accelerator.device)
     policy = models.load_model(cfg)
+    rollout_model = models.load_rollout_model(cfg, policy)  # None unless --rollout_dtype differs
     optimizer, scheduler = models.make_optimizer(policy, cfg)
     policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
+    if rollout_model is not None:
+        rollout_model = rollout_model.to(accelerator.device)
     group_size = cfg.num_generations
     sampler = tasks.PromptSampler(train_data, cfg.batch_size // group_size, cfg.seed, accelerator.process_index,
                                   accelerator.num_processes)
@@ -147,6 +159,8 @@ def main():
                                                               accelerator.device)
             with timer("generation"):
                 unwrapped = accelerator.unwrap_model(policy)
+                if rollout_model is not None:  # the sampler gets this step's weights, in its own dtype
+                    unwrapped = models.sync_rollout_model(rollout_model, unwrapped)
                 completion_ids = common.generate(unwrapped, tokenizer, prompt_ids, prompt_mask, cfg,
                                                  num_samples=group_size)
             with timer("scoring"):
@@ -188,19 +202,28 @@ def main():
                 input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
                 attention_mask = torch.cat([prompt_mask, mask], dim=1)
                 T = completion_ids.shape[1]
-                old_logp = None
+                sampling = {"top_k": cfg.top_k, "top_p": cfg.top_p}  # score on the distribution that was sampled
+                old_logp, rollout_logp = None, None
                 with torch.no_grad():
                     if cfg.num_epochs > 1:  # log-probs at sampling time; with mu = 1 they are logp.detach()
-                        old_logp = common.token_logprobs(policy, input_ids, attention_mask, T, cfg.temperature)
+                        old_logp = common.token_logprobs(policy, input_ids, attention_mask, T, cfg.temperature,
+                                                         **sampling)
+                    if rollout_model is not None:  # what an inference engine returns with its samples
+                        rollout_logp = common.token_logprobs(rollout_model, input_ids, attention_mask, T,
+                                                             cfg.temperature, **sampling)
                 adv = grpo_advantages(rewards, group_size)
 
             for _ in range(cfg.num_epochs):  # stats below are those of the last (most off-policy) update
                 with timer("forward_backward"):
-                    # ---- log-probs, ratio, clip-higher surrogate, token-mean ----
+                    # ---- log-probs, ratio, clip-higher surrogate, token-mean, rollout correction ----
                     logp, entropy = common.token_logprobs(policy, input_ids, attention_mask, T, cfg.temperature,
-                                                          with_entropy=True)
-                    loss, stats = dapo_loss(logp, logp.detach() if old_logp is None else old_logp, adv, mask,
-                                            cfg.epsilon_low, cfg.epsilon_high)
+                                                          with_entropy=True, **sampling)
+                    if cfg.num_epochs == 1:
+                        old_logp = logp.detach()
+                    pg_weight, correction = common.rollout_correction(logp, old_logp, rollout_logp, adv, mask,
+                                                                      cfg.tis_cap, cfg.geo_mask_delta)
+                    loss, stats = dapo_loss(logp, old_logp, adv, mask, cfg.epsilon_low, cfg.epsilon_high,
+                                            cfg.dual_clip_c, pg_weight)
                     accelerator.backward(loss)
 
                 with timer("optimizer"):
@@ -231,6 +254,7 @@ def main():
                 "train/loss": loss.detach(),
                 "train/grad_norm": grad_norm,
                 "train/completion_len": lengths.mean(),
+                **{f"train/{key}": value for key, value in correction.items()},
                 **timer.metrics(),
             }
             metrics["time/tokens_per_s"] = lengths.sum() / metrics["time/step_s"]

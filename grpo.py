@@ -31,8 +31,11 @@ from support.config import arg
 
 @dataclass
 class Config(config.GroupConfig):
-    beta: float = arg(0.04, "Coefficient of the k3 KL-to-reference term in the per-token loss (0 = no reference).")
+    beta: float = arg(0.04, "Coefficient of the KL-to-reference term in the per-token loss (0 = no reference).")
+    kl_estimator: str = arg("k3", "Estimator of that KL term: k3 (GRPO) | k2 | k1 (docs/algorithms.md).")
+    kl_is_weight: bool = arg(False, "Multiply the KL term by the ratio pi_theta / pi_old (DeepSeek-V3.2).")
     epsilon: float = arg(0.2, "Clip the ratio pi_theta / pi_old to [1 - epsilon, 1 + epsilon].")
+    dual_clip_c: float = arg(0.0, "Dual clip: a token with A < 0 loses at most c |A|, whatever its ratio (0 = off).")
     num_epochs: int = arg(1, "mu: optimizer updates per rollout batch (1 = on-policy, the clip is inert).")
     scale_rewards: str = arg("group", "Divide the centred reward by the std of: group | batch | none (Dr. GRPO).")
     loss_agg: str = arg("seq-mean-token-mean", "Loss aggregation: seq-mean-token-mean (GRPO paper) | token-mean | "
@@ -42,6 +45,10 @@ class Config(config.GroupConfig):
         super().__post_init__()
         if self.beta < 0:
             raise ValueError(f"--beta must be >= 0 (got {self.beta}).")
+        if self.kl_estimator not in ("k1", "k2", "k3"):
+            raise ValueError(f"--kl_estimator must be k1, k2 or k3 (got {self.kl_estimator!r}).")
+        if self.dual_clip_c < 0 or 0 < self.dual_clip_c <= 1:
+            raise ValueError(f"--dual_clip_c must be 0 (off) or > 1 (got {self.dual_clip_c}).")
         if not 0 < self.epsilon < 1:
             raise ValueError(f"--epsilon must be in (0, 1) (got {self.epsilon}).")
         if self.num_epochs < 1:
@@ -74,24 +81,35 @@ def grpo_advantages(rewards, group_size, scale_rewards="group", eps=1e-6):
     # END SOLUTION
 
 
-def grpo_loss(logp, old_logp, ref_logp, adv, mask, epsilon, beta, loss_agg="seq-mean-token-mean", max_len=None):
-    """Clipped surrogate plus beta * k3 to the reference, per token (DeepSeekMath eq. 3).
+def grpo_loss(logp, old_logp, ref_logp, adv, mask, epsilon, beta, loss_agg="seq-mean-token-mean", max_len=None,
+              kl_estimator="k3", kl_is_weight=False, dual_clip_c=0.0, pg_weight=None):
+    """Clipped surrogate plus beta * KL to the reference, per token (DeepSeekMath eq. 3).
 
     logp: (B, T) log-probs under the policy being trained (with grad); old_logp: (B, T) at
     sampling time (detached); ref_logp: (B, T) under the reference, or None when beta == 0;
-    adv: (B,) sequence advantage, the same for every token. k3 keeps its gradient through logp
-    (on one categorical its expected gradient is that of the forward KL(pi_ref || pi_theta); on a
-    sequence, of the per-state forward KL with the states held fixed: docs/algorithms.md).
+    adv: (B,) sequence advantage, the same for every token. The KL term keeps its gradient
+    through logp (common.kl_penalty): k3's is, per state with the states held fixed, that of the
+    forward KL(pi_ref || pi_theta); k2's, or k3's with kl_is_weight, that of the reverse KL; none
+    is the sequence KL's (docs/algorithms.md). dual_clip_c > 1 bounds the loss of a token with
+    A < 0 by c |A|; pg_weight (B, T), detached, multiplies the surrogate (TIS, masks).
     Returns (loss, stats): clip_frac_low / clip_frac_high, the fraction of tokens clipped below
     (rho < 1 - eps with A < 0) and above (rho > 1 + eps with A > 0); approx_kl, KL(pi_old ||
-    pi_theta) estimated by k3 of the ratio; kl_k3, the mean per-token k3 to the reference.
+    pi_theta) estimated by k3 of the ratio; kl_k3, the mean per-token k3 to the reference;
+    kl_term, the mean of the term beta multiplies.
     """
     # BEGIN SOLUTION
     log_ratio = logp - old_logp
     ratio = torch.exp(log_ratio)  # rho = pi_theta / pi_old
     adv = adv[:, None]
     surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - epsilon, 1 + epsilon) * adv)
-    kl = common.kl_k3(logp, ref_logp) if ref_logp is not None else torch.zeros_like(logp)
+    if dual_clip_c > 0:  # dual clip (Ye et al., 2020): with A < 0 the min above is unbounded in rho
+        surrogate = torch.where(adv < 0, torch.max(surrogate, dual_clip_c * adv), surrogate)
+    if pg_weight is not None:
+        surrogate = pg_weight * surrogate
+    if ref_logp is not None:
+        kl = common.kl_penalty(logp, ref_logp, kl_estimator, old_logp if kl_is_weight else None)
+    else:
+        kl = torch.zeros_like(logp)
     per_token_loss = -surrogate + beta * kl
     loss = common.aggregate_loss(per_token_loss, mask, loss_agg, max_len)
     with torch.no_grad():
@@ -99,7 +117,8 @@ def grpo_loss(logp, old_logp, ref_logp, adv, mask, epsilon, beta, loss_agg="seq-
             "clip_frac_low": common.masked_mean(((ratio < 1 - epsilon) & (adv < 0)).float(), mask),
             "clip_frac_high": common.masked_mean(((ratio > 1 + epsilon) & (adv > 0)).float(), mask),
             "approx_kl": common.masked_mean(ratio - 1 - log_ratio, mask),
-            "kl_k3": common.masked_mean(kl, mask),
+            "kl_k3": common.masked_mean(common.kl_k3(logp, ref_logp) if ref_logp is not None else kl, mask),
+            "kl_term": common.masked_mean(kl, mask),
         }
     return loss, stats
     # END SOLUTION
@@ -115,10 +134,13 @@ def main():
     reward_fn = tasks.make_reward_fn(cfg, accelerator.device)
     policy = models.load_model(cfg)
     ref_model = models.load_reference(cfg, policy) if cfg.beta > 0 else None
+    rollout_model = models.load_rollout_model(cfg, policy)  # None unless --rollout_dtype differs
     optimizer, scheduler = models.make_optimizer(policy, cfg)
     policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
     if ref_model is not None:
         ref_model = ref_model.to(accelerator.device)
+    if rollout_model is not None:
+        rollout_model = rollout_model.to(accelerator.device)
     group_size = cfg.num_generations
     sampler = tasks.PromptSampler(train_data, cfg.batch_size // group_size, cfg.seed, accelerator.process_index,
                                   accelerator.num_processes)
@@ -136,6 +158,8 @@ def main():
         prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, [ex["prompt"] for ex in batch], accelerator.device)
         with timer("generation"):
             unwrapped = accelerator.unwrap_model(policy)
+            if rollout_model is not None:  # the sampler gets this step's weights, in its own dtype
+                unwrapped = models.sync_rollout_model(rollout_model, unwrapped)
             completion_ids = common.generate(unwrapped, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=group_size)
         with timer("scoring"):
             examples = [ex for ex in batch for _ in range(group_size)]  # each prompt's samples adjacent, as generate
@@ -148,21 +172,30 @@ def main():
             input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
             attention_mask = torch.cat([prompt_mask, mask], dim=1)
             T = completion_ids.shape[1]
-            old_logp, ref_logp = None, None
+            sampling = {"top_k": cfg.top_k, "top_p": cfg.top_p}  # score on the distribution that was sampled
+            old_logp, ref_logp, rollout_logp = None, None, None
             with torch.no_grad():
                 if cfg.num_epochs > 1:  # log-probs at sampling time; with mu = 1 they are logp.detach()
-                    old_logp = common.token_logprobs(policy, input_ids, attention_mask, T, cfg.temperature)
+                    old_logp = common.token_logprobs(policy, input_ids, attention_mask, T, cfg.temperature, **sampling)
                 if ref_model is not None:
                     ref_logp = common.token_logprobs(ref_model, input_ids, attention_mask, T, cfg.temperature)
+                if rollout_model is not None:  # what an inference engine returns with its samples
+                    rollout_logp = common.token_logprobs(rollout_model, input_ids, attention_mask, T, cfg.temperature,
+                                                         **sampling)
             adv = grpo_advantages(rewards, group_size, cfg.scale_rewards)
 
         for _ in range(cfg.num_epochs):  # stats below are those of the last (most off-policy) update
             with timer("forward_backward"):
-                # ---- log-probs, ratio, clipped surrogate + k3 ----
+                # ---- log-probs, ratio, clipped surrogate + KL, rollout correction ----
                 logp, entropy = common.token_logprobs(policy, input_ids, attention_mask, T, cfg.temperature,
-                                                      with_entropy=True)
-                loss, stats = grpo_loss(logp, logp.detach() if old_logp is None else old_logp, ref_logp, adv, mask,
-                                        cfg.epsilon, cfg.beta, cfg.loss_agg, max_len=cfg.max_new_tokens)
+                                                      with_entropy=True, **sampling)
+                if cfg.num_epochs == 1:
+                    old_logp = logp.detach()
+                pg_weight, correction = common.rollout_correction(logp, old_logp, rollout_logp, adv, mask,
+                                                                  cfg.tis_cap, cfg.geo_mask_delta)
+                loss, stats = grpo_loss(logp, old_logp, ref_logp, adv, mask, cfg.epsilon, cfg.beta, cfg.loss_agg,
+                                        cfg.max_new_tokens, cfg.kl_estimator, cfg.kl_is_weight, cfg.dual_clip_c,
+                                        pg_weight)
                 accelerator.backward(loss)
 
             with timer("optimizer"):
@@ -191,11 +224,13 @@ def main():
             "train/clip_frac_high": stats["clip_frac_high"],
             "train/approx_kl": stats["approx_kl"],
             "train/kl_k3": stats["kl_k3"],
+            "train/kl_term": stats["kl_term"],
             "train/kl_seq": common.masked_sum(kl, mask) / len(examples),
             "train/entropy": common.masked_mean(entropy, mask),
             "train/loss": loss.detach(),
             "train/grad_norm": grad_norm,
             "train/completion_len": lengths.mean(),
+            **{f"train/{key}": value for key, value in correction.items()},
             **timer.metrics(),
         }
         metrics["time/tokens_per_s"] = lengths.sum() / metrics["time/step_s"]

@@ -21,6 +21,7 @@ greedy reward per prompt, and several updates per batch of samples.
     python ppo.py --adaptive_kl True --kl_target 1.0             # Ziegler et al. KL control
 """
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from accelerate.utils import set_seed
@@ -47,9 +48,14 @@ class Config(config.TrainConfig):
     kl_horizon: int = arg(10000, "Horizon of the adaptive KL controller, in samples.")
     gamma: float = arg(1.0, "Discount factor of GAE.")
     lam: float = arg(0.95, "GAE lambda: 1 = Monte Carlo returns (high variance), 0 = one-step TD (biased by V).")
+    lam_critic: Optional[float] = arg(None, "GAE lambda of the critic's targets (default: --lam; VC-PPO and VAPO "
+                                      "use 1.0).")
+    lam_alpha: float = arg(0.0, "Length-adaptive policy lambda 1 - 1/(alpha |y|) per sequence (VAPO: 0.05; "
+                           "0 = off: --lam).")
     num_epochs: int = arg(4, "K: passes over each rollout batch.")
     num_mini_batches: int = arg(4, "Minibatches per pass (one optimizer step each); must divide --batch_size.")
     epsilon: float = arg(0.2, "Clip the ratio pi_theta / pi_old to [1 - epsilon, 1 + epsilon] in the policy loss.")
+    dual_clip_c: float = arg(0.0, "Dual clip: a token with A < 0 loses at most c |A|, whatever its ratio (0 = off).")
     epsilon_value: float = arg(0.2, "Clip the new value to V_old +- epsilon_value in the value loss.")
     vf_coef: float = arg(0.1, "Weight of the value loss (it only scales the critic's gradient before clipping).")
 
@@ -67,6 +73,12 @@ class Config(config.TrainConfig):
             raise ValueError(f"--gamma must be in [0, 1] (got {self.gamma}).")
         if not 0 <= self.lam <= 1:
             raise ValueError(f"--lam must be in [0, 1] (got {self.lam}).")
+        if self.lam_critic is not None and not 0 <= self.lam_critic <= 1:
+            raise ValueError(f"--lam_critic must be in [0, 1] (got {self.lam_critic}).")
+        if self.lam_alpha < 0:
+            raise ValueError(f"--lam_alpha must be >= 0 (got {self.lam_alpha}).")
+        if self.dual_clip_c < 0 or 0 < self.dual_clip_c <= 1:
+            raise ValueError(f"--dual_clip_c must be 0 (off) or > 1 (got {self.dual_clip_c}).")
         if self.batch_size % self.num_mini_batches != 0:
             raise ValueError(f"--num_mini_batches ({self.num_mini_batches}) must divide "
                              f"--batch_size ({self.batch_size}).")
@@ -77,8 +89,8 @@ def gae(rewards, values, mask, gamma, lam):
 
     delta_t = r_t + gamma V_{t+1} - V_t,  A_t = delta_t + gamma lam A_{t+1},  R_t = A_t + V_t,
     with V_{T+1} = 0 after the last valid token. `mask` is a completion mask (1 on a prefix
-    of each row): positions where it is 0 contribute nothing and get A = R = 0.
-    Returns (advantages, returns).
+    of each row): positions where it is 0 contribute nothing and get A = R = 0. lam is a
+    number or a (B,) tensor, one lambda per sequence. Returns (advantages, returns).
     """
     # BEGIN SOLUTION
     rewards = torch.where(mask.bool(), rewards, torch.zeros_like(rewards))
@@ -97,12 +109,33 @@ def gae(rewards, values, mask, gamma, lam):
     # END SOLUTION
 
 
-def ppo_policy_loss(logp, old_logp, adv, mask, epsilon):
+def decoupled_gae(rewards, values, mask, gamma, lam_policy, lam_critic):
+    """Decoupled GAE (VC-PPO, Yuan et al., 2025; VAPO): the policy's advantages with lam_policy,
+    the critic's targets R_t = A_t + V_t with lam_critic (1: the Monte Carlo return, which an
+    untrained V cannot bias). (B, T) in; returns (advantages, returns)."""
+    # BEGIN SOLUTION
+    advantages, _ = gae(rewards, values, mask, gamma, lam_policy)
+    _, returns = gae(rewards, values, mask, gamma, lam_critic)
+    return advantages, returns
+    # END SOLUTION
+
+
+def length_adaptive_lam(lengths, alpha):
+    """VAPO's length-adaptive GAE (Yue et al., 2025): lam = 1 - 1/(alpha |y|) per sequence, so the
+    total weight of the TD errors, 1/(1 - lam) = alpha |y|, grows with the length. Clamped at 0
+    (one-step TD) for |y| <= 1/alpha. (B,) lengths in, (B,) lambdas out."""
+    # BEGIN SOLUTION
+    return (1 - 1 / (alpha * lengths.float())).clamp(min=0.0)
+    # END SOLUTION
+
+
+def ppo_policy_loss(logp, old_logp, adv, mask, epsilon, dual_clip_c=0.0):
     """Clipped surrogate (Schulman et al., 2017, eq. 7), token-mean over the minibatch.
 
     logp: (B, T) with grad; old_logp, adv: (B, T) from rollout time. Per token
     -min(rho A, clip(rho, 1 - epsilon, 1 + epsilon) A), rho = exp(logp - old_logp): once the ratio
-    has moved past the clip in the direction A favours, the gradient is zero.
+    has moved past the clip in the direction A favours, the gradient is zero. With A < 0 it is
+    unbounded as rho grows; dual_clip_c > 1 caps that token's loss at c |A|.
     Returns (loss, stats): clip_frac_low / clip_frac_high, the fraction of tokens clipped below
     (rho < 1 - epsilon with A < 0) and above (rho > 1 + epsilon with A > 0); approx_kl, the k3
     estimate of KL(pi_old || pi_theta) from the ratio.
@@ -111,6 +144,8 @@ def ppo_policy_loss(logp, old_logp, adv, mask, epsilon):
     log_ratio = logp - old_logp
     ratio = torch.exp(log_ratio)
     surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - epsilon, 1 + epsilon) * adv)
+    if dual_clip_c > 0:  # dual clip (Ye et al., 2020)
+        surrogate = torch.where(adv < 0, torch.max(surrogate, dual_clip_c * adv), surrogate)
     loss = common.masked_mean(-surrogate, mask)
     with torch.no_grad():
         stats = {
@@ -248,8 +283,9 @@ def main():
             T = completion_ids.shape[1]
             with torch.no_grad():
                 # log-probs and values at rollout time: pi_old and V_old for every update below
+                sampling = {"top_k": cfg.top_k, "top_p": cfg.top_p}  # score on the distribution that was sampled
                 old_logp, entropy = common.token_logprobs(policy, input_ids, attention_mask, T, cfg.temperature,
-                                                          with_entropy=True)
+                                                          with_entropy=True, **sampling)
                 old_values = critic(input_ids, attention_mask, T)
                 if ref_model is not None:
                     ref_logp = common.token_logprobs(ref_model, input_ids, attention_mask, T, cfg.temperature)
@@ -260,7 +296,9 @@ def main():
             last = mask.sum(1) - 1  # index of the EOS, or of the last token when cut at max length
             token_rewards = -kl_ctl.value * kl
             token_rewards[torch.arange(len(batch)), last] += rewards
-            adv, returns = gae(token_rewards, old_values, mask, cfg.gamma, cfg.lam)
+            lam = length_adaptive_lam(mask.sum(1), cfg.lam_alpha) if cfg.lam_alpha > 0 else cfg.lam
+            lam_critic = cfg.lam if cfg.lam_critic is None else cfg.lam_critic
+            adv, returns = decoupled_gae(token_rewards, old_values, mask, cfg.gamma, lam, lam_critic)
             adv = common.masked_whiten(adv, mask)
 
         # ---- num_epochs passes over num_mini_batches minibatches, one step each ----
@@ -269,8 +307,10 @@ def main():
         for _ in range(cfg.num_epochs):
             for idx in torch.randperm(cfg.batch_size, device=accelerator.device).split(mb_size):
                 with timer("forward_backward"):
-                    logp = common.token_logprobs(policy, input_ids[idx], attention_mask[idx], T, cfg.temperature)
-                    pg_loss, pg_stats = ppo_policy_loss(logp, old_logp[idx], adv[idx], mask[idx], cfg.epsilon)
+                    logp = common.token_logprobs(policy, input_ids[idx], attention_mask[idx], T, cfg.temperature,
+                                                 **sampling)
+                    pg_loss, pg_stats = ppo_policy_loss(logp, old_logp[idx], adv[idx], mask[idx], cfg.epsilon,
+                                                        cfg.dual_clip_c)
                     values = critic(input_ids[idx], attention_mask[idx], T)
                     vf_loss, vf_stats = ppo_value_loss(values, old_values[idx], returns[idx], mask[idx],
                                                        cfg.epsilon_value)

@@ -125,7 +125,7 @@ def main():
         with timer("forward_backward"):
             # ---- log-probs, KL penalty, loss ----
             logp, entropy = common.token_logprobs(policy, input_ids, attention_mask, T, cfg.temperature,
-                                                  with_entropy=True)
+                                                  with_entropy=True, top_k=cfg.top_k, top_p=cfg.top_p)
             kl = common.kl_k1(logp.detach(), ref_logp) if ref_model is not None else torch.zeros_like(logp)
             loss, stats = remax_loss(logp, adv, kl, mask, cfg.beta, cfg.loss_agg, max_len=cfg.max_new_tokens)
             accelerator.backward(loss)

@@ -46,14 +46,16 @@ def rloo_advantages(rewards, group_size):
     # END SOLUTION
 
 
-def rloo_loss(logp, adv, mask):
+def rloo_loss(logp, adv, mask, pg_weight=None):
     """REINFORCE with the whole completion as one action: mean_i of -A_i * sum_t logp_{i,t}.
 
-    logp: (B, T) per-token log-probs (with grad); adv: (B,) detached; mask: (B, T).
+    logp: (B, T) per-token log-probs (with grad); adv: (B,) detached; mask: (B, T); pg_weight
+    (B, T), detached, multiplies each token's log-prob (TIS, masks).
     Returns (loss, stats) with stats: seq_logp_mean, the mean sequence log-prob log pi(y_i|x)."""
     # BEGIN SOLUTION
     seq_logp = common.masked_sum(logp, mask, dim=1)  # log pi(y_i | x)
-    loss = -(adv.detach() * seq_logp).mean()
+    weighted = seq_logp if pg_weight is None else common.masked_sum(pg_weight * logp, mask, dim=1)
+    loss = -(adv.detach() * weighted).mean()
     return loss, {"seq_logp_mean": seq_logp.detach().mean()}
     # END SOLUTION
 
@@ -68,10 +70,13 @@ def main():
     reward_fn = tasks.make_reward_fn(cfg, accelerator.device)
     policy = models.load_model(cfg)
     ref_model = models.load_reference(cfg, policy) if cfg.beta > 0 else None
+    rollout_model = models.load_rollout_model(cfg, policy)  # None unless --rollout_dtype differs
     optimizer, scheduler = models.make_optimizer(policy, cfg)
     policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
     if ref_model is not None:
         ref_model = ref_model.to(accelerator.device)
+    if rollout_model is not None:
+        rollout_model = rollout_model.to(accelerator.device)
     group_size = cfg.num_generations
     sampler = tasks.PromptSampler(train_data, cfg.batch_size // group_size, cfg.seed, accelerator.process_index,
                                   accelerator.num_processes)
@@ -89,6 +94,8 @@ def main():
         prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, [ex["prompt"] for ex in batch], accelerator.device)
         with timer("generation"):
             unwrapped = accelerator.unwrap_model(policy)
+            if rollout_model is not None:  # the sampler gets this step's weights, in its own dtype
+                unwrapped = models.sync_rollout_model(rollout_model, unwrapped)
             completion_ids = common.generate(unwrapped, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=group_size)
         with timer("scoring"):
             examples = [ex for ex in batch for _ in range(group_size)]  # each prompt's samples adjacent, as generate
@@ -101,18 +108,25 @@ def main():
             input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
             attention_mask = torch.cat([prompt_mask, mask], dim=1)
             T = completion_ids.shape[1]
-            if ref_model is not None:
-                with torch.no_grad():
+            sampling = {"top_k": cfg.top_k, "top_p": cfg.top_p}  # score on the distribution that was sampled
+            ref_logp, rollout_logp = None, None
+            with torch.no_grad():
+                if ref_model is not None:
                     ref_logp = common.token_logprobs(ref_model, input_ids, attention_mask, T, cfg.temperature)
+                if rollout_model is not None:  # what an inference engine returns with its samples
+                    rollout_logp = common.token_logprobs(rollout_model, input_ids, attention_mask, T, cfg.temperature,
+                                                         **sampling)
 
         with timer("forward_backward"):
             # ---- log-probs, KL folded into the reward, leave-one-out advantage, loss ----
             logp, entropy = common.token_logprobs(policy, input_ids, attention_mask, T, cfg.temperature,
-                                                  with_entropy=True)
+                                                  with_entropy=True, **sampling)
             kl = common.kl_k1(logp.detach(), ref_logp) if ref_model is not None else torch.zeros_like(logp)
             rewards_kl = rewards - cfg.beta * common.masked_sum(kl, mask, dim=1)  # r~ = r - beta * sum_t k1_t
             adv = rloo_advantages(rewards_kl, group_size)
-            loss, stats = rloo_loss(logp, adv, mask)
+            pg_weight, correction = common.rollout_correction(logp, logp.detach(), rollout_logp, adv, mask,
+                                                              cfg.tis_cap, cfg.geo_mask_delta)
+            loss, stats = rloo_loss(logp, adv, mask, pg_weight)
             accelerator.backward(loss)
 
         with timer("optimizer"):
@@ -142,6 +156,7 @@ def main():
             "train/loss": loss.detach(),
             "train/grad_norm": grad_norm,
             "train/completion_len": lengths.mean(),
+            **{f"train/{key}": value for key, value in correction.items()},
             **timer.metrics(),
         }
         metrics["time/tokens_per_s"] = lengths.sum() / metrics["time/step_s"]

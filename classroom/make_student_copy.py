@@ -36,6 +36,10 @@ EXERCISES = {
         "test_k1_and_k3_are_unbiased_for_reverse_kl", "test_k3_is_nonnegative_per_sample_and_k1_is_not",
         "test_k3_loss_gradient_is_forward_kl", "test_k2_and_k3_reward_penalties_give_wrong_gradients",
         "test_estimators_hand_computed_values"]),
+    "common.py::kl_penalty": (2, "tests/test_kl.py", [
+        "test_kl_penalty_with_the_ratio_in_the_graph_gives_the_reverse_kl_gradient_off_policy",
+        "test_ratio_weighted_k3_on_a_sequence_is_the_per_state_reverse_kl_over_the_samplers_states",
+        "test_kl_is_weight_on_policy_gives_k3_the_gradient_of_k2"]),
     "common.py::masked_sum": (1, "tests/test_common.py", [
         "test_masked_sum_and_mean_ignore_masked_values_even_nan"]),
     "common.py::masked_mean": (1, "tests/test_common.py", [
@@ -47,6 +51,11 @@ EXERCISES = {
     "common.py::aggregate_loss": (2, "tests/test_common.py", [
         "test_aggregate_loss_modes_hand_computed", "test_aggregate_loss_rejects_unknown_mode"]),
     "common.py::reward_to_go": (2, "tests/test_common.py", ["test_reward_to_go_sums_future_masked_values"]),
+    "common.py::truncated_is_weight": (1, "tests/test_stability.py", [
+        "test_truncated_is_weight_is_the_capped_detached_ratio"]),
+    "common.py::geometric_sequence_mask": (2, "tests/test_stability.py", [
+        "test_geometric_sequence_mask_uses_the_mean_log_ratio_over_valid_tokens_and_spares_a_positive_advantage",
+        "test_geometric_mask_in_rollout_correction_plays_pi_old_with_the_samplers_log_probs"]),
     "remax.py::remax_advantages": (1, "tests/test_remax.py", [
         "test_remax_advantage_subtracts_the_greedy_reward",
         "test_remax_advantage_is_invariant_to_a_per_prompt_reward_offset"]),
@@ -60,7 +69,8 @@ EXERCISES = {
         "test_rloo_advantage_is_invariant_to_a_per_prompt_reward_offset"]),
     "rloo.py::rloo_loss": (1, "tests/test_rloo.py", [
         "test_rloo_loss_treats_the_whole_sequence_as_one_action",
-        "test_rloo_loss_does_not_backpropagate_into_the_advantage"]),
+        "test_rloo_loss_does_not_backpropagate_into_the_advantage",
+        "test_rloo_loss_pg_weight_scales_each_tokens_log_prob"]),
     "grpo.py::grpo_advantages": (2, "tests/test_grpo.py", [
         "test_group_advantage_uses_bessel_std_and_eps", "test_group_advantage_eps_keeps_a_tiny_std_finite",
         "test_all_equal_group_gives_exactly_zero_advantage", "test_scale_rewards_group_batch_none",
@@ -69,7 +79,10 @@ EXERCISES = {
         "test_clip_gradient_is_zero_exactly_on_the_clipped_side",
         "test_clip_loss_is_continuous_at_the_boundaries",
         "test_with_one_iteration_ratio_is_one_and_gradient_is_the_policy_gradient",
-        "test_k3_term_value_and_gradient", "test_loss_ignores_tokens_after_the_mask"]),
+        "test_k3_term_value_and_gradient", "test_loss_ignores_tokens_after_the_mask",
+        "test_kl_estimator_k2_and_k3_with_the_ratio_weight_give_the_k2_gradient",
+        "test_dual_clip_bounds_the_loss_of_a_negative_advantage_token",
+        "test_pg_weight_multiplies_the_surrogate_and_not_the_kl_term"]),
     "dapo.py::dynamic_sampling_filter": (1, "tests/test_dapo.py", [
         "test_dynamic_sampling_keeps_only_groups_with_mixed_correctness",
         "test_dynamic_sampling_filters_on_correctness_not_on_the_shaped_reward"]),
@@ -79,18 +92,23 @@ EXERCISES = {
         "test_overlong_penalty_with_no_cache_only_punishes_past_max_len"]),
     "dapo.py::dapo_loss": (2, "tests/test_dapo.py", [
         "test_clip_higher_bounds", "test_clip_higher_is_asymmetric",
-        "test_dapo_loss_is_a_token_mean_over_the_batch"]),
+        "test_dapo_loss_is_a_token_mean_over_the_batch", "test_dual_clip_and_pg_weight"]),
     "ppo.py::gae": (3, "tests/test_ppo.py", [
         "test_gae_matches_a_hand_written_loop",
         "test_gae_with_gamma_and_lambda_one_is_reward_to_go_minus_value",
         "test_gae_with_lambda_zero_is_the_one_step_td_error",
         "test_gae_padding_does_not_change_valid_advantages_and_gets_zero",
-        "test_gae_last_valid_token_bootstraps_from_zero"]),
+        "test_gae_last_valid_token_bootstraps_from_zero", "test_gae_takes_one_lambda_per_sequence"]),
+    "ppo.py::decoupled_gae": (1, "tests/test_ppo.py", [
+        "test_decoupled_gae_takes_advantages_with_the_policy_lambda_and_targets_with_the_critics"]),
+    "ppo.py::length_adaptive_lam": (1, "tests/test_ppo.py", [
+        "test_length_adaptive_lambda_is_one_minus_one_over_alpha_length_clamped_at_zero"]),
     "ppo.py::ppo_policy_loss": (2, "tests/test_ppo.py", [
         "test_policy_loss_on_policy_gradient_is_the_policy_gradient",
         "test_policy_loss_gradient_is_zero_exactly_where_clipped",
         "test_policy_loss_is_continuous_at_the_clip_boundaries",
-        "test_policy_loss_masks_padding_and_reports_the_ratio_kl"]),
+        "test_policy_loss_masks_padding_and_reports_the_ratio_kl",
+        "test_dual_clip_caps_the_loss_of_a_negative_advantage_token_with_a_large_ratio"]),
     "ppo.py::ppo_value_loss": (2, "tests/test_ppo.py", [
         "test_value_loss_inside_the_clip_is_half_squared_error",
         "test_value_clip_stops_a_move_past_the_clip_towards_the_return",

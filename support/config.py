@@ -49,7 +49,8 @@ class TrainConfig:
     max_grad_norm: float = arg(1.0, "Clip the global gradient norm to this value (0 = off).")
     max_new_tokens: int = arg(8, "Maximum completion length in tokens.")
     temperature: float = arg(1.0, "Sampling temperature; log-probs are computed at the same temperature.")
-    top_p: float = arg(1.0, "Nucleus sampling; below 1 log-probs still come from the full softmax (a small bias).")
+    top_p: float = arg(1.0, "Nucleus sampling; log-probs are scored on the same truncated, renormalised distribution.")
+    top_k: int = arg(0, "Top-k sampling (0 = off); log-probs are scored on the same truncated distribution.")
     eval_every: int = arg(25, "Held-out greedy accuracy every N steps (and at start and end).")
     log_every: int = arg(10, "Print a metrics line and two samples every N steps (every step goes to metrics.jsonl).")
     report_to: str = arg("none", "Extra trackers: 'none', 'tensorboard' or 'wandb'.")
@@ -62,7 +63,7 @@ class TrainConfig:
                      "log_every", "max_prompt_length", "eval_size"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name} must be > 0 (got {getattr(self, name)}).")
-        for name in ("lora_r", "save_steps", "max_grad_norm"):
+        for name in ("lora_r", "save_steps", "max_grad_norm", "top_k"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name} must be >= 0 (got {getattr(self, name)}).")
         if not 0 < self.top_p <= 1:
@@ -96,9 +97,28 @@ class GroupConfig(TrainConfig):
     # embedded task still rises at 200 steps and levels off near 600 (docs/group_family.md).
     num_steps: int = arg(600, "Optimizer steps (one rollout batch each).")
     eval_every: int = arg(50, "Held-out greedy accuracy every N steps (and at start and end).")
+    # train-inference mismatch and its corrections (docs/stability.md)
+    rollout_dtype: str = arg("float32", "Sample with a copy of the policy in this dtype, synced every step "
+                             "(the same as --torch_dtype: no copy, the trainer samples).")
+    tis_cap: float = arg(0.0, "Truncated importance sampling: weigh each token by min(pi_train / pi_rollout, C) "
+                         "(0 = off; 2 is common).")
+    geo_mask_delta: float = arg(0.0, "Mask a sequence with A < 0 whose mean log(pi_old / pi_theta) exceeds delta "
+                                "(0 = off).")
 
     def __post_init__(self):
         super().__post_init__()
+        if self.rollout_dtype not in DTYPES:
+            raise ValueError(f"--rollout_dtype must be one of {sorted(DTYPES)} (got {self.rollout_dtype!r}).")
+        if self.tis_cap < 0 or 0 < self.tis_cap < 1:
+            raise ValueError(f"--tis_cap must be 0 (off) or >= 1 (got {self.tis_cap}).")
+        if self.tis_cap > 0 and self.rollout_dtype == self.torch_dtype:
+            raise ValueError("--tis_cap corrects a sampler that differs from the trainer: give --rollout_dtype "
+                             f"other than --torch_dtype ({self.torch_dtype}); with the same the weight is 1.")
+        if self.geo_mask_delta < 0:
+            raise ValueError(f"--geo_mask_delta must be >= 0 (got {self.geo_mask_delta}).")
+        if self.geo_mask_delta > 0 and self.rollout_dtype == self.torch_dtype and getattr(self, "num_epochs", 1) == 1:
+            raise ValueError("--geo_mask_delta masks off-policy samples, and these are on-policy: give --rollout_dtype "
+                             "other than --torch_dtype, or --num_epochs > 1.")
         if self.num_generations < 2:
             raise ValueError(f"--num_generations must be >= 2: the group is the baseline (got {self.num_generations}).")
         if self.batch_size % self.num_generations:

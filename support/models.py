@@ -1,5 +1,6 @@
-"""Models: the tokenizer, the policy (full or LoRA), the frozen reference, the optimizer, and
-saving with save_pretrained."""
+"""Models: the tokenizer, the policy (full or LoRA), the frozen reference, the low-precision
+sampler, the optimizer, and saving with save_pretrained."""
+import copy
 import os
 
 import torch
@@ -65,6 +66,25 @@ def load_reference(cfg, policy):
     """The frozen reference pi_ref: the policy's adapter disabled under LoRA, else a copy.
     Call before accelerator.prepare(policy)."""
     return AdapterDisabled(policy).eval() if cfg.lora_r > 0 else load_model(cfg, trainable=False)
+
+
+def load_rollout_model(cfg, policy):
+    """With --rollout_dtype other than --torch_dtype, a frozen copy of the policy in that dtype
+    that does the sampling, as an inference engine beside the trainer would; else None.
+    Call before accelerator.prepare(policy) and sync it before each rollout."""
+    if cfg.rollout_dtype == cfg.torch_dtype:
+        return None
+    return copy.deepcopy(policy).to(DTYPES[cfg.rollout_dtype]).eval().requires_grad_(False)
+
+
+@torch.no_grad()
+def sync_rollout_model(rollout_model, policy):
+    """Copy the trainer's current weights into the sampler, cast to its dtype; returns it."""
+    for target, source in zip(rollout_model.parameters(), policy.parameters(), strict=True):
+        if hasattr(source, "ds_id"):
+            raise SystemExit("error: --rollout_dtype copies the whole policy, which ZeRO-3 shards: use ZeRO-2 or DDP.")
+        target.copy_(source)
+    return rollout_model
 
 
 def check_model_path(name, flag="--model_name_or_path"):

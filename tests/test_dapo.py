@@ -108,6 +108,17 @@ def test_dapo_loss_is_a_token_mean_over_the_batch():
     assert stats["approx_kl"].item() == 0.0
 
 
+def test_dual_clip_and_pg_weight():
+    """--dual_clip_c 3: a token with A < 0 and rho = 5 costs 3 |A| and gets no gradient; a
+    pg_weight (TIS, masks) scales each token's surrogate."""
+    logp = torch.tensor([[math.log(5.0), 0.0]], dtype=F64, requires_grad=True)
+    loss, _ = dapo_loss(logp, torch.zeros(1, 2, dtype=F64), torch.tensor([-1.0], dtype=F64), torch.ones(1, 2),
+                        0.2, 0.28, dual_clip_c=3.0, pg_weight=torch.tensor([[1.0, 0.5]], dtype=F64))
+    loss.backward()
+    assert loss.item() == pytest.approx((3.0 + 0.5 * 1.0) / 2, rel=1e-12)
+    assert logp.grad.tolist() == [[0.0, 0.25]]
+
+
 @pytest.mark.parametrize("kwargs, flags", [
     ({"batch_size": 12, "num_generations": 8}, ["--batch_size", "--num_generations"]),
     ({"num_generations": 1, "batch_size": 8}, ["--num_generations"]),

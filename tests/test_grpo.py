@@ -151,6 +151,46 @@ def test_k3_term_value_and_gradient():
     torch.testing.assert_close(logp.grad, torch.tensor([[0.01, -0.02]], dtype=F64))
 
 
+def test_kl_estimator_k2_and_k3_with_the_ratio_weight_give_the_k2_gradient():
+    """--kl_estimator k2, or k3 with --kl_is_weight at mu = 1: d/dlogp = beta * (logp - ref_logp);
+    the weighted k3 keeps k3's value (docs/algorithms.md, off-policy)."""
+    ref_logp = torch.log(torch.tensor([[0.25, 0.4]], dtype=F64))
+    expected = 0.04 * (torch.log(torch.tensor([[0.5, 0.2]], dtype=F64)) - ref_logp) / 2  # the mean of 2 tokens
+    for kwargs in ({"kl_estimator": "k2"}, {"kl_estimator": "k3", "kl_is_weight": True}):
+        logp = torch.log(torch.tensor([[0.5, 0.2]], dtype=F64)).requires_grad_()
+        loss, stats = grpo_loss(logp, logp.detach(), ref_logp, torch.zeros(1, dtype=F64), torch.ones(1, 2), 0.2, 0.04,
+                                **kwargs)
+        loss.backward()
+        torch.testing.assert_close(logp.grad, expected)
+        assert stats["kl_k3"].item() == pytest.approx(0.25, rel=1e-12)  # the k3 value is logged either way
+    assert stats["kl_term"].item() == pytest.approx(0.25, rel=1e-12)
+
+
+@pytest.mark.parametrize("ratio, adv, surrogate, grad", [
+    (5.0, -1.0, -3.0, 0.0),    # A < 0, rho past c = 3: the loss stops at c |A|, no gradient
+    (2.0, -1.0, -2.0, 2.0),    # below c: the ordinary clipped surrogate, d(-rho A)/dlogp = -rho A
+    (5.0, 1.0, 1.2, 0.0),      # A > 0: the ordinary clip at 1 + epsilon
+])
+def test_dual_clip_bounds_the_loss_of_a_negative_advantage_token(ratio, adv, surrogate, grad):
+    logp = torch.tensor([[math.log(ratio)]], dtype=F64, requires_grad=True)
+    loss, _ = grpo_loss(logp, torch.zeros(1, 1, dtype=F64), None, torch.tensor([adv], dtype=F64), torch.ones(1, 1),
+                        0.2, 0.0, dual_clip_c=3.0)
+    loss.backward()
+    assert loss.item() == pytest.approx(-surrogate, rel=1e-12) and logp.grad.item() == pytest.approx(grad, rel=1e-12)
+
+
+def test_pg_weight_multiplies_the_surrogate_and_not_the_kl_term():
+    logp = torch.tensor([[-1.0, -2.0]], dtype=F64, requires_grad=True)
+    ref_logp = torch.tensor([[-1.5, -2.0]], dtype=F64)
+    weight = torch.tensor([[2.0, 0.0]], dtype=F64)
+    loss, _ = grpo_loss(logp, logp.detach(), ref_logp, torch.tensor([1.0], dtype=F64), torch.ones(1, 2), 0.2, 0.1,
+                        pg_weight=weight)
+    loss.backward()
+    # per token -w A + beta (1 - ref/pi), mean of 2: the weight 0 leaves the KL gradient on token 2
+    k3_grad = 0.1 * (1 - torch.exp(ref_logp - logp.detach()))
+    torch.testing.assert_close(logp.grad, (-weight + k3_grad) / 2)
+
+
 def test_loss_ignores_tokens_after_the_mask():
     logp = torch.tensor([[-1.0, -2.0, -50.0]], dtype=F64, requires_grad=True)
     loss, _ = grpo_loss(logp, logp.detach(), None, torch.tensor([1.0], dtype=F64), torch.tensor([[1, 1, 0]]), 0.2, 0.0)
@@ -169,6 +209,8 @@ def test_loss_ignores_tokens_after_the_mask():
     ({"num_epochs": 0}, ["--num_epochs"]),
     ({"scale_rewards": "mean"}, ["--scale_rewards"]),
     ({"loss_agg": "sum"}, ["--loss_agg"]),
+    ({"kl_estimator": "k5"}, ["--kl_estimator"]),
+    ({"dual_clip_c": 1.0}, ["--dual_clip_c"]),
 ])
 def test_bad_config_raises_a_value_error_naming_the_flag(kwargs, flags):
     with pytest.raises(ValueError) as e:

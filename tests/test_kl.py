@@ -1,8 +1,11 @@
-"""KL estimators, docs/algorithms.md, by exact enumeration over a small categorical.
-Samples y ~ q = softmax(theta), target KL(q || p); gradients by autograd on theta."""
+"""KL estimators, docs/algorithms.md, by exact enumeration: first one categorical (samples
+y ~ q = softmax(theta), target KL(q || p)), then sequences of 2 tokens, then samples from another
+policy mu. Gradients by autograd on theta."""
+import itertools
+
 import torch
 
-from common import kl_k1, kl_k2, kl_k3
+from common import kl_k1, kl_k2, kl_k3, kl_penalty, reward_to_go
 
 D = torch.float64
 
@@ -25,7 +28,7 @@ def kl(logq, logp):
 
 
 def grad(scalar, theta):
-    return torch.autograd.grad(scalar, theta)[0]
+    return torch.autograd.grad(scalar, theta, retain_graph=True)[0]
 
 
 def test_k1_and_k3_are_unbiased_for_reverse_kl():
@@ -102,3 +105,170 @@ def test_estimators_hand_computed_values():
     assert torch.allclose(kl_k2(logp, ref_logp), torch.tensor([0.5], dtype=D))
     # k3 = exp(-1) - (-1) - 1 = exp(-1)
     assert torch.allclose(kl_k3(logp, ref_logp), torch.exp(torch.tensor([-1.0], dtype=D)))
+
+
+def test_k3_is_not_clamped():
+    """No clamp on the log-ratio or on k3 (verl clamps to 20 and 10): the value stays exact."""
+    logp, ref_logp = torch.tensor([0.0], dtype=D), torch.tensor([30.0], dtype=D)
+    assert torch.allclose(kl_k3(logp, ref_logp), torch.exp(torch.tensor([30.0], dtype=D)) - 31)
+
+
+# ----------------------------------------------------------------------------------------
+# Sequences. A tabular policy over T tokens from a vocabulary of V: one row of logits per
+# prefix. Every sequence is enumerated, so each expectation below is exact.
+# ----------------------------------------------------------------------------------------
+class Sequences:
+    def __init__(self, T=2, V=3, seed=0):
+        g = torch.Generator().manual_seed(seed)
+        prefixes = [p for n in range(T) for p in itertools.product(range(V), repeat=n)]
+        self.row = {p: i for i, p in enumerate(prefixes)}
+        self.theta = torch.randn(len(prefixes), V, generator=g, dtype=D).requires_grad_()
+        self.ref = torch.log_softmax(torch.randn(len(prefixes), V, generator=g, dtype=D), -1)
+        self.mu = torch.log_softmax(torch.randn(len(prefixes), V, generator=g, dtype=D), -1)  # another sampler
+        self.seqs = list(itertools.product(range(V), repeat=T))
+
+    def per_token(self, table):
+        """(N, T) log-probs of every sequence's tokens under a (prefixes, V) table of log-probs."""
+        return torch.stack([torch.stack([table[self.row[y[:t]], y[t]] for t in range(len(y))]) for y in self.seqs])
+
+    def logps(self):
+        """logp (with grad), ref_logp, mu_logp, each (N, T); P and P_mu, the sequence probabilities (N,)."""
+        logp = self.per_token(torch.log_softmax(self.theta, -1))
+        ref_logp, mu_logp = self.per_token(self.ref), self.per_token(self.mu)
+        return logp, ref_logp, mu_logp, logp.sum(1).exp().detach(), mu_logp.sum(1).exp()
+
+    def state_weights(self, table):
+        """(prefixes,) probability of reaching each prefix under a table, detached."""
+        table = table.detach()
+        return torch.stack([torch.stack([table[self.row[p[:t]], p[t]] for t in range(len(p))]).sum().exp() if p
+                            else torch.tensor(1.0, dtype=D) for p in self.row])
+
+    def per_state_kl(self, states, reverse=True):
+        """sum_h d(h) KL(pi(.|h) || ref(.|h)) (or the forward KL), states h weighted by d, held fixed."""
+        logq = torch.log_softmax(self.theta, -1)
+        p, q = (logq, self.ref) if reverse else (self.ref, logq)
+        return (self.state_weights(states) * (p.exp() * (p - q)).sum(-1)).sum()
+
+    def sequence_kl(self, reverse=True):
+        logp, ref_logp, _, _, _ = self.logps()
+        p, q = (logp.sum(1), ref_logp.sum(1)) if reverse else (ref_logp.sum(1), logp.sum(1))
+        return (p.exp() * (p - q)).sum()
+
+
+def close(a, b):
+    return torch.allclose(a, b, rtol=0, atol=1e-12)
+
+
+def test_k1_reward_to_go_gradient_is_sequence_reverse_kl():
+    """E[sum_t s_t sum_{t'>=t} k1_t'], k1 detached: what remax.py and ppo.py (gamma = lam = 1) do."""
+    m = Sequences()
+    logp, ref_logp, _, P, _ = m.logps()
+    mask = torch.ones_like(logp)
+    to_go = reward_to_go(kl_k1(logp.detach(), ref_logp), mask)
+    g = grad((P[:, None] * to_go * logp).sum(), m.theta)
+    assert close(g, grad(m.sequence_kl(), m.theta))
+
+
+def test_k1_summed_over_the_sequence_gives_the_same_gradient_in_expectation():
+    """E[(sum_t k1_t) * sum_t s_t]: rloo.py's whole-sequence penalty. The extra terms k1_t s_t' with
+    t' > t have mean zero, so the expectation is the reward-to-go one."""
+    m = Sequences()
+    logp, ref_logp, _, P, _ = m.logps()
+    seq_k1 = kl_k1(logp.detach(), ref_logp).sum(1, keepdim=True)
+    g = grad((P[:, None] * seq_k1 * logp).sum(), m.theta)
+    assert close(g, grad(m.sequence_kl(), m.theta))
+
+
+def test_per_token_k2_in_the_loss_is_the_per_state_reverse_kl_not_the_sequence_kl():
+    m = Sequences()
+    logp, ref_logp, _, P, _ = m.logps()
+    g = grad((P[:, None] * kl_k2(logp, ref_logp)).sum(), m.theta)
+    assert close(g, grad(m.per_state_kl(states=torch.log_softmax(m.theta, -1)), m.theta))
+    gap = (g - grad(m.sequence_kl(), m.theta)).norm()
+    assert gap > 0.05  # 0.0794 here, against a sequence-KL gradient of norm 0.656
+
+
+def test_per_token_k3_in_the_loss_is_the_per_state_forward_kl_not_the_sequence_kl():
+    m = Sequences()
+    logp, ref_logp, _, P, _ = m.logps()
+    g = grad((P[:, None] * kl_k3(logp, ref_logp)).sum(), m.theta)
+    assert close(g, grad(m.per_state_kl(states=torch.log_softmax(m.theta, -1), reverse=False), m.theta))
+    forward = grad(m.sequence_kl(reverse=False), m.theta)  # KL_seq(ref || pi): states visited by ref
+    assert (g - forward).norm() > 0.5  # 0.626 here, against a norm of 1.154
+    assert (g - grad(m.sequence_kl(), m.theta)).norm() > 0.3  # 0.448 from the reverse sequence KL's
+
+
+def test_penalising_each_token_by_its_own_k1_is_the_per_state_reverse_kl_not_the_sequence_kl():
+    """The official ReMax code's return A - beta * k1_t (no sum over later tokens): in expectation
+    the same gradient as per-token k2 in the loss."""
+    m = Sequences()
+    logp, ref_logp, _, P, _ = m.logps()
+    g = grad((P[:, None] * kl_k1(logp.detach(), ref_logp) * logp).sum(), m.theta)
+    assert close(g, grad((P[:, None] * kl_k2(logp, ref_logp)).sum(), m.theta))
+    assert (g - grad(m.sequence_kl(), m.theta)).norm() > 0.05
+
+
+# ----------------------------------------------------------------------------------------
+# Off-policy: the tokens were sampled by mu (the policy before the updates, or an inference
+# engine), w = pi_theta / mu per token. On one categorical (T = 1) the targets are exact KLs;
+# on a sequence the states are mu's, held fixed.
+# ----------------------------------------------------------------------------------------
+def test_ratio_weighted_k1_and_k3_are_unbiased_kl_values_off_policy():
+    m = Sequences(T=1)
+    logp, ref_logp, mu_logp, _, P_mu = m.logps()
+    w = torch.exp(logp - mu_logp).detach()
+    true = m.sequence_kl()
+    assert close((P_mu[:, None] * w * kl_k1(logp, ref_logp)).sum(), true)
+    assert close((P_mu[:, None] * w * kl_k3(logp, ref_logp)).sum(), true)
+    assert not torch.allclose((P_mu[:, None] * kl_k3(logp, ref_logp)).sum(), true, atol=1e-3)  # without w
+
+
+def test_kl_penalty_with_the_ratio_in_the_graph_gives_the_reverse_kl_gradient_off_policy():
+    """grad E_mu[w k] = grad E_pi[k] as a function of theta: k1 and k3 give grad KL(pi || ref)
+    (DeepSeek-V3.2's weighted k3, common.kl_penalty with old_logp); k2 does not."""
+    m = Sequences(T=1)
+    logp, ref_logp, mu_logp, _, P_mu = m.logps()
+    reverse = grad(m.sequence_kl(), m.theta)
+    for estimator in ("k1", "k3"):
+        g = grad((P_mu[:, None] * kl_penalty(logp, ref_logp, estimator, old_logp=mu_logp)).sum(), m.theta)
+        assert close(g, reverse), estimator
+    g = grad((P_mu[:, None] * kl_penalty(logp, ref_logp, "k2", old_logp=mu_logp)).sum(), m.theta)
+    assert not torch.allclose(g, reverse, atol=1e-3)
+
+
+def test_detached_ratio_times_k3_gives_the_forward_kl_gradient_and_times_k2_the_reverse():
+    m = Sequences(T=1)
+    logp, ref_logp, mu_logp, _, P_mu = m.logps()
+    w = torch.exp(logp - mu_logp).detach()
+    g3 = grad((P_mu[:, None] * w * kl_k3(logp, ref_logp)).sum(), m.theta)
+    g2 = grad((P_mu[:, None] * w * kl_k2(logp, ref_logp)).sum(), m.theta)
+    assert close(g3, grad(m.sequence_kl(reverse=False), m.theta))
+    assert close(g2, grad(m.sequence_kl(), m.theta))
+
+
+def test_unweighted_k3_off_policy_gives_neither_kl_gradient():
+    m = Sequences(T=1)
+    logp, ref_logp, _, _, P_mu = m.logps()
+    g = grad((P_mu[:, None] * kl_k3(logp, ref_logp)).sum(), m.theta)
+    for target in (m.sequence_kl(), m.sequence_kl(reverse=False)):
+        assert not torch.allclose(g, grad(target, m.theta), atol=1e-2)
+
+
+def test_ratio_weighted_k3_on_a_sequence_is_the_per_state_reverse_kl_over_the_samplers_states():
+    m = Sequences()
+    logp, ref_logp, mu_logp, _, P_mu = m.logps()
+    g = grad((P_mu[:, None] * kl_penalty(logp, ref_logp, "k3", old_logp=mu_logp)).sum(), m.theta)
+    assert close(g, grad(m.per_state_kl(states=m.mu), m.theta))
+    assert (g - grad(m.sequence_kl(), m.theta)).norm() > 0.05
+
+
+def test_kl_is_weight_on_policy_gives_k3_the_gradient_of_k2():
+    """With one update per batch old_logp = logp.detach(): the ratio is 1 in value but carries
+    the score, and grad(w k3) = w k1 s = grad k2 per sample, so the value is k3's (unbiased) and
+    the gradient is the per-state reverse KL's."""
+    logp = torch.tensor([-0.3, -2.0, -1.1], dtype=D, requires_grad=True)
+    ref_logp = torch.tensor([-1.0, -0.5, -1.1], dtype=D)
+    weighted = kl_penalty(logp, ref_logp, "k3", old_logp=logp.detach())
+    assert close(weighted, kl_k3(logp, ref_logp))
+    assert close(grad(weighted.sum(), logp), grad(kl_k2(logp, ref_logp).sum(), logp))
+    assert close(grad(kl_penalty(logp, ref_logp, "k3").sum(), logp), 1 - torch.exp(ref_logp - logp))

@@ -15,7 +15,8 @@ import common  # noqa: E402
 from support import config  # noqa: E402
 from support.run import read_metrics  # noqa: E402
 from conftest import launch_two_processes  # noqa: E402
-from ppo import AdaptiveKLController, Config, ValueModel, explained_variance, gae, ppo_policy_loss, ppo_value_loss  # noqa: E402
+from ppo import (AdaptiveKLController, Config, ValueModel, decoupled_gae, explained_variance, gae,  # noqa: E402
+                 length_adaptive_lam, ppo_policy_loss, ppo_value_loss)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -91,6 +92,34 @@ def test_gae_last_valid_token_bootstraps_from_zero():
     adv, _ = gae(rewards, values, mask, 1.0, 0.95)
     assert adv[0, 1].item() == pytest.approx((rewards[0, 1] - values[0, 1]).item(), abs=1e-12)
     assert adv[1, 3].item() == pytest.approx((rewards[1, 3] - values[1, 3]).item(), abs=1e-12)
+
+
+# VAPO's options, by hand on one episode: rewards (0, 0, 1), values (0.5, 0.2, 0.4), gamma 1.
+# TD errors delta = (0 + 0.2 - 0.5, 0 + 0.4 - 0.2, 1 + 0 - 0.4) = (-0.3, 0.2, 0.6).
+HAND_REWARDS = torch.tensor([[0.0, 0.0, 1.0]], dtype=torch.float64)
+HAND_VALUES = torch.tensor([[0.5, 0.2, 0.4]], dtype=torch.float64)
+
+
+def test_decoupled_gae_takes_advantages_with_the_policy_lambda_and_targets_with_the_critics():
+    adv, returns = decoupled_gae(HAND_REWARDS, HAND_VALUES, torch.ones(1, 3), 1.0, lam_policy=0.5, lam_critic=1.0)
+    # lam 0.5: A_3 = 0.6, A_2 = 0.2 + 0.5 * 0.6 = 0.5, A_1 = -0.3 + 0.5 * 0.5 = -0.05
+    torch.testing.assert_close(adv, torch.tensor([[-0.05, 0.5, 0.6]], dtype=torch.float64))
+    # lam 1: A = (0.5, 0.8, 0.6), R = A + V = the Monte Carlo return 1 at every token
+    torch.testing.assert_close(returns, torch.ones(1, 3, dtype=torch.float64))
+    same = decoupled_gae(HAND_REWARDS, HAND_VALUES, torch.ones(1, 3), 1.0, 0.95, 0.95)  # the default: one lambda
+    for a, b in zip(same, gae(HAND_REWARDS, HAND_VALUES, torch.ones(1, 3), 1.0, 0.95)):
+        assert torch.equal(a, b)
+
+
+def test_length_adaptive_lambda_is_one_minus_one_over_alpha_length_clamped_at_zero():
+    lam = length_adaptive_lam(torch.tensor([40, 100, 500, 10]), alpha=0.05)
+    torch.testing.assert_close(lam, torch.tensor([0.5, 0.8, 0.96, 0.0]))  # 1/(0.05 * 10) = 2: clamped
+
+
+def test_gae_takes_one_lambda_per_sequence():
+    rewards, values = HAND_REWARDS.repeat(2, 1), HAND_VALUES.repeat(2, 1)
+    adv, _ = gae(rewards, values, torch.ones(2, 3), 1.0, torch.tensor([0.5, 0.0], dtype=torch.float64))
+    torch.testing.assert_close(adv, torch.tensor([[-0.05, 0.5, 0.6], [-0.3, 0.2, 0.6]], dtype=torch.float64))
 
 
 # ---------------------------------------------------------------- clipped policy loss
@@ -211,6 +240,16 @@ def test_adaptive_kl_controller_moves_beta_towards_the_target_at_most_20_percent
 
 # ---------------------------------------------------------------- config
 
+def test_dual_clip_caps_the_loss_of_a_negative_advantage_token_with_a_large_ratio():
+    old_logp = torch.zeros(1, 2, dtype=torch.float64)
+    logp = torch.log(torch.tensor([[5.0, 2.0]], dtype=torch.float64)).requires_grad_()
+    loss, _ = ppo_policy_loss(logp, old_logp, torch.tensor([[-1.0, -1.0]], dtype=torch.float64), torch.ones(1, 2), 0.2,
+                              dual_clip_c=3.0)
+    loss.backward()
+    # rho = 5 past c = 3: loss 3 |A|, no gradient; rho = 2: -rho A as without the dual clip
+    assert loss.item() == pytest.approx((3.0 + 2.0) / 2) and logp.grad.tolist() == [[0.0, 1.0]]
+
+
 @pytest.mark.parametrize("kwargs, flag", [
     ({"batch_size": 10, "num_mini_batches": 4}, "--num_mini_batches"),
     ({"num_epochs": 0}, "--num_epochs"),
@@ -220,6 +259,9 @@ def test_adaptive_kl_controller_moves_beta_towards_the_target_at_most_20_percent
     ({"gamma": -0.1}, "--gamma"),
     ({"beta": -1.0}, "--beta"),
     ({"beta": 0.0, "adaptive_kl": True}, "--adaptive_kl"),
+    ({"lam_critic": 1.5}, "--lam_critic"),
+    ({"lam_alpha": -0.05}, "--lam_alpha"),
+    ({"dual_clip_c": 0.5}, "--dual_clip_c"),
 ])
 def test_bad_config_raises_a_value_error_naming_the_flag(kwargs, flag):
     with pytest.raises(ValueError, match=flag):

@@ -53,6 +53,15 @@ def test_remax_loss_gradient_is_reinforce_with_baseline():
     assert torch.allclose(g, g_expected)
 
 
+def test_remax_loss_seq_mean_token_sum_norm_divides_by_max_len_not_the_batch_width():
+    """main() passes max_len = --max_new_tokens (8): a batch padded to 3 tokens still divides by 8."""
+    logp = torch.zeros(2, 3, requires_grad=True)
+    loss, _ = remax_loss(logp, torch.tensor([1.0, 2.0]), torch.zeros(2, 3), torch.tensor([[1, 1, 1], [1, 0, 0]]), 0.05,
+                         "seq-mean-token-sum-norm", max_len=8)
+    loss.backward()
+    assert torch.allclose(logp.grad, torch.tensor([[-1.0, -1.0, -1.0], [-2.0, 0.0, 0.0]]) / 8 / 2)
+
+
 @pytest.mark.parametrize("args, flag", [
     (["--batch_size", "0"], "--batch_size"),
     (["--learning_rate", "-1"], "--learning_rate"),

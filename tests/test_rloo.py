@@ -70,6 +70,15 @@ def test_rloo_loss_does_not_backpropagate_into_the_advantage():
     assert adv.grad is None
 
 
+def test_rloo_loss_pg_weight_scales_each_tokens_log_prob():
+    logp = torch.tensor([[-1.0, -2.0, -9.0]], requires_grad=True)
+    loss, stats = rloo_loss(logp, torch.tensor([2.0]), torch.tensor([[1, 1, 0]]), torch.tensor([[0.5, 2.0, 7.0]]))
+    loss.backward()
+    assert loss.item() == pytest.approx(-2.0 * (0.5 * -1.0 + 2.0 * -2.0))
+    assert logp.grad.tolist() == [[-1.0, -4.0, 0.0]]
+    assert stats["seq_logp_mean"].item() == -3.0  # the unweighted log pi(y | x)
+
+
 @pytest.mark.parametrize("kwargs, flags", [
     ({"batch_size": 12, "num_generations": 8}, ["--batch_size", "--num_generations"]),
     ({"num_generations": 1, "batch_size": 8}, ["--num_generations"]),

@@ -1,0 +1,158 @@
+"""Train-inference mismatch and its corrections (docs/stability.md): truncated importance
+sampling, geometric sequence masking, the sampler's top-k/top-p mask kept when scoring, the
+low-precision rollout copy, and short runs of the three group methods with all of it on."""
+import math
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+import common
+import dapo
+import grpo
+import rloo
+from support import config, models
+from support.run import read_metrics
+
+F64 = torch.float64
+LN = math.log
+
+
+def test_truncated_is_weight_is_the_capped_detached_ratio():
+    logp = torch.tensor([[LN(0.5), LN(0.2), LN(0.9)]], dtype=F64, requires_grad=True)
+    rollout_logp = torch.tensor([[LN(0.25), LN(0.4), LN(0.1)]], dtype=F64)
+    w = common.truncated_is_weight(logp, rollout_logp, cap=2.0)
+    torch.testing.assert_close(w, torch.tensor([[2.0, 0.5, 2.0]], dtype=F64))  # ratios 2, 0.5, 9 capped at 2
+    assert not w.requires_grad
+
+
+def test_geometric_sequence_mask_uses_the_mean_log_ratio_over_valid_tokens_and_spares_a_positive_advantage():
+    # per-token log(pi_old / pi_theta); the last column is padding and must not count
+    drift = torch.tensor([[0.3, 0.1, 5.0],    # mean 0.2 > 0.15, A < 0: masked
+                          [0.3, 0.1, 5.0],    # the same drift, A > 0: kept
+                          [0.1, 0.1, 0.1],    # mean 0.1 (sum 0.3 > 0.15): kept, the test is per token
+                          [0.1, 0.1, 1.0],    # mean 0.1 (0.4 if the padding counted): kept
+                          [0.3, 9.0, 9.0]], dtype=F64)  # one valid token, 0.3: masked
+    mask = torch.tensor([[1, 1, 0], [1, 1, 0], [1, 1, 1], [1, 1, 0], [1, 0, 0]])
+    adv = torch.tensor([-1.0, 1.0, -1.0, -1.0, -0.5], dtype=F64)
+    logp = torch.full_like(drift, -1.0, requires_grad=True)
+    keep = common.geometric_sequence_mask(logp, logp.detach() + drift, adv, mask, delta=0.15)
+    assert keep.tolist() == [0.0, 1.0, 1.0, 1.0, 0.0]
+    assert not keep.requires_grad
+
+
+def test_rollout_correction_weighs_by_tis_times_the_mask_and_reports_the_mismatch():
+    old_logp = torch.tensor([[LN(0.4), LN(0.1)], [LN(0.3), LN(0.3)]], dtype=F64)
+    rollout_logp = torch.tensor([[LN(0.2), LN(0.2)], [LN(0.3), LN(0.9)]], dtype=F64)  # ratios 2, 0.5 | 1, 1/3
+    mask = torch.tensor([[1, 1], [1, 0]])
+    adv = torch.tensor([1.0, -1.0], dtype=F64)
+    logp = old_logp.clone().requires_grad_()  # one update per batch: pi_theta = pi_old
+    weight, stats = common.rollout_correction(logp, old_logp, rollout_logp, adv, mask, tis_cap=1.5, geo_mask_delta=0.1)
+    # row 0: TIS min(2, 1.5), min(0.5, 1.5); row 1: mean log(rollout / theta) = 0 on its one valid token: kept
+    torch.testing.assert_close(weight, torch.tensor([[1.5, 0.5], [1.0, 1.0 / 3]], dtype=F64))
+    # k3 of the trainer under the sampler: r - 1 - log r for r = 2, 0.5, 1 (valid tokens only)
+    assert stats["mismatch_k3"].item() == pytest.approx(((1 - LN(2)) + (LN(2) - 0.5) + 0) / 3, rel=1e-12)
+    assert stats["mismatch_ratio_max"].item() == pytest.approx(2.0)
+    assert stats["mismatch_ratio_min"].item() == pytest.approx(0.5)
+    assert stats["tis_clip_frac"].item() == pytest.approx(1 / 3) and stats["geo_masked_frac"].item() == 0.0
+    # the trainer sampled: every weight is 1 and there is no mismatch
+    weight, stats = common.rollout_correction(logp, old_logp, None, adv, mask)
+    assert torch.equal(weight, torch.ones_like(weight)) and stats["mismatch_k3"].item() == 0.0
+
+
+def test_geometric_mask_in_rollout_correction_plays_pi_old_with_the_samplers_log_probs():
+    """pi_theta == trainer at sampling time; the sampler is 0.5 nats per token more confident, so
+    only the sampler's log-probs reveal the drift."""
+    old_logp = torch.full((2, 3), -1.0, dtype=F64)
+    rollout_logp = old_logp + 0.5
+    weight, stats = common.rollout_correction(old_logp.clone(), old_logp, rollout_logp, torch.tensor([-1.0, 1.0]),
+                                              torch.ones(2, 3), geo_mask_delta=0.4)
+    assert weight[:, 0].tolist() == [0.0, 1.0] and stats["geo_masked_frac"].item() == 0.5
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 0.7), (4, 1.0), (4, 0.8), (1, 1.0), (0, 0.999)])
+def test_sampling_mask_matches_the_transformers_warpers(top_k, top_p):
+    logits = torch.randn(6, 11, generator=torch.Generator().manual_seed(0))
+    logits[0, 3] = logits[0, 5]  # a tie, kept on both sides of the k-th value
+    expected = logits
+    if top_k:
+        expected = TopKLogitsWarper(top_k)(None, expected)
+    if top_p < 1:
+        expected = TopPLogitsWarper(top_p)(None, expected)
+    assert torch.equal(common.sampling_mask(logits, top_k, top_p), expected)
+
+
+def test_token_logprobs_with_top_k_and_top_p_are_the_samplers_processed_scores():
+    """generate(output_scores=True) returns the scores after temperature, top-k and top-p: the
+    distribution each token was drawn from. token_logprobs must score that one, not the full softmax."""
+    tok = AutoTokenizer.from_pretrained(config.EMBEDDED_MODEL, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(config.EMBEDDED_MODEL).eval()
+    prompt_ids, prompt_mask = common.tokenize_prompts(tok, ["1+2=", "123+456=", "99*9="], "cpu")
+    torch.manual_seed(0)
+    T, top_k, top_p = 0.8, 6, 0.7
+    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, do_sample=True, temperature=T, top_k=top_k,
+                         top_p=top_p, max_new_tokens=5, num_return_sequences=4, pad_token_id=tok.pad_token_id,
+                         eos_token_id=tok.eos_token_id, return_dict_in_generate=True, output_scores=True)
+    completion = out.sequences[:, prompt_ids.shape[1]:]
+    mask = common.completion_mask(completion, tok.eos_token_id).bool()
+    sampled = torch.stack([torch.log_softmax(s.float(), -1) for s in out.scores], 1)
+    sampled = sampled.gather(-1, completion[..., None]).squeeze(-1)
+    attention_mask = torch.cat([prompt_mask.repeat_interleave(4, 0), mask.long()], 1)
+    logp, entropy = common.token_logprobs(model, out.sequences, attention_mask, completion.shape[1], T,
+                                          with_entropy=True, top_k=top_k, top_p=top_p)
+    torch.testing.assert_close(logp[mask], sampled[mask], atol=1e-4, rtol=0)
+    full = common.token_logprobs(model, out.sequences, attention_mask, completion.shape[1], T)
+    assert (logp[mask] - full[mask]).max() > 0.05  # the mask matters: renormalising raises each log-prob
+    assert torch.isfinite(entropy).all() and (entropy[mask] <= torch.log(torch.tensor(top_k)) + 1e-5).all()
+
+
+def test_rollout_model_is_a_low_precision_copy_that_follows_the_trainer():
+    cfg = grpo.Config(rollout_dtype="bfloat16")
+    policy = AutoModelForCausalLM.from_pretrained(config.EMBEDDED_MODEL)
+    rollout_model = models.load_rollout_model(cfg, policy)
+    assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in rollout_model.parameters())
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.01)
+    models.sync_rollout_model(rollout_model, policy)
+    for target, source in zip(rollout_model.parameters(), policy.parameters()):
+        assert torch.equal(target, source.detach().to(torch.bfloat16))
+    assert models.load_rollout_model(grpo.Config(), policy) is None  # float32 = the trainer samples
+
+
+@pytest.mark.parametrize("kwargs, flag", [
+    ({"rollout_dtype": "int8"}, "--rollout_dtype"),
+    ({"tis_cap": 2.0}, "--tis_cap"),  # no rollout copy: nothing to correct
+    ({"rollout_dtype": "bfloat16", "tis_cap": 0.5}, "--tis_cap"),
+    ({"geo_mask_delta": 0.1}, "--geo_mask_delta"),  # on-policy: nothing to mask
+    ({"geo_mask_delta": -0.1, "num_epochs": 2}, "--geo_mask_delta"),
+    ({"kl_estimator": "k4"}, "--kl_estimator"),
+    ({"dual_clip_c": 0.5}, "--dual_clip_c"),
+])
+def test_bad_stability_flags_raise_a_value_error_naming_the_flag(kwargs, flag):
+    with pytest.raises(ValueError, match=flag):
+        grpo.Config(**kwargs)
+    grpo.Config(geo_mask_delta=0.1, num_epochs=2)  # several updates per batch: off-policy, allowed
+
+
+STABILITY_FLAGS = ["--rollout_dtype", "bfloat16", "--tis_cap", "2", "--geo_mask_delta", "0.001", "--top_k", "8",
+                   "--top_p", "0.95"]
+
+
+@pytest.mark.parametrize("module, extra", [
+    (grpo, ["--num_epochs", "2", "--kl_estimator", "k2", "--kl_is_weight", "True", "--dual_clip_c", "3"]),
+    (dapo, ["--dual_clip_c", "3"]),
+    (rloo, []),
+])
+def test_group_methods_run_with_a_bfloat16_sampler_and_log_the_mismatch(module, extra, tmp_path, monkeypatch):
+    name = module.__name__
+    monkeypatch.setattr(sys, "argv", [f"{name}.py", "--num_steps", "1", "--batch_size", "16", "--num_generations", "4",
+                                      *STABILITY_FLAGS, *extra, "--save_model", "False", "--output_dir", str(tmp_path)])
+    module.main()
+    row = read_metrics(tmp_path / "metrics.jsonl")[1]
+    # a real mismatch: bf16 weights give other log-probs than the fp32 trainer's, in both directions
+    assert 0 < row["train/mismatch_k3"] < 0.05
+    assert row["train/mismatch_ratio_min"] < 1 < row["train/mismatch_ratio_max"]
+    assert 0 <= row["train/tis_clip_frac"] <= 1 and 0 <= row["train/geo_masked_frac"] <= 1
