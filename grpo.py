@@ -17,6 +17,7 @@ G generations per prompt.
     accelerate launch grpo.py                                    # embedded model and task
     accelerate launch --multi_gpu --num_processes 2 grpo.py      # data-parallel on CPU
     python grpo.py --scale_rewards none --loss_agg seq-mean-token-sum-norm   # Dr. GRPO
+    python grpo.py --rollout_dtype bfloat16 --tis_cap 2         # a bf16 sampler, corrected (docs/stability.md)
 """
 from dataclasses import dataclass
 

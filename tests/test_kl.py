@@ -246,12 +246,15 @@ def test_detached_ratio_times_k3_gives_the_forward_kl_gradient_and_times_k2_the_
     assert close(g2, grad(m.sequence_kl(), m.theta))
 
 
-def test_unweighted_k3_off_policy_gives_neither_kl_gradient():
+def test_unweighted_k1_off_policy_pushes_away_from_the_sampler_and_k3_gives_neither_kl_gradient():
     m = Sequences(T=1)
-    logp, ref_logp, _, _, P_mu = m.logps()
-    g = grad((P_mu[:, None] * kl_k3(logp, ref_logp)).sum(), m.theta)
+    logp, ref_logp, mu_logp, _, P_mu = m.logps()
+    g1 = grad((P_mu[:, None] * kl_k1(logp, ref_logp)).sum(), m.theta)
+    kl_mu_pi = (P_mu[:, None] * (mu_logp - logp)).sum()  # KL(mu || pi)
+    assert close(g1, -grad(kl_mu_pi, m.theta))
+    g3 = grad((P_mu[:, None] * kl_k3(logp, ref_logp)).sum(), m.theta)
     for target in (m.sequence_kl(), m.sequence_kl(reverse=False)):
-        assert not torch.allclose(g, grad(target, m.theta), atol=1e-2)
+        assert not torch.allclose(g3, grad(target, m.theta), atol=1e-2)
 
 
 def test_ratio_weighted_k3_on_a_sequence_is_the_per_state_reverse_kl_over_the_samplers_states():

@@ -1,0 +1,106 @@
+"""Train-inference mismatch on the embedded task (docs/stability.md): GRPO samples with a bfloat16
+copy of the policy (--rollout_dtype bfloat16) while it trains in float32, over seeds, with no
+correction, with truncated importance sampling (--tis_cap) and with geometric sequence masking
+(--geo_mask_delta); a float32 run (the trainer samples, no mismatch) is the reference.
+
+Runs one after another, one thread each; a run whose run.json shows the same command and a
+finished summary.json is reused (--force reruns it).
+
+    python bench/stability.py                                   # docs/stability.md's table: 12 runs
+    python bench/stability.py --steps 2 --seeds 0 --variants bfloat16 --out /tmp/stab   # smoke test
+
+Writes to --out (default runs/stability): results.md (the table and the command), results.json and
+one folder per run.
+"""
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from support import run  # noqa: E402
+
+VARIANTS = {  # name -> extra grpo.py arguments
+    "float32": [],
+    "bfloat16": ["--rollout_dtype", "bfloat16"],
+    "bfloat16 + TIS": ["--rollout_dtype", "bfloat16", "--tis_cap", "2"],
+    "bfloat16 + geometric mask": ["--rollout_dtype", "bfloat16", "--geo_mask_delta", "0.01"],
+}
+
+
+def run_one(name, seed, args):
+    run_dir = Path(args.out) / f"{name.replace(' + ', '_').replace(' ', '_')}-seed{seed}"
+    cmd = [sys.executable, str(ROOT / "grpo.py"), "--seed", str(seed), "--num_steps", str(args.steps),
+           "--eval_every", str(args.steps), "--log_every", str(args.steps), "--save_model", "false",
+           "--output_dir", str(run_dir), *VARIANTS[name]]
+    info_path = run_dir / "run.json"
+    if not args.force and info_path.exists() and (run_dir / "summary.json").exists() \
+            and json.loads(info_path.read_text()).get("command") == cmd:
+        return run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    start = time.time()
+    with open(run_dir / "log.txt", "w") as log:
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+    if proc.returncode != 0:
+        sys.exit(f"error: {shlex.join(cmd)} failed, see {run_dir / 'log.txt'}")
+    info_path.write_text(json.dumps({"command": cmd, "wall_s": round(time.time() - start, 1)}))
+    return run_dir
+
+
+def summarise(run_dir):
+    rows = run.read_metrics(run_dir / "metrics.jsonl")
+    steps = [r for r in rows if "train/mismatch_k3" in r]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {"before": summary["eval_accuracy_before"], "after": summary["eval_accuracy_after"],
+            "k3": statistics.mean(r["train/mismatch_k3"] for r in steps),
+            "ratio_max": max(r["train/mismatch_ratio_max"] for r in steps),
+            "ratio_min": min(r["train/mismatch_ratio_min"] for r in steps),
+            "tis_clip": statistics.mean(r["train/tis_clip_frac"] for r in steps),
+            "masked": statistics.mean(r["train/geo_masked_frac"] for r in steps),
+            "grad_norm_max": max(r["train/grad_norm"] for r in steps),
+            "wall_s": json.loads((run_dir / "run.json").read_text())["wall_s"]}
+
+
+def mean_std(values, fmt):
+    if len(values) == 1:
+        return format(values[0], fmt)
+    return f"{format(statistics.mean(values), fmt)} ± {format(statistics.stdev(values), fmt)}"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=200, help="grpo.py --num_steps of every run.")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
+    parser.add_argument("--out", default="runs/stability")
+    parser.add_argument("--force", action="store_true", help="Rerun finished runs.")
+    args = parser.parse_args()
+
+    results = {name: [summarise(run_one(name, seed, args)) for seed in args.seeds] for name in args.variants}
+    lines = ["| sampler, correction | held-out accuracy (start → end) | mismatch k3 per token | token ratio min / max "
+             "| TIS capped | sequences masked | max grad norm | wall s per run |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, runs in results.items():
+        col = {key: [r[key] for r in runs] for key in runs[0]}
+        lines.append(f"| {name} | {mean_std(col['before'], '.3f')} → {mean_std(col['after'], '.3f')} "
+                     f"| {mean_std(col['k3'], '.1e')} | {min(col['ratio_min']):.3f} / {max(col['ratio_max']):.3f} "
+                     f"| {mean_std(col['tis_clip'], '.4f')} | {mean_std(col['masked'], '.4f')} "
+                     f"| {max(col['grad_norm_max']):.2f} | {statistics.mean(col['wall_s']):.0f} |")
+    command = shlex.join(["python", "bench/stability.py", *sys.argv[1:]])
+    text = "\n".join([f"`{command}` ({len(args.seeds)} seeds, {args.steps} steps each; mean ± std over seeds; "
+                      "mismatch columns over every step of every seed)", "", *lines, ""])
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "results.md").write_text(text)
+    (Path(args.out) / "results.json").write_text(json.dumps(results, indent=1))
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
