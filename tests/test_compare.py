@@ -1,4 +1,4 @@
-"""bench/compare.py: the bookkeeping behind the README's Results (budget axes, seed statistics),
+"""bench/compare.py: the bookkeeping behind docs/results.md (budget axes, seed statistics),
 checked on hand-made metrics, and one smoke run of the real runner on a tiny budget."""
 import json
 import statistics
@@ -98,7 +98,7 @@ def test_bad_arguments_fail_before_any_run(argv, message, tmp_path):
 
 
 def test_runner_smoke(tmp_path):
-    """All six algorithms, two seeds, the hetero task, 2 steps each: the files the README shows
+    """All six algorithms, two seeds, the hetero task, 2 steps each: the files docs/results.md shows
     are written, the budget bookkeeping matches each algorithm's design, and a second call
     reuses the finished runs instead of training again."""
     cmd = [sys.executable, "bench/compare.py", "--steps", "2", "--eval_every", "1", "--seeds", "0", "1",
