@@ -17,7 +17,7 @@ time with --threads torch threads each; its peak resident memory (ru_maxrss from
 recorded. A run whose run.json says it finished with the same command is reused, so an
 interrupted comparison continues where it stopped (--force reruns everything).
 
-    python bench/compare.py                                   # the README's Results: 36 runs, 23 min on 2 CPU cores
+    python bench/compare.py                                   # docs/results.md: 36 runs, 23 min on 2 CPU cores
     python bench/compare.py --algorithms reinforce remax --tasks hetero --seeds 0 1 2 3 4
     python bench/compare.py --steps 2 --eval_every 1 --seeds 0 1 --out /tmp/cmp   # smoke test
 

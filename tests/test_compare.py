@@ -1,4 +1,4 @@
-"""bench/compare.py: the bookkeeping behind the README's Results (budget axes, seed statistics),
+"""bench/compare.py: the bookkeeping behind docs/results.md (budget axes, seed statistics),
 checked on hand-made metrics, and one smoke run of the real runner on a tiny budget."""
 import json
 import statistics
@@ -98,7 +98,7 @@ def test_bad_arguments_fail_before_any_run(argv, message, tmp_path):
 
 
 def test_runner_smoke(tmp_path):
-    """All six algorithms, two seeds, the hetero task, 2 steps each: the files the README shows
+    """All six algorithms, two seeds, the hetero task, 2 steps each: the files docs/results.md shows
     are written, the budget bookkeeping matches each algorithm's design, and a second call
     reuses the finished runs instead of training again."""
     cmd = [sys.executable, "bench/compare.py", "--steps", "2", "--eval_every", "1", "--seeds", "0", "1",
@@ -123,8 +123,8 @@ def test_runner_smoke(tmp_path):
     assert json.loads((tmp_path / "results.json").read_text())["aggregate"] == results["aggregate"]
 
 
-def test_readme_results_are_the_runners_output():
-    """The README's Results tables are docs/results/results.md, which `python bench/compare.py`
+def test_results_docs_page_tables_are_the_runners_output():
+    """The tables of docs/results.md are docs/results/results.md, which `python bench/compare.py`
     wrote (default budget: all six algorithms, both tasks, three seeds), row for row."""
     committed = (ROOT / "docs" / "results" / "results.md").read_text()
     results = json.loads((ROOT / "docs" / "results" / "results.json").read_text())
@@ -134,8 +134,8 @@ def test_readme_results_are_the_runners_output():
                for a in results["aggregate"].values())
     rows = [line for line in committed.splitlines() if line.startswith("| ")]
     assert len(rows) == 2 * (1 + 6 + 1 + 1 + 6)  # per task: header + 6 algorithms, header + start + 6
-    readme = (ROOT / "README.md").read_text()
-    missing = [row for row in rows if row not in readme]
+    page = (ROOT / "docs" / "results.md").read_text()
+    missing = [row for row in rows if row not in page]
     assert not missing, missing
     for task in ("uniform", "hetero"):
         assert (ROOT / "docs" / "results" / f"compare_{task}.png").stat().st_size > 10_000
