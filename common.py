@@ -18,8 +18,9 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"
 # logp = log q(y), ref_logp = log p(y) with p = pi_ref; each estimates KL(q || p).
 # The gradient statements below hold for ONE categorical (the state held fixed). For a
 # sequence, a per-token term in the loss holds the prefixes fixed and drops each token's effect
-# on the KL of later tokens: only k1 folded into the reward with reward-to-go gives the
-# gradient of the sequence KL(pi_theta || pi_ref). tests/test_kl.py proves both by enumeration.
+# on the KL of later tokens: only k1 folded into the reward (with reward-to-go, or summed over
+# the sequence) gives the gradient of the sequence KL(pi_theta || pi_ref). tests/test_kl.py
+# proves both by enumerating every sequence of a 2-token model.
 # ----------------------------------------------------------------------------------------
 def kl_k1(logp, ref_logp):
     """k1 = log q - log p, per token.
@@ -27,7 +28,8 @@ def kl_k1(logp, ref_logp):
     Value: unbiased for KL(q||p), but can be negative and has high variance.
     As a loss term (gradient through logp): E[grad k1] = 0, so it does nothing useful.
     As a detached penalty in the reward: E[k1 * score] = grad KL(q||p); for a sequence, the
-    reward-to-go of the per-token k1 gives the sequence-KL gradient. PPO, ReMax, RLOO use this.
+    reward-to-go of the per-token k1 gives the sequence-KL gradient (ReMax; PPO at gamma = lam
+    = 1), and so does the whole-sequence sum times the sequence score, in expectation (RLOO).
     """
     # BEGIN SOLUTION
     return logp - ref_logp

@@ -36,6 +36,11 @@ BAD_INPUTS = [  # (script, arguments, what the message must name)
     ("remax", ["--report_to", "mlflow"], "--report_to"),
     ("remax", ["--reward_scales", "random"], "--reward_scales"),
     ("remax", ["--baseline", "mean"], "--baseline"),
+    ("remax", ["--top_k", "-1"], "--top_k"),
+    ("rloo", ["--tis_cap", "2"], "--tis_cap"),
+    ("dapo", ["--geo_mask_delta", "0.1"], "--geo_mask_delta"),
+    ("grpo", ["--rollout_dtype", "fp8"], "--rollout_dtype"),
+    ("ppo", ["--lam_critic", "2"], "--lam_critic"),
 ]
 
 
