@@ -65,6 +65,8 @@ def summarise(run_dir):
             "tis_clip": statistics.mean(r["train/tis_clip_frac"] for r in steps),
             "masked": statistics.mean(r["train/geo_masked_frac"] for r in steps),
             "grad_norm_max": max(r["train/grad_norm"] for r in steps),
+            **{phase: statistics.median(r[f"time/{phase}_s"] for r in steps)
+               for phase in ("generation", "scoring", "forward_backward")},
             "wall_s": json.loads((run_dir / "run.json").read_text())["wall_s"]}
 
 
@@ -85,17 +87,18 @@ def main():
 
     results = {name: [summarise(run_one(name, seed, args)) for seed in args.seeds] for name in args.variants}
     lines = ["| sampler, correction | held-out accuracy (start → end) | mismatch k3 per token | token ratio min / max "
-             "| TIS capped | sequences masked | max grad norm | wall s per run |",
+             "| TIS capped | sequences masked | max grad norm | s per step: sampling / scoring / update |",
              "|---|---|---|---|---|---|---|---|"]
     for name, runs in results.items():
         col = {key: [r[key] for r in runs] for key in runs[0]}
         lines.append(f"| {name} | {mean_std(col['before'], '.3f')} → {mean_std(col['after'], '.3f')} "
                      f"| {mean_std(col['k3'], '.1e')} | {min(col['ratio_min']):.3f} / {max(col['ratio_max']):.3f} "
                      f"| {mean_std(col['tis_clip'], '.4f')} | {mean_std(col['masked'], '.4f')} "
-                     f"| {max(col['grad_norm_max']):.2f} | {statistics.mean(col['wall_s']):.0f} |")
+                     f"| {max(col['grad_norm_max']):.2f} | {statistics.median(col['generation']):.2f} / "
+                     f"{statistics.median(col['scoring']):.2f} / {statistics.median(col['forward_backward']):.2f} |")
     command = shlex.join(["python", "bench/stability.py", *sys.argv[1:]])
     text = "\n".join([f"`{command}` ({len(args.seeds)} seeds, {args.steps} steps each; mean ± std over seeds; "
-                      "mismatch columns over every step of every seed)", "", *lines, ""])
+                      "ratios and grad norm: the extremes over every step; times: medians)", "", *lines, ""])
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "results.md").write_text(text)
     (Path(args.out) / "results.json").write_text(json.dumps(results, indent=1))

@@ -156,3 +156,20 @@ def test_group_methods_run_with_a_bfloat16_sampler_and_log_the_mismatch(module, 
     assert 0 < row["train/mismatch_k3"] < 0.05
     assert row["train/mismatch_ratio_min"] < 1 < row["train/mismatch_ratio_max"]
     assert 0 <= row["train/tis_clip_frac"] <= 1 and 0 <= row["train/geo_masked_frac"] <= 1
+
+
+def test_stability_benchmark_smoke_run_writes_the_table(tmp_path):
+    """bench/stability.py, which makes docs/stability.md's table: one step, one seed, one variant."""
+    import json
+    import os
+    import subprocess
+
+    from conftest import ROOT
+
+    cmd = [sys.executable, "bench/stability.py", "--steps", "1", "--seeds", "0", "--variants", "bfloat16",
+           "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "| bfloat16 | 0.416 → " in (tmp_path / "results.md").read_text()
+    (run,) = json.loads((tmp_path / "results.json").read_text())["bfloat16"]
+    assert run["k3"] > 0 and run["ratio_min"] < 1 < run["ratio_max"]
