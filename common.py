@@ -216,6 +216,11 @@ def sampling_mask(logits, top_k=0, top_p=1.0):
     return logits
 
 
+# Rows of (C, V) fp32 logits that token_logprobs takes at once: 2**24 floats (64 MiB) bound the
+# temporary copies whatever the vocabulary; the embedded model's whole batch fits in one chunk.
+LOGPROB_CHUNK_ELEMENTS = 2 ** 24
+
+
 def token_logprobs(model, input_ids, attention_mask, num_completion_tokens, temperature=1.0, with_entropy=False,
                    top_k=0, top_p=1.0):
     """Log-probs of the last `num_completion_tokens` tokens of `input_ids` under `model`,
@@ -224,30 +229,32 @@ def token_logprobs(model, input_ids, attention_mask, num_completion_tokens, temp
     drew from (DeepSeek-V3.2's "keep sampling mask"); pass the defaults for the reference.
 
     Only the completion's logits are computed (`logits_to_keep`), and the log-softmax is
-    taken one sequence at a time as gather - logsumexp, so no full (B, T, V) log-softmax
-    copy is ever materialised.
+    taken a chunk of rows at a time as gather - logsumexp, so no full (B, T, V) log-softmax
+    copy is ever materialised (LOGPROB_CHUNK_ELEMENTS bounds each chunk).
     """
     c = num_completion_tokens
     out = model(input_ids=input_ids, attention_mask=attention_mask,
                 position_ids=position_ids_from_mask(attention_mask), logits_to_keep=c + 1, use_cache=False)
     logits = out.logits[:, -(c + 1):-1, :]  # (B, C, V): position t predicts token t+1
     targets = input_ids[:, -c:]
+    rows = max(1, LOGPROB_CHUNK_ELEMENTS // (c * logits.shape[-1]))
     logps, entropies = [], []
-    for row_logits, row_targets in zip(logits, targets):
-        row = row_logits.float() / temperature
+    for start in range(0, len(logits), rows):
+        chunk = logits[start:start + rows].float() / temperature  # (rows, C, V)
+        chunk_targets = targets[start:start + rows, :, None]
         if top_k > 0 or top_p < 1.0:
             # the sampled token stays in: a rounding difference from generate() must not give log 0
-            kept = sampling_mask(row.detach(), top_k, top_p).isfinite()
-            kept.scatter_(-1, row_targets[:, None], True)
-            row = row.masked_fill(~kept, float("-inf"))
-        lse = torch.logsumexp(row, dim=-1)
-        logps.append(row.gather(-1, row_targets[:, None]).squeeze(-1) - lse)
+            kept = sampling_mask(chunk.detach(), top_k, top_p).isfinite()
+            kept.scatter_(-1, chunk_targets, True)
+            chunk = chunk.masked_fill(~kept, float("-inf"))
+        lse = torch.logsumexp(chunk, dim=-1)
+        logps.append(chunk.gather(-1, chunk_targets).squeeze(-1) - lse)
         if with_entropy:
             with torch.no_grad():
-                probs = torch.softmax(row, -1)
-                entropies.append(lse - (probs * row.masked_fill(probs == 0, 0)).sum(-1))
-    logps = torch.stack(logps)
-    return (logps, torch.stack(entropies)) if with_entropy else logps
+                probs = torch.softmax(chunk, -1)
+                entropies.append(lse - (probs * chunk.masked_fill(probs == 0, 0)).sum(-1))
+    logps = torch.cat(logps)
+    return (logps, torch.cat(entropies)) if with_entropy else logps
 
 
 @torch.no_grad()

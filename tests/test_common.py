@@ -97,6 +97,28 @@ def test_token_logprobs_equals_naive_full_log_softmax():
     assert torch.allclose(entropy, -(full.exp() * full).sum(-1), atol=1e-5)
 
 
+def test_token_logprobs_in_row_chunks_equal_full_log_softmax_with_gradients(monkeypatch):
+    """Chunks of 2 rows (2, 2, 1 for B = 5) give the values and the gradient of the whole batch's log-softmax."""
+    model, c, temperature = tiny_model(), 4, 0.7
+    input_ids = torch.randint(2, 23, (5, 9), generator=torch.Generator().manual_seed(2))
+    attention_mask = torch.ones_like(input_ids)
+    attention_mask[0, :3] = 0
+    attention_mask[3, :2] = 0
+    weights = torch.randn(5, c, generator=torch.Generator().manual_seed(3))
+    monkeypatch.setattr(common, "LOGPROB_CHUNK_ELEMENTS", 2 * c * model.config.vocab_size)
+    logp, entropy = common.token_logprobs(model, input_ids, attention_mask, c, temperature, with_entropy=True)
+    chunked_grads = torch.autograd.grad((weights * logp).sum(), list(model.parameters()))
+    logits = model(input_ids=input_ids, attention_mask=attention_mask,
+                   position_ids=common.position_ids_from_mask(attention_mask)).logits / temperature
+    full = torch.log_softmax(logits, -1)[:, -c - 1:-1]
+    naive = full.gather(-1, input_ids[:, -c:, None]).squeeze(-1)
+    naive_grads = torch.autograd.grad((weights * naive).sum(), list(model.parameters()))
+    torch.testing.assert_close(logp, naive, atol=1e-5, rtol=0)
+    torch.testing.assert_close(entropy, -(full.exp() * full).sum(-1), atol=1e-5, rtol=0)
+    for chunked, expected in zip(chunked_grads, naive_grads):
+        torch.testing.assert_close(chunked, expected, atol=1e-5, rtol=1e-4)
+
+
 def test_sampling_logprobs_match_training_logprobs_with_left_padding():
     """The log-probs the loop trains on are those generate() sampled from (temperature, positions)."""
     tok = AutoTokenizer.from_pretrained(config.EMBEDDED_MODEL, padding_side="left")
