@@ -300,5 +300,8 @@ def tokenize_prompts(tokenizer, prompts, device):
 
 
 def decode_completions(tokenizer, completion_ids, mask):
-    return [tokenizer.decode(ids[m.bool()], skip_special_tokens=True) for ids, m in zip(completion_ids, mask)]
+    """The text of each completion's tokens where mask is 1 (as Python lists: one batched decode,
+    no tensor op per row)."""
+    kept = [[t for t, m in zip(ids, row_mask) if m] for ids, row_mask in zip(completion_ids.tolist(), mask.tolist())]
+    return tokenizer.batch_decode(kept, skip_special_tokens=True)
 

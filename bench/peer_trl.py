@@ -62,6 +62,8 @@ def run_ours(spec):
     sys.path.insert(0, str(ROOT))
     import importlib
 
+    import torch
+
     from support import run
 
     module = importlib.import_module(spec["algorithm"])  # importing must not train
@@ -78,7 +80,8 @@ def run_ours(spec):
     baseline = proc_status_bytes("VmRSS")
     module.main()
     summary = json.loads((Path(spec["output_dir"]) / "summary.json").read_text())
-    return {"steps": steps, "accuracy": summary["eval_accuracy_after"], "baseline_rss": baseline}
+    return {"steps": steps, "accuracy": summary["eval_accuracy_after"], "baseline_rss": baseline,
+            "threads": torch.get_num_threads()}
 
 
 def script_args(spec):
@@ -107,6 +110,7 @@ def run_trl(spec):
     sys.path.insert(0, str(ROOT))
     import importlib
 
+    import torch
     import trl
     from accelerate.utils import set_seed
     from datasets import Dataset
@@ -164,7 +168,8 @@ def run_trl(spec):
     for row, length in zip(steps, lengths):
         row["completion_len"] = length
     accuracy = tasks.evaluate(trainer.model, tokenizer, eval_data, cfg, trainer.accelerator)["eval/accuracy"]
-    return {"steps": steps, "accuracy": accuracy, "baseline_rss": baseline, "trl_version": trl.__version__}
+    return {"steps": steps, "accuracy": accuracy, "baseline_rss": baseline, "trl_version": trl.__version__,
+            "threads": torch.get_num_threads()}
 
 
 def child(side, spec_path, result_path):

@@ -38,9 +38,11 @@ class StepTimer:
 
 
 def reduce_metrics(accelerator, metrics):
-    """Mean of every scalar metric across ranks."""
+    """Mean of every scalar metric across ranks. The values stay on the device until one
+    `tolist()`: a float() per metric would wait for the GPU once per metric."""
     keys = sorted(metrics)
-    values = torch.tensor([float(metrics[k]) for k in keys], device=accelerator.device)
+    values = torch.stack([torch.as_tensor(metrics[k], dtype=torch.float32, device=accelerator.device).reshape(())
+                          for k in keys])
     values = accelerator.reduce(values, reduction="mean")
     return dict(zip(keys, values.tolist()))
 

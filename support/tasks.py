@@ -243,7 +243,7 @@ def evaluate(model, tokenizer, examples, cfg, accelerator, batch_size=256):
     """Held-out greedy accuracy per family and overall, sharded over ranks and summed."""
     shard = examples[accelerator.process_index::accelerator.num_processes]
     families = sorted({ex["family"] for ex in examples})
-    counts = torch.zeros(2, len(families), device=accelerator.device)  # (correct, total)
+    counts = [[0, 0] for _ in families]  # (correct, total) per family, in Python: no device op per example
     unwrapped = accelerator.unwrap_model(model)
     for i in range(0, len(shard), batch_size):
         batch = shard[i:i + batch_size]
@@ -253,11 +253,11 @@ def evaluate(model, tokenizer, examples, cfg, accelerator, batch_size=256):
         texts = common.decode_completions(tokenizer, completion_ids, mask)
         for text, ex in zip(texts, batch):
             j = families.index(ex["family"])
-            counts[0, j] += is_correct(text, ex["answer"], ex.get("check", "exact"))
-            counts[1, j] += 1
-    counts = accelerator.reduce(counts, reduction="sum")
-    metrics = {"eval/accuracy": (counts[0].sum() / counts[1].sum()).item()}
+            counts[j][0] += is_correct(text, ex["answer"], ex.get("check", "exact"))
+            counts[j][1] += 1
+    counts = torch.tensor(counts, dtype=torch.float32, device=accelerator.device).T  # (2, families)
+    correct, total = accelerator.reduce(counts, reduction="sum").tolist()
+    metrics = {"eval/accuracy": sum(correct) / sum(total)}
     for j, fam in enumerate(families):
-        metrics[f"eval/acc_{fam}"] = (counts[0, j] / counts[1, j].clamp(min=1)).item()
+        metrics[f"eval/acc_{fam}"] = correct[j] / max(total[j], 1)
     return metrics
-

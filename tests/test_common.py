@@ -173,3 +173,36 @@ def test_prompt_sampler_shards_differ_across_ranks():
     a = tasks.PromptSampler(examples, 10, seed=0, rank=0, world_size=2).next()
     b = tasks.PromptSampler(examples, 10, seed=0, rank=1, world_size=2).next()
     assert {e["prompt"] for e in a}.isdisjoint({e["prompt"] for e in b})
+
+
+def test_decode_completions_keeps_the_tokens_up_to_eos():
+    tok = AutoTokenizer.from_pretrained(config.EMBEDDED_MODEL, padding_side="left")
+    completion_ids = torch.tensor([[4, 5, EOS, 0], [15, 11, 12, 13], [EOS, 0, 0, 0]])  # "12", "*89+" cut at max length, ""
+    texts = common.decode_completions(tok, completion_ids, completion_mask(completion_ids, EOS))
+    assert texts == ["12", "*89+", ""]
+
+
+def test_evaluate_counts_greedy_answers_per_family(monkeypatch):
+    class OneProcess:
+        process_index, num_processes, device = 0, 1, "cpu"
+        unwrap_model = staticmethod(lambda model: model)
+        reduce = staticmethod(lambda tensor, reduction: tensor)
+
+    tok = AutoTokenizer.from_pretrained(config.EMBEDDED_MODEL, padding_side="left")
+    examples = [{"prompt": "1+2=", "answer": "3", "family": "add"}, {"prompt": "2+2=", "answer": "4", "family": "add"},
+                {"prompt": "3+2=", "answer": "5", "family": "add"}, {"prompt": "3*2=", "answer": "6", "family": "mul"}]
+    answers = ["3", "4", "6", "7"]  # add: 2 of 3 right, mul: 0 of 1
+    greedy = torch.tensor([tok(a + "<eos>", add_special_tokens=False)["input_ids"] for a in answers])
+    monkeypatch.setattr(common, "generate", lambda *args, **kwargs: greedy)
+    metrics = tasks.evaluate(None, tok, examples, config.TrainConfig(), OneProcess())
+    assert metrics == {"eval/accuracy": 0.5, "eval/acc_add": 2 / 3, "eval/acc_mul": 0.0}
+
+
+def test_reduce_metrics_of_floats_ints_and_tensors_on_one_process():
+    from accelerate import Accelerator
+
+    from support import run
+
+    metrics = {"a": 0.25, "b": 3, "c": torch.tensor(1.5, dtype=torch.float64), "d": torch.tensor([2.0]),
+               "e": torch.tensor(True).float().mean()}
+    assert run.reduce_metrics(Accelerator(cpu=True), metrics) == {"a": 0.25, "b": 3.0, "c": 1.5, "d": 2.0, "e": 1.0}
