@@ -216,6 +216,34 @@ def sampling_mask(logits, top_k=0, top_p=1.0):
     return logits
 
 
+def completion_logits(model, input_ids, attention_mask, num_completion_tokens):
+    """The (B, C, V) logits that predict the last C tokens of each row (position t predicts t + 1).
+
+    Adjacent rows with the same prompt (a group of samples) share the prompt's forward pass: it runs
+    once per group and keeps its keys and values, each row gets its group's copy of them, and only
+    the completions run row by row. Values and gradients are those of one pass over every full row
+    (the copies' gradients add up in the prompt's pass), for about 1 / G of the prompts' work. With
+    no shared prompt, or gradient checkpointing (which keeps no cache), it is that one pass.
+    """
+    c = num_completion_tokens
+    position_ids = position_ids_from_mask(attention_mask)
+    prompts = torch.cat([input_ids[:, :-c], attention_mask[:, :-c]], dim=1)
+    _, group, counts = torch.unique_consecutive(prompts, dim=0, return_inverse=True, return_counts=True)
+    checkpointing = any(getattr(module, "gradient_checkpointing", False) for module in model.modules())
+    if len(counts) == len(input_ids) or input_ids.shape[1] == c or checkpointing:
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                    logits_to_keep=c + 1, use_cache=False)
+        return out.logits[:, -(c + 1):-1, :]
+    first = counts.cumsum(0) - counts  # the first row of each group
+    prompt = model(input_ids=input_ids[first, :-c], attention_mask=attention_mask[first, :-c],
+                   position_ids=position_ids[first, :-c], logits_to_keep=1, use_cache=True)
+    cache = prompt.past_key_values
+    cache.reorder_cache(group)  # row i gets its group's keys and values
+    completion = model(input_ids=input_ids[:, -c:], attention_mask=attention_mask, position_ids=position_ids[:, -c:],
+                       past_key_values=cache, logits_to_keep=c, use_cache=True)
+    return torch.cat([prompt.logits[group], completion.logits[:, :-1, :]], dim=1)
+
+
 # Rows of (C, V) fp32 logits that token_logprobs takes at once: 2**24 floats (64 MiB) bound the
 # temporary copies whatever the vocabulary; the embedded model's whole batch fits in one chunk.
 LOGPROB_CHUNK_ELEMENTS = 2 ** 24
@@ -228,14 +256,12 @@ def token_logprobs(model, input_ids, attention_mask, num_completion_tokens, temp
     With top_k / top_p they are those of the truncated, renormalised distribution the sampler
     drew from (DeepSeek-V3.2's "keep sampling mask"); pass the defaults for the reference.
 
-    Only the completion's logits are computed (`logits_to_keep`), and the log-softmax is
-    taken a chunk of rows at a time as gather - logsumexp, so no full (B, T, V) log-softmax
-    copy is ever materialised (LOGPROB_CHUNK_ELEMENTS bounds each chunk).
+    Only the completion's logits are computed (`completion_logits`: a group's prompt once), and
+    the log-softmax is taken a chunk of rows at a time as gather - logsumexp, so no full (B, T, V)
+    log-softmax copy is ever materialised (LOGPROB_CHUNK_ELEMENTS bounds each chunk).
     """
     c = num_completion_tokens
-    out = model(input_ids=input_ids, attention_mask=attention_mask,
-                position_ids=position_ids_from_mask(attention_mask), logits_to_keep=c + 1, use_cache=False)
-    logits = out.logits[:, -(c + 1):-1, :]  # (B, C, V): position t predicts token t+1
+    logits = completion_logits(model, input_ids, attention_mask, c)  # (B, C, V)
     targets = input_ids[:, -c:]
     rows = max(1, LOGPROB_CHUNK_ELEMENTS // (c * logits.shape[-1]))
     logps, entropies = [], []
