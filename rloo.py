@@ -133,7 +133,7 @@ def main():
                                                             cfg.temperature, with_entropy=True, **sampling)
                 mb_kl = common.kl_k1(mb_logp.detach(), ref_logp[mb]) if ref_model is not None else \
                     torch.zeros_like(mb_logp)
-                mb_rewards_kl = rewards[mb] - cfg.beta * common.masked_sum(mb_kl, mask[mb], dim=1)  # r - beta sum_t k1_t
+                mb_rewards_kl = rewards[mb] - cfg.beta * common.masked_sum(mb_kl, mask[mb], dim=1)  # r - b sum k1_t
                 mb_adv = rloo_advantages(mb_rewards_kl, group_size)
                 mb_rollout_logp = rollout_logp[mb] if rollout_model is not None else None
                 pg_weight, _ = common.rollout_correction(mb_logp, mb_logp.detach(), mb_rollout_logp, mb_adv, mask[mb],

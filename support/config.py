@@ -87,10 +87,10 @@ class TrainConfig:
         if self.resume_from and not os.path.isfile(os.path.join(self.resume_from, "trainer_state.json")):
             raise ValueError(f"--resume_from {self.resume_from!r} is not a checkpoint folder (no trainer_state.json).")
         if self.torch_dtype != "float32" and self.lora_r == 0:
-            print(f"warning: --torch_dtype {self.torch_dtype} without --lora_r trains the weights in {self.torch_dtype} "
-                  "itself, where an update below about 0.3% (bfloat16) or 0.05% (float16) of a weight rounds away, as "
-                  "most do at --learning_rate 1e-6. Keep float32 weights with `accelerate launch --mixed_precision "
-                  "bf16`, or train a LoRA adapter (--lora_r).",
+            print(f"warning: --torch_dtype {self.torch_dtype} without --lora_r trains the weights in "
+                  f"{self.torch_dtype} itself, where an update below about 0.3% (bfloat16) or 0.05% (float16) of "
+                  "a weight rounds away, as most do at --learning_rate 1e-6. Keep float32 weights with "
+                  "`accelerate launch --mixed_precision bf16`, or train a LoRA adapter (--lora_r).",
                   file=sys.stderr, flush=True)
         if self.rule_reward_weight == 0 and not self.reward_model:
             raise ValueError("--rule_reward_weight 0 leaves no reward: give --reward_model too.")

@@ -112,7 +112,8 @@ def test_averaging_each_micro_batchs_token_mean_is_not_the_token_mean():
     """The trap the weights avoid: with ragged lengths, the mean over micro-batches of their own token-means
     weighs a token of a short micro-batch more than one of a long micro-batch."""
     batch, fn = make_batch(), loss_fn("dapo", "token-mean")
-    right = gradients(batch, fn, [(mb, batch["mask"].sum().double(), B, "token-mean") for mb in common.micro_batches(B, 2)])
+    num_tokens = batch["mask"].sum().double()
+    right = gradients(batch, fn, [(mb, num_tokens, B, "token-mean") for mb in common.micro_batches(B, 2)])
     naive = gradients(batch, fn, [(mb, batch["mask"][mb].sum() * 4, B, "token-mean")  # each micro-batch's mean / 4
                                   for mb in common.micro_batches(B, 2)])
     assert (right - naive).abs().max() > 1e-3
