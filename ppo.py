@@ -302,7 +302,10 @@ def main():
             lam = length_adaptive_lam(mask.sum(1), cfg.lam_alpha) if cfg.lam_alpha > 0 else cfg.lam
             lam_critic = cfg.lam if cfg.lam_critic is None else cfg.lam_critic
             adv, returns = decoupled_gae(token_rewards, old_values, mask, cfg.gamma, lam, lam_critic)
-            adv = common.masked_whiten(adv, mask)
+            # whitened over the global batch: every process's tokens (completions padded to one length)
+            all_adv, all_mask = (accelerator.gather(accelerator.pad_across_processes(x, dim=1)) for x in (adv, mask))
+            adv = common.masked_whiten(all_adv, all_mask).chunk(accelerator.num_processes)[accelerator.process_index]
+            adv = adv[:, :T]
 
         # ---- num_epochs passes over num_mini_batches minibatches, one step each ----
         updates = []
