@@ -239,8 +239,9 @@ def main():
         raise SystemExit("error: ppo.py trains two models (policy and critic) and accelerate's DeepSpeed integration "
                          "prepares one model per Accelerator: launch it with DDP (e.g. configs/ddp_8gpu.yaml).")
     set_seed(cfg.seed)  # identical initial weights on every rank
-    tokenizer = models.load_tokenizer(cfg)
-    train_data, eval_data = tasks.load_task(cfg, tokenizer)  # data errors surface before models load
+    with accelerator.main_process_first():  # the main process downloads tokenizer and data, the others read its cache
+        tokenizer = models.load_tokenizer(cfg)
+        train_data, eval_data = tasks.load_task(cfg, tokenizer)  # data errors surface before models load
     reward_fn = tasks.make_reward_fn(cfg, accelerator)
     policy = models.load_model(cfg)
     if cfg.reward_model_path:
