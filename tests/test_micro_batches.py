@@ -169,5 +169,7 @@ def test_a_run_in_micro_batches_logs_the_losses_of_one_in_whole_batches(script, 
     assert len(rows[small]) == len(rows[16]) == 2
     for a, b in zip(rows[small], rows[16]):
         assert a["train/loss"] == pytest.approx(b["train/loss"], abs=1e-5)
-        assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-4)
+    # the first step's gradient norm only: over more updates AdamW, which moves every weight by about lr whatever the
+    # size of its gradient, turns a near-zero gradient element whose sign float rounding flips into a visible change
+    assert rows[small][0]["train/grad_norm"] == pytest.approx(rows[16][0]["train/grad_norm"], rel=1e-4)
     assert rows[16][-1]["train/loss"] != rows[16][0]["train/loss"]  # the weights moved between steps
