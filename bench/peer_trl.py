@@ -71,8 +71,9 @@ def run_ours(spec):
 
     def clocked_log(self, step, metrics, samples=()):
         if step > 0:
-            steps.append({"t": time.perf_counter(), "completion_len": metrics["train/completion_len"],
-                          **{p: metrics.get(f"time/{p}_s", 0.0) for p in ("generation", "scoring", "forward_backward")}})
+            steps.append({"t": time.perf_counter(), "cpu": time.process_time(),
+                          "completion_len": metrics["train/completion_len"],
+                          **{p: metrics.get(f"time/{p}_s", 0.0) for p in PHASES[:-1]}})
         return log(self, step, metrics, samples)
 
     run.MetricLogger.log = clocked_log
@@ -159,7 +160,8 @@ def run_trl(spec):
         def on_step_end(self, args, state, control, **kwargs):
             generation = phases.get("_generate", 0.0)
             scoring = phases.get("_generate_and_score_completions", 0.0) - generation
-            steps.append({"t": time.perf_counter(), "generation": generation, "scoring": scoring,
+            steps.append({"t": time.perf_counter(), "cpu": time.process_time(), "generation": generation,
+                          "scoring": scoring,
                           "forward_backward": phases.get("training_step", 0.0) - generation - scoring})
             phases.clear()
 
@@ -220,14 +222,14 @@ def run_side(side, spec, python, threads, workdir):
 
 
 def step_rows(result, warmup):
-    """Per timed step: its wall time (from the previous step end) and phases. The first `warmup`
-    steps and the last (ours evaluates inside it) are left out."""
+    """Per timed step: its wall time and the process's CPU time (from the previous step end) and
+    phases. The first `warmup` steps and the last (ours evaluates inside it) are left out."""
     steps = result["steps"]
     rows = []
     for before, row in zip(steps[warmup:-2], steps[warmup + 1:-1]):
         wall = row["t"] - before["t"]
         phases = {p: row[p] for p in PHASES[:-1]}
-        rows.append({"step": wall, **phases, "rest": wall - sum(phases.values())})
+        rows.append({"step": wall, "cpu": row["cpu"] - before["cpu"], **phases, "rest": wall - sum(phases.values())})
     return rows
 
 
@@ -236,33 +238,37 @@ def summarise(results, warmup):
     out = {}
     for side, runs in results.items():
         rows = [row for r in runs for row in step_rows(r, warmup)]
-        out[side] = {key: statistics.median(row[key] for row in rows) for key in ("step", *PHASES)}
+        out[side] = {key: statistics.median(row[key] for row in rows) for key in ("step", "cpu", *PHASES)}
         out[side].update(steps=len(rows), accuracy=[r["accuracy"] for r in runs],
                          peak_rss=max(r["peak_rss"] for r in runs),
                          runtime_rss=statistics.median(r["baseline_rss"] for r in runs),
                          completion_len=statistics.mean(s["completion_len"] for r in runs for s in r["steps"]),
-                         seed_ratios=[])
+                         seed_ratios={"step": [], "cpu": []})
     if len(out) == 2:
         for ours, trl in zip(results["ours"], results["trl"]):  # per seed, the same prompts on both sides
-            ratio = statistics.median(r["step"] for r in step_rows(ours, warmup)) / \
-                statistics.median(r["step"] for r in step_rows(trl, warmup))
-            out["ours"]["seed_ratios"].append(ratio)
+            for key in ("step", "cpu"):
+                ratio = statistics.median(r[key] for r in step_rows(ours, warmup)) / \
+                    statistics.median(r[key] for r in step_rows(trl, warmup))
+                out["ours"]["seed_ratios"][key].append(ratio)
     return out
 
 
 def table(setting, summaries, with_accuracy):
-    lines = ["| algorithm | side | median s/step | ratio to TRL (per seed) | generation | scoring | forward_backward "
-             "| rest | completion len | peak RSS (MiB) | runtime RSS (MiB) | held-out accuracy |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| algorithm | side | median s/step | ratio to TRL (per seed) | CPU s/step | CPU ratio (per seed) "
+             "| generation | scoring | forward_backward | rest | completion len | peak RSS (MiB) | runtime RSS (MiB) "
+             "| held-out accuracy |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for algorithm, s in summaries.items():
         for side in s:
             x = s[side]
-            ratio = "" if side != "ours" or "trl" not in s else \
-                f"**{x['step'] / s['trl']['step']:.2f}** ({', '.join(f'{r:.2f}' for r in x['seed_ratios'])})"
+            ratio = {key: "" if side != "ours" or "trl" not in s else
+                     f"**{x[key] / s['trl'][key]:.2f}** ({', '.join(f'{r:.2f}' for r in x['seed_ratios'][key])})"
+                     for key in ("step", "cpu")}
             acc = " ".join(f"{a:.3f}" for a in x["accuracy"])
             acc = f"{statistics.mean(x['accuracy']):.3f} ({acc})" if with_accuracy else "–"
             name = f"{algorithm}.py" if side == "ours" else f"TRL {'GRPO' if algorithm == 'grpo' else 'RLOO'}Trainer"
-            lines.append(f"| {algorithm} | {name} | {x['step']:.4f} | {ratio} | "
+            lines.append(f"| {algorithm} | {name} | {x['step']:.4f} | {ratio['step']} | {x['cpu']:.4f} "
+                         f"| {ratio['cpu']} | "
                          + " | ".join(f"{x[p]:.4f}" for p in PHASES)
                          + f" | {x['completion_len']:.1f} | {x['peak_rss'] / MiB:,.0f} | {x['runtime_rss'] / MiB:,.0f} "
                          f"| {acc} |")
@@ -278,7 +284,7 @@ def main():
     parser.add_argument("--seeds", default="0,1,2", help="Comma list of seeds for the embedded model.")
     parser.add_argument("--steps", type=int, default=100, help="Steps per run on the embedded model.")
     parser.add_argument("--batch_size", type=int, default=64, help="Completions per step on the embedded model.")
-    parser.add_argument("--large_steps", type=int, default=4, help="Steps per run on the 75M model (one seed).")
+    parser.add_argument("--large_steps", type=int, default=6, help="Steps per run on the 75M model (one seed).")
     parser.add_argument("--large_batch_size", type=int, default=16, help="Completions per step on the 75M model.")
     parser.add_argument("--large_max_new_tokens", type=int, default=64, help="Completion length on the 75M model.")
     parser.add_argument("--warmup", type=int, default=1, help="Leading steps left out of the medians.")
@@ -301,10 +307,13 @@ def main():
     import torch
 
     header = [f"Machine: CPU only ({os.cpu_count()} cores, {platform.processor() or platform.machine()}); torch "
-              f"{torch.__version__}; {args.threads} thread(s) per run, runs one after another, the two sides alternated.",
+              f"{torch.__version__}; {args.threads} thread(s) per run, runs one after another, the two sides "
+              "alternated.",
               f"Command: `{shlex.join(['python', 'bench/peer_trl.py', *sys.argv[1:]])}`",
-              f"Times are medians over every timed step of every run (first {args.warmup} and last step of each run left "
-              "out); the ratio is ours / TRL's median s/step, in brackets per seed."]
+              f"Times are medians over every timed step of every run (first {args.warmup} and last step of each run "
+              "left out); a ratio is ours / TRL's median, in brackets per seed. CPU s/step is the process's CPU "
+              "time per step: with one thread per run it is the work done, which other processes on the machine do "
+              "not inflate as they inflate the wall time."]
     sections, raw = [], {}
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="peer_trl_") as tmp:

@@ -15,15 +15,16 @@ spec.loader.exec_module(peer_trl)
 
 
 def run_of(ends, accuracy=0.5):
-    """A run whose steps end at the given times; every phase 0.1 s."""
-    steps = [{"t": t, "generation": 0.1, "scoring": 0.1, "forward_backward": 0.1, "completion_len": 4.0} for t in ends]
+    """A run whose steps end at the given times, half of each step's wall time on the CPU; every phase 0.1 s."""
+    steps = [{"t": t, "cpu": t / 2, "generation": 0.1, "scoring": 0.1, "forward_backward": 0.1, "completion_len": 4.0}
+             for t in ends]
     return {"steps": steps, "accuracy": accuracy, "peak_rss": 2, "baseline_rss": 1}
 
 
 def test_step_times_are_gaps_between_step_ends_without_warmup_and_last_step():
     # ends 0, 10, 11, 13, 16, 99: warmup 1 leaves out the step ending at 10, the last (with evaluation) the 99
     rows = peer_trl.step_rows(run_of([0, 10, 11, 13, 16, 99]), warmup=1)
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["step"] for r in rows] == [1, 2, 3] and [r["cpu"] for r in rows] == [0.5, 1, 1.5]
     assert abs(rows[0]["rest"] - 0.7) < 1e-12  # the wall time no phase accounts for
 
 
@@ -31,7 +32,7 @@ def test_ratio_is_ours_over_trl_median_per_seed_and_pooled():
     results = {"ours": [run_of([0, 1, 2, 3, 4, 5]), run_of([0, 2, 4, 6, 8, 10])],  # medians 1 and 2
                "trl": [run_of([0, 4, 8, 12, 16, 20]), run_of([0, 4, 8, 12, 16, 20])]}  # medians 4 and 4
     summary = peer_trl.summarise(results, warmup=1)
-    assert summary["ours"]["seed_ratios"] == [0.25, 0.5]
+    assert summary["ours"]["seed_ratios"] == {"step": [0.25, 0.5], "cpu": [0.25, 0.5]}
     assert summary["ours"]["step"] == 1.5 and summary["trl"]["step"] == 4  # median of 1,1,1,2,2,2 and of 4s
 
 
