@@ -207,7 +207,7 @@ def test_prompt_sampler_shards_differ_across_ranks():
 
 def test_decode_completions_keeps_the_tokens_up_to_eos():
     tok = AutoTokenizer.from_pretrained(config.EMBEDDED_MODEL, padding_side="left")
-    completion_ids = torch.tensor([[4, 5, EOS, 0], [15, 11, 12, 13], [EOS, 0, 0, 0]])  # "12", "*89+" cut at max length, ""
+    completion_ids = torch.tensor([[4, 5, EOS, 0], [15, 11, 12, 13], [EOS, 0, 0, 0]])  # "12", "*89+" (no EOS), ""
     texts = common.decode_completions(tok, completion_ids, completion_mask(completion_ids, EOS))
     assert texts == ["12", "*89+", ""]
 
