@@ -289,7 +289,7 @@ def main():
     parser.add_argument("--large_max_new_tokens", type=int, default=64, help="Completion length on the 75M model.")
     parser.add_argument("--warmup", type=int, default=1, help="Leading steps left out of the medians.")
     parser.add_argument("--threads", type=int, default=2, help="OMP_NUM_THREADS of each run (runs are sequential).")
-    parser.add_argument("--out", default=str(ROOT / "runs" / "bench_peer_trl" / "peer_trl.md"),
+    parser.add_argument("--out", default=str(ROOT / "runs/bench_peer_trl/peer_trl.md"),
                         help="Markdown file for the tables, the raw numbers next to it as .json ('' = stdout only).")
     args = parser.parse_args()
     sides = SIDES if args.trl_python else SIDES[:1]

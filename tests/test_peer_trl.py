@@ -44,7 +44,7 @@ def test_trl_reward_is_the_project_reward_in_trl_signature():
 
 
 def test_our_side_runs_without_trl(tmp_path):
-    out = tmp_path / "peer.md"
+    out = tmp_path / "peer_table"
     cmd = [sys.executable, "bench/peer_trl.py", "--trl_python", "", "--settings", "embedded", "--algorithms", "rloo",
            "--seeds", "0", "--steps", "4", "--batch_size", "16", "--threads", "1", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
