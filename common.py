@@ -242,27 +242,27 @@ def completion_logits(model, input_ids, attention_mask, num_completion_tokens):
 
     Adjacent rows with the same prompt (a group of samples) share the prompt's forward pass: it runs
     once per group and keeps its keys and values, each row gets its group's copy of them, and only
-    the completions run row by row. Values and gradients are those of one pass over every full row
-    (the copies' gradients add up in the prompt's pass), for about 1 / G of the prompts' work. With
-    no shared prompt, or gradient checkpointing (which keeps no cache), it is that one pass.
+    the last prompt token and the completion run row by row. Values and gradients are those of one pass
+    over every full row (the copies' gradients add up in the prompt's pass), for about 1 / G of the
+    prompts' work. With no shared prompt, or gradient checkpointing (which keeps no cache), it is that
+    one pass.
     """
     c = num_completion_tokens
     position_ids = position_ids_from_mask(attention_mask)
     prompts = torch.cat([input_ids[:, :-c], attention_mask[:, :-c]], dim=1)
     _, group, counts = torch.unique_consecutive(prompts, dim=0, return_inverse=True, return_counts=True)
     checkpointing = any(getattr(module, "gradient_checkpointing", False) for module in model.modules())
-    if len(counts) == len(input_ids) or input_ids.shape[1] == c or checkpointing:
+    if len(counts) == len(input_ids) or input_ids.shape[1] < c + 2 or checkpointing:
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                     logits_to_keep=c + 1, use_cache=False)
         return out.logits[:, -(c + 1):-1, :]
     first = counts.cumsum(0) - counts  # the first row of each group
-    prompt = model(input_ids=input_ids[first, :-c], attention_mask=attention_mask[first, :-c],
-                   position_ids=position_ids[first, :-c], logits_to_keep=1, use_cache=True)
-    cache = prompt.past_key_values
+    cache = model(input_ids=input_ids[first, :-c - 1], attention_mask=attention_mask[first, :-c - 1],
+                  position_ids=position_ids[first, :-c - 1], logits_to_keep=1, use_cache=True).past_key_values
     cache.reorder_cache(group)  # row i gets its group's keys and values
-    completion = model(input_ids=input_ids[:, -c:], attention_mask=attention_mask, position_ids=position_ids[:, -c:],
-                       past_key_values=cache, logits_to_keep=c, use_cache=True)
-    return torch.cat([prompt.logits[group], completion.logits[:, :-1, :]], dim=1)
+    out = model(input_ids=input_ids[:, -c - 1:-1], attention_mask=attention_mask[:, :-1],
+                position_ids=position_ids[:, -c - 1:-1], past_key_values=cache, logits_to_keep=c, use_cache=True)
+    return out.logits
 
 
 # Rows of (C, V) fp32 logits that token_logprobs takes at once: 2**24 floats (64 MiB) bound the
