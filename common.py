@@ -6,7 +6,7 @@ what is sampled is what is scored (same temperature, same masks). The plumbing (
 and rewards, model loading, logging, checkpoints) lives in support/. Equations and sign
 conventions: docs/algorithms.md.
 """
-from contextlib import nullcontext
+from contextlib import contextmanager
 
 import torch
 
@@ -275,16 +275,36 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=1, gree
     return completion_ids
 
 
+@contextmanager
 def gathered_parameters(model):
-    """Under DeepSpeed ZeRO-3 each rank holds a shard of every weight; generating token by
-    token from shards gathers them at every step (10-100x slower). Gather once for the whole
-    generate call instead. A no-op without ZeRO-3."""
+    """Under DeepSpeed ZeRO-3 each rank holds a shard of every weight, and hooks on every module
+    gather a module's weights before its forward and release them after: generating token by
+    token would gather the whole model once per token (10-100x slower). Gather it once for the
+    whole generate call instead, with DeepSpeed's hooks taken off (else the release hooks free
+    the gathered weights again after each token, for models beyond DeepSpeed's reuse window)
+    and put back after, the same ones in the same order. A no-op without ZeRO-3."""
     sharded = [p for p in model.parameters() if hasattr(p, "ds_id")]
     if not sharded:
-        return nullcontext()
+        yield
+        return
     import deepspeed
 
-    return deepspeed.zero.GatheredParameters(sharded)
+    with deepspeed.zero.GatheredParameters(sharded):
+        for p in sharded:
+            p.ds_active_sub_modules.clear()  # no module holds them now: the exit may release them
+        saved = []
+        for module in model.modules():
+            for hooks in (module._forward_pre_hooks, module._forward_hooks):
+                saved.append((hooks, dict(hooks)))
+                for key, hook in list(hooks.items()):
+                    if getattr(hook, "__module__", "").startswith("deepspeed."):
+                        del hooks[key]
+        try:
+            yield
+        finally:
+            for hooks, original in saved:  # in place: the hooks' handles point at these dicts
+                hooks.clear()
+                hooks.update(original)
 
 
 def tokenize_prompts(tokenizer, prompts, device):

@@ -138,8 +138,7 @@ def main():
     rollout_model = models.load_rollout_model(cfg, policy)  # None unless --rollout_dtype differs
     optimizer, scheduler = models.make_optimizer(policy, cfg)
     policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
-    if ref_model is not None:
-        ref_model = ref_model.to(accelerator.device)
+    ref_model = models.prepare_frozen(accelerator, ref_model)
     if rollout_model is not None:
         rollout_model = rollout_model.to(accelerator.device)
     group_size = cfg.num_generations

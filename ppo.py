@@ -252,8 +252,7 @@ def main():
     critic_scheduler = get_constant_schedule_with_warmup(critic_optimizer, cfg.warmup_steps)
     policy, critic, optimizer, critic_optimizer, scheduler, critic_scheduler = accelerator.prepare(
         policy, critic, optimizer, critic_optimizer, scheduler, critic_scheduler)
-    if ref_model is not None:
-        ref_model = ref_model.to(accelerator.device)
+    ref_model = models.prepare_frozen(accelerator, ref_model)
     kl_ctl = AdaptiveKLController(cfg.beta, cfg.kl_target, cfg.kl_horizon)
     accelerator.register_for_checkpointing(kl_ctl)
     sampler = tasks.PromptSampler(train_data, cfg.batch_size, cfg.seed, accelerator.process_index,

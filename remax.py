@@ -78,8 +78,7 @@ def main():
     ref_model = models.load_reference(cfg, policy) if cfg.beta > 0 else None
     optimizer, scheduler = models.make_optimizer(policy, cfg)
     policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
-    if ref_model is not None:
-        ref_model = ref_model.to(accelerator.device)
+    ref_model = models.prepare_frozen(accelerator, ref_model)
     sampler = tasks.PromptSampler(train_data, cfg.batch_size, cfg.seed, accelerator.process_index,
                                   accelerator.num_processes)
     set_seed(cfg.seed + accelerator.process_index)  # each rank samples different completions

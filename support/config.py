@@ -144,9 +144,38 @@ def make_accelerator(cfg):
     """An Accelerator that falls back to CPU (gloo between processes) when there is no GPU,
     so `accelerate launch --multi_gpu --num_processes 2 x.py` (or `torchrun --nproc_per_node 2`)
     gives 2-process data parallelism on a laptop. (`accelerate launch --cpu --num_processes 2`
-    starts ONE process in accelerate 1.x unless an MPI hostfile is given.)"""
+    starts ONE process in accelerate 1.x unless an MPI hostfile is given.) A DeepSpeed config
+    (configs/zero2.yaml, zero3.yaml) stays DeepSpeed without a GPU too: DeepSpeed's CPU
+    accelerator, gloo between processes; its settings come from the flags (deepspeed_settings)."""
     from accelerate import Accelerator
 
     use_cpu = os.environ.get("ACCELERATE_USE_CPU", "false").lower() in ("1", "true")
-    cpu = not torch.cuda.is_available() or use_cpu
-    return Accelerator(cpu=cpu, log_with=None if cfg.report_to == "none" else cfg.report_to, project_dir=cfg.output_dir)
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() in ("1", "true")
+    if deepspeed and not torch.cuda.is_available():
+        from accelerate import PartialState
+
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read when deepspeed is first imported, just below
+        PartialState(backend="gloo")  # else accelerate finds no backend: every process would think it is rank 0
+    # cpu=True would silently turn a DeepSpeed config into plain multi-process CPU data parallelism
+    cpu = (not torch.cuda.is_available() or use_cpu) and not deepspeed
+    accelerator = Accelerator(cpu=cpu, log_with=None if cfg.report_to == "none" else cfg.report_to,
+                              project_dir=cfg.output_dir)
+    if accelerator.state.deepspeed_plugin is not None:
+        deepspeed_settings(accelerator.state.deepspeed_plugin.deepspeed_config, cfg, accelerator.num_processes)
+    return accelerator
+
+
+def deepspeed_settings(ds_config, cfg, num_processes):
+    """Set what DeepSpeed reads from the flags, in place: the micro-batch (no dataloader is prepared,
+    so DeepSpeed cannot infer it), clipping at --max_grad_norm (DeepSpeed clips inside its step), and
+    one micro-batch per optimizer step as DeepSpeed counts them: the loops weigh and accumulate the
+    micro-batches themselves, so DeepSpeed must not divide the loss again."""
+    accumulation = ds_config.get("gradient_accumulation_steps", 1)
+    if accumulation not in (1, "auto"):
+        raise SystemExit(f"error: the DeepSpeed config's gradient_accumulation_steps is {accumulation}: set it to 1; "
+                         "--micro_batch_size splits each batch into micro-batches and accumulates them.")
+    ds_config["gradient_accumulation_steps"] = 1
+    ds_config["train_micro_batch_size_per_gpu"] = getattr(cfg, "micro_batch_size", 0) or cfg.batch_size
+    ds_config["train_batch_size"] = ds_config["train_micro_batch_size_per_gpu"] * num_processes
+    ds_config["gradient_clipping"] = cfg.max_grad_norm  # 0 = off, as the flag
+    return ds_config

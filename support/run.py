@@ -11,6 +11,8 @@ from dataclasses import asdict
 import torch
 from tqdm.auto import tqdm
 
+import common
+from support import models
 from support.models import save_model
 
 
@@ -160,10 +162,14 @@ class MetricLogger:
     def finish(self, model):
         """Write summary.json (held-out accuracy before/after, wall time, a weight checksum per
         rank: data-parallel replicas must agree) and curves.png."""
-        weights = [p.detach().double() for p in model.parameters()]
-        checksum = torch.tensor([sum(w.sum() + w.abs().sum() for w in weights)],
-                                device=self.accelerator.device)
+        with common.gathered_parameters(model):  # the whole weights under ZeRO-3, not this rank's shard
+            checksum = torch.tensor([sum(p.detach().double().sum() + p.detach().double().abs().sum()
+                                         for p in model.parameters())], device=self.accelerator.device)
         checksums = self.accelerator.gather(checksum).tolist()
+        shards = models.sharding(model)  # what each rank holds: proves ZeRO sharded
+        held = torch.tensor([[shards["params_local"], shards["optimizer_local"]]], dtype=torch.long,
+                            device=self.accelerator.device)
+        held = self.accelerator.gather(held).tolist()
         if self.cfg.report_to != "none":
             self.accelerator.end_training()
         if not self.accelerator.is_main_process:
@@ -172,7 +178,10 @@ class MetricLogger:
         summary = {"eval_accuracy_before": evals[0]["eval/accuracy"] if evals else None,
                    "eval_accuracy_after": evals[-1]["eval/accuracy"] if evals else None,
                    "wall_time_s": round(time.time() - self.start, 1), "num_processes": self.accelerator.num_processes,
-                   "replica_weight_checksums": checksums}
+                   "replica_weight_checksums": checksums,
+                   "sharding": {"zero_stage": shards["zero_stage"], "params": shards["params"],
+                                "trainable": shards["trainable"], "params_per_rank": [h[0] for h in held],
+                                "optimizer_state_per_rank": [h[1] for h in held]}}
         with open(os.path.join(self.cfg.output_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
         plot_metrics(self.path, os.path.join(self.cfg.output_dir, "curves.png"))
