@@ -152,7 +152,9 @@ def main():
         # ---- rollout: dynamic sampling, rounds of groups until batch_size completions in mixed groups ----
         kept_examples, kept_completion_ids, kept_rewards, kept_correct = [], [], [], []
         round_rewards, rounds, groups_dropped = [], 0, 0  # every round's rewards, kept or dropped (logged only)
-        while len(kept_examples) < cfg.batch_size and rounds < cfg.max_sampling_rounds:
+        # every rank samples as many rounds (under ZeRO-3 each generate is a collective): until all are full
+        while rounds < cfg.max_sampling_rounds and accelerator.reduce(
+                torch.tensor(float(len(kept_examples) < cfg.batch_size), device=accelerator.device), "sum") > 0:
             rounds += 1
             batch = sampler.next()
             prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, [ex["prompt"] for ex in batch],

@@ -75,8 +75,7 @@ def load_rollout_model(cfg, policy):
     if cfg.rollout_dtype == cfg.torch_dtype:
         return None
     if any(hasattr(p, "ds_id") for p in policy.parameters()):
-        raise SystemExit("error: --rollout_dtype copies the whole policy on every process, which ZeRO-3 shards: "
-                         "use ZeRO-2 or DDP, or leave --rollout_dtype equal to --torch_dtype.")
+        raise SystemExit("error: --rollout_dtype copies the whole policy, which ZeRO-3 shards: use ZeRO-2 or DDP.")
     return copy.deepcopy(policy).to(DTYPES[cfg.rollout_dtype]).eval().requires_grad_(False)
 
 
@@ -88,9 +87,9 @@ def prepare_frozen(accelerator, model):
     ZeRO-3 its shards and hooks: a model loaded under ZeRO-3 is a set of empty shards until an
     engine gathers them at each forward. The LoRA reference (the policy's own weights) is returned
     as it is. None stays None."""
-    if model is None or isinstance(model, AdapterDisabled):
-        return model
     plugin = accelerator.state.deepspeed_plugin
+    if model is None or plugin is not None and isinstance(model, AdapterDisabled):
+        return model
     if plugin is None:
         return accelerator.prepare_model(model, evaluation_mode=True)
     import deepspeed
