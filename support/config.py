@@ -47,6 +47,9 @@ class TrainConfig:
     learning_rate: float = arg(1e-4, "Policy learning rate (AdamW); papers use ~1e-6 for 7B models.")
     warmup_steps: int = arg(0, "Linear learning-rate warm-up steps, then constant.")
     max_grad_norm: float = arg(1.0, "Clip the global gradient norm to this value (0 = off).")
+    micro_batch_size: int = arg(0, "Sequences per forward/backward pass on each process; gradients add up to the "
+                                "whole batch's (0 = the whole batch in one pass).")
+    generation_batch_size: int = arg(0, "Sequences per generate call on each process (0 = all at once).")
     max_new_tokens: int = arg(8, "Maximum completion length in tokens.")
     temperature: float = arg(1.0, "Sampling temperature; log-probs are computed at the same temperature.")
     top_p: float = arg(1.0, "Nucleus sampling; log-probs are scored on the same truncated, renormalised distribution.")
@@ -63,7 +66,7 @@ class TrainConfig:
                      "log_every", "max_prompt_length", "eval_size"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name} must be > 0 (got {getattr(self, name)}).")
-        for name in ("lora_r", "save_steps", "max_grad_norm", "top_k"):
+        for name in ("lora_r", "save_steps", "max_grad_norm", "top_k", "micro_batch_size", "generation_batch_size"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name} must be >= 0 (got {getattr(self, name)}).")
         if not 0 < self.top_p <= 1:
@@ -83,6 +86,12 @@ class TrainConfig:
                 raise ValueError(f"--{name} must be one of {sorted(DTYPES)} (got {getattr(self, name)!r}).")
         if self.resume_from and not os.path.isfile(os.path.join(self.resume_from, "trainer_state.json")):
             raise ValueError(f"--resume_from {self.resume_from!r} is not a checkpoint folder (no trainer_state.json).")
+        if self.torch_dtype != "float32" and self.lora_r == 0:
+            print(f"warning: --torch_dtype {self.torch_dtype} without --lora_r trains the weights in "
+                  f"{self.torch_dtype} itself, where an update below about 0.3% (bfloat16) or 0.05% (float16) of "
+                  "a weight rounds away, as most do at --learning_rate 1e-6. Keep float32 weights with "
+                  "`accelerate launch --mixed_precision bf16`, or train a LoRA adapter (--lora_r).",
+                  file=sys.stderr, flush=True)
         if self.rule_reward_weight == 0 and not self.reward_model:
             raise ValueError("--rule_reward_weight 0 leaves no reward: give --reward_model too.")
         if not self.answer_column and not self.reward_model and self.dataset != "arithmetic":
@@ -175,7 +184,7 @@ def deepspeed_settings(ds_config, cfg, num_processes):
         raise SystemExit(f"error: the DeepSpeed config's gradient_accumulation_steps is {accumulation}: set it to 1; "
                          "--micro_batch_size splits each batch into micro-batches and accumulates them.")
     ds_config["gradient_accumulation_steps"] = 1
-    ds_config["train_micro_batch_size_per_gpu"] = getattr(cfg, "micro_batch_size", 0) or cfg.batch_size
+    ds_config["train_micro_batch_size_per_gpu"] = cfg.micro_batch_size or cfg.batch_size
     ds_config["train_batch_size"] = ds_config["train_micro_batch_size_per_gpu"] * num_processes
     ds_config["gradient_clipping"] = cfg.max_grad_norm  # 0 = off, as the flag
     return ds_config

@@ -80,9 +80,10 @@ def load_rollout_model(cfg, policy):
 
 
 def prepare_frozen(accelerator, model):
-    """A frozen model (the reference, the reward model) placed on the device and run in the
-    policy's precision; call after accelerator.prepare(policy, ...). Without DeepSpeed: the
-    device and the mixed-precision autocast of accelerate. Under DeepSpeed: an evaluation engine
+    """A frozen model (the reference, the reward model) on the device, run in the policy's precision:
+    with the same weights both compute the same log-probs, so the KL to the reference starts at
+    exactly 0. Call after accelerator.prepare(policy, ...). Without DeepSpeed: the device and the
+    mixed-precision autocast of accelerate. Under DeepSpeed: an evaluation engine
     (no optimizer) from the policy's config, so it gets the policy's bf16/fp16 weights, and under
     ZeRO-3 its shards and hooks: a model loaded under ZeRO-3 is a set of empty shards until an
     engine gathers them at each forward. The LoRA reference (the policy's own weights) is returned
