@@ -180,9 +180,11 @@ def main():
                 kept_rewards.append(rewards[keep])
                 kept_correct.append(correct[keep])
         sampled_rewards = torch.cat(round_rewards)
+        # every process trains on as many completions, the fewest kept (under ZeRO-3 each forward is a collective);
         # a process with no mixed group has nothing to learn from: then every process skips (DDP steps together)
-        nothing_kept = accelerator.reduce(torch.tensor(float(not kept_examples), device=accelerator.device),
-                                          reduction="sum").item() > 0
+        n = min(accelerator.gather(torch.tensor([min(len(kept_examples), cfg.batch_size)],
+                                                device=accelerator.device)).tolist())
+        nothing_kept = n == 0
         if len(kept_examples) < cfg.batch_size:
             print(f"warning: step {step} (rank {accelerator.process_index}): --max_sampling_rounds "
                   f"{cfg.max_sampling_rounds} reached with {len(kept_examples) // group_size} of "
@@ -192,7 +194,6 @@ def main():
         metrics, samples = {}, []
         if not nothing_kept:
             with timer("scoring"):
-                n = cfg.batch_size  # the last round may overfill the batch
                 examples, rewards, correct = kept_examples[:n], torch.cat(kept_rewards)[:n], torch.cat(kept_correct)[:n]
                 completion_ids = torch.nn.utils.rnn.pad_sequence(kept_completion_ids[:n], batch_first=True,
                                                                  padding_value=tokenizer.pad_token_id)

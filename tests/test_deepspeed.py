@@ -36,37 +36,53 @@ def test_deepspeed_settings_come_from_the_flags():
         config.deepspeed_settings({"gradient_accumulation_steps": 4}, cfg, 1)
 
 
-@pytest.mark.parametrize("script,stage", [("remax.py", 2), ("remax.py", 3), ("grpo.py", 2), ("grpo.py", 3)])
-def test_zero_runs_shards_and_saves_complete_model(script, stage, tmp_path):
+def launch_zero(script, stage, args, out_dir):
+    """2 steps of `script` under configs/zero{stage}.yaml, 2 processes, fp32; returns summary.json."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"configs/zero{stage}.yaml",
+           "--num_processes", "2", "--mixed_precision", "no", script, "--num_steps", "2", "--batch_size", "4",
+           "--max_new_tokens", "4", "--learning_rate", "1e-3", "--eval_every", "100", "--output_dir", str(out_dir),
+           *args]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=ENV)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads((out_dir / "summary.json").read_text())
+
+
+@pytest.mark.parametrize("script,args", [("remax.py", []), ("grpo.py", ["--num_generations", "2"])])
+def test_zero2_and_zero3_shard_save_complete_models_and_train_alike(script, args, tmp_path):
+    """ZeRO-2 with 2 micro-batches per update and ZeRO-3 with one: each shards what it should, saves a model
+    that loads and equals the gathered trained weights, and both compute the same losses and gradients."""
     pytest.importorskip("deepspeed")
     from transformers import AutoModelForCausalLM
 
-    from support import config
+    from support import config, run
 
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"configs/zero{stage}.yaml",
-           "--num_processes", "2", "--mixed_precision", "no", script, "--num_steps", "2", "--batch_size", "4",
-           "--max_new_tokens", "4", "--eval_every", "100", "--output_dir", str(tmp_path)]
-    if script == "grpo.py":
-        cmd += ["--num_generations", "2"]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=ENV)
-    assert out.returncode == 0, out.stderr[-3000:]
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    shards = summary["sharding"]
-    assert summary["num_processes"] == 2 and shards["zero_stage"] == stage
-    n = shards["params"]
-    # each rank's optimizer state is its half of the weights' (fp32 master copy), padded to alignment
-    assert all(n / 2 <= k < 0.51 * n for k in shards["optimizer_state_per_rank"])
-    if stage == 3:  # the weights too
-        assert all(n / 2 <= k < 0.51 * n for k in shards["params_per_rank"])
-    else:
-        assert shards["params_per_rank"] == [n, n]
-    # the saved model is complete: it loads and its weights are the gathered trained weights
-    final = AutoModelForCausalLM.from_pretrained(tmp_path / "final")
-    assert sum(p.numel() for p in final.parameters()) == n
-    a, b = summary["replica_weight_checksums"]
-    assert a == b and checksum(final) == pytest.approx(a, rel=1e-12)
-    assert checksum(final) != pytest.approx(checksum(AutoModelForCausalLM.from_pretrained(config.EMBEDDED_MODEL)),
-                                            rel=1e-9)
+    start = AutoModelForCausalLM.from_pretrained(config.EMBEDDED_MODEL)
+    final = {}
+    for stage, micro_batch_size in ((2, "2"), (3, "0")):
+        summary = launch_zero(script, stage, args + ["--micro_batch_size", micro_batch_size], tmp_path / str(stage))
+        shards = summary["sharding"]
+        assert summary["num_processes"] == 2 and shards["zero_stage"] == stage
+        n = shards["params"]
+        # each process holds half of the optimizer's fp32 master weights (padded to alignment) ...
+        assert all(n / 2 <= k < 0.51 * n for k in shards["optimizer_state_per_rank"])
+        if stage == 3:  # ... and under ZeRO-3 half of the weights too
+            assert all(n / 2 <= k < 0.51 * n for k in shards["params_per_rank"])
+        else:
+            assert shards["params_per_rank"] == [n, n]
+        # the saved model is complete: it loads, and it is the gathered trained weights
+        final[stage] = AutoModelForCausalLM.from_pretrained(tmp_path / str(stage) / "final")
+        assert sum(p.numel() for p in final[stage].parameters()) == n
+        a, b = summary["replica_weight_checksums"]
+        assert a == b and checksum(final[stage]) == pytest.approx(a, rel=1e-12)
+        assert max((p - q).abs().max().item() for p, q in zip(final[stage].parameters(), start.parameters())) > 1e-4
+    # the same samples, and the same loss and gradient norm at every step: the micro-batches add up to the batch
+    rows = {stage: [r for r in run.read_metrics(tmp_path / str(stage) / "metrics.jsonl") if r["step"] > 0]
+            for stage in (2, 3)}
+    for key in ("train/reward", "train/loss", "train/grad_norm"):
+        assert [r[key] for r in rows[2]] == pytest.approx([r[key] for r in rows[3]], rel=1e-6, abs=1e-7)
+    assert any(r["train/grad_norm"] > 0.1 for r in rows[2])
+    # (not the weights: Adam's step lr * m / (sqrt(v) + eps) turns the rounding of gradients near 0, which
+    # differs between the two reductions, into differences of up to lr)
 
 
 def test_zero3_generation_gathers_once_and_nonfinite_steps_are_skipped(tmp_path):
