@@ -128,8 +128,9 @@ def main():
     # ---- setup: accelerator, seed, policy, data (no reference model: no KL term) ----
     accelerator = config.make_accelerator(cfg)
     set_seed(cfg.seed)  # identical initial weights on every rank
-    tokenizer = models.load_tokenizer(cfg)
-    train_data, eval_data = tasks.load_task(cfg, tokenizer)  # data errors surface before models load
+    with accelerator.main_process_first():  # the main process downloads tokenizer and data, the others read its cache
+        tokenizer = models.load_tokenizer(cfg)
+        train_data, eval_data = tasks.load_task(cfg, tokenizer)  # data errors surface before models load
     reward_fn = tasks.make_reward_fn(cfg, accelerator)
     policy = models.load_model(cfg)
     rollout_model = models.load_rollout_model(cfg, policy)  # None unless --rollout_dtype differs

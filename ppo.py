@@ -239,8 +239,9 @@ def main():
         raise SystemExit("error: ppo.py trains two models (policy and critic) and accelerate's DeepSpeed integration "
                          "prepares one model per Accelerator: launch it with DDP (e.g. configs/ddp_8gpu.yaml).")
     set_seed(cfg.seed)  # identical initial weights on every rank
-    tokenizer = models.load_tokenizer(cfg)
-    train_data, eval_data = tasks.load_task(cfg, tokenizer)  # data errors surface before models load
+    with accelerator.main_process_first():  # the main process downloads tokenizer and data, the others read its cache
+        tokenizer = models.load_tokenizer(cfg)
+        train_data, eval_data = tasks.load_task(cfg, tokenizer)  # data errors surface before models load
     reward_fn = tasks.make_reward_fn(cfg, accelerator)
     policy = models.load_model(cfg)
     if cfg.reward_model_path:
@@ -302,7 +303,10 @@ def main():
             lam = length_adaptive_lam(mask.sum(1), cfg.lam_alpha) if cfg.lam_alpha > 0 else cfg.lam
             lam_critic = cfg.lam if cfg.lam_critic is None else cfg.lam_critic
             adv, returns = decoupled_gae(token_rewards, old_values, mask, cfg.gamma, lam, lam_critic)
-            adv = common.masked_whiten(adv, mask)
+            # whitened over the global batch: every process's tokens (completions padded to one length)
+            all_adv, all_mask = (accelerator.gather(accelerator.pad_across_processes(x, dim=1)) for x in (adv, mask))
+            adv = common.masked_whiten(all_adv, all_mask).chunk(accelerator.num_processes)[accelerator.process_index]
+            adv = adv[:, :T]
 
         # ---- num_epochs passes over num_mini_batches minibatches, one step each ----
         updates = []

@@ -71,8 +71,9 @@ def main():
     # ---- setup: accelerator, seed, policy, reference, data ----
     accelerator = config.make_accelerator(cfg)
     set_seed(cfg.seed)  # identical initial weights on every rank
-    tokenizer = models.load_tokenizer(cfg)
-    train_data, eval_data = tasks.load_task(cfg, tokenizer)  # data errors surface before models load
+    with accelerator.main_process_first():  # the main process downloads tokenizer and data, the others read its cache
+        tokenizer = models.load_tokenizer(cfg)
+        train_data, eval_data = tasks.load_task(cfg, tokenizer)  # data errors surface before models load
     reward_fn = tasks.make_reward_fn(cfg, accelerator)
     policy = models.load_model(cfg)
     ref_model = models.load_reference(cfg, policy) if cfg.beta > 0 else None

@@ -279,3 +279,26 @@ def test_two_process_checkpoint_resumes_every_rank(tmp_path):
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["num_processes"] == 2 and len(set(summary["replica_weight_checksums"])) == 1
     assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [0, 1, 2]
+
+
+def fraction_changed_by_ten_small_steps(dtype):
+    model = AutoModelForCausalLM.from_pretrained(config.EMBEDDED_MODEL, dtype=dtype)
+    start = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0)
+    ids = torch.tensor([[4, 5, 13, 6, 16, 7]])
+    for _ in range(10):
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return sum((p != s).sum().item() for p, s in zip(model.parameters(), start)) / sum(s.numel() for s in start)
+
+
+def test_low_precision_weights_without_lora_warn_that_small_updates_round_away(capsys):
+    """10 AdamW steps at lr 1e-6 change most float32 weights and almost no bfloat16 weight: each step moves a
+    weight by about lr, far below half the bfloat16 spacing near it (0.2-0.4% of the weight)."""
+    assert fraction_changed_by_ten_small_steps(torch.float32) > 0.5
+    assert fraction_changed_by_ten_small_steps(torch.bfloat16) < 0.05
+    config.TrainConfig(torch_dtype="bfloat16")
+    assert "--torch_dtype bfloat16 without --lora_r" in capsys.readouterr().err
+    config.TrainConfig(torch_dtype="bfloat16", lora_r=8)
+    assert capsys.readouterr().err == ""
