@@ -101,7 +101,8 @@ def prepare_frozen(accelerator, model):
     if ds_config["zero_optimization"]["stage"] != 3:
         ds_config["zero_optimization"] = {"stage": 0}  # nothing to shard without gradients and optimizer state
     engine, *_ = deepspeed.initialize(model=model, config=ds_config)
-    return engine.eval()
+    engine.eval()  # DeepSpeedEngine.eval() returns None, not the engine
+    return engine
 
 
 @torch.no_grad()
