@@ -155,11 +155,9 @@ class Checkpointer:
     def _prune(self, keep):
         complete, partial = list_checkpoints(self.cfg.output_dir)
         older = [p for p in complete if p != keep]
-        if self.cfg.save_total_limit:
-            older = older[:max(0, len(older) - (self.cfg.save_total_limit - 1))]
-        else:
-            older = []
-        for old in partial + older:
+        limit = self.cfg.save_total_limit
+        beyond = older[:max(0, len(older) - (limit - 1))] if limit else []
+        for old in partial + beyond:
             shutil.rmtree(old, ignore_errors=True)
 
     def check_finite(self, step, loss, grad_norm, policy, tokenizer):
@@ -180,12 +178,13 @@ class Checkpointer:
             if self.skipped_steps < MAX_SKIPPED_STEPS:
                 return
         path = self._last_good(step - 1) or self.save(step - 1, policy, tokenizer)
+        norm = torch.as_tensor(grad_norm).tolist()  # PPO passes (policy, critic)
         if self.skipped_steps >= MAX_SKIPPED_STEPS:
             raise SystemExit(f"error: {self.skipped_steps} steps in a row up to step {step} overflowed the fp16 loss "
-                             f"scale (gradient norm {float(grad_norm)}) and were skipped; the last good state is in "
+                             f"scale (gradient norm {norm}) and were skipped; the last good state is in "
                              f"{path}. Lower --learning_rate, or train in bfloat16 (accelerate launch "
                              "--mixed_precision bf16).")
-        raise SystemExit(f"error: non-finite loss ({loss.item()}) or gradient norm ({float(grad_norm)}) at step "
+        raise SystemExit(f"error: non-finite loss ({loss.item()}) or gradient norm ({norm}) at step "
                          f"{step}; the update was not applied and the last good state is in {path}. Lower "
                          "--learning_rate, keep --max_grad_norm on, or check the rewards.")
 
