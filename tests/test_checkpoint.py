@@ -1,6 +1,7 @@
 """Checkpoints: atomic writes that survive kill -9, retention (--save_total_limit), --resume_from
 latest, what a checkpoint records and the resumes it refuses, non-finite weights and logits, and
 fp16 loss-scale overflows."""
+import importlib
 import json
 import os
 import random
@@ -19,6 +20,10 @@ from conftest import ROOT
 CHAOS_ARGS = ["--num_steps", "6", "--batch_size", "2", "--max_new_tokens", "4", "--eval_every", "100000",
               "--save_steps", "1", "--save_model", "False"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def config_class(script):
+    return importlib.import_module(script).Config
 
 
 def comparable(rows):
@@ -128,7 +133,7 @@ def test_retention_keeps_the_newest_complete_checkpoints_and_latest_skips_partia
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", "checkpoint-3"]
     (tmp_path / "tmp-checkpoint-4").mkdir()  # killed while writing step 4
     (tmp_path / "checkpoint-5").mkdir()  # an older version's half-written folder: no trainer_state.json
-    cfg = config.parse_config(importlib_config("remax"), ["--output_dir", str(tmp_path), "--resume_from", "latest"])
+    cfg = config.parse_config(config_class("remax"), ["--output_dir", str(tmp_path), "--resume_from", "latest"])
     assert cfg.resume_from == str(tmp_path / "checkpoint-3")
     err = capsys.readouterr().err
     assert "warning: ignoring partial checkpoints" in err and "tmp-checkpoint-4" in err and "checkpoint-5" in err
@@ -140,14 +145,8 @@ def test_retention_keeps_the_newest_complete_checkpoints_and_latest_skips_partia
     assert len(run.list_checkpoints(tmp_path)[0]) == 4
 
 
-def importlib_config(script):
-    import importlib
-
-    return importlib.import_module(script).Config
-
-
 def test_resume_latest_without_a_checkpoint_starts_at_step_zero(tmp_path, capsys):
-    cfg = config.parse_config(importlib_config("remax"), ["--output_dir", str(tmp_path), "--resume_from", "latest"])
+    cfg = config.parse_config(config_class("remax"), ["--output_dir", str(tmp_path), "--resume_from", "latest"])
     assert cfg.resume_from == "" and "starting at step 0" in capsys.readouterr().err
 
 
@@ -161,17 +160,17 @@ def write_checkpoint(out_dir, script, cfg, world_size=1, step=3):
 
 
 def test_resume_refuses_another_scripts_checkpoint(tmp_path, monkeypatch):
-    grpo_cfg = config.parse_config(importlib_config("grpo"), ["--output_dir", str(tmp_path / "g")])
+    grpo_cfg = config.parse_config(config_class("grpo"), ["--output_dir", str(tmp_path / "g")])
     path = write_checkpoint(tmp_path / "g", "grpo.py", grpo_cfg)
     monkeypatch.setattr(sys, "argv", ["ppo.py"])
     with pytest.raises(SystemExit) as e:
-        config.parse_config(importlib_config("ppo"), ["--output_dir", str(tmp_path / "p"), "--resume_from", str(path)])
+        config.parse_config(config_class("ppo"), ["--output_dir", str(tmp_path / "p"), "--resume_from", str(path)])
     assert str(e.value).startswith("error: --resume_from") and "written by grpo.py, not ppo.py" in str(e.value)
 
 
 def test_resume_refuses_step_changing_flags_and_notes_harmless_ones(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["grpo.py"])
-    Config = importlib_config("grpo")
+    Config = config_class("grpo")
     path = write_checkpoint(tmp_path, "grpo.py", config.parse_config(Config, ["--output_dir", str(tmp_path)]))
     with pytest.raises(SystemExit) as e:
         config.parse_config(Config, ["--output_dir", str(tmp_path / "new"), "--resume_from", str(path),
@@ -186,7 +185,7 @@ def test_resume_refuses_step_changing_flags_and_notes_harmless_ones(tmp_path, mo
 
 def test_resume_with_another_world_size_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["remax.py"])
-    Config = importlib_config("remax")
+    Config = config_class("remax")
     path = write_checkpoint(tmp_path, "remax.py", config.parse_config(Config, ["--output_dir", str(tmp_path)]),
                             world_size=2)
     cfg = config.parse_config(Config, ["--output_dir", str(tmp_path), "--resume_from", str(path)])
@@ -196,19 +195,29 @@ def test_resume_with_another_world_size_is_refused(tmp_path, monkeypatch):
 
 def test_output_dir_with_checkpoints_or_another_scripts_run_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["remax.py"])
-    Config = importlib_config("remax")
+    Config = config_class("remax")
     write_checkpoint(tmp_path, "remax.py", config.parse_config(Config, ["--output_dir", str(tmp_path)]))
     with pytest.raises(SystemExit, match="error: --output_dir .* holds checkpoints of an earlier run"):
         config.parse_config(Config, ["--output_dir", str(tmp_path)])
     monkeypatch.setattr(sys, "argv", ["rloo.py"])
     with pytest.raises(SystemExit, match="error: --output_dir .* holds a run of remax.py"):
-        config.parse_config(importlib_config("rloo"), ["--output_dir", str(tmp_path), "--resume_from", "latest"])
+        config.parse_config(config_class("rloo"), ["--output_dir", str(tmp_path), "--resume_from", "latest"])
+
+
+def test_a_run_without_checkpoints_is_written_over_by_its_script_only(parts, tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["remax.py"])
+    cfg = config.parse_config(config_class("remax"), ["--output_dir", str(tmp_path)])
+    run.MetricLogger(cfg, parts[0]).log(0, {"eval/accuracy": 0.5})  # writes config.json naming remax.py
+    assert config.parse_config(config_class("remax"), ["--output_dir", str(tmp_path)]).output_dir == str(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["grpo.py"])
+    with pytest.raises(SystemExit, match="error: --output_dir .* holds a run of remax.py: give grpo.py another"):
+        config.parse_config(config_class("grpo"), ["--output_dir", str(tmp_path)])
 
 
 def test_unwritable_output_dir_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "access", lambda path, mode: False)  # tests may run as root, who can write anywhere
     with pytest.raises(SystemExit, match="error: --output_dir .* is not writable"):
-        config.parse_config(importlib_config("remax"), ["--output_dir", str(tmp_path / "run")])
+        config.parse_config(config_class("remax"), ["--output_dir", str(tmp_path / "run")])
 
 
 def test_fp16_overflow_skips_steps_and_stops_after_max_skipped_steps(parts, tmp_path, monkeypatch):
