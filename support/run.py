@@ -163,22 +163,23 @@ class Checkpointer:
     def check_finite(self, step, loss, grad_norm, policy, tokenizer):
         """Call between clipping and optimizer.step(): a NaN/inf loss or gradient norm (on any rank)
         saves the last good state (the weights before this update) and stops the run with a message.
-        With a GradScaler (fp16 mixed precision) an inf gradient norm is a loss-scale overflow that
-        optimizer.step() skips while lowering the scale: the run stops only after MAX_SKIPPED_STEPS
-        in a row."""
+        Under fp16 loss scaling (accelerate's GradScaler, or DeepSpeed's own) an inf gradient norm is a
+        loss-scale overflow that the optimizer step skips while lowering the scale: the run stops only
+        after MAX_SKIPPED_STEPS in a row. A grad_norm of None (DeepSpeed reports none before its first
+        step) counts as finite."""
         device = self.accelerator.device
-        bad = torch.stack([~torch.isfinite(loss.detach().to(device)).all(),
-                           ~torch.isfinite(torch.as_tensor(grad_norm, device=device)).all()]).float()
+        norm = torch.as_tensor(0.0 if grad_norm is None else grad_norm, device=device)
+        bad = torch.stack([~torch.isfinite(loss.detach().to(device)).all(), ~torch.isfinite(norm).all()]).float()
         bad_loss, bad_norm = (self.accelerator.reduce(bad, reduction="sum") > 0).tolist()
         if not (bad_loss or bad_norm):
             self.skipped_steps = 0
             return
-        if not bad_loss and self.accelerator.scaler is not None:
+        if not bad_loss and loss_scaling(self.accelerator):
             self.skipped_steps += 1
             if self.skipped_steps < MAX_SKIPPED_STEPS:
                 return
         path = self._last_good(step - 1) or self.save(step - 1, policy, tokenizer)
-        norm = torch.as_tensor(grad_norm).tolist()  # PPO passes (policy, critic)
+        norm = norm.tolist()  # PPO passes (policy, critic)
         if self.skipped_steps >= MAX_SKIPPED_STEPS:
             raise SystemExit(f"error: {self.skipped_steps} steps in a row up to step {step} overflowed the fp16 loss "
                              f"scale (gradient norm {norm}) and were skipped; the last good state is in "
@@ -216,6 +217,12 @@ class Checkpointer:
         return stop
 
 
+def loss_scaling(accelerator):
+    """Whether fp16 loss scaling skips the steps whose gradients overflow."""
+    deepspeed_fp16 = accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision == "fp16"
+    return accelerator.scaler is not None or deepspeed_fp16
+
+
 def finite_weights_and_logits(model, tokenizer, prompts):
     """True when every trainable weight (this rank's shard under ZeRO-3) is finite and so are the
     logits on a few training prompts. Weights of ~1e30 are finite, yet the logits overflow and
@@ -225,8 +232,9 @@ def finite_weights_and_logits(model, tokenizer, prompts):
         weights = [torch.isfinite(getattr(p, "ds_tensor", p)).all() for p in model.parameters() if p.requires_grad]
         enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
         device = next(model.parameters()).device
+        # the last position sees every earlier one, so its logits carry a NaN from anywhere in the prompt
         logits = model(input_ids=enc["input_ids"].to(device), attention_mask=enc["attention_mask"].to(device),
-                       use_cache=False).logits
+                       use_cache=False, logits_to_keep=1).logits
         return bool(torch.stack(weights).all()) and bool(torch.isfinite(logits).all())
 
 
