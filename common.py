@@ -140,6 +140,27 @@ def aggregate_loss(per_token_loss, mask, mode, max_len=None):
     # END SOLUTION
 
 
+def micro_batches(batch_size, micro_batch_size):
+    """Slices of consecutive rows that cover range(batch_size), micro_batch_size rows each (the last may be
+    smaller); 0 gives one slice, the whole batch."""
+    size = micro_batch_size or batch_size
+    return [slice(start, min(start + size, batch_size)) for start in range(0, batch_size, size)]
+
+
+def micro_batch_weight(mask, loss_agg, num_tokens, num_sequences):
+    """Weight of one micro-batch's loss, aggregated over that micro-batch alone, such that the weighted
+    losses of all micro-batches add up to the loss aggregated over the whole batch (so do their gradients).
+
+    mask: the micro-batch's (b, T) completion mask. token-mean divides by the token count of the whole
+    batch, num_tokens; every other mode is a mean over sequences, of which the batch has num_sequences.
+    Under data parallelism pass as num_tokens the mean token count per process: DDP averages the
+    processes' gradients, so the loss becomes the token-mean over every process's tokens.
+    """
+    if loss_agg == "token-mean":
+        return mask.sum() / num_tokens
+    return mask.shape[0] / num_sequences
+
+
 def reward_to_go(x, mask):
     """Per-token sum over t' >= t of x[t'] (masked), i.e. the return with gamma = 1."""
     # BEGIN SOLUTION
@@ -252,9 +273,15 @@ def token_logprobs(model, input_ids, attention_mask, num_completion_tokens, temp
 
 @torch.no_grad()
 def generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=1, greedy=False):
-    """Sample `num_samples` completions per prompt (or one greedy completion).
-    Prompts are left-padded; returns completion ids (B * num_samples, C), padded after EOS.
-    Works for a bare, DDP-wrapped (pass accelerator.unwrap_model) or peft model."""
+    """Sample `num_samples` completions per prompt (or one greedy completion), in generate calls of at
+    most --generation_batch_size sequences. Prompts are left-padded; returns completion ids
+    (B * num_samples, C), each prompt's samples adjacent, padded after EOS.
+
+    The sampler is exactly temperature, top-k and top-p, as token_logprobs scores it: the generation
+    config is built whole (the library's defaults plus these), and the checkpoint's
+    generation_config.json, whose repetition penalty or min_p would change the distribution, is set aside
+    for the call. Works for a bare, DDP-unwrapped (accelerator.unwrap_model) or peft model.
+    """
     from transformers import GenerationConfig
 
     if greedy:
@@ -264,15 +291,23 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=1, gree
         gen = GenerationConfig(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
                                max_new_tokens=cfg.max_new_tokens, num_return_sequences=num_samples)
     gen.pad_token_id, gen.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    n = max(1, cfg.generation_batch_size // num_samples) if cfg.generation_batch_size else len(prompt_ids)
+    hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model  # under a peft wrapper
+    checkpoint_config, hf_model.generation_config = hf_model.generation_config, GenerationConfig()
     was_training = model.training
     model.eval()
-    with gathered_parameters(model):
-        out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen)
-    model.train(was_training)
-    completion_ids = out[:, prompt_ids.shape[1]:]
-    if completion_ids.shape[1] == 0:  # cannot happen with max_new_tokens >= 1; keep shapes sane
-        completion_ids = torch.full_like(prompt_ids[:, :1], tokenizer.eos_token_id)
-    return completion_ids
+    try:
+        with gathered_parameters(model):
+            chunks = [model.generate(input_ids=prompt_ids[i:i + n], attention_mask=prompt_mask[i:i + n],
+                                     generation_config=gen)[:, prompt_ids.shape[1]:]
+                      for i in range(0, len(prompt_ids), n)]
+    finally:
+        hf_model.generation_config = checkpoint_config
+        model.train(was_training)
+    # a call whose every completion ended early is shorter: pad after its EOS, which the completion mask drops
+    width = max(chunk.shape[1] for chunk in chunks)
+    return torch.cat([torch.nn.functional.pad(chunk, (0, width - chunk.shape[1]), value=tokenizer.pad_token_id)
+                      for chunk in chunks])
 
 
 def gathered_parameters(model):

@@ -128,9 +128,10 @@ def main():
     # ---- setup: accelerator, seed, policy, data (no reference model: no KL term) ----
     accelerator = config.make_accelerator(cfg)
     set_seed(cfg.seed)  # identical initial weights on every rank
-    tokenizer = models.load_tokenizer(cfg)
-    train_data, eval_data = tasks.load_task(cfg, tokenizer)  # data errors surface before models load
-    reward_fn = tasks.make_reward_fn(cfg, accelerator.device)
+    with accelerator.main_process_first():  # the main process downloads tokenizer and data, the others read its cache
+        tokenizer = models.load_tokenizer(cfg)
+        train_data, eval_data = tasks.load_task(cfg, tokenizer)  # data errors surface before models load
+    reward_fn = tasks.make_reward_fn(cfg, accelerator)
     policy = models.load_model(cfg)
     rollout_model = models.load_rollout_model(cfg, policy)  # None unless --rollout_dtype differs
     optimizer, scheduler = models.make_optimizer(policy, cfg)
@@ -203,28 +204,46 @@ def main():
                 attention_mask = torch.cat([prompt_mask, mask], dim=1)
                 T = completion_ids.shape[1]
                 sampling = {"top_k": cfg.top_k, "top_p": cfg.top_p}  # score on the distribution that was sampled
+                micro_batches = common.micro_batches(len(input_ids), cfg.micro_batch_size)
                 old_logp, rollout_logp = None, None
                 with torch.no_grad():
                     if cfg.num_epochs > 1:  # log-probs at sampling time; with mu = 1 they are logp.detach()
-                        old_logp = common.token_logprobs(policy, input_ids, attention_mask, T, cfg.temperature,
-                                                         **sampling)
+                        old_logp = torch.cat([common.token_logprobs(policy, input_ids[mb], attention_mask[mb], T,
+                                                                    cfg.temperature, **sampling)
+                                              for mb in micro_batches])
                     if rollout_model is not None:  # what an inference engine returns with its samples
-                        rollout_logp = common.token_logprobs(rollout_model, input_ids, attention_mask, T,
-                                                             cfg.temperature, **sampling)
+                        rollout_logp = torch.cat([common.token_logprobs(rollout_model, input_ids[mb],
+                                                                        attention_mask[mb], T, cfg.temperature,
+                                                                        **sampling) for mb in micro_batches])
                 adv = grpo_advantages(rewards, group_size)
 
+            num_tokens = accelerator.reduce(mask.sum().float(), reduction="mean")  # token-mean over every process
             for _ in range(cfg.num_epochs):  # stats below are those of the last (most off-policy) update
                 with timer("forward_backward"):
-                    # ---- log-probs, ratio, clip-higher surrogate, token-mean, rollout correction ----
-                    logp, entropy = common.token_logprobs(policy, input_ids, attention_mask, T, cfg.temperature,
-                                                          with_entropy=True, **sampling)
+                    # ---- log-probs, ratio, clip-higher surrogate, token-mean, rollout correction, in
+                    # micro-batches whose gradients add up to the batch's ----
+                    logp, entropy = [], []
+                    for mb in micro_batches:
+                        mb_logp, mb_entropy = common.token_logprobs(policy, input_ids[mb], attention_mask[mb], T,
+                                                                    cfg.temperature, with_entropy=True, **sampling)
+                        mb_old_logp = old_logp[mb] if cfg.num_epochs > 1 else mb_logp.detach()
+                        mb_rollout_logp = rollout_logp[mb] if rollout_model is not None else None
+                        pg_weight, _ = common.rollout_correction(mb_logp, mb_old_logp, mb_rollout_logp, adv[mb],
+                                                                 mask[mb], cfg.tis_cap, cfg.geo_mask_delta)
+                        mb_loss, _ = dapo_loss(mb_logp, mb_old_logp, adv[mb], mask[mb], cfg.epsilon_low,
+                                               cfg.epsilon_high, cfg.dual_clip_c, pg_weight)
+                        weight = common.micro_batch_weight(mask[mb], "token-mean", num_tokens, len(input_ids))
+                        run.backward(accelerator, policy, weight * mb_loss, sync=mb.stop == len(input_ids))
+                        logp.append(mb_logp.detach())
+                        entropy.append(mb_entropy)
+                    # the whole batch's loss and stats, for the log
+                    logp, entropy = torch.cat(logp), torch.cat(entropy)
                     if cfg.num_epochs == 1:
-                        old_logp = logp.detach()
+                        old_logp = logp
                     pg_weight, correction = common.rollout_correction(logp, old_logp, rollout_logp, adv, mask,
                                                                       cfg.tis_cap, cfg.geo_mask_delta)
                     loss, stats = dapo_loss(logp, old_logp, adv, mask, cfg.epsilon_low, cfg.epsilon_high,
                                             cfg.dual_clip_c, pg_weight)
-                    accelerator.backward(loss)
 
                 with timer("optimizer"):
                     # ---- mu steps on the same batch ----

@@ -130,16 +130,17 @@ def main():
     # ---- setup: accelerator, seed, policy, reference, data ----
     accelerator = config.make_accelerator(cfg)
     set_seed(cfg.seed)  # identical initial weights on every rank
-    tokenizer = models.load_tokenizer(cfg)
-    train_data, eval_data = tasks.load_task(cfg, tokenizer)  # data errors surface before models load
-    reward_fn = tasks.make_reward_fn(cfg, accelerator.device)
+    with accelerator.main_process_first():  # the main process downloads tokenizer and data, the others read its cache
+        tokenizer = models.load_tokenizer(cfg)
+        train_data, eval_data = tasks.load_task(cfg, tokenizer)  # data errors surface before models load
+    reward_fn = tasks.make_reward_fn(cfg, accelerator)
     policy = models.load_model(cfg)
     ref_model = models.load_reference(cfg, policy) if cfg.beta > 0 else None
     rollout_model = models.load_rollout_model(cfg, policy)  # None unless --rollout_dtype differs
     optimizer, scheduler = models.make_optimizer(policy, cfg)
     policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
     if ref_model is not None:
-        ref_model = ref_model.to(accelerator.device)
+        ref_model = models.prepare_frozen(accelerator, ref_model)
     if rollout_model is not None:
         rollout_model = rollout_model.to(accelerator.device)
     group_size = cfg.num_generations
@@ -174,30 +175,53 @@ def main():
             attention_mask = torch.cat([prompt_mask, mask], dim=1)
             T = completion_ids.shape[1]
             sampling = {"top_k": cfg.top_k, "top_p": cfg.top_p}  # score on the distribution that was sampled
+            micro_batches = common.micro_batches(len(input_ids), cfg.micro_batch_size)
             old_logp, ref_logp, rollout_logp = None, None, None
             with torch.no_grad():
                 if cfg.num_epochs > 1:  # log-probs at sampling time; with mu = 1 they are logp.detach()
-                    old_logp = common.token_logprobs(policy, input_ids, attention_mask, T, cfg.temperature, **sampling)
+                    old_logp = torch.cat([common.token_logprobs(policy, input_ids[mb], attention_mask[mb], T,
+                                                                cfg.temperature, **sampling) for mb in micro_batches])
                 if ref_model is not None:
-                    ref_logp = common.token_logprobs(ref_model, input_ids, attention_mask, T, cfg.temperature)
+                    ref_logp = torch.cat([common.token_logprobs(ref_model, input_ids[mb], attention_mask[mb], T,
+                                                                cfg.temperature) for mb in micro_batches])
                 if rollout_model is not None:  # what an inference engine returns with its samples
-                    rollout_logp = common.token_logprobs(rollout_model, input_ids, attention_mask, T, cfg.temperature,
-                                                         **sampling)
-            adv = grpo_advantages(rewards, group_size, cfg.scale_rewards)
+                    rollout_logp = torch.cat([common.token_logprobs(rollout_model, input_ids[mb], attention_mask[mb],
+                                                                    T, cfg.temperature, **sampling)
+                                              for mb in micro_batches])
+            # over the global batch: --scale_rewards batch divides by the std of every process's rewards
+            adv = grpo_advantages(accelerator.gather(rewards), group_size, cfg.scale_rewards)
+            adv = adv.chunk(accelerator.num_processes)[accelerator.process_index]
 
+        num_tokens = accelerator.reduce(mask.sum().float(), reduction="mean")  # token-mean over every process
         for _ in range(cfg.num_epochs):  # stats below are those of the last (most off-policy) update
             with timer("forward_backward"):
-                # ---- log-probs, ratio, clipped surrogate + KL, rollout correction ----
-                logp, entropy = common.token_logprobs(policy, input_ids, attention_mask, T, cfg.temperature,
-                                                      with_entropy=True, **sampling)
+                # ---- log-probs, ratio, clipped surrogate + KL, rollout correction, in micro-batches whose
+                # gradients add up to the batch's ----
+                logp, entropy = [], []
+                for mb in micro_batches:
+                    mb_logp, mb_entropy = common.token_logprobs(policy, input_ids[mb], attention_mask[mb], T,
+                                                                cfg.temperature, with_entropy=True, **sampling)
+                    mb_old_logp = old_logp[mb] if cfg.num_epochs > 1 else mb_logp.detach()
+                    mb_ref_logp = ref_logp[mb] if ref_model is not None else None
+                    mb_rollout_logp = rollout_logp[mb] if rollout_model is not None else None
+                    pg_weight, _ = common.rollout_correction(mb_logp, mb_old_logp, mb_rollout_logp, adv[mb], mask[mb],
+                                                             cfg.tis_cap, cfg.geo_mask_delta)
+                    mb_loss, _ = grpo_loss(mb_logp, mb_old_logp, mb_ref_logp, adv[mb], mask[mb], cfg.epsilon, cfg.beta,
+                                           cfg.loss_agg, cfg.max_new_tokens, cfg.kl_estimator, cfg.kl_is_weight,
+                                           cfg.dual_clip_c, pg_weight)
+                    weight = common.micro_batch_weight(mask[mb], cfg.loss_agg, num_tokens, len(input_ids))
+                    run.backward(accelerator, policy, weight * mb_loss, sync=mb.stop == len(input_ids))
+                    logp.append(mb_logp.detach())
+                    entropy.append(mb_entropy)
+                # the whole batch's loss and stats, for the log
+                logp, entropy = torch.cat(logp), torch.cat(entropy)
                 if cfg.num_epochs == 1:
-                    old_logp = logp.detach()
+                    old_logp = logp
                 pg_weight, correction = common.rollout_correction(logp, old_logp, rollout_logp, adv, mask,
                                                                   cfg.tis_cap, cfg.geo_mask_delta)
                 loss, stats = grpo_loss(logp, old_logp, ref_logp, adv, mask, cfg.epsilon, cfg.beta, cfg.loss_agg,
                                         cfg.max_new_tokens, cfg.kl_estimator, cfg.kl_is_weight, cfg.dual_clip_c,
                                         pg_weight)
-                accelerator.backward(loss)
 
             with timer("optimizer"):
                 # ---- mu steps on the same batch ----

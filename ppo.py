@@ -239,9 +239,10 @@ def main():
         raise SystemExit("error: ppo.py trains two models (policy and critic) and accelerate's DeepSpeed integration "
                          "prepares one model per Accelerator: launch it with DDP (e.g. configs/ddp_8gpu.yaml).")
     set_seed(cfg.seed)  # identical initial weights on every rank
-    tokenizer = models.load_tokenizer(cfg)
-    train_data, eval_data = tasks.load_task(cfg, tokenizer)  # data errors surface before models load
-    reward_fn = tasks.make_reward_fn(cfg, accelerator.device)
+    with accelerator.main_process_first():  # the main process downloads tokenizer and data, the others read its cache
+        tokenizer = models.load_tokenizer(cfg)
+        train_data, eval_data = tasks.load_task(cfg, tokenizer)  # data errors surface before models load
+    reward_fn = tasks.make_reward_fn(cfg, accelerator)
     policy = models.load_model(cfg)
     if cfg.reward_model_path:
         models.check_model_path(cfg.reward_model_path, flag="--reward_model_path")
@@ -253,7 +254,7 @@ def main():
     policy, critic, optimizer, critic_optimizer, scheduler, critic_scheduler = accelerator.prepare(
         policy, critic, optimizer, critic_optimizer, scheduler, critic_scheduler)
     if ref_model is not None:
-        ref_model = ref_model.to(accelerator.device)
+        ref_model = models.prepare_frozen(accelerator, ref_model)
     kl_ctl = AdaptiveKLController(cfg.beta, cfg.kl_target, cfg.kl_horizon)
     accelerator.register_for_checkpointing(kl_ctl)
     sampler = tasks.PromptSampler(train_data, cfg.batch_size, cfg.seed, accelerator.process_index,
@@ -281,14 +282,17 @@ def main():
             input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
             attention_mask = torch.cat([prompt_mask, mask], dim=1)
             T = completion_ids.shape[1]
+            micro_batches = common.micro_batches(len(input_ids), cfg.micro_batch_size)
+            sampling = {"top_k": cfg.top_k, "top_p": cfg.top_p}  # score on the distribution that was sampled
             with torch.no_grad():
                 # log-probs and values at rollout time: pi_old and V_old for every update below
-                sampling = {"top_k": cfg.top_k, "top_p": cfg.top_p}  # score on the distribution that was sampled
-                old_logp, entropy = common.token_logprobs(policy, input_ids, attention_mask, T, cfg.temperature,
-                                                          with_entropy=True, **sampling)
-                old_values = critic(input_ids, attention_mask, T)
+                scored = [common.token_logprobs(policy, input_ids[mb], attention_mask[mb], T, cfg.temperature,
+                                                with_entropy=True, **sampling) for mb in micro_batches]
+                old_logp, entropy = torch.cat([logp for logp, _ in scored]), torch.cat([ent for _, ent in scored])
+                old_values = torch.cat([critic(input_ids[mb], attention_mask[mb], T) for mb in micro_batches])
                 if ref_model is not None:
-                    ref_logp = common.token_logprobs(ref_model, input_ids, attention_mask, T, cfg.temperature)
+                    ref_logp = torch.cat([common.token_logprobs(ref_model, input_ids[mb], attention_mask[mb], T,
+                                                                cfg.temperature) for mb in micro_batches])
 
         with timer("gae"):
             # ---- per-token reward, GAE advantages (the critic is the baseline), whitened ----
@@ -299,7 +303,10 @@ def main():
             lam = length_adaptive_lam(mask.sum(1), cfg.lam_alpha) if cfg.lam_alpha > 0 else cfg.lam
             lam_critic = cfg.lam if cfg.lam_critic is None else cfg.lam_critic
             adv, returns = decoupled_gae(token_rewards, old_values, mask, cfg.gamma, lam, lam_critic)
-            adv = common.masked_whiten(adv, mask)
+            # whitened over the global batch: every process's tokens (completions padded to one length)
+            all_adv, all_mask = (accelerator.gather(accelerator.pad_across_processes(x, dim=1)) for x in (adv, mask))
+            adv = common.masked_whiten(all_adv, all_mask).chunk(accelerator.num_processes)[accelerator.process_index]
+            adv = adv[:, :T]
 
         # ---- num_epochs passes over num_mini_batches minibatches, one step each ----
         updates = []
@@ -307,15 +314,30 @@ def main():
         for _ in range(cfg.num_epochs):
             for idx in torch.randperm(cfg.batch_size, device=accelerator.device).split(mb_size):
                 with timer("forward_backward"):
-                    logp = common.token_logprobs(policy, input_ids[idx], attention_mask[idx], T, cfg.temperature,
-                                                 **sampling)
+                    # micro-batches of the minibatch, whose gradients add up to the minibatch's
+                    num_tokens = accelerator.reduce(mask[idx].sum().float(), reduction="mean")  # over every process
+                    logp, values = [], []
+                    for mb in common.micro_batches(len(idx), cfg.micro_batch_size):
+                        rows = idx[mb]
+                        mb_logp = common.token_logprobs(policy, input_ids[rows], attention_mask[rows], T,
+                                                        cfg.temperature, **sampling)
+                        mb_pg_loss, _ = ppo_policy_loss(mb_logp, old_logp[rows], adv[rows], mask[rows], cfg.epsilon,
+                                                        cfg.dual_clip_c)
+                        mb_values = critic(input_ids[rows], attention_mask[rows], T)
+                        mb_vf_loss, _ = ppo_value_loss(mb_values, old_values[rows], returns[rows], mask[rows],
+                                                       cfg.epsilon_value)
+                        weight = common.micro_batch_weight(mask[rows], "token-mean", num_tokens, len(idx))
+                        run.backward(accelerator, (policy, critic), weight * (mb_pg_loss + cfg.vf_coef * mb_vf_loss),
+                                     sync=mb.stop == len(idx))
+                        logp.append(mb_logp.detach())
+                        values.append(mb_values.detach())
+                    # the minibatch's losses and stats, for the log
+                    logp, values = torch.cat(logp), torch.cat(values)
                     pg_loss, pg_stats = ppo_policy_loss(logp, old_logp[idx], adv[idx], mask[idx], cfg.epsilon,
                                                         cfg.dual_clip_c)
-                    values = critic(input_ids[idx], attention_mask[idx], T)
                     vf_loss, vf_stats = ppo_value_loss(values, old_values[idx], returns[idx], mask[idx],
                                                        cfg.epsilon_value)
                     loss = pg_loss + cfg.vf_coef * vf_loss
-                    accelerator.backward(loss)
                 with timer("optimizer"):
                     max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
                     grad_norm = accelerator.clip_grad_norm_(policy.parameters(), max_norm)

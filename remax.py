@@ -71,15 +71,16 @@ def main():
     # ---- setup: accelerator, seed, policy, reference, data ----
     accelerator = config.make_accelerator(cfg)
     set_seed(cfg.seed)  # identical initial weights on every rank
-    tokenizer = models.load_tokenizer(cfg)
-    train_data, eval_data = tasks.load_task(cfg, tokenizer)  # data errors surface before models load
-    reward_fn = tasks.make_reward_fn(cfg, accelerator.device)
+    with accelerator.main_process_first():  # the main process downloads tokenizer and data, the others read its cache
+        tokenizer = models.load_tokenizer(cfg)
+        train_data, eval_data = tasks.load_task(cfg, tokenizer)  # data errors surface before models load
+    reward_fn = tasks.make_reward_fn(cfg, accelerator)
     policy = models.load_model(cfg)
     ref_model = models.load_reference(cfg, policy) if cfg.beta > 0 else None
     optimizer, scheduler = models.make_optimizer(policy, cfg)
     policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
     if ref_model is not None:
-        ref_model = ref_model.to(accelerator.device)
+        ref_model = models.prepare_frozen(accelerator, ref_model)
     sampler = tasks.PromptSampler(train_data, cfg.batch_size, cfg.seed, accelerator.process_index,
                                   accelerator.num_processes)
     set_seed(cfg.seed + accelerator.process_index)  # each rank samples different completions
@@ -105,9 +106,11 @@ def main():
             input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
             attention_mask = torch.cat([prompt_mask, mask], dim=1)
             T = completion_ids.shape[1]
+            micro_batches = common.micro_batches(len(input_ids), cfg.micro_batch_size)
             if ref_model is not None:
                 with torch.no_grad():
-                    ref_logp = common.token_logprobs(ref_model, input_ids, attention_mask, T, cfg.temperature)
+                    ref_logp = torch.cat([common.token_logprobs(ref_model, input_ids[mb], attention_mask[mb], T,
+                                                                cfg.temperature) for mb in micro_batches])
 
         # ---- baseline: the reward of the greedy response (ReMax), or none (REINFORCE) ----
         if cfg.baseline == "greedy":
@@ -123,12 +126,25 @@ def main():
             adv = adv.clamp(-cfg.adv_clip, cfg.adv_clip)
 
         with timer("forward_backward"):
-            # ---- log-probs, KL penalty, loss ----
-            logp, entropy = common.token_logprobs(policy, input_ids, attention_mask, T, cfg.temperature,
-                                                  with_entropy=True, top_k=cfg.top_k, top_p=cfg.top_p)
-            kl = common.kl_k1(logp.detach(), ref_logp) if ref_model is not None else torch.zeros_like(logp)
+            # ---- log-probs, KL penalty, loss, in micro-batches whose gradients add up to the batch's ----
+            num_tokens = accelerator.reduce(mask.sum().float(), reduction="mean")  # token-mean over every process
+            logp, entropy = [], []
+            for mb in micro_batches:
+                mb_logp, mb_entropy = common.token_logprobs(policy, input_ids[mb], attention_mask[mb], T,
+                                                            cfg.temperature, with_entropy=True, top_k=cfg.top_k,
+                                                            top_p=cfg.top_p)
+                mb_kl = common.kl_k1(mb_logp.detach(), ref_logp[mb]) if ref_model is not None else \
+                    torch.zeros_like(mb_logp)
+                mb_loss, _ = remax_loss(mb_logp, adv[mb], mb_kl, mask[mb], cfg.beta, cfg.loss_agg,
+                                        max_len=cfg.max_new_tokens)
+                weight = common.micro_batch_weight(mask[mb], cfg.loss_agg, num_tokens, len(input_ids))
+                run.backward(accelerator, policy, weight * mb_loss, sync=mb.stop == len(input_ids))
+                logp.append(mb_logp.detach())
+                entropy.append(mb_entropy)
+            logp, entropy = torch.cat(logp), torch.cat(entropy)
+            # the whole batch's loss and stats, for the log
+            kl = common.kl_k1(logp, ref_logp) if ref_model is not None else torch.zeros_like(logp)
             loss, stats = remax_loss(logp, adv, kl, mask, cfg.beta, cfg.loss_agg, max_len=cfg.max_new_tokens)
-            accelerator.backward(loss)
 
         with timer("optimizer"):
             # ---- one on-policy step ----

@@ -34,6 +34,10 @@ class Config(config.GroupConfig):
         super().__post_init__()
         if self.beta < 0:
             raise ValueError(f"--beta must be >= 0 (got {self.beta}).")
+        if self.micro_batch_size % self.num_generations:
+            raise ValueError(f"--micro_batch_size ({self.micro_batch_size}) must be a multiple of --num_generations "
+                             f"({self.num_generations}): a sample's leave-one-out baseline needs its group's KL "
+                             "penalties, so a micro-batch holds whole groups.")
 
 
 def rloo_advantages(rewards, group_size):
@@ -65,16 +69,17 @@ def main():
     # ---- setup: accelerator, seed, policy, reference, data ----
     accelerator = config.make_accelerator(cfg)
     set_seed(cfg.seed)  # identical initial weights on every rank
-    tokenizer = models.load_tokenizer(cfg)
-    train_data, eval_data = tasks.load_task(cfg, tokenizer)  # data errors surface before models load
-    reward_fn = tasks.make_reward_fn(cfg, accelerator.device)
+    with accelerator.main_process_first():  # the main process downloads tokenizer and data, the others read its cache
+        tokenizer = models.load_tokenizer(cfg)
+        train_data, eval_data = tasks.load_task(cfg, tokenizer)  # data errors surface before models load
+    reward_fn = tasks.make_reward_fn(cfg, accelerator)
     policy = models.load_model(cfg)
     ref_model = models.load_reference(cfg, policy) if cfg.beta > 0 else None
     rollout_model = models.load_rollout_model(cfg, policy)  # None unless --rollout_dtype differs
     optimizer, scheduler = models.make_optimizer(policy, cfg)
     policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
     if ref_model is not None:
-        ref_model = ref_model.to(accelerator.device)
+        ref_model = models.prepare_frozen(accelerator, ref_model)
     if rollout_model is not None:
         rollout_model = rollout_model.to(accelerator.device)
     group_size = cfg.num_generations
@@ -109,25 +114,44 @@ def main():
             attention_mask = torch.cat([prompt_mask, mask], dim=1)
             T = completion_ids.shape[1]
             sampling = {"top_k": cfg.top_k, "top_p": cfg.top_p}  # score on the distribution that was sampled
+            micro_batches = common.micro_batches(len(input_ids), cfg.micro_batch_size)  # whole groups each
             ref_logp, rollout_logp = None, None
             with torch.no_grad():
                 if ref_model is not None:
-                    ref_logp = common.token_logprobs(ref_model, input_ids, attention_mask, T, cfg.temperature)
+                    ref_logp = torch.cat([common.token_logprobs(ref_model, input_ids[mb], attention_mask[mb], T,
+                                                                cfg.temperature) for mb in micro_batches])
                 if rollout_model is not None:  # what an inference engine returns with its samples
-                    rollout_logp = common.token_logprobs(rollout_model, input_ids, attention_mask, T, cfg.temperature,
-                                                         **sampling)
+                    rollout_logp = torch.cat([common.token_logprobs(rollout_model, input_ids[mb], attention_mask[mb],
+                                                                    T, cfg.temperature, **sampling)
+                                              for mb in micro_batches])
 
         with timer("forward_backward"):
-            # ---- log-probs, KL folded into the reward, leave-one-out advantage, loss ----
-            logp, entropy = common.token_logprobs(policy, input_ids, attention_mask, T, cfg.temperature,
-                                                  with_entropy=True, **sampling)
-            kl = common.kl_k1(logp.detach(), ref_logp) if ref_model is not None else torch.zeros_like(logp)
-            rewards_kl = rewards - cfg.beta * common.masked_sum(kl, mask, dim=1)  # r~ = r - beta * sum_t k1_t
+            # ---- log-probs, KL folded into the reward, leave-one-out advantage, loss, in micro-batches of whole
+            # groups (a sample's baseline needs its group's KL penalties) whose gradients add up to the batch's ----
+            logp, entropy = [], []
+            for mb in micro_batches:
+                mb_logp, mb_entropy = common.token_logprobs(policy, input_ids[mb], attention_mask[mb], T,
+                                                            cfg.temperature, with_entropy=True, **sampling)
+                mb_kl = common.kl_k1(mb_logp.detach(), ref_logp[mb]) if ref_model is not None else \
+                    torch.zeros_like(mb_logp)
+                mb_rewards_kl = rewards[mb] - cfg.beta * common.masked_sum(mb_kl, mask[mb], dim=1)  # r - b sum k1_t
+                mb_adv = rloo_advantages(mb_rewards_kl, group_size)
+                mb_rollout_logp = rollout_logp[mb] if rollout_model is not None else None
+                pg_weight, _ = common.rollout_correction(mb_logp, mb_logp.detach(), mb_rollout_logp, mb_adv, mask[mb],
+                                                         cfg.tis_cap, cfg.geo_mask_delta)
+                mb_loss, _ = rloo_loss(mb_logp, mb_adv, mask[mb], pg_weight)
+                weight = common.micro_batch_weight(mask[mb], "seq-mean", None, len(input_ids))
+                run.backward(accelerator, policy, weight * mb_loss, sync=mb.stop == len(input_ids))
+                logp.append(mb_logp.detach())
+                entropy.append(mb_entropy)
+            # the whole batch's advantages, loss and stats, for the log
+            logp, entropy = torch.cat(logp), torch.cat(entropy)
+            kl = common.kl_k1(logp, ref_logp) if ref_model is not None else torch.zeros_like(logp)
+            rewards_kl = rewards - cfg.beta * common.masked_sum(kl, mask, dim=1)
             adv = rloo_advantages(rewards_kl, group_size)
-            pg_weight, correction = common.rollout_correction(logp, logp.detach(), rollout_logp, adv, mask,
-                                                              cfg.tis_cap, cfg.geo_mask_delta)
+            pg_weight, correction = common.rollout_correction(logp, logp, rollout_logp, adv, mask, cfg.tis_cap,
+                                                              cfg.geo_mask_delta)
             loss, stats = rloo_loss(logp, adv, mask, pg_weight)
-            accelerator.backward(loss)
 
         with timer("optimizer"):
             # ---- one on-policy step ----

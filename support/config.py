@@ -12,11 +12,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EMBEDDED_MODEL = os.path.join(ROOT, "embedded_model")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-# Flags a resumed run may change: they decide how long to run and what to write, not the steps themselves.
-# Any other difference from the checkpoint's flags is refused (the optimizer state would also silently
-# restore the checkpoint's --learning_rate).
+# Flags a resumed run may change: they decide how long to run, what to write and how much memory a step
+# takes (the steps stay the same up to rounding), not the steps themselves. Any other difference from the
+# checkpoint's flags is refused (the optimizer state would also silently restore its --learning_rate).
 RESUMABLE_CHANGES = ("num_steps", "eval_every", "log_every", "save_steps", "save_total_limit", "save_model",
-                     "merge_lora", "report_to", "output_dir", "resume_from", "gradient_checkpointing")
+                     "merge_lora", "report_to", "output_dir", "resume_from", "gradient_checkpointing",
+                     "micro_batch_size", "generation_batch_size")
 
 
 def arg(default, help):
@@ -53,6 +54,9 @@ class TrainConfig:
     learning_rate: float = arg(1e-4, "Policy learning rate (AdamW); papers use ~1e-6 for 7B models.")
     warmup_steps: int = arg(0, "Linear learning-rate warm-up steps, then constant.")
     max_grad_norm: float = arg(1.0, "Clip the global gradient norm to this value (0 = off).")
+    micro_batch_size: int = arg(0, "Sequences per forward/backward pass on each process; gradients add up to the "
+                                "whole batch's (0 = the whole batch in one pass).")
+    generation_batch_size: int = arg(0, "Sequences per generate call on each process (0 = all at once).")
     max_new_tokens: int = arg(8, "Maximum completion length in tokens.")
     temperature: float = arg(1.0, "Sampling temperature; log-probs are computed at the same temperature.")
     top_p: float = arg(1.0, "Nucleus sampling; log-probs are scored on the same truncated, renormalised distribution.")
@@ -72,7 +76,8 @@ class TrainConfig:
                      "log_every", "max_prompt_length", "eval_size"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name} must be > 0 (got {getattr(self, name)}).")
-        for name in ("lora_r", "save_steps", "save_total_limit", "max_grad_norm", "top_k"):
+        for name in ("lora_r", "save_steps", "save_total_limit", "max_grad_norm", "top_k", "micro_batch_size",
+                     "generation_batch_size"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name} must be >= 0 (got {getattr(self, name)}).")
         if not 0 < self.top_p <= 1:
@@ -98,6 +103,12 @@ class TrainConfig:
                 raise ValueError(f"--resume_from {self.resume_from!r} is not a complete checkpoint (no "
                                  "trainer_state.json: a run stopped while writing it, or it is not a checkpoint); "
                                  "--resume_from latest picks the newest complete one.")
+        if self.torch_dtype != "float32" and self.lora_r == 0:
+            print(f"warning: --torch_dtype {self.torch_dtype} without --lora_r trains the weights in "
+                  f"{self.torch_dtype} itself, where an update below about 0.3% (bfloat16) or 0.05% (float16) of "
+                  "a weight rounds away, as most do at --learning_rate 1e-6. Keep float32 weights with "
+                  "`accelerate launch --mixed_precision bf16`, or train a LoRA adapter (--lora_r).",
+                  file=sys.stderr, flush=True)
         if self.rule_reward_weight == 0 and not self.reward_model:
             raise ValueError("--rule_reward_weight 0 leaves no reward: give --reward_model too.")
         if not self.answer_column and not self.reward_model and self.dataset != "arithmetic":

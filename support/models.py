@@ -68,6 +68,13 @@ def load_reference(cfg, policy):
     return AdapterDisabled(policy).eval() if cfg.lora_r > 0 else load_model(cfg, trainable=False)
 
 
+def prepare_frozen(accelerator, model):
+    """A frozen model (the reference, a reward model) on the device, run under the same mixed-precision
+    autocast as the prepared policy: with the same weights both compute the same log-probs, so the KL
+    to the reference starts at exactly 0. Call after accelerator.prepare(policy, ...)."""
+    return accelerator.prepare_model(model, evaluation_mode=True)
+
+
 def load_rollout_model(cfg, policy):
     """With --rollout_dtype other than --torch_dtype, a frozen copy of the policy in that dtype
     that does the sampling, as an inference engine beside the trainer would; else None.

@@ -7,7 +7,7 @@ import shutil
 import signal
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import asdict
 
 import torch
@@ -37,6 +37,20 @@ class StepTimer:
         out, self.times = {f"time/{k}_s": v for k, v in self.times.items()}, {}
         out["time/step_s"] = sum(out.values())
         return out
+
+
+def backward(accelerator, models, loss, sync):
+    """accelerator.backward for one micro-batch of an update. Gradients of micro-batches add up locally;
+    only the last one (sync=True) synchronises them across processes: DDP all-reduces, and DeepSpeed
+    reduces and steps its optimizer inside this call. `models`: the model, or a tuple of the models the
+    loss reaches."""
+    models = models if isinstance(models, tuple) else (models,)
+    accelerator.sync_gradients = sync
+    with ExitStack() as stack:
+        if not sync:
+            for model in models:
+                stack.enter_context(accelerator.no_sync(model))
+        accelerator.backward(loss)
 
 
 def reduce_metrics(accelerator, metrics):

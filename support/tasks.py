@@ -9,7 +9,7 @@ import torch
 
 import common
 from support.config import DTYPES
-from support.models import check_model_path
+from support.models import check_model_path, prepare_frozen
 
 # ----------------------------------------------------------------------------------------
 # The built-in task: arithmetic in families of different difficulty
@@ -160,19 +160,20 @@ def compute_rewards(examples, completions, reward_scales="uniform"):
 
 class RewardModel:
     """Scores (prompt, completion) with an AutoModelForSequenceClassification, its own
-    tokenizer and chat template; frozen, no grad, optionally in its own dtype."""
+    tokenizer and chat template; frozen, no grad, optionally in its own dtype, under the policy's
+    mixed precision, micro_batch_size completions per forward pass (0 = all)."""
 
-    def __init__(self, name, dtype, device):
+    def __init__(self, name, dtype, accelerator, micro_batch_size=0):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         check_model_path(name, flag="--reward_model")
         self.tokenizer = AutoTokenizer.from_pretrained(name)
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model = AutoModelForSequenceClassification.from_pretrained(name, dtype=DTYPES[dtype])
-        self.model = self.model.to(device).eval().requires_grad_(False)
-        self.model.config.pad_token_id = self.tokenizer.pad_token_id
-        self.device = device
+        model = AutoModelForSequenceClassification.from_pretrained(name, dtype=DTYPES[dtype])
+        model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.model = prepare_frozen(accelerator, model.eval().requires_grad_(False))
+        self.device, self.micro_batch_size = accelerator.device, micro_batch_size
 
     @torch.no_grad()
     def __call__(self, prompts, completions):
@@ -182,15 +183,20 @@ class RewardModel:
                      for p, c in zip(prompts, completions)]
         else:
             texts = [p + c for p, c in zip(prompts, completions)]
-        enc = self.tokenizer(texts, return_tensors="pt", padding=True, truncation=True,
-                             add_special_tokens=not self.tokenizer.chat_template)
-        return self.model(**enc.to(self.device)).logits[:, 0].float()
+        scores = []
+        for mb in common.micro_batches(len(texts), self.micro_batch_size):
+            enc = self.tokenizer(texts[mb], return_tensors="pt", padding=True, truncation=True,
+                                 add_special_tokens=not self.tokenizer.chat_template)
+            scores.append(self.model(**enc.to(self.device)).logits[:, 0].float())
+        return torch.cat(scores)
 
 
-def make_reward_fn(cfg, device):
-    """reward_fn(examples, completions) -> (rewards, correct) on `device`. Rule reward, a reward
-    model, or a weighted sum of both. A non-finite reward stops before any update."""
-    reward_model = RewardModel(cfg.reward_model, cfg.reward_model_dtype, device) if cfg.reward_model else None
+def make_reward_fn(cfg, accelerator):
+    """reward_fn(examples, completions) -> (rewards, correct) on the accelerator's device. Rule reward, a
+    reward model, or a weighted sum of both. A non-finite reward stops before any update."""
+    reward_model = RewardModel(cfg.reward_model, cfg.reward_model_dtype, accelerator, cfg.micro_batch_size) \
+        if cfg.reward_model else None
+    device = accelerator.device
 
     def reward_fn(examples, completions):
         try:

@@ -270,4 +270,5 @@ def test_grpo_end_to_end_writes_metrics_plot_and_model(tmp_path):
 
 
 def test_two_process_gloo_run_keeps_replicas_identical(tmp_path):
-    launch_two_processes("grpo.py", ["--num_steps", "2", "--eval_every", "2", "--batch_size", "8", "--num_generations", "4"], tmp_path)
+    launch_two_processes("grpo.py", ["--num_steps", "2", "--eval_every", "2", "--batch_size", "8", "--num_generations", "4",
+                                     "--scale_rewards", "batch", "--micro_batch_size", "3"], tmp_path)

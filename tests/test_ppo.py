@@ -321,7 +321,8 @@ def test_ppo_end_to_end_writes_metrics_plots_policy_and_critic(tmp_path):
 
 
 def test_two_process_gloo_run_keeps_replicas_identical(tmp_path):
-    launch_two_processes("ppo.py", ["--num_steps", "2", "--eval_every", "2", "--batch_size", "8", "--num_mini_batches", "2"], tmp_path)
+    launch_two_processes("ppo.py", ["--num_steps", "2", "--eval_every", "2", "--batch_size", "8", "--num_mini_batches", "2",
+                                    "--micro_batch_size", "3"], tmp_path)
 
 
 def test_resume_restores_critic_optimizers_and_kl_controller(tmp_path):

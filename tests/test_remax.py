@@ -95,4 +95,4 @@ def test_remax_end_to_end_writes_metrics_plot_and_model(tmp_path):
 
 
 def test_two_process_gloo_run_keeps_replicas_identical(tmp_path):
-    launch_two_processes("remax.py", ["--num_steps", "2", "--eval_every", "2", "--batch_size", "8"], tmp_path)
+    launch_two_processes("remax.py", ["--num_steps", "2", "--eval_every", "2", "--batch_size", "8", "--micro_batch_size", "3"], tmp_path)

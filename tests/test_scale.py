@@ -9,12 +9,15 @@ import time
 
 import pytest
 import torch
+from accelerate import Accelerator
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import common
 from support import config, models, tasks
 from support.run import Checkpointer, read_metrics
 from conftest import ROOT
+
+CPU = Accelerator(cpu=True)
 
 GSM8K_ROWS = [
     {"question": "Tom has 3 apples and buys 4 more. How many?", "answer": "3 + 4 = 7\n#### 7"},
@@ -100,13 +103,23 @@ def make_reward_model(path):
 def test_reward_model_score_is_combined_with_the_rule_reward(tmp_path):
     rm_path = make_reward_model(tmp_path / "rm")
     cfg = config.TrainConfig(reward_model=rm_path, rule_reward_weight=0.5, reward_model_weight=2.0)
-    reward_fn = tasks.make_reward_fn(cfg, "cpu")
+    reward_fn = tasks.make_reward_fn(cfg, CPU)
     examples = [{"prompt": "12+3=", "answer": "15", "family": "add_2x1"}] * 2
     rewards, correct = reward_fn(examples, ["15", "16"])
-    scores = tasks.RewardModel(rm_path, "float32", "cpu")(["12+3="] * 2, ["15", "16"])
+    reward_model = tasks.RewardModel(rm_path, "float32", CPU)
+    scores = reward_model(["12+3="] * 2, ["15", "16"])
     assert torch.allclose(rewards, 0.5 * torch.tensor([1.0, 0.0]) + 2.0 * scores)
     assert correct.tolist() == [1.0, 0.0]
-    assert not any(p.requires_grad for p in tasks.RewardModel(rm_path, "float32", "cpu").model.parameters())
+    assert not any(p.requires_grad for p in reward_model.model.parameters())
+
+
+def test_reward_model_scores_in_micro_batches_equal_one_pass(tmp_path):
+    rm_path = make_reward_model(tmp_path / "rm")
+    prompts, completions = ["12+3=", "4+5=", "99+1=", "7*8="], ["15", "9", "1000", "56123"]  # different lengths
+    one_pass = tasks.RewardModel(rm_path, "float32", CPU)(prompts, completions)
+    chunked = tasks.RewardModel(rm_path, "float32", CPU, micro_batch_size=3)(prompts, completions)
+    assert one_pass.std() > 0
+    torch.testing.assert_close(chunked, one_pass, rtol=0, atol=1e-5)
 
 
 def test_remax_runs_with_a_reward_model(tmp_path):
@@ -116,7 +129,7 @@ def test_remax_runs_with_a_reward_model(tmp_path):
 
 def test_non_finite_reward_is_reported_with_prompt_and_completion():
     cfg = config.TrainConfig(rule_reward_weight=float("nan"))
-    reward_fn = tasks.make_reward_fn(cfg, "cpu")
+    reward_fn = tasks.make_reward_fn(cfg, CPU)
     with pytest.raises(SystemExit, match="12\\+3="):
         reward_fn([{"prompt": "12+3=", "answer": "15", "family": "add_2x1"}], ["15"])
 
@@ -155,9 +168,13 @@ def test_logprobs_are_fp32_under_bf16_autocast():
     assert logp.dtype == torch.float32
 
 
-def test_bf16_mixed_precision_run(tmp_path):
+def test_bf16_mixed_precision_run_starts_at_exactly_zero_kl(tmp_path):
+    """The reference runs under the policy's autocast: with the same weights at step 1 (before the first
+    update) their log-probs are identical, so the KL is exactly 0 (fp32 reference: ~6e-3 per sequence)."""
     out = run([], tmp_path, env={"ACCELERATE_MIXED_PRECISION": "bf16"})
     assert out.returncode == 0, out.stderr[-2000:]
+    first = next(r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["step"] == 1)
+    assert first["train/kl_seq"] == 0.0
 
 
 def comparable(rows):
@@ -233,7 +250,7 @@ def test_a_reward_that_raises_is_reported_and_nothing_is_applied(monkeypatch):
         raise KeyError("answer")
 
     monkeypatch.setattr(tasks, "compute_rewards", broken)
-    reward_fn = tasks.make_reward_fn(config.TrainConfig(), "cpu")
+    reward_fn = tasks.make_reward_fn(config.TrainConfig(), CPU)
     with pytest.raises(SystemExit, match="reward raised KeyError.*12\\+3="):
         reward_fn([{"prompt": "12+3=", "answer": "15", "family": "add_2x1"}], ["15"])
 
@@ -246,3 +263,26 @@ def test_accelerate_configs_parse(name):
     assert config.num_processes >= 2
     if name.startswith("zero"):
         assert config.deepspeed_config["zero_stage"] == int(name[-1])
+
+
+def fraction_changed_by_ten_small_steps(dtype):
+    model = AutoModelForCausalLM.from_pretrained(config.EMBEDDED_MODEL, dtype=dtype)
+    start = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, weight_decay=0.0)
+    ids = torch.tensor([[4, 5, 13, 6, 16, 7]])
+    for _ in range(10):
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return sum((p != s).sum().item() for p, s in zip(model.parameters(), start)) / sum(s.numel() for s in start)
+
+
+def test_low_precision_weights_without_lora_warn_that_small_updates_round_away(capsys):
+    """10 AdamW steps at lr 1e-6 change most float32 weights and almost no bfloat16 weight: each step moves a
+    weight by about lr, far below half the bfloat16 spacing near it (0.2-0.4% of the weight)."""
+    assert fraction_changed_by_ten_small_steps(torch.float32) > 0.5
+    assert fraction_changed_by_ten_small_steps(torch.bfloat16) < 0.05
+    config.TrainConfig(torch_dtype="bfloat16")
+    assert "--torch_dtype bfloat16 without --lora_r" in capsys.readouterr().err
+    config.TrainConfig(torch_dtype="bfloat16", lora_r=8)
+    assert capsys.readouterr().err == ""

@@ -1,0 +1,173 @@
+"""Micro-batching is exact: the weighted losses of micro-batches add up to the whole batch's loss, so
+their gradients add up to its gradient, for every algorithm's loss and every aggregation, and across
+data-parallel processes; a real run's logged losses do not depend on --micro_batch_size."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import common
+import dapo
+import grpo
+import ppo
+import remax
+import rloo
+from conftest import ROOT
+from support.run import read_metrics
+
+B, T, V, D = 8, 5, 6, 4
+
+
+def make_batch(seed=0):
+    """A shared weight matrix (the 'model'), fixed features, targets and a ragged completion mask, fp64."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([5, 1, 3, 5, 2, 4, 1, 5])
+    return {
+        "weight": torch.randn(D, V, generator=g, dtype=torch.float64),
+        "value_weight": torch.randn(D, generator=g, dtype=torch.float64),
+        "features": torch.randn(B, T, D, generator=g, dtype=torch.float64),
+        "targets": torch.randint(0, V, (B, T), generator=g),
+        "mask": (torch.arange(T)[None, :] < lengths[:, None]).long(),
+        "adv": torch.randn(B, generator=g, dtype=torch.float64),
+        "token_adv": torch.randn(B, T, generator=g, dtype=torch.float64),
+        "old_shift": 0.3 * torch.randn(B, T, generator=g, dtype=torch.float64),  # pi_old != pi_theta: clips bind
+        "ref_shift": 0.5 * torch.randn(B, T, generator=g, dtype=torch.float64),
+        "returns": torch.randn(B, T, generator=g, dtype=torch.float64),
+    }
+
+
+def logprobs(batch, rows, weight):
+    logits = batch["features"][rows] @ weight
+    return torch.log_softmax(logits, -1).gather(-1, batch["targets"][rows, :, None]).squeeze(-1)
+
+
+def loss_fn(name, loss_agg):
+    """loss(batch, rows, weight, value_weight) of one algorithm on the given rows, as its loop calls it."""
+    def remax_(b, rows, w, vw):
+        logp = logprobs(b, rows, w)
+        kl = common.kl_k1(logp.detach(), logp.detach() - b["ref_shift"][rows])
+        return remax.remax_loss(logp, b["adv"][rows], kl, b["mask"][rows], 0.1, loss_agg, max_len=T)[0]
+
+    def grpo_(b, rows, w, vw):
+        logp = logprobs(b, rows, w)
+        old = logp.detach() + b["old_shift"][rows]
+        return grpo.grpo_loss(logp, old, old + b["ref_shift"][rows], b["adv"][rows], b["mask"][rows], 0.2, 0.04,
+                              loss_agg, T, dual_clip_c=3.0)[0]
+
+    def dapo_(b, rows, w, vw):
+        logp = logprobs(b, rows, w)
+        return dapo.dapo_loss(logp, logp.detach() + b["old_shift"][rows], b["adv"][rows], b["mask"][rows], 0.2, 0.28)[0]
+
+    def rloo_(b, rows, w, vw):
+        return rloo.rloo_loss(logprobs(b, rows, w), b["adv"][rows], b["mask"][rows])[0]
+
+    def ppo_(b, rows, w, vw):
+        logp = logprobs(b, rows, w)
+        pg_loss, _ = ppo.ppo_policy_loss(logp, logp.detach() + b["old_shift"][rows], b["token_adv"][rows],
+                                         b["mask"][rows], 0.2)
+        values = b["features"][rows] @ vw
+        vf_loss, _ = ppo.ppo_value_loss(values, values.detach() + b["old_shift"][rows], b["returns"][rows],
+                                        b["mask"][rows], 0.2)
+        return pg_loss + 0.1 * vf_loss
+
+    return {"remax": remax_, "grpo": grpo_, "dapo": dapo_, "rloo": rloo_, "ppo": ppo_}[name]
+
+
+def flat_grads(*params):
+    return torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).flatten() for p in params])
+
+
+def gradients(batch, fn, parts):
+    """Gradients of sum over parts of weight(part) * loss(part), as the loops backpropagate them.
+    parts: (rows, num_tokens, num_sequences, loss_agg) per micro-batch."""
+    w = batch["weight"].clone().requires_grad_()
+    vw = batch["value_weight"].clone().requires_grad_()
+    for rows, num_tokens, num_sequences, loss_agg in parts:
+        weight = common.micro_batch_weight(batch["mask"][rows], loss_agg, num_tokens, num_sequences)
+        (weight * fn(batch, rows, w, vw)).backward()
+    return flat_grads(w, vw)
+
+
+CASES = [("remax", agg) for agg in common.LOSS_AGG_MODES] + [("grpo", agg) for agg in common.LOSS_AGG_MODES] + \
+    [("dapo", "token-mean"), ("rloo", "seq-mean"), ("ppo", "token-mean")]
+
+
+@pytest.mark.parametrize("name, loss_agg", CASES)
+@pytest.mark.parametrize("micro_batch_size", [1, 3, 0])
+def test_micro_batch_gradients_add_up_to_the_whole_batch_gradient(name, loss_agg, micro_batch_size):
+    batch, fn = make_batch(), loss_fn(name, loss_agg)
+    w = batch["weight"].clone().requires_grad_()
+    vw = batch["value_weight"].clone().requires_grad_()
+    fn(batch, slice(0, B), w, vw).backward()
+    whole = flat_grads(w, vw)
+    num_tokens = batch["mask"].sum().double()
+    parts = [(mb, num_tokens, B, loss_agg) for mb in common.micro_batches(B, micro_batch_size)]
+    assert whole.abs().max() > 1e-3
+    torch.testing.assert_close(gradients(batch, fn, parts), whole, rtol=0, atol=1e-12)
+
+
+def test_averaging_each_micro_batchs_token_mean_is_not_the_token_mean():
+    """The trap the weights avoid: with ragged lengths, the mean over micro-batches of their own token-means
+    weighs a token of a short micro-batch more than one of a long micro-batch."""
+    batch, fn = make_batch(), loss_fn("dapo", "token-mean")
+    num_tokens = batch["mask"].sum().double()
+    right = gradients(batch, fn, [(mb, num_tokens, B, "token-mean") for mb in common.micro_batches(B, 2)])
+    naive = gradients(batch, fn, [(mb, batch["mask"][mb].sum() * 4, B, "token-mean")  # each micro-batch's mean / 4
+                                  for mb in common.micro_batches(B, 2)])
+    assert (right - naive).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("name, loss_agg", [("grpo", "token-mean"), ("ppo", "token-mean"),
+                                            ("grpo", "seq-mean-token-mean"), ("rloo", "seq-mean")])
+def test_loss_across_processes_is_the_loss_of_the_global_batch(name, loss_agg):
+    """Two data-parallel processes of 4 sequences with different token counts (14 and 12), each in
+    micro-batches: DDP averages their gradients, and with num_tokens = the mean token count per process
+    the result is the gradient of the loss over the union of both batches."""
+    batch, fn = make_batch(), loss_fn(name, loss_agg)
+    w = batch["weight"].clone().requires_grad_()
+    vw = batch["value_weight"].clone().requires_grad_()
+    fn(batch, slice(0, B), w, vw).backward()
+    whole = flat_grads(w, vw)
+    halves = [slice(0, 4), slice(4, B)]
+    assert batch["mask"][halves[0]].sum() != batch["mask"][halves[1]].sum()
+    num_tokens = batch["mask"].sum().double() / 2
+    per_process = []
+    for half in halves:
+        rows = [slice(half.start + mb.start, half.start + mb.stop) for mb in common.micro_batches(4, 3)]
+        per_process.append(gradients(batch, fn, [(r, num_tokens, 4, loss_agg) for r in rows]))
+    torch.testing.assert_close((per_process[0] + per_process[1]) / 2, whole, rtol=0, atol=1e-12)
+
+
+def test_micro_batches_cover_the_batch_in_order():
+    assert common.micro_batches(7, 3) == [slice(0, 3), slice(3, 6), slice(6, 7)]
+    assert common.micro_batches(7, 0) == [slice(0, 7)]
+    assert common.micro_batches(4, 8) == [slice(0, 4)]
+
+
+def run_script(script, micro_batch_size, out_dir):
+    args = [sys.executable, script, "--num_steps", "2", "--batch_size", "16", "--generation_batch_size", "16",
+            "--micro_batch_size", str(micro_batch_size), "--eval_every", "1000", "--save_model", "False",
+            "--output_dir", str(out_dir)]
+    if script == "ppo.py":
+        args += ["--num_epochs", "2", "--num_mini_batches", "2"]
+    if script in ("grpo.py", "dapo.py"):
+        args += ["--num_epochs", "2"]  # old log-probs from a scoring pass, and a ratio that moves
+    return subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+@pytest.mark.parametrize("script", ["remax.py", "grpo.py", "rloo.py", "dapo.py", "ppo.py"])
+def test_a_run_in_micro_batches_logs_the_losses_of_one_in_whole_batches(script, tmp_path):
+    small = 8 if script == "rloo.py" else 5  # rloo: whole groups of 8; the others: 5 does not divide 16
+    procs = {mb: run_script(script, mb, tmp_path / str(mb)) for mb in (small, 16)}
+    for mb, proc in procs.items():
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err[-2000:]
+    rows = {mb: [r for r in read_metrics(tmp_path / str(mb) / "metrics.jsonl") if "train/loss" in r] for mb in procs}
+    assert len(rows[small]) == len(rows[16]) == 2
+    for a, b in zip(rows[small], rows[16]):
+        assert a["train/loss"] == pytest.approx(b["train/loss"], abs=1e-5)
+        assert a["train/grad_norm"] == pytest.approx(b["train/grad_norm"], rel=1e-4)
+    assert rows[16][-1]["train/loss"] != rows[16][0]["train/loss"]  # the weights moved between steps
