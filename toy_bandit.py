@@ -160,30 +160,31 @@ def mc_variance(g):
 
 
 def rloo_advantages(rewards):
-    """RLOO: A_i = r_i - mean_{j != i} r_j = K/(K-1) (r_i - mean r)."""
-    # BEGIN SOLUTION
+    """RLOO: A_i = r_i - mean_{j != i} r_j = K/(K-1) (r_i - mean r).
+
+    Not an exercise: rloo.rloo_advantages is, in torch over adjacent groups; this numpy copy over
+    the last axis lets the bandit enumerate every group without torch."""
     rewards = np.asarray(rewards, float)
     K = rewards.shape[-1]
     return K / (K - 1) * (rewards - rewards.mean(-1, keepdims=True))
-    # END SOLUTION
 
 
 def mean_advantages(rewards):
-    """Mean including self (Dr. GRPO): A_i = r_i - mean r."""
-    # BEGIN SOLUTION
+    """Mean including self (Dr. GRPO): A_i = r_i - mean r.
+
+    Not an exercise: grpo.grpo_advantages with scale_rewards='none' is; a numpy copy."""
     rewards = np.asarray(rewards, float)
     return rewards - rewards.mean(-1, keepdims=True)
-    # END SOLUTION
 
 
 def grpo_advantages(rewards, eps=GRPO_EPS):
-    """GRPO: A_i = (r_i - mean r) / (std r + eps), std with ddof=1; all-equal group -> 0."""
-    # BEGIN SOLUTION
+    """GRPO: A_i = (r_i - mean r) / (std r + eps), std with ddof=1; all-equal group -> 0.
+
+    Not an exercise: grpo.grpo_advantages is; a numpy copy."""
     rewards = np.asarray(rewards, float)
     adv = (rewards - rewards.mean(-1, keepdims=True)) / (rewards.std(-1, ddof=1, keepdims=True) + eps)
     all_equal = (rewards == rewards[..., :1]).all(-1, keepdims=True)
     return np.where(all_equal, 0.0, adv)
-    # END SOLUTION
 
 
 def group_gradient_moments(p, r1, r0, advantages, K, bernoulli=False):
