@@ -5,10 +5,11 @@
     python classroom/make_student_copy.py --tests      # node ids of the grading tests, for pytest
 
 The reference marks the computing body of each exercise function with two comment lines,
-`# BEGIN SOLUTION` and `# END SOLUTION`. In the copy that region becomes
-`raise NotImplementedError("<hint>")`, the hint being a `# HINT:` line inside the region if
-there is one, else the first paragraph of the function's docstring, on one line. Everything
-else is copied as is.
+`# BEGIN SOLUTION` and `# END SOLUTION`. In the copy that region becomes its `# HINT:` lines
+(the equation to implement, in the code's names, and the shapes) followed by
+`raise NotImplementedError("implement <function> ...")`. The files in TEACHER_ONLY (the wrong
+versions of each exercise, which hold pieces of the solutions, and their test) are left out;
+everything else is copied as is.
 """
 import argparse
 import ast
@@ -21,6 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END, HINT = "# BEGIN SOLUTION", "# END SOLUTION", "# HINT:"
 SKIP_DIRS = {".git", ".venv", "venv", "runs", "__pycache__", ".pytest_cache"}
+TEACHER_ONLY = {"classroom/wrong_answers.py", "tests/test_grading.py"}
 
 # "file::function" -> (difficulty 1-3, test file, the tests in it that grade the function).
 # A test also runs whatever the function calls, so the order below is the order to solve them in.
@@ -174,17 +176,19 @@ def regions(text):
         func = max(around, key=lambda f: f.lineno) if around else None
         hints = [l.strip()[len(HINT):].strip() for l in lines[start + 1:end] if l.strip().startswith(HINT)]
         doc = " ".join((ast.get_docstring(func) or "").strip().split("\n\n")[0].split()) if func else ""
-        hint = hints[0] if hints else doc or f"implement {func.name if func else 'this function'}"
+        hint = " ".join(hints) if hints else doc or f"implement {func.name if func else 'this function'}"
         indent = lines[start][:len(lines[start]) - len(lines[start].lstrip())]
         result.append((start, end, indent, func.name if func else "?", hint))
     return result
 
 
 def blank(text, name="<file>"):
-    """The student version of a source file: each marked region replaced by a raise."""
+    """The student version of a source file: each marked region replaced by its hints and a raise."""
     lines = text.splitlines(keepends=True)
-    for start, end, indent, _, hint in reversed(regions(text)):
-        lines[start:end + 1] = [f"{indent}raise NotImplementedError({json.dumps(hint, ensure_ascii=False)})\n"]
+    for start, end, indent, function, _ in reversed(regions(text)):
+        hints = [line for line in lines[start + 1:end] if line.strip().startswith(HINT)]
+        message = f"implement {function} (the {HINT} lines above)" if hints else f"implement {function}"
+        lines[start:end + 1] = hints + [f"{indent}raise NotImplementedError({json.dumps(message)})\n"]
     student = "".join(lines)
     compile(student, name, "exec")  # a region that was not a whole block would show up here
     return student
@@ -222,6 +226,8 @@ def write_copy(src, out):
     if missing:
         print(f"warning: marked but not in EXERCISES (no tests listed): {', '.join(missing)}", file=sys.stderr)
     for rel in project_files(src):
+        if rel in TEACHER_ONLY:
+            continue
         source, target = src / rel, out / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         text = source.read_bytes().decode("utf-8") if rel.endswith(".py") else ""

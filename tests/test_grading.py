@@ -1,0 +1,48 @@
+"""Grading that rejects wrong answers: every exercise has a list of plausible wrong versions
+(classroom/wrong_answers.py) and its grading tests fail for each one. For teachers: the student
+copy leaves this file out."""
+import json
+import subprocess
+import sys
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "classroom"))
+import make_student_copy as msc  # noqa: E402
+import wrong_answers  # noqa: E402
+
+ENV_KEYS = {"PYTHONDONTWRITEBYTECODE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def test_every_exercise_has_wrong_versions_each_an_edit_of_its_solution_and_a_named_grading_test():
+    import common, dapo, grpo, ppo, remax, rloo, toy_bandit  # noqa: E401, F401  (wrong_code compiles in them)
+
+    assert set(wrong_answers.WRONG_ANSWERS) == set(msc.EXERCISES)
+    for key, wrong in wrong_answers.WRONG_ANSWERS.items():
+        assert len(wrong) >= 2, key
+        assert len({description for description, *_ in wrong}) == len(wrong), key
+        for description, old, new, catcher in wrong:
+            assert catcher in msc.EXERCISES[key][2], (key, description)
+            code = wrong_answers.wrong_code(ROOT, key, old, new)  # old occurs once; the edit compiles
+            right = getattr(sys.modules[key.split(".py::")[0]], key.split("::")[1]).__code__
+            assert (code.co_code, code.co_consts, code.co_names) != (right.co_code, right.co_consts, right.co_names)
+
+
+def test_the_grading_tests_catch_every_wrong_version(tmp_path):
+    """One pytest run of the grading tests: the reference passes, then each test reruns with each
+    wrong version of what it grades; every wrong version must fail the test the table names."""
+    import os
+
+    out = tmp_path / "results.json"
+    proc = subprocess.run([sys.executable, "classroom/wrong_answers.py", "--json", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, env={**os.environ, **ENV_KEYS}, timeout=300)
+    results = json.loads(out.read_text())
+    assert results["reference_failed"] == [], proc.stdout[-3000:]
+    missed = [(r["exercise"], r["wrong"], r["failed_tests"]) for r in results["rows"] if not r["caught"]]
+    assert not missed
+    assert len(results["rows"]) == sum(len(w) for w in wrong_answers.WRONG_ANSWERS.values())
+    assert proc.returncode == 0, proc.stdout[-3000:]
+
+
+def test_teacher_docs_show_the_current_wrong_answer_table():
+    assert wrong_answers.table() in (ROOT / "docs" / "classroom.md").read_text(encoding="utf-8")
