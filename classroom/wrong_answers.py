@@ -3,8 +3,8 @@
     python classroom/wrong_answers.py             # run the check (about 20 seconds on a CPU)
     python classroom/wrong_answers.py --list      # the table exercise -> wrong version -> test (markdown)
 
-A wrong version is one edit of a reference solution: the text `old` inside the function's
-`# BEGIN SOLUTION` region becomes `new`. The check runs the grading tests of
+A wrong version is one edit of a reference solution: the text `old` in the code of the
+function's `# BEGIN SOLUTION` region (its `# HINT:` lines aside) becomes `new`. The check runs the grading tests of
 make_student_copy.py once under pytest; after a test passes on the reference it runs again
 with each wrong version of each exercise it grades swapped in (the function's code object is
 replaced, so every caller and every `from module import name` sees it) and records which
@@ -59,8 +59,8 @@ WRONG_ANSWERS = {
          "test_kl_is_weight_on_policy_gives_k3_the_gradient_of_k2"),
     ],
     "common.py::masked_sum": [
-        ("mask by multiplying (NaN * 0 is NaN)", "x = torch.where(mask.bool(), x, torch.zeros_like(x))", "x = x * mask",
-         "test_masked_sum_and_mean_ignore_masked_values_even_nan"),
+        ("mask by multiplying (NaN * 0 is NaN)", "x = torch.where(mask.bool(), x, torch.zeros_like(x))",
+         "x = x * mask", "test_masked_sum_and_mean_ignore_masked_values_even_nan"),
         ("mask forgotten", "x = torch.where(mask.bool(), x, torch.zeros_like(x))", "x = x",
          "test_masked_sum_and_mean_ignore_masked_values_even_nan"),
         ("dim ignored", "return x.sum() if dim is None else x.sum(dim)", "return x.sum()",
@@ -94,7 +94,8 @@ WRONG_ANSWERS = {
          "masked_sum(per_token_loss, mask) / per_token_loss.numel()", "test_aggregate_loss_modes_hand_computed"),
         ("seq-mean-token-mean over all tokens (token-mean)", "return masked_mean(per_token_loss, mask, dim=1).mean()",
          "return masked_mean(per_token_loss, mask)", "test_aggregate_loss_modes_hand_computed"),
-        ("seq-mean-token-sum-norm divides by each length", "(masked_sum(per_token_loss, mask, dim=1) / max_len).mean()",
+        ("seq-mean-token-sum-norm divides by each length",
+         "(masked_sum(per_token_loss, mask, dim=1) / max_len).mean()",
          "masked_mean(per_token_loss, mask, dim=1).mean()", "test_aggregate_loss_modes_hand_computed"),
         ("max_len ignored (the batch width)", "max_len = per_token_loss.shape[1] if max_len is None else max_len",
          "max_len = per_token_loss.shape[1]", "test_aggregate_loss_modes_hand_computed"),
@@ -148,8 +149,9 @@ WRONG_ANSWERS = {
          "test_remax_loss_returns_fold_kl_reward_to_go"),
     ],
     "rloo.py::rloo_advantages": [
-        ("mean including self (Dr. GRPO's baseline)", "(grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)",
-         "grouped.mean(dim=1, keepdim=True)", "test_rloo_advantage_is_reward_minus_mean_of_the_others"),
+        ("mean including self (Dr. GRPO's baseline)",
+         "(grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)", "grouped.mean(dim=1, keepdim=True)",
+         "test_rloo_advantage_is_reward_minus_mean_of_the_others"),
         ("divides by K instead of K - 1", "/ (group_size - 1)", "/ group_size",
          "test_rloo_advantage_is_reward_minus_mean_of_the_others"),
         ("groups strided, not adjacent", "grouped = rewards.view(-1, group_size)",
@@ -173,30 +175,33 @@ WRONG_ANSWERS = {
          "grouped.std(dim=1, keepdim=True, correction=0)", "test_group_advantage_uses_bessel_std_and_eps"),
         ("no eps", "(grouped.std(dim=1, keepdim=True) + eps)", "grouped.std(dim=1, keepdim=True)",
          "test_group_advantage_eps_keeps_a_tiny_std_finite"),
-        ("all-equal group not set to 0 (the float32 mean rounds)",
-         "adv[(grouped == grouped[:, :1]).all(dim=1)] = 0.0", "pass", "test_all_equal_group_gives_exactly_zero_advantage"),
+        ("all-equal group not set to 0 (the float32 mean rounds)", "adv[(grouped == grouped[:, :1]).all(dim=1)] = 0.0",
+         "pass", "test_all_equal_group_gives_exactly_zero_advantage"),
         ("'batch' divides by the group's std", "adv = adv / (rewards.std() + eps)",
          "adv = adv / (grouped.std(dim=1, keepdim=True) + eps)", "test_scale_rewards_group_batch_none"),
         ("'none' still divides by the std", 'elif scale_rewards != "none":\n        raise ValueError',
-         'else:\n        adv = adv / (grouped.std(dim=1, keepdim=True) + eps)\n    if False:\n        raise ValueError',
+         "else:\n        adv = adv / (grouped.std(dim=1, keepdim=True) + eps)\n    if False:\n        raise ValueError",
          "test_scale_rewards_group_batch_none"),
         ("groups strided, not adjacent", "grouped = rewards.view(-1, group_size)",
          "grouped = rewards.view(group_size, -1).T.contiguous()", "test_group_advantage_uses_bessel_std_and_eps"),
     ],
     "grpo.py::grpo_loss": [
-        ("clip on the wrong side: max instead of min", "surrogate = torch.min(ratio * adv", "surrogate = torch.max(ratio * adv",
+        ("clip on the wrong side: max instead of min", "surrogate = torch.min(ratio * adv",
+         "surrogate = torch.max(ratio * adv", "test_clip_gradient_is_zero_exactly_on_the_clipped_side"),
+        ("the clipped term alone (no min)",
+         "torch.min(ratio * adv, torch.clamp(ratio, 1 - epsilon, 1 + epsilon) * adv)",
+         "torch.clamp(ratio, 1 - epsilon, 1 + epsilon) * adv",
          "test_clip_gradient_is_zero_exactly_on_the_clipped_side"),
-        ("the clipped term alone (no min)", "torch.min(ratio * adv, torch.clamp(ratio, 1 - epsilon, 1 + epsilon) * adv)",
-         "torch.clamp(ratio, 1 - epsilon, 1 + epsilon) * adv", "test_clip_gradient_is_zero_exactly_on_the_clipped_side"),
         ("ratio upside down: pi_old / pi_theta", "ratio = torch.exp(log_ratio)", "ratio = torch.exp(-log_ratio)",
          "test_clip_gradient_is_zero_exactly_on_the_clipped_side"),
-        ("KL term's sign flipped", "per_token_loss = -surrogate + beta * kl", "per_token_loss = -surrogate - beta * kl",
-         "test_k3_term_value_and_gradient"),
+        ("KL term's sign flipped", "per_token_loss = -surrogate + beta * kl",
+         "per_token_loss = -surrogate - beta * kl", "test_k3_term_value_and_gradient"),
         ("KL term detached", "kl = common.kl_penalty(logp, ref_logp", "kl = common.kl_penalty(logp.detach(), ref_logp",
          "test_k3_term_value_and_gradient"),
         ("kl_is_weight ignored", "old_logp if kl_is_weight else None", "None",
          "test_kl_estimator_k2_and_k3_with_the_ratio_weight_give_the_k2_gradient"),
-        ("dual clip on a positive advantage too", "torch.where(adv < 0, torch.max(surrogate, dual_clip_c * adv), surrogate)",
+        ("dual clip on a positive advantage too",
+         "torch.where(adv < 0, torch.max(surrogate, dual_clip_c * adv), surrogate)",
          "torch.max(surrogate, dual_clip_c * adv)", "test_dual_clip_bounds_the_loss_of_a_negative_advantage_token"),
         ("dual clip with min instead of max", "torch.max(surrogate, dual_clip_c * adv)",
          "torch.min(surrogate, dual_clip_c * adv)", "test_dual_clip_bounds_the_loss_of_a_negative_advantage_token"),
@@ -238,11 +243,13 @@ WRONG_ANSWERS = {
         ("clip on the wrong side: max instead of min", "surrogate = torch.min(ratio * adv",
          "surrogate = torch.max(ratio * adv", "test_clip_higher_bounds"),
         ("GRPO's seq-mean-token-mean", 'aggregate_loss(per_token_loss, mask, "token-mean")',
-         'aggregate_loss(per_token_loss, mask, "seq-mean-token-mean")', "test_dapo_loss_is_a_token_mean_over_the_batch"),
+         'aggregate_loss(per_token_loss, mask, "seq-mean-token-mean")',
+         "test_dapo_loss_is_a_token_mean_over_the_batch"),
         ("mask forgotten: padding in the mean", 'aggregate_loss(per_token_loss, mask, "token-mean")',
          'aggregate_loss(per_token_loss, torch.ones_like(mask), "token-mean")',
          "test_dapo_loss_is_a_token_mean_over_the_batch"),
-        ("pg_weight ignored", "surrogate = pg_weight * surrogate", "surrogate = surrogate", "test_dual_clip_and_pg_weight"),
+        ("pg_weight ignored", "surrogate = pg_weight * surrogate", "surrogate = surrogate",
+         "test_dual_clip_and_pg_weight"),
         ("clip_frac_high counted at epsilon_low", "(ratio > 1 + epsilon_high) & (adv > 0)",
          "(ratio > 1 + epsilon_low) & (adv > 0)", "test_clip_higher_bounds"),
     ],
@@ -278,13 +285,16 @@ WRONG_ANSWERS = {
         ("1/(alpha |y|) without the 1 -", "(1 - 1 / (alpha * lengths.float()))", "(1 / (alpha * lengths.float()))",
          "test_length_adaptive_lambda_is_one_minus_one_over_alpha_length_clamped_at_zero"),
         ("alpha in the numerator: 1 - alpha / |y|", "(1 - 1 / (alpha * lengths.float()))",
-         "(1 - alpha / lengths.float())", "test_length_adaptive_lambda_is_one_minus_one_over_alpha_length_clamped_at_zero"),
+         "(1 - alpha / lengths.float())",
+         "test_length_adaptive_lambda_is_one_minus_one_over_alpha_length_clamped_at_zero"),
     ],
     "ppo.py::ppo_policy_loss": [
-        ("clip on the wrong side: max instead of min", "surrogate = torch.min(ratio * adv", "surrogate = torch.max(ratio * adv",
+        ("clip on the wrong side: max instead of min", "surrogate = torch.min(ratio * adv",
+         "surrogate = torch.max(ratio * adv", "test_policy_loss_gradient_is_zero_exactly_where_clipped"),
+        ("the clipped term alone (no min)",
+         "torch.min(ratio * adv, torch.clamp(ratio, 1 - epsilon, 1 + epsilon) * adv)",
+         "torch.clamp(ratio, 1 - epsilon, 1 + epsilon) * adv",
          "test_policy_loss_gradient_is_zero_exactly_where_clipped"),
-        ("the clipped term alone (no min)", "torch.min(ratio * adv, torch.clamp(ratio, 1 - epsilon, 1 + epsilon) * adv)",
-         "torch.clamp(ratio, 1 - epsilon, 1 + epsilon) * adv", "test_policy_loss_gradient_is_zero_exactly_where_clipped"),
         ("ratio upside down: pi_old / pi_theta", "ratio = torch.exp(log_ratio)", "ratio = torch.exp(-log_ratio)",
          "test_policy_loss_gradient_is_zero_exactly_where_clipped"),
         ("mask forgotten: mean over padding", "common.masked_mean(-surrogate, mask)", "(-surrogate).mean()",
@@ -363,21 +373,26 @@ WRONG_ANSWERS = {
 }
 
 
-def wrong_code(root, key, old, new):
-    """The code object of `key`'s function with `old` replaced by `new` in its solution region."""
+def wrong_source(root, key, old, new):
+    """The source of `key`'s function with `old` replaced by `new` in its solution region (None: as is)."""
     file, name = key.split("::")
     text = (root / file).read_text(encoding="utf-8")
     lines = text.splitlines(keepends=True)
     ((start, end),) = [(s, e) for s, e, _, function, _ in msc.regions(text) if function == name]
-    region = "".join(lines[start:end + 1])
-    if region.count(old) != 1:
+    # the edit applies to the code, not to the # HINT lines (blanked, so line numbers stay)
+    region = "".join("\n" if line.strip().startswith(msc.HINT) else line for line in lines[start:end + 1])
+    if old is not None and region.count(old) != 1:
         raise ValueError(f"{key}: {old!r} occurs {region.count(old)} times in the solution, not once")
-    patched = "".join(lines[:start]) + region.replace(old, new) + "".join(lines[end + 1:])
-    tree = ast.parse(patched)
-    (func,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name]
-    namespace = dict(sys.modules[Path(file).stem].__dict__)
-    exec(compile(ast.get_source_segment(patched, func), f"<wrong {key}>", "exec"), namespace)
-    return namespace[name].__code__
+    patched = "".join(lines[:start]) + (region if old is None else region.replace(old, new)) + "".join(lines[end + 1:])
+    (func,) = [n for n in ast.parse(patched).body if isinstance(n, ast.FunctionDef) and n.name == name]
+    return ast.get_source_segment(patched, func)
+
+
+def wrong_code(root, key, old, new):
+    """The code object of the wrong version, compiled in the namespace of the (imported) module."""
+    namespace = dict(sys.modules[Path(key.split("::")[0]).stem].__dict__)
+    exec(compile(wrong_source(root, key, old, new), f"<wrong {key}>", "exec"), namespace)
+    return namespace[key.split("::")[1]].__code__
 
 
 @contextmanager
@@ -437,8 +452,9 @@ def table():
     for key, wrong in WRONG_ANSWERS.items():
         file, function = key.split("::")
         test_file = Path(msc.EXERCISES[key][1]).name
-        for description, _, _, catcher in wrong:
-            rows.append(f"| `{function}` (`{file}`) | {description} | `{test_file}::{catcher}` |")
+        for i, (description, _, _, catcher) in enumerate(wrong):
+            exercise = f"`{function}` (`{file}`)" if i == 0 else ""
+            rows.append(f"| {exercise} | {description.replace('|', chr(92) + '|')} | `{test_file}::{catcher}` |")
     return "\n".join(rows)
 
 

@@ -94,7 +94,8 @@ def test_advantage_is_grpos_group_advantage():
     assert grpo_advantages is grpo.grpo_advantages
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 4.0, 4.0, 2.0, 0.7, 0.7, 0.7, 0.7], dtype=F64)
     s2 = math.sqrt(4 / 3)  # group 1: mean 1/4, std 1/2; group 2: mean 3, std sqrt(4/3); group 3: all equal
-    expected = [0.75 / (0.5 + 1e-6)] + [-0.25 / (0.5 + 1e-6)] * 3 + [x / (s2 + 1e-6) for x in (-1, 1, 1, -1)] + [0.0] * 4
+    expected = ([0.75 / (0.5 + 1e-6)] + [-0.25 / (0.5 + 1e-6)] * 3 + [x / (s2 + 1e-6) for x in (-1, 1, 1, -1)]
+                + [0.0] * 4)
     torch.testing.assert_close(grpo_advantages(rewards, 4), torch.tensor(expected, dtype=F64), rtol=1e-12, atol=0)
 
 

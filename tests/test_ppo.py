@@ -55,8 +55,8 @@ def test_gae_satisfies_its_recursion_on_every_valid_token(gamma, lam):
     rewards, values, mask = random_episodes(lengths=(5, 1, 3, 7))
     adv, returns = gae(rewards, values, mask, gamma, lam)
     shift = lambda x: torch.cat([(x * mask)[:, 1:], torch.zeros_like(x[:, :1])], 1)  # noqa: E731
-    torch.testing.assert_close((adv - gamma * lam * shift(adv)) * mask, (rewards + gamma * shift(values) - values) * mask,
-                               rtol=0, atol=1e-12)
+    td_error = (rewards + gamma * shift(values) - values) * mask
+    torch.testing.assert_close((adv - gamma * lam * shift(adv)) * mask, td_error, rtol=0, atol=1e-12)
     torch.testing.assert_close(returns, (adv + values) * mask, rtol=0, atol=1e-12)
 
 
@@ -173,7 +173,8 @@ def test_policy_loss_is_the_pessimistic_bound_of_the_unclipped_surrogate(adv):
     -clip(rho) A, a larger loss, elsewhere. Ratios 0.5 ... 1.5 in steps of 0.05."""
     ratios = [0.5 + 0.05 * i for i in range(21)]
     loss, _, _ = policy_loss_and_grad(ratios, [adv] * len(ratios))
-    per_token = [-adv * (min(max(r, 0.8), 1.2) if (r > 1.2 and adv > 0) or (r < 0.8 and adv < 0) else r) for r in ratios]
+    clipped = [(r > 1.2 and adv > 0) or (r < 0.8 and adv < 0) for r in ratios]
+    per_token = [-adv * (min(max(r, 0.8), 1.2) if c else r) for r, c in zip(ratios, clipped)]
     assert loss == pytest.approx(sum(per_token) / len(ratios), abs=1e-12)
     assert loss > -adv * sum(ratios) / len(ratios) + 0.01  # strictly above the unclipped loss: some tokens clipped
 
