@@ -159,7 +159,7 @@ def aggregate_loss(per_token_loss, mask, mode, max_len=None):
 def reward_to_go(x, mask):
     """Per-token sum over t' >= t of x[t'] (masked), i.e. the return with gamma = 1."""
     # BEGIN SOLUTION
-    # HINT: out[b, t] = sum over t' >= t of x[b, t'] * mask[b, t'] (x where mask == 0 may be NaN);
+    # HINT: out[b, t] = sum over t' >= t of x[b, t'] where mask[b, t'] == 1 (torch.where: x may be NaN elsewhere);
     # HINT: (B, T) in, (B, T) out
     x = torch.where(mask.bool(), x, torch.zeros_like(x))
     return torch.flip(torch.cumsum(torch.flip(x, [1]), 1), [1])

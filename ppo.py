@@ -93,7 +93,8 @@ def gae(rewards, values, mask, gamma, lam):
     number or a (B,) tensor, one lambda per sequence. Returns (advantages, returns).
     """
     # BEGIN SOLUTION
-    # HINT: walk t from T-1 down to 0 with V = values * mask and r = rewards * mask (V after the end = 0):
+    # HINT: set r and V to 0 where mask == 0 (torch.where: padding may hold NaN), so V after the end is 0;
+    # HINT: walk t from T-1 down to 0:
     # HINT: delta_t = r_t + gamma V_{t+1} - V_t, A_t = delta_t + gamma lam A_{t+1};
     # HINT: advantages = A * mask, returns = advantages + V; (B, T) in, two (B, T) out
     rewards = torch.where(mask.bool(), rewards, torch.zeros_like(rewards))
