@@ -64,6 +64,7 @@ EXERCISES = {
     "remax.py::remax_loss": (2, "tests/test_remax.py", [
         "test_remax_loss_returns_fold_kl_reward_to_go",
         "test_remax_loss_gradient_is_reinforce_with_baseline",
+        "test_remax_loss_does_not_backpropagate_through_the_return",
         "test_remax_loss_seq_mean_token_sum_norm_divides_by_max_len_not_the_batch_width"]),
     "rloo.py::rloo_advantages": (1, "tests/test_rloo.py", [
         "test_rloo_advantage_is_reward_minus_mean_of_the_others",

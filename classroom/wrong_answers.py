@@ -145,6 +145,8 @@ WRONG_ANSWERS = {
          "test_remax_loss_gradient_is_reinforce_with_baseline"),
         ("max_len ignored (divides by the batch width)", "mask, loss_agg, max_len)", "mask, loss_agg)",
          "test_remax_loss_seq_mean_token_sum_norm_divides_by_max_len_not_the_batch_width"),
+        ("return not detached: the KL penalty's own gradient leaks in", ").detach()\n", ")\n",
+         "test_remax_loss_does_not_backpropagate_through_the_return"),
         ("return_mean over padding too", "common.masked_mean(returns, mask)", "returns.mean()",
          "test_remax_loss_returns_fold_kl_reward_to_go"),
     ],
