@@ -1,16 +1,17 @@
 """Wrong answers a student writes, and the check that the grading tests reject every one.
 
-    python classroom/wrong_answers.py             # run the check (about 20 seconds on a CPU)
+    python classroom/wrong_answers.py             # run the check: one pytest run of the grading tests
     python classroom/wrong_answers.py --list      # the table exercise -> wrong version -> test (markdown)
 
 A wrong version is one edit of a reference solution: the text `old` in the code of the
-function's `# BEGIN SOLUTION` region (its `# HINT:` lines aside) becomes `new`. The check runs the grading tests of
-make_student_copy.py once under pytest; after a test passes on the reference it runs again
-with each wrong version of each exercise it grades swapped in (the function's code object is
-replaced, so every caller and every `from module import name` sees it) and records which
-tests fail. It fails unless the reference passes and every wrong version fails the test the
-table names for it. For teachers only: the edits hold pieces of the solutions, so
-make_student_copy.py leaves this file (and tests/test_grading.py) out of the student copy.
+function's `# BEGIN SOLUTION` region (its `# HINT:` lines aside) becomes `new`. The check runs
+the grading tests of make_student_copy.py once under pytest; after a test passes on the
+reference it runs again with each wrong version of each exercise it grades swapped in (the
+function's code object is replaced, so every caller and every `from module import name` sees
+it) and records which tests fail. It fails unless the reference passes and every wrong version
+fails the test the table names for it. For teachers only: the edits hold pieces of the
+solutions, so make_student_copy.py leaves this file (and tests/test_grading.py) out of the
+student copy.
 """
 import argparse
 import ast
@@ -417,6 +418,7 @@ class WrongAnswerRunner:
             for name in names:
                 self.grades.setdefault(f"{test_file}::{name}", []).append(key)
         self.caught = {(key, i): set() for key, wrong in WRONG_ANSWERS.items() for i in range(len(wrong))}
+        self.codes = {}  # (key, i) -> the wrong version's code object, compiled once
         self.reference_failed = []
 
     @pytest.hookimpl(hookwrapper=True)
@@ -428,7 +430,9 @@ class WrongAnswerRunner:
             return
         for key in self.grades.get(node, []):
             for i, (_, old, new, _) in enumerate(WRONG_ANSWERS.get(key, [])):
-                with swapped(key, wrong_code(self.root, key, old, new)):
+                if (key, i) not in self.codes:
+                    self.codes[key, i] = wrong_code(self.root, key, old, new)
+                with swapped(key, self.codes[key, i]):
                     try:
                         item.runtest()
                     except (Exception, pytest.fail.Exception):  # an error is caught too

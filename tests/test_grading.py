@@ -3,6 +3,7 @@
 copy leaves this file out."""
 import ast
 import json
+import os
 import subprocess
 import sys
 
@@ -31,11 +32,10 @@ def test_every_exercise_has_wrong_versions_each_an_edit_of_its_solution_and_a_na
 def test_the_grading_tests_catch_every_wrong_version(tmp_path):
     """One pytest run of the grading tests: the reference passes, then each test reruns with each
     wrong version of what it grades; every wrong version must fail the test the table names."""
-    import os
-
     out = tmp_path / "results.json"
     proc = subprocess.run([sys.executable, "classroom/wrong_answers.py", "--json", str(out)], cwd=ROOT,
                           capture_output=True, text=True, env={**os.environ, **ENV_KEYS}, timeout=300)
+    assert out.is_file(), (proc.stdout + proc.stderr)[-3000:]
     results = json.loads(out.read_text())
     assert results["reference_failed"] == [], proc.stdout[-3000:]
     missed = [(r["exercise"], r["wrong"], r["failed_tests"]) for r in results["rows"] if not r["caught"]]
