@@ -71,6 +71,8 @@ def dynamic_sampling_filter(correct, group_size):
     some wrong), False when all are right or all are wrong. Filters on correctness, not on the
     shaped reward (an all-wrong group with different lengths is still dropped)."""
     # BEGIN SOLUTION
+    # HINT: group correct as (B / G, G) rows of adjacent samples;
+    # HINT: keep a row iff its values are not all equal; (B,) in, (B / G,) bool out
     grouped = correct.view(-1, group_size)
     return (grouped != grouped[:, :1]).any(dim=1)
     # END SOLUTION
@@ -84,6 +86,8 @@ def overlong_penalty(lengths, max_len, cache_len):
         -1                                  if L > max_len
     """
     # BEGIN SOLUTION
+    # HINT: with L = lengths: 0 if L <= max_len - cache_len, -1 if L > max_len, else
+    # HINT: ((max_len - cache_len) - L) / cache_len; cache_len == 0: only L > max_len gets -1; (B,) float out
     lengths = lengths.float()
     expected_max = max_len - cache_len
     if cache_len == 0:
@@ -99,10 +103,14 @@ def dapo_loss(logp, old_logp, adv, mask, epsilon_low, epsilon_high, dual_clip_c=
     logp: (B, T) with grad; old_logp: (B, T) at sampling time (detached); adv: (B,).
     dual_clip_c > 1 bounds the loss of a token with A < 0 by c |A|; pg_weight (B, T), detached,
     multiplies the surrogate (TIS, masks).
-    Returns (loss, stats): the fraction of tokens clipped below (rho < 1 - epsilon_low with
-    A < 0) and above (rho > 1 + epsilon_high with A > 0), and the approx KL(pi_old || pi_theta).
+    Returns (loss, stats): clip_frac_low / clip_frac_high, the fraction of tokens clipped below
+    (rho < 1 - epsilon_low with A < 0) and above (rho > 1 + epsilon_high with A > 0); approx_kl,
+    the k3 estimate of KL(pi_old || pi_theta) from the ratio.
     """
     # BEGIN SOLUTION
+    # HINT: ratio = exp(logp - old_logp), A = adv[:, None];
+    # HINT: surrogate = min(ratio * A, clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * A) (dual clip
+    # HINT: and pg_weight as in grpo_loss); loss = token-mean of -surrogate over mask; stats: docstring
     log_ratio = logp - old_logp
     ratio = torch.exp(log_ratio)  # rho = pi_theta / pi_old
     adv = adv[:, None]
