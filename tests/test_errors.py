@@ -45,6 +45,9 @@ BAD_INPUTS = [  # (script, arguments, what the message must name)
     ("remax", ["--output_dir", "README.md/run"], "--output_dir"),
     ("remax", ["--save_total_limit", "-1"], "--save_total_limit"),
     ("remax", ["--resume_from", "README.md"], "--resume_from"),
+    ("remax", ["--micro_batch_size", "-1"], "--micro_batch_size"),
+    ("grpo", ["--generation_batch_size", "-2"], "--generation_batch_size"),
+    ("rloo", ["--micro_batch_size", "4", "--num_generations", "8"], "--micro_batch_size"),
 ]
 
 
