@@ -6,7 +6,7 @@ what is sampled is what is scored (same temperature, same masks). The plumbing (
 and rewards, model loading, logging, checkpoints) lives in support/. Equations and sign
 conventions: docs/algorithms.md.
 """
-from contextlib import nullcontext
+from contextlib import contextmanager
 
 import torch
 
@@ -32,6 +32,7 @@ def kl_k1(logp, ref_logp):
     = 1), and so does the whole-sequence sum times the sequence score, in expectation (RLOO).
     """
     # BEGIN SOLUTION
+    # HINT: k1 = logp - ref_logp, elementwise; any shape in, the same shape out
     return logp - ref_logp
     # END SOLUTION
 
@@ -45,6 +46,7 @@ def kl_k2(logp, ref_logp):
     As a detached penalty in the reward: a wrong gradient.
     """
     # BEGIN SOLUTION
+    # HINT: k2 = 0.5 * (logp - ref_logp)^2, elementwise; any shape in, the same shape out
     return 0.5 * (logp - ref_logp) ** 2
     # END SOLUTION
 
@@ -59,6 +61,7 @@ def kl_k3(logp, ref_logp):
     to +-20 and k3 to 10): where a clamp binds the gradient is 0 and the blow-up is hidden.
     """
     # BEGIN SOLUTION
+    # HINT: with log_ratio = ref_logp - logp (log p/q): k3 = exp(log_ratio) - log_ratio - 1, elementwise
     log_ratio = ref_logp - logp
     return torch.exp(log_ratio) - log_ratio - 1
     # END SOLUTION
@@ -73,6 +76,8 @@ def kl_penalty(logp, ref_logp, estimator="k3", old_logp=None):
     = ratio * k1 * score). A detached ratio would keep k3's forward-KL gradient.
     """
     # BEGIN SOLUTION
+    # HINT: kl = kl_k1 | kl_k2 | kl_k3 (by estimator) of (logp, ref_logp); with old_logp:
+    # HINT: kl * exp(logp - old_logp), the ratio NOT detached; (B, T) in, (B, T) out
     kl = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}[estimator](logp, ref_logp)
     return kl if old_logp is None else torch.exp(logp - old_logp) * kl
     # END SOLUTION
@@ -84,6 +89,8 @@ def kl_penalty(logp, ref_logp, estimator="k3", old_logp=None):
 def masked_sum(x, mask, dim=None):
     """Sum of x where mask is 1 (masked entries may hold anything, even NaN)."""
     # BEGIN SOLUTION
+    # HINT: sum of x where mask == 1, picking with torch.where (x * mask keeps a NaN);
+    # HINT: dim=None: a scalar, else summed over dim
     x = torch.where(mask.bool(), x, torch.zeros_like(x))
     return x.sum() if dim is None else x.sum(dim)
     # END SOLUTION
@@ -92,6 +99,7 @@ def masked_sum(x, mask, dim=None):
 def masked_mean(x, mask, dim=None):
     """Mean of x where mask is 1; an all-masked slice gives 0."""
     # BEGIN SOLUTION
+    # HINT: masked_sum(x, mask, dim) / (number of mask == 1 entries, at least 1)
     return masked_sum(x, mask, dim) / masked_sum(torch.ones_like(x), mask, dim).clamp(min=1)
     # END SOLUTION
 
@@ -100,6 +108,8 @@ def masked_whiten(x, mask, shift_mean=True, eps=1e-8):
     """(x - mean) / std over the masked entries (std with Bessel's correction, as TRL).
     With shift_mean=False the mean is added back (only the scale changes)."""
     # BEGIN SOLUTION
+    # HINT: mean and var over mask == 1 only, var = sum (x - mean)^2 / (n - 1) (Bessel);
+    # HINT: (x - mean) / sqrt(var + eps), + mean back if not shift_mean, 0 where mask == 0
     mean = masked_mean(x, mask)
     n = mask.sum()
     var = masked_sum((x - mean) ** 2, mask) / (n - 1).clamp(min=1)
@@ -114,6 +124,8 @@ def completion_mask(completion_ids, eos_token_id):
     """1 up to and including the first EOS, 0 after it (padding after EOS included).
     A completion with no EOS (cut at max length) keeps every token."""
     # BEGIN SOLUTION
+    # HINT: mask[b, t] = 1 iff no EOS in completion_ids[b, :t] (strictly before t);
+    # HINT: (B, T) ids in, (B, T) 0/1 long out
     is_eos = completion_ids == eos_token_id
     eos_before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()  # EOS strictly before t
     return (eos_before == 0).long()
@@ -129,6 +141,10 @@ def aggregate_loss(per_token_loss, mask, mode, max_len=None):
                               (Dr. GRPO: no per-sequence length normalisation). Default T.
     """
     # BEGIN SOLUTION
+    # HINT: token-mean: masked_sum(loss, mask) / mask.sum();
+    # HINT: seq-mean-token-mean: mean over rows b of masked_mean(loss[b], mask[b]);
+    # HINT: seq-mean-token-sum-norm: mean over rows b of masked_sum(loss[b], mask[b]) / max_len
+    # HINT: (max_len None: T); any other mode: ValueError naming LOSS_AGG_MODES
     if mode == "token-mean":
         return masked_sum(per_token_loss, mask) / mask.sum().clamp(min=1)
     if mode == "seq-mean-token-mean":
@@ -164,6 +180,8 @@ def micro_batch_weight(mask, loss_agg, num_tokens, num_sequences):
 def reward_to_go(x, mask):
     """Per-token sum over t' >= t of x[t'] (masked), i.e. the return with gamma = 1."""
     # BEGIN SOLUTION
+    # HINT: out[b, t] = sum over t' >= t of x[b, t'] where mask[b, t'] == 1 (torch.where: x may be NaN elsewhere);
+    # HINT: (B, T) in, (B, T) out
     x = torch.where(mask.bool(), x, torch.zeros_like(x))
     return torch.flip(torch.cumsum(torch.flip(x, [1]), 1), [1])
     # END SOLUTION
@@ -177,6 +195,7 @@ def truncated_is_weight(logp, rollout_logp, cap):
     """Truncated importance sampling, per token: min(pi_train / pi_rollout, cap), detached.
     It reweights each token's policy-gradient term towards the trainer's distribution."""
     # BEGIN SOLUTION
+    # HINT: min(exp(logp - rollout_logp), cap), detached; (B, T) in, (B, T) out
     return torch.exp(logp - rollout_logp).clamp(max=cap).detach()
     # END SOLUTION
 
@@ -186,6 +205,8 @@ def geometric_sequence_mask(logp, old_logp, adv, mask, delta):
     (1/|y_i|) sum_t log(pi_old / pi_theta) > delta, else 1. The mean log-ratio is the log of
     the geometric mean ratio, so the test does not grow with the length. (B,) detached."""
     # BEGIN SOLUTION
+    # HINT: drift_i = masked mean over t of (old_logp - logp) (detached), (B,);
+    # HINT: keep_i = 0.0 if adv_i < 0 and drift_i > delta else 1.0, (B,) in logp's dtype
     drift = masked_mean((old_logp - logp).detach(), mask, dim=1)
     return 1.0 - ((adv < 0) & (drift > delta)).to(logp.dtype)
     # END SOLUTION
@@ -343,16 +364,36 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=1, gree
                       for chunk in chunks])
 
 
+@contextmanager
 def gathered_parameters(model):
-    """Under DeepSpeed ZeRO-3 each rank holds a shard of every weight; generating token by
-    token from shards gathers them at every step (10-100x slower). Gather once for the whole
-    generate call instead. A no-op without ZeRO-3."""
+    """Under DeepSpeed ZeRO-3 each rank holds a shard of every weight, and hooks on every module
+    gather a module's weights before its forward and release them after: generating token by
+    token would gather the whole model once per token (10-100x slower). Gather it once for the
+    whole generate call instead, with DeepSpeed's hooks taken off (else the release hooks free
+    the gathered weights again after each token, for models beyond DeepSpeed's reuse window)
+    and put back after, the same ones in the same order. A no-op without ZeRO-3."""
     sharded = [p for p in model.parameters() if hasattr(p, "ds_id")]
     if not sharded:
-        return nullcontext()
+        yield
+        return
     import deepspeed
 
-    return deepspeed.zero.GatheredParameters(sharded)
+    with deepspeed.zero.GatheredParameters(sharded):
+        for p in sharded:
+            p.ds_active_sub_modules.clear()  # no module holds them now: the exit may release them
+        saved = []
+        for module in model.modules():
+            for hooks in (module._forward_pre_hooks, module._forward_hooks):
+                saved.append((hooks, dict(hooks)))
+                for key, hook in list(hooks.items()):
+                    if getattr(hook, "__module__", "").startswith("deepspeed."):
+                        del hooks[key]
+        try:
+            yield
+        finally:
+            for hooks, original in saved:  # in place: the hooks' handles point at these dicts
+                hooks.clear()
+                hooks.update(original)
 
 
 def tokenize_prompts(tokenizer, prompts, device):

@@ -71,6 +71,8 @@ def dynamic_sampling_filter(correct, group_size):
     some wrong), False when all are right or all are wrong. Filters on correctness, not on the
     shaped reward (an all-wrong group with different lengths is still dropped)."""
     # BEGIN SOLUTION
+    # HINT: group correct as (B / G, G) rows of adjacent samples;
+    # HINT: keep a row iff its values are not all equal; (B,) in, (B / G,) bool out
     grouped = correct.view(-1, group_size)
     return (grouped != grouped[:, :1]).any(dim=1)
     # END SOLUTION
@@ -84,6 +86,8 @@ def overlong_penalty(lengths, max_len, cache_len):
         -1                                  if L > max_len
     """
     # BEGIN SOLUTION
+    # HINT: with L = lengths: 0 if L <= max_len - cache_len, -1 if L > max_len, else
+    # HINT: ((max_len - cache_len) - L) / cache_len; cache_len == 0: only L > max_len gets -1; (B,) float out
     lengths = lengths.float()
     expected_max = max_len - cache_len
     if cache_len == 0:
@@ -99,10 +103,14 @@ def dapo_loss(logp, old_logp, adv, mask, epsilon_low, epsilon_high, dual_clip_c=
     logp: (B, T) with grad; old_logp: (B, T) at sampling time (detached); adv: (B,).
     dual_clip_c > 1 bounds the loss of a token with A < 0 by c |A|; pg_weight (B, T), detached,
     multiplies the surrogate (TIS, masks).
-    Returns (loss, stats): the fraction of tokens clipped below (rho < 1 - epsilon_low with
-    A < 0) and above (rho > 1 + epsilon_high with A > 0), and the approx KL(pi_old || pi_theta).
+    Returns (loss, stats): clip_frac_low / clip_frac_high, the fraction of tokens clipped below
+    (rho < 1 - epsilon_low with A < 0) and above (rho > 1 + epsilon_high with A > 0); approx_kl,
+    the k3 estimate of KL(pi_old || pi_theta) from the ratio.
     """
     # BEGIN SOLUTION
+    # HINT: ratio = exp(logp - old_logp), A = adv[:, None];
+    # HINT: surrogate = min(ratio * A, clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * A) (dual clip
+    # HINT: and pg_weight as in grpo_loss); loss = token-mean of -surrogate over mask; stats: docstring
     log_ratio = logp - old_logp
     ratio = torch.exp(log_ratio)  # rho = pi_theta / pi_old
     adv = adv[:, None]
@@ -153,7 +161,9 @@ def main():
         # ---- rollout: dynamic sampling, rounds of groups until batch_size completions in mixed groups ----
         kept_examples, kept_completion_ids, kept_rewards, kept_correct = [], [], [], []
         round_rewards, rounds, groups_dropped = [], 0, 0  # every round's rewards, kept or dropped (logged only)
-        while len(kept_examples) < cfg.batch_size and rounds < cfg.max_sampling_rounds:
+        # every rank samples as many rounds (under ZeRO-3 each generate is a collective): until all are full
+        while rounds < cfg.max_sampling_rounds and accelerator.reduce(
+                torch.tensor(float(len(kept_examples) < cfg.batch_size), device=accelerator.device), "sum") > 0:
             rounds += 1
             batch = sampler.next()
             prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, [ex["prompt"] for ex in batch],
@@ -179,9 +189,11 @@ def main():
                 kept_rewards.append(rewards[keep])
                 kept_correct.append(correct[keep])
         sampled_rewards = torch.cat(round_rewards)
+        # every process trains on as many completions, the fewest kept (under ZeRO-3 each forward is a collective);
         # a process with no mixed group has nothing to learn from: then every process skips (DDP steps together)
-        nothing_kept = accelerator.reduce(torch.tensor(float(not kept_examples), device=accelerator.device),
-                                          reduction="sum").item() > 0
+        n = min(accelerator.gather(torch.tensor([min(len(kept_examples), cfg.batch_size)],
+                                                device=accelerator.device)).tolist())
+        nothing_kept = n == 0
         if len(kept_examples) < cfg.batch_size:
             print(f"warning: step {step} (rank {accelerator.process_index}): --max_sampling_rounds "
                   f"{cfg.max_sampling_rounds} reached with {len(kept_examples) // group_size} of "
@@ -191,7 +203,6 @@ def main():
         metrics, samples = {}, []
         if not nothing_kept:
             with timer("scoring"):
-                n = cfg.batch_size  # the last round may overfill the batch
                 examples, rewards, correct = kept_examples[:n], torch.cat(kept_rewards)[:n], torch.cat(kept_correct)[:n]
                 completion_ids = torch.nn.utils.rnn.pad_sequence(kept_completion_ids[:n], batch_first=True,
                                                                  padding_value=tokenizer.pad_token_id)

@@ -69,6 +69,9 @@ def grpo_advantages(rewards, group_size, scale_rewards="group", eps=1e-6):
     exactly 0 for every member. Returns (B,).
     """
     # BEGIN SOLUTION
+    # HINT: group rewards as (B / G, G) rows of adjacent samples; adv = r - row mean;
+    # HINT: 'group': / (row std + eps), 'batch': / (std of all B + eps), std with ddof 1;
+    # HINT: a row whose rewards are all equal gets exactly 0; back to (B,)
     grouped = rewards.view(-1, group_size)  # (B / G, G)
     adv = grouped - grouped.mean(dim=1, keepdim=True)
     adv[(grouped == grouped[:, :1]).all(dim=1)] = 0.0  # the mean of equal floats may round
@@ -99,6 +102,11 @@ def grpo_loss(logp, old_logp, ref_logp, adv, mask, epsilon, beta, loss_agg="seq-
     kl_term, the mean of the term beta multiplies.
     """
     # BEGIN SOLUTION
+    # HINT: ratio = exp(logp - old_logp), (B, T); A = adv[:, None];
+    # HINT: surrogate = min(ratio * A, clamp(ratio, 1 - epsilon, 1 + epsilon) * A) (dual clip:
+    # HINT: where A < 0, max(surrogate, dual_clip_c * A)), times pg_weight if given;
+    # HINT: per_token_loss = -surrogate + beta * kl_penalty(logp, ref_logp, kl_estimator, old_logp if
+    # HINT: kl_is_weight); loss = aggregate_loss(per_token_loss, mask, loss_agg, max_len); stats: docstring
     log_ratio = logp - old_logp
     ratio = torch.exp(log_ratio)  # rho = pi_theta / pi_old
     adv = adv[:, None]

@@ -5,10 +5,11 @@
     python classroom/make_student_copy.py --tests      # node ids of the grading tests, for pytest
 
 The reference marks the computing body of each exercise function with two comment lines,
-`# BEGIN SOLUTION` and `# END SOLUTION`. In the copy that region becomes
-`raise NotImplementedError("<hint>")`, the hint being a `# HINT:` line inside the region if
-there is one, else the first paragraph of the function's docstring, on one line. Everything
-else is copied as is.
+`# BEGIN SOLUTION` and `# END SOLUTION`. In the copy that region becomes its `# HINT:` lines
+(the equation to implement, in the code's names, and the shapes) followed by
+`raise NotImplementedError("implement <function> ...")`. The files in TEACHER_ONLY (the wrong
+versions of each exercise, which hold pieces of the solutions, and their test) are left out;
+everything else is copied as is.
 """
 import argparse
 import ast
@@ -21,6 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END, HINT = "# BEGIN SOLUTION", "# END SOLUTION", "# HINT:"
 SKIP_DIRS = {".git", ".venv", "venv", "runs", "__pycache__", ".pytest_cache"}
+TEACHER_ONLY = {"classroom/wrong_answers.py", "tests/test_grading.py"}
 
 # "file::function" -> (difficulty 1-3, test file, the tests in it that grade the function).
 # A test also runs whatever the function calls, so the order below is the order to solve them in.
@@ -61,7 +63,9 @@ EXERCISES = {
         "test_remax_advantage_is_invariant_to_a_per_prompt_reward_offset"]),
     "remax.py::remax_loss": (2, "tests/test_remax.py", [
         "test_remax_loss_returns_fold_kl_reward_to_go",
-        "test_remax_loss_gradient_is_reinforce_with_baseline"]),
+        "test_remax_loss_gradient_is_reinforce_with_baseline",
+        "test_remax_loss_does_not_backpropagate_through_the_return",
+        "test_remax_loss_seq_mean_token_sum_norm_divides_by_max_len_not_the_batch_width"]),
     "rloo.py::rloo_advantages": (1, "tests/test_rloo.py", [
         "test_rloo_advantage_is_reward_minus_mean_of_the_others",
         "test_rloo_equals_k_over_k_minus_1_times_reward_minus_mean",
@@ -77,7 +81,7 @@ EXERCISES = {
         "test_group_std_removes_each_prompts_reward_scale"]),
     "grpo.py::grpo_loss": (3, "tests/test_grpo.py", [
         "test_clip_gradient_is_zero_exactly_on_the_clipped_side",
-        "test_clip_loss_is_continuous_at_the_boundaries",
+        "test_clip_loss_is_the_pessimistic_bound_of_the_unclipped_surrogate",
         "test_with_one_iteration_ratio_is_one_and_gradient_is_the_policy_gradient",
         "test_k3_term_value_and_gradient", "test_loss_ignores_tokens_after_the_mask",
         "test_kl_estimator_k2_and_k3_with_the_ratio_weight_give_the_k2_gradient",
@@ -85,7 +89,7 @@ EXERCISES = {
         "test_pg_weight_multiplies_the_surrogate_and_not_the_kl_term"]),
     "dapo.py::dynamic_sampling_filter": (1, "tests/test_dapo.py", [
         "test_dynamic_sampling_keeps_only_groups_with_mixed_correctness",
-        "test_dynamic_sampling_filters_on_correctness_not_on_the_shaped_reward"]),
+        "test_dynamic_sampling_drops_uniform_groups_of_any_size"]),
     "dapo.py::overlong_penalty": (2, "tests/test_dapo.py", [
         "test_overlong_penalty_check_values_from_the_paper",
         "test_overlong_penalty_default_spares_every_right_answer",
@@ -94,7 +98,7 @@ EXERCISES = {
         "test_clip_higher_bounds", "test_clip_higher_is_asymmetric",
         "test_dapo_loss_is_a_token_mean_over_the_batch", "test_dual_clip_and_pg_weight"]),
     "ppo.py::gae": (3, "tests/test_ppo.py", [
-        "test_gae_matches_a_hand_written_loop",
+        "test_gae_hand_computed_values", "test_gae_satisfies_its_recursion_on_every_valid_token",
         "test_gae_with_gamma_and_lambda_one_is_reward_to_go_minus_value",
         "test_gae_with_lambda_zero_is_the_one_step_td_error",
         "test_gae_padding_does_not_change_valid_advantages_and_gets_zero",
@@ -106,7 +110,7 @@ EXERCISES = {
     "ppo.py::ppo_policy_loss": (2, "tests/test_ppo.py", [
         "test_policy_loss_on_policy_gradient_is_the_policy_gradient",
         "test_policy_loss_gradient_is_zero_exactly_where_clipped",
-        "test_policy_loss_is_continuous_at_the_clip_boundaries",
+        "test_policy_loss_is_the_pessimistic_bound_of_the_unclipped_surrogate",
         "test_policy_loss_masks_padding_and_reports_the_ratio_kl",
         "test_dual_clip_caps_the_loss_of_a_negative_advantage_token_with_a_large_ratio"]),
     "ppo.py::ppo_value_loss": (2, "tests/test_ppo.py", [
@@ -136,14 +140,6 @@ EXERCISES = {
         "test_optimal_baseline_is_shift_and_scale_equivariant"]),
     "toy_bandit.py::softmax_baselines": (1, "tests/test_toy_bandit.py", [
         "test_k_arm_check_values", "test_greedy_tie_break_goes_to_lowest_index"]),
-    "toy_bandit.py::rloo_advantages": (1, "tests/test_toy_bandit.py", [
-        "test_group_advantages_match_their_definitions", "test_rloo_is_unbiased_by_enumeration",
-        "test_rloo_variance_by_enumeration_matches_monte_carlo"]),
-    "toy_bandit.py::mean_advantages": (1, "tests/test_toy_bandit.py", [
-        "test_group_advantages_match_their_definitions", "test_mean_baseline_bias_is_k_minus_1_over_k"]),
-    "toy_bandit.py::grpo_advantages": (1, "tests/test_toy_bandit.py", [
-        "test_group_advantages_match_their_definitions", "test_grpo_all_equal_group_gets_zero_advantage",
-        "test_grpo_bias_ratio_depends_on_p", "test_grpo_bias_ratio_is_constant_for_groups_of_two_or_three"]),
 }
 
 
@@ -181,17 +177,19 @@ def regions(text):
         func = max(around, key=lambda f: f.lineno) if around else None
         hints = [l.strip()[len(HINT):].strip() for l in lines[start + 1:end] if l.strip().startswith(HINT)]
         doc = " ".join((ast.get_docstring(func) or "").strip().split("\n\n")[0].split()) if func else ""
-        hint = hints[0] if hints else doc or f"implement {func.name if func else 'this function'}"
+        hint = " ".join(hints) if hints else doc or f"implement {func.name if func else 'this function'}"
         indent = lines[start][:len(lines[start]) - len(lines[start].lstrip())]
         result.append((start, end, indent, func.name if func else "?", hint))
     return result
 
 
 def blank(text, name="<file>"):
-    """The student version of a source file: each marked region replaced by a raise."""
+    """The student version of a source file: each marked region replaced by its hints and a raise."""
     lines = text.splitlines(keepends=True)
-    for start, end, indent, _, hint in reversed(regions(text)):
-        lines[start:end + 1] = [f"{indent}raise NotImplementedError({json.dumps(hint, ensure_ascii=False)})\n"]
+    for start, end, indent, function, _ in reversed(regions(text)):
+        hints = [line for line in lines[start + 1:end] if line.strip().startswith(HINT)]
+        message = f"implement {function} (the {HINT} lines above)" if hints else f"implement {function}"
+        lines[start:end + 1] = hints + [f"{indent}raise NotImplementedError({json.dumps(message)})\n"]
     student = "".join(lines)
     compile(student, name, "exec")  # a region that was not a whole block would show up here
     return student
@@ -229,6 +227,8 @@ def write_copy(src, out):
     if missing:
         print(f"warning: marked but not in EXERCISES (no tests listed): {', '.join(missing)}", file=sys.stderr)
     for rel in project_files(src):
+        if rel in TEACHER_ONLY:
+            continue
         source, target = src / rel, out / rel
         target.parent.mkdir(parents=True, exist_ok=True)
         text = source.read_bytes().decode("utf-8") if rel.endswith(".py") else ""

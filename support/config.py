@@ -1,9 +1,10 @@
 """Configuration every script shares: TrainConfig (each algorithm file subclasses it with
 what it adds), GroupConfig (the group methods' shared fields and defaults), parsing and the
 Accelerator."""
+import json
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -11,6 +12,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EMBEDDED_MODEL = os.path.join(ROOT, "embedded_model")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+# Flags a resumed run may change: they decide how long to run, what to write and how much memory a step
+# takes (the steps stay the same up to rounding), not the steps themselves. Any other difference from the
+# checkpoint's flags is refused (the optimizer state would also silently restore its --learning_rate).
+RESUMABLE_CHANGES = ("num_steps", "eval_every", "log_every", "save_steps", "save_total_limit", "save_model",
+                     "merge_lora", "report_to", "output_dir", "resume_from", "gradient_checkpointing",
+                     "micro_batch_size", "generation_batch_size")
 
 
 def arg(default, help):
@@ -58,7 +65,10 @@ class TrainConfig:
     log_every: int = arg(10, "Print a metrics line and two samples every N steps (every step goes to metrics.jsonl).")
     report_to: str = arg("none", "Extra trackers: 'none', 'tensorboard' or 'wandb'.")
     save_steps: int = arg(0, "Write a resumable checkpoint every N steps (0 = only on Ctrl-C/SIGTERM).")
-    resume_from: str = arg("", "A checkpoint folder (output_dir/checkpoint-N) to continue from.")
+    save_total_limit: int = arg(2, "Keep the newest N complete checkpoints in --output_dir, delete older ones "
+                                "(0 = keep all).")
+    resume_from: str = arg("", "A checkpoint folder (output_dir/checkpoint-N) to continue from, or 'latest': "
+                           "the newest complete checkpoint in --output_dir (none: start at step 0).")
     save_model: bool = arg(True, "Save the final policy with save_pretrained (+ tokenizer) in output_dir/final.")
 
     def __post_init__(self):
@@ -66,7 +76,8 @@ class TrainConfig:
                      "log_every", "max_prompt_length", "eval_size"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name} must be > 0 (got {getattr(self, name)}).")
-        for name in ("lora_r", "save_steps", "max_grad_norm", "top_k", "micro_batch_size", "generation_batch_size"):
+        for name in ("lora_r", "save_steps", "save_total_limit", "max_grad_norm", "top_k", "micro_batch_size",
+                     "generation_batch_size"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name} must be >= 0 (got {getattr(self, name)}).")
         if not 0 < self.top_p <= 1:
@@ -84,8 +95,14 @@ class TrainConfig:
         for name in ("torch_dtype", "reward_model_dtype"):
             if getattr(self, name) not in DTYPES:
                 raise ValueError(f"--{name} must be one of {sorted(DTYPES)} (got {getattr(self, name)!r}).")
-        if self.resume_from and not os.path.isfile(os.path.join(self.resume_from, "trainer_state.json")):
-            raise ValueError(f"--resume_from {self.resume_from!r} is not a checkpoint folder (no trainer_state.json).")
+        if self.resume_from not in ("", "latest"):
+            if not os.path.isdir(self.resume_from):
+                raise ValueError(f"--resume_from {self.resume_from!r}: no such folder (give output_dir/checkpoint-N "
+                                 "or 'latest').")
+            if not os.path.isfile(os.path.join(self.resume_from, "trainer_state.json")):
+                raise ValueError(f"--resume_from {self.resume_from!r} is not a complete checkpoint (no "
+                                 "trainer_state.json: a run stopped while writing it, or it is not a checkpoint); "
+                                 "--resume_from latest picks the newest complete one.")
         if self.torch_dtype != "float32" and self.lora_r == 0:
             print(f"warning: --torch_dtype {self.torch_dtype} without --lora_r trains the weights in "
                   f"{self.torch_dtype} itself, where an update below about 0.3% (bfloat16) or 0.05% (float16) of "
@@ -140,22 +157,134 @@ def parse_config(config_class, args=None):
     """Parse the command line into `config_class`; a bad value exits with one clear line."""
     from transformers import HfArgumentParser
 
+    script = os.path.basename(sys.argv[0])
     try:
         (cfg,) = HfArgumentParser(config_class).parse_args_into_dataclasses(args=args)
+        if not cfg.output_dir:
+            cfg.output_dir = os.path.join("runs", os.path.splitext(script)[0])
+        check_output_dir(cfg, script)
+        check_resume(cfg, script)
     except ValueError as e:
         sys.exit(f"error: {e}")
-    if not cfg.output_dir:
-        cfg.output_dir = os.path.join("runs", os.path.splitext(os.path.basename(sys.argv[0]))[0])
     return cfg
+
+
+def say(message):
+    """A warning or note on stderr, once per launch (before the Accelerator exists)."""
+    if os.environ.get("RANK", "0") == "0":
+        print(message, file=sys.stderr, flush=True)
+
+
+def check_output_dir(cfg, script):
+    """--output_dir must be (or become) a writable folder that holds no run this one would overwrite:
+    another script's run, or an earlier run's checkpoints that --resume_from does not continue."""
+    from support.run import list_checkpoints
+
+    existing = os.path.abspath(cfg.output_dir)
+    while not os.path.exists(existing):
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise ValueError(f"--output_dir {cfg.output_dir!r}: {existing} is a file, not a folder.")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--output_dir {cfg.output_dir!r}: {existing} is not writable.")
+    complete = list_checkpoints(cfg.output_dir)[0]
+    earlier = read_json(os.path.join(cfg.output_dir, "config.json")).get("script")
+    if complete:
+        earlier = earlier or read_json(os.path.join(complete[-1], "trainer_state.json")).get("script")
+    if earlier and earlier != script:
+        raise ValueError(f"--output_dir {cfg.output_dir!r} holds a run of {earlier}: give {script} another "
+                         "--output_dir.")
+    if complete and not cfg.resume_from:
+        raise ValueError(f"--output_dir {cfg.output_dir!r} holds checkpoints of an earlier run (newest "
+                         f"{os.path.basename(complete[-1])}): continue it with --resume_from latest, or give "
+                         "another --output_dir.")
+
+
+def check_resume(cfg, script):
+    """Resolve --resume_from latest, then refuse a checkpoint that another script, or a run with other
+    step-changing flags, wrote. Harmless changes (RESUMABLE_CHANGES) get a note."""
+    from support.run import list_checkpoints
+
+    if cfg.resume_from == "latest":
+        complete, partial = list_checkpoints(cfg.output_dir)
+        if partial:
+            say(f"warning: ignoring partial checkpoints {[os.path.basename(p) for p in partial]} in "
+                f"{cfg.output_dir} (a run stopped while writing them); the next save deletes them.")
+        if not complete:
+            say(f"note: --resume_from latest: no complete checkpoint in {cfg.output_dir}, starting at step 0.")
+            cfg.resume_from = ""
+            return
+        cfg.resume_from = complete[-1]
+    if not cfg.resume_from:
+        return
+    state = read_json(os.path.join(cfg.resume_from, "trainer_state.json"))
+    if state.get("script", script) != script:
+        raise ValueError(f"--resume_from {cfg.resume_from!r} was written by {state['script']}, not {script}: resume "
+                         f"it with {state['script']}, or start a new run from its weights with "
+                         f"--model_name_or_path {os.path.join(cfg.resume_from, 'model')}.")
+    saved, now = state.get("config", {}), json.loads(json.dumps(asdict(cfg)))
+    changed = [k for k in now if k in saved and saved[k] != now[k]]
+    refused = [f"--{k} ({saved[k]!r} there, {now[k]!r} here)" for k in changed if k not in RESUMABLE_CHANGES]
+    if refused:
+        raise ValueError(f"--resume_from {cfg.resume_from!r}: this run differs from the checkpoint in "
+                         f"{', '.join(refused)}; give the checkpoint's values, or start a new run from its weights "
+                         f"with --model_name_or_path {os.path.join(cfg.resume_from, 'model')}.")
+    notes = [f"--{k} {saved[k]!r} -> {now[k]!r}" for k in changed if k not in ("resume_from", "output_dir")]
+    if notes:
+        say(f"note: resuming {cfg.resume_from} with {', '.join(notes)}.")
+
+
+def read_json(path):
+    """The JSON object in path, or {} when there is none (or a killed run left it unfinished)."""
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return {}
 
 
 def make_accelerator(cfg):
     """An Accelerator that falls back to CPU (gloo between processes) when there is no GPU,
     so `accelerate launch --multi_gpu --num_processes 2 x.py` (or `torchrun --nproc_per_node 2`)
     gives 2-process data parallelism on a laptop. (`accelerate launch --cpu --num_processes 2`
-    starts ONE process in accelerate 1.x unless an MPI hostfile is given.)"""
+    starts ONE process in accelerate 1.x unless an MPI hostfile is given.) A DeepSpeed config
+    (configs/zero2.yaml, zero3.yaml) stays DeepSpeed without a GPU too: DeepSpeed's CPU
+    accelerator, gloo between processes; its settings come from the flags (deepspeed_settings)."""
     from accelerate import Accelerator
 
     use_cpu = os.environ.get("ACCELERATE_USE_CPU", "false").lower() in ("1", "true")
-    cpu = not torch.cuda.is_available() or use_cpu
-    return Accelerator(cpu=cpu, log_with=None if cfg.report_to == "none" else cfg.report_to, project_dir=cfg.output_dir)
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() in ("1", "true")
+    if deepspeed and not torch.cuda.is_available():
+        from accelerate import PartialState
+
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read when deepspeed is first imported, just below
+        PartialState(backend="gloo")  # else accelerate finds no backend: every process would think it is rank 0
+    # cpu=True would silently turn a DeepSpeed config into plain multi-process CPU data parallelism
+    cpu = (not torch.cuda.is_available() or use_cpu) and not deepspeed
+    accelerator = Accelerator(cpu=cpu, log_with=None if cfg.report_to == "none" else cfg.report_to,
+                              project_dir=cfg.output_dir)
+    state = read_json(os.path.join(cfg.resume_from, "trainer_state.json")) if cfg.resume_from else {}
+    saved = state.get("world_size")
+    if saved and saved != accelerator.num_processes:
+        sys.exit(f"error: --resume_from {cfg.resume_from!r} was written by {saved} processes and this run has "
+                 f"{accelerator.num_processes}: launch it with --num_processes {saved} (every rank's sampler and "
+                 "random state is in the checkpoint, and --batch_size is per process).")
+    if accelerator.state.deepspeed_plugin is not None:
+        deepspeed_settings(accelerator.state.deepspeed_plugin.deepspeed_config, cfg, accelerator.num_processes)
+    return accelerator
+
+
+def deepspeed_settings(ds_config, cfg, num_processes):
+    """Set what DeepSpeed reads from the flags, in place: the micro-batch (no dataloader is prepared,
+    so DeepSpeed cannot infer it), clipping at --max_grad_norm (DeepSpeed clips inside its step), and
+    one micro-batch per optimizer step as DeepSpeed counts them: the loops weigh and accumulate the
+    micro-batches themselves, so DeepSpeed must not divide the loss again."""
+    accumulation = ds_config.get("gradient_accumulation_steps", 1)
+    if accumulation not in (1, "auto"):
+        raise SystemExit(f"error: the DeepSpeed config's gradient_accumulation_steps is {accumulation}: set it to 1; "
+                         "--micro_batch_size splits each batch into micro-batches and accumulates them.")
+    ds_config["gradient_accumulation_steps"] = 1
+    ds_config["train_micro_batch_size_per_gpu"] = cfg.micro_batch_size or cfg.batch_size
+    ds_config["train_batch_size"] = ds_config["train_micro_batch_size_per_gpu"] * num_processes
+    ds_config["gradient_clipping"] = cfg.max_grad_norm  # 0 = off, as the flag
+    return ds_config

@@ -68,20 +68,41 @@ def load_reference(cfg, policy):
     return AdapterDisabled(policy).eval() if cfg.lora_r > 0 else load_model(cfg, trainable=False)
 
 
-def prepare_frozen(accelerator, model):
-    """A frozen model (the reference, a reward model) on the device, run under the same mixed-precision
-    autocast as the prepared policy: with the same weights both compute the same log-probs, so the KL
-    to the reference starts at exactly 0. Call after accelerator.prepare(policy, ...)."""
-    return accelerator.prepare_model(model, evaluation_mode=True)
-
-
 def load_rollout_model(cfg, policy):
     """With --rollout_dtype other than --torch_dtype, a frozen copy of the policy in that dtype
     that does the sampling, as an inference engine beside the trainer would; else None.
     Call before accelerator.prepare(policy) and sync it before each rollout."""
     if cfg.rollout_dtype == cfg.torch_dtype:
         return None
+    if any(hasattr(p, "ds_id") for p in policy.parameters()):
+        raise SystemExit("error: --rollout_dtype copies the whole policy, which ZeRO-3 shards: use ZeRO-2 or DDP.")
     return copy.deepcopy(policy).to(DTYPES[cfg.rollout_dtype]).eval().requires_grad_(False)
+
+
+def prepare_frozen(accelerator, model):
+    """A frozen model (the reference, the reward model) on the device, run in the policy's precision:
+    with the same weights both compute the same log-probs, so the KL to the reference starts at
+    exactly 0. Call after accelerator.prepare(policy, ...). Without DeepSpeed: the device and the
+    mixed-precision autocast of accelerate. Under DeepSpeed: an evaluation engine
+    (no optimizer) from the policy's config, so it gets the policy's bf16/fp16 weights, and under
+    ZeRO-3 its shards and hooks: a model loaded under ZeRO-3 is a set of empty shards until an
+    engine gathers them at each forward. The LoRA reference (the policy's own weights) is returned
+    as it is. None stays None."""
+    plugin = accelerator.state.deepspeed_plugin
+    if model is None or plugin is not None and isinstance(model, AdapterDisabled):
+        return model
+    if plugin is None:
+        return accelerator.prepare_model(model, evaluation_mode=True)
+    import deepspeed
+
+    ds_config = copy.deepcopy(plugin.deepspeed_config)
+    for key in ("optimizer", "scheduler"):
+        ds_config.pop(key, None)
+    if ds_config["zero_optimization"]["stage"] != 3:
+        ds_config["zero_optimization"] = {"stage": 0}  # nothing to shard without gradients and optimizer state
+    engine, *_ = deepspeed.initialize(model=model, config=ds_config)
+    engine.eval()  # DeepSpeedEngine.eval() returns None, not the engine
+    return engine
 
 
 @torch.no_grad()
@@ -118,6 +139,23 @@ def make_optimizer(model, cfg):
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=0.0)
     return optimizer, get_constant_schedule_with_warmup(optimizer, cfg.warmup_steps)
+
+
+def sharding(model):
+    """What this process holds of the prepared model, in elements: the weights (all of them, or
+    its ZeRO-3 shard) and the optimizer's fp32 master weights (its ZeRO-1/2/3 partition), beside
+    the model's size. Without DeepSpeed every process holds everything."""
+    params = list(model.parameters())
+    full = sum(getattr(p, "ds_numel", p.numel()) for p in params)
+    local = sum(p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in params)
+    optimizer = getattr(model, "optimizer", None)  # a DeepSpeed engine's ZeRO optimizer
+    partitions = getattr(optimizer, "single_partition_of_fp32_groups", None) or \
+        getattr(optimizer, "fp32_partitioned_groups_flat", None)
+    trainable = sum(getattr(p, "ds_numel", p.numel()) for p in params if p.requires_grad)
+    optimizer_local = sum(t.numel() for t in partitions) if partitions else trainable
+    stage = model.zero_optimization_stage() if hasattr(model, "zero_optimization_stage") else 0
+    return {"zero_stage": stage, "params": full, "params_local": local, "trainable": trainable,
+            "optimizer_local": optimizer_local}
 
 
 def save_model(accelerator, model, tokenizer, path, merge_lora=False):

@@ -3,7 +3,9 @@ plots."""
 import json
 import math
 import os
+import shutil
 import signal
+import sys
 import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict
@@ -11,6 +13,8 @@ from dataclasses import asdict
 import torch
 from tqdm.auto import tqdm
 
+import common
+from support import models
 from support.models import save_model
 
 
@@ -61,15 +65,55 @@ def reduce_metrics(accelerator, metrics):
     return dict(zip(keys, values.tolist()))
 
 
+CHECKPOINT_PREFIX, PARTIAL_PREFIX = "checkpoint-", "tmp-checkpoint-"
+# Under fp16 mixed precision a GradScaler multiplies the loss by a scale (2**16 at first) and halves it at
+# every overflow, skipping that step: a few skips are routine, this many in a row is a diverging run.
+MAX_SKIPPED_STEPS = 20
+PROBE_PROMPTS = 4  # training prompts whose logits are checked after every update
+
+
+def list_checkpoints(output_dir):
+    """(complete, partial) checkpoint folders in output_dir. Complete: checkpoint-N with its
+    trainer_state.json (written last), sorted by N. Partial: what a run stopped while saving left
+    behind (tmp-checkpoint-N, or checkpoint-N without trainer_state.json)."""
+    complete, partial = [], []
+    names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
+    for name in names:
+        path = os.path.join(output_dir, name)
+        if not os.path.isdir(path):
+            continue
+        if name.startswith(PARTIAL_PREFIX) and name[len(PARTIAL_PREFIX):].isdigit():
+            partial.append(path)
+        elif name.startswith(CHECKPOINT_PREFIX) and name[len(CHECKPOINT_PREFIX):].isdigit():
+            (complete if os.path.isfile(os.path.join(path, "trainer_state.json")) else partial).append(path)
+    return sorted(complete, key=checkpoint_step), sorted(partial)
+
+
+def checkpoint_step(path):
+    return int(os.path.basename(os.path.normpath(path)).rsplit("-", 1)[1])
+
+
+def trainer_state(cfg, step, world_size, script=None):
+    """What trainer_state.json records: the step, and what made the checkpoint (the script, the
+    world size and every flag, the model among them), which a resume is checked against."""
+    script = script or os.path.basename(sys.argv[0])
+    return {"step": step, "script": script, "world_size": world_size, "config": asdict(cfg)}
+
+
 class Checkpointer:
     """Resumable checkpoints: output_dir/checkpoint-N holds accelerate's state (every prepared
     model, optimizer and scheduler, and every rank's RNG states), each rank's prompt-sampler
-    state, the step counter, and the policy as save_pretrained (+ tokenizer) so that
-    `from_pretrained(checkpoint-N/model)` loads it. Ctrl-C or SIGTERM saves, then stops.
+    state, the policy as save_pretrained (+ tokenizer) so that `from_pretrained(checkpoint-N/model)`
+    loads it, and trainer_state.json (the step and what made the checkpoint), written last.
+    A checkpoint is written as tmp-checkpoint-N and renamed once every rank has finished, so a
+    killed run never leaves a checkpoint-N that is half-written; only the newest
+    --save_total_limit are kept. Ctrl-C or SIGTERM saves, then stops.
 
         ckpt = Checkpointer(cfg, accelerator, sampler)
         start = ckpt.resume()                    # 0, or the step of --resume_from
         for step in range(start + 1, ...):
+            ...
+            ckpt.check_finite(step, loss, grad_norm, policy, tokenizer)  # before optimizer.step()
             ...
             if ckpt.step_end(step, policy, tokenizer):   # saves every --save_steps
                 break                                    # a signal arrived: saved, stop
@@ -78,6 +122,8 @@ class Checkpointer:
     def __init__(self, cfg, accelerator, sampler):
         self.cfg, self.accelerator, self.sampler = cfg, accelerator, sampler
         self.stop_requested = False
+        self.skipped_steps = 0  # fp16 loss-scale overflows in a row
+        self.last_saved = None
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, self._request_stop)
 
@@ -100,36 +146,114 @@ class Checkpointer:
         return step
 
     def save(self, step, policy, tokenizer):
-        path = os.path.join(self.cfg.output_dir, f"checkpoint-{step}")
-        self.accelerator.save_state(path)
-        with open(os.path.join(path, f"sampler_rank{self.accelerator.process_index}.json"), "w") as f:
-            json.dump(self.sampler.state_dict(), f)
-        save_model(self.accelerator, policy, tokenizer, os.path.join(path, "model"))
-        if self.accelerator.is_main_process:
-            with open(os.path.join(path, "trainer_state.json"), "w") as f:
-                json.dump({"step": step, "config": asdict(self.cfg)}, f, indent=2)
+        """Write tmp-checkpoint-N, rename it checkpoint-N when every rank is done, then drop the
+        partial folders of killed runs and the checkpoints beyond --save_total_limit."""
+        path = os.path.join(self.cfg.output_dir, f"{CHECKPOINT_PREFIX}{step}")
+        tmp = os.path.join(self.cfg.output_dir, f"{PARTIAL_PREFIX}{step}")
+        main = self.accelerator.is_main_process
+        if main and os.path.exists(tmp):
+            shutil.rmtree(tmp)  # left by a killed run
         self.accelerator.wait_for_everyone()
+        self.accelerator.save_state(tmp)
+        with open(os.path.join(tmp, f"sampler_rank{self.accelerator.process_index}.json"), "w") as f:
+            json.dump(self.sampler.state_dict(), f)
+        save_model(self.accelerator, policy, tokenizer, os.path.join(tmp, "model"))
+        self.accelerator.wait_for_everyone()  # every rank's files are on disk
+        if main:
+            with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+                json.dump(trainer_state(self.cfg, step, self.accelerator.num_processes), f, indent=2)
+            if os.path.exists(path):
+                shutil.rmtree(path)
+            os.rename(tmp, path)
+            self._prune(keep=path)
+        self.accelerator.wait_for_everyone()
+        self.last_saved = step
         return path
 
+    def _prune(self, keep):
+        complete, partial = list_checkpoints(self.cfg.output_dir)
+        older = [p for p in complete if p != keep]
+        limit = self.cfg.save_total_limit
+        beyond = older[:max(0, len(older) - (limit - 1))] if limit else []
+        for old in partial + beyond:
+            shutil.rmtree(old, ignore_errors=True)
+
     def check_finite(self, step, loss, grad_norm, policy, tokenizer):
-        """Call between clipping and optimizer.step(): a NaN/inf loss or gradient norm saves the
-        last good state (the weights before this update) and stops the run with a message."""
-        if torch.isfinite(loss.detach()).all() and torch.isfinite(torch.as_tensor(grad_norm)).all():
+        """Call between clipping and optimizer.step(): a NaN/inf loss or gradient norm (on any rank)
+        saves the last good state (the weights before this update) and stops the run with a message.
+        Under fp16 loss scaling (accelerate's GradScaler, or DeepSpeed's own) an inf gradient norm is a
+        loss-scale overflow that the optimizer step skips while lowering the scale: the run stops only
+        after MAX_SKIPPED_STEPS in a row. A grad_norm of None (DeepSpeed reports none before its first
+        step) counts as finite."""
+        device = self.accelerator.device
+        norm = torch.as_tensor(0.0 if grad_norm is None else grad_norm, device=device)
+        bad = torch.stack([~torch.isfinite(loss.detach().to(device)).all(), ~torch.isfinite(norm).all()]).float()
+        bad_loss, bad_norm = (self.accelerator.reduce(bad, reduction="sum") > 0).tolist()
+        if not (bad_loss or bad_norm):
+            self.skipped_steps = 0
             return
-        path = self.save(step - 1, policy, tokenizer)
-        raise SystemExit(f"error: non-finite loss ({loss.item()}) or gradient norm ({float(grad_norm)}) at step "
+        if not bad_loss and loss_scaling(self.accelerator):
+            self.skipped_steps += 1
+            if self.skipped_steps < MAX_SKIPPED_STEPS:
+                return
+        path = self._last_good(step - 1) or self.save(step - 1, policy, tokenizer)
+        norm = norm.tolist()  # PPO passes (policy, critic)
+        if self.skipped_steps >= MAX_SKIPPED_STEPS:
+            raise SystemExit(f"error: {self.skipped_steps} steps in a row up to step {step} overflowed the fp16 loss "
+                             f"scale (gradient norm {norm}) and were skipped; the last good state is in "
+                             f"{path}. Lower --learning_rate, or train in bfloat16 (accelerate launch "
+                             "--mixed_precision bf16).")
+        raise SystemExit(f"error: non-finite loss ({loss.item()}) or gradient norm ({norm}) at step "
                          f"{step}; the update was not applied and the last good state is in {path}. Lower "
                          "--learning_rate, keep --max_grad_norm on, or check the rewards.")
 
+    def _last_good(self, step):
+        """checkpoint-N if this run has just saved it: the same weights, with the exact RNG states."""
+        path = os.path.join(self.cfg.output_dir, f"{CHECKPOINT_PREFIX}{step}")
+        return path if self.last_saved == step and os.path.isdir(path) else None
+
     def step_end(self, step, policy, tokenizer):
-        """Save when due or when a signal arrived (on any rank); True means stop now."""
-        stop = torch.tensor([float(self.stop_requested)], device=self.accelerator.device)
-        stop = self.accelerator.reduce(stop, reduction="sum").item() > 0
+        """After the update, before the next sampling: stop if the weights or the logits are no longer
+        finite (the newest checkpoint is then the last good state); save when due or when a signal
+        arrived (on any rank). True means stop now."""
+        prompts = [ex["prompt"] for ex in self.sampler.examples[:PROBE_PROMPTS]]
+        finite = finite_weights_and_logits(self.accelerator.unwrap_model(policy), tokenizer, prompts)
+        flags = torch.tensor([float(self.stop_requested), float(not finite)], device=self.accelerator.device)
+        stop, broken = (self.accelerator.reduce(flags, reduction="sum") > 0).tolist()
+        if broken:
+            earlier = [p for p in list_checkpoints(self.cfg.output_dir)[0] if checkpoint_step(p) < step]
+            good = earlier[-1] if earlier else self.cfg.resume_from
+            where = (f"the last good state is in {good}" if good else
+                     "no checkpoint was saved before it (--save_steps N keeps one every N steps)")
+            raise SystemExit(f"error: the update of step {step} made the policy's weights or logits non-finite "
+                             f"(its loss and gradient norm were finite); {where}. Lower --learning_rate (or raise "
+                             "--warmup_steps).")
         if stop or (self.cfg.save_steps and step % self.cfg.save_steps == 0):
             path = self.save(step, policy, tokenizer)
             if self.accelerator.is_main_process:
                 tqdm.write(f"checkpoint: {path}")
         return stop
+
+
+def loss_scaling(accelerator):
+    """Whether fp16 loss scaling skips the steps whose gradients overflow."""
+    deepspeed_fp16 = accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision == "fp16"
+    return accelerator.scaler is not None or deepspeed_fp16
+
+
+def finite_weights_and_logits(model, tokenizer, prompts):
+    """True when every trainable weight (this rank's shard under ZeRO-3) is finite and so are the
+    logits on a few training prompts. Weights of ~1e30 are finite, yet the logits overflow and
+    sampling fails, hence the forward pass; it takes real prompts because a lone EOS token can
+    still give finite logits."""
+    with torch.no_grad():
+        weights = [torch.isfinite(getattr(p, "ds_tensor", p)).all() for p in model.parameters() if p.requires_grad]
+        enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+        device = next(model.parameters()).device
+        # the last position sees every earlier one, so its logits carry a NaN from anywhere in the prompt
+        logits = model(input_ids=enc["input_ids"].to(device), attention_mask=enc["attention_mask"].to(device),
+                       use_cache=False, logits_to_keep=1).logits
+        return bool(torch.stack(weights).all()) and bool(torch.isfinite(logits).all())
 
 
 class MetricLogger:
@@ -145,10 +269,11 @@ class MetricLogger:
             kept = []  # a resumed run keeps the rows up to its checkpoint
             if start_step and os.path.exists(self.path):
                 kept = [r for r in read_metrics(self.path) if r["step"] <= start_step]
-            with open(self.path, "w") as f:
+            with open(self.path + ".tmp", "w") as f:  # replaced whole: a kill here loses no row
                 f.writelines(json.dumps(r) + "\n" for r in kept)
-            with open(os.path.join(cfg.output_dir, "config.json"), "w") as f:
-                json.dump(asdict(cfg), f, indent=2)
+            os.replace(self.path + ".tmp", self.path)
+            with open(os.path.join(cfg.output_dir, "config.json"), "w") as f:  # the script tells runs apart
+                json.dump({"script": os.path.basename(sys.argv[0]), **asdict(cfg)}, f, indent=2)
         if cfg.report_to != "none":
             accelerator.init_trackers(os.path.basename(cfg.output_dir.rstrip("/")) or "run", config=asdict(cfg))
 
@@ -176,10 +301,14 @@ class MetricLogger:
     def finish(self, model):
         """Write summary.json (held-out accuracy before/after, wall time, a weight checksum per
         rank: data-parallel replicas must agree) and curves.png."""
-        weights = [p.detach().double() for p in model.parameters()]
-        checksum = torch.tensor([sum(w.sum() + w.abs().sum() for w in weights)],
-                                device=self.accelerator.device)
+        with common.gathered_parameters(model):  # the whole weights under ZeRO-3, not this rank's shard
+            checksum = torch.tensor([sum(p.detach().double().sum() + p.detach().double().abs().sum()
+                                         for p in model.parameters())], device=self.accelerator.device)
         checksums = self.accelerator.gather(checksum).tolist()
+        shards = models.sharding(model)  # what each rank holds: proves ZeRO sharded
+        held = torch.tensor([[shards["params_local"], shards["optimizer_local"]]], dtype=torch.long,
+                            device=self.accelerator.device)
+        held = self.accelerator.gather(held).tolist()
         if self.cfg.report_to != "none":
             self.accelerator.end_training()
         if not self.accelerator.is_main_process:
@@ -188,7 +317,10 @@ class MetricLogger:
         summary = {"eval_accuracy_before": evals[0]["eval/accuracy"] if evals else None,
                    "eval_accuracy_after": evals[-1]["eval/accuracy"] if evals else None,
                    "wall_time_s": round(time.time() - self.start, 1), "num_processes": self.accelerator.num_processes,
-                   "replica_weight_checksums": checksums}
+                   "replica_weight_checksums": checksums,
+                   "sharding": {"zero_stage": shards["zero_stage"], "params": shards["params"],
+                                "trainable": shards["trainable"], "params_per_rank": [h[0] for h in held],
+                                "optimizer_state_per_rank": [h[1] for h in held]}}
         with open(os.path.join(self.cfg.output_dir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
         plot_metrics(self.path, os.path.join(self.cfg.output_dir, "curves.png"))
@@ -206,8 +338,9 @@ PLOT_KEYS = ("train/reward", "eval/accuracy", "train/kl_seq", "train/entropy", "
 
 
 def read_metrics(path):
+    """The rows of a metrics.jsonl file; a last line that a killed run left unfinished is skipped."""
     with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+        return [json.loads(line) for line in f if line.endswith("\n") and line.strip()]
 
 
 def plot_metrics(jsonl_path, png_path, keys=PLOT_KEYS):

@@ -1,10 +1,13 @@
 """classroom/make_student_copy.py: the student copy imports cleanly and its exercise
 tests fail with NotImplementedError; the reference passes the same tests; the script is
 idempotent and never touches the reference."""
+import ast
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
+import textwrap
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -92,10 +95,84 @@ def test_student_exercise_tests_fail_with_not_implemented_error(student, tmp_pat
     assert not wrong, wrong
 
 
-def test_reference_passes_the_grading_tests(tmp_path):
-    proc, results = run_grading_tests(ROOT, tmp_path / "reference.xml")
+def test_a_student_copy_with_the_reference_solutions_passes_the_grading_tests(student, tmp_path):
+    """The grading works in the copy: with the reference's solutions written back (what a student
+    who solves everything hands in) the copy's own tests pass, so nothing they need was left out."""
+    out, _ = student
+    solved = tmp_path / "solved"
+    shutil.copytree(out, solved)
+    for rel in {key.split("::")[0] for key in msc.EXERCISES}:
+        shutil.copy(ROOT / rel, solved / rel)
+    proc, results = run_grading_tests(solved, tmp_path / "solved.xml")
     assert proc.returncode == 0, proc.stdout[-3000:]  # 4 would mean a node id in EXERCISES does not exist
     assert set(results) == set(msc.grading_tests())
+
+
+def test_student_copy_leaves_out_the_teachers_files_and_no_test_helper_is_a_solution(student):
+    """The wrong versions (pieces of the solutions) stay with the teacher, and every helper the
+    grading tests call is a fixture, a target or a tool listed in HELPERS, not a working version
+    of an exercise (a test once shipped a whole GAE loop as its expected value)."""
+    out, _ = student
+    for rel in msc.TEACHER_ONLY:
+        assert (ROOT / rel).is_file() and not (out / rel).exists(), rel
+    called = {}
+    for test_file in {file for _, file, _ in msc.EXERCISES.values()}:
+        tree = ast.parse((out / test_file).read_text(encoding="utf-8"))
+        helpers = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))
+                   and not n.name.startswith("test_")}
+        graded = {name for key, (_, file, names) in msc.EXERCISES.items() if file == test_file for name in names}
+        for test in (n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in graded):
+            for node in ast.walk(test):
+                if isinstance(node, ast.Name) and node.id in helpers:
+                    called.setdefault(f"{test_file}::{node.id}", test.name)
+    assert set(called) <= set(HELPERS), {k: v for k, v in called.items() if k not in HELPERS}
+    for name in ("gae_loop",):
+        assert all(name not in (out / rel).read_text() for rel in ("tests/test_ppo.py",)), name
+
+
+# The helpers the grading tests call, and why none of them is a solution.
+HELPERS = {
+    "tests/test_kl.py::setup": "random logits of a policy and a reference",
+    "tests/test_kl.py::expectation": "an exact expectation under the policy, by enumeration",
+    "tests/test_kl.py::kl": "the exact KL of two categoricals: the target, not an estimator",
+    "tests/test_kl.py::grad": "autograd",
+    "tests/test_kl.py::reward_penalty_gradient": "the gradient of an estimator used as a reward penalty",
+    "tests/test_kl.py::Sequences": "a tabular 2-token policy whose sequences are enumerated",
+    "tests/test_kl.py::close": "allclose with atol 1e-12",
+    "tests/test_grpo.py::one_token_loss": "calls grpo_loss on one token",
+    "tests/test_grpo.py::seqs": "two completions' log-probs from random logits",
+    "tests/test_dapo.py::one_token_grad": "calls dapo_loss on one token",
+    "tests/test_ppo.py::random_episodes": "random rewards, values and masks",
+    "tests/test_ppo.py::policy_loss_and_grad": "calls ppo_policy_loss",
+    "tests/test_ppo.py::value_loss_and_grad": "calls ppo_value_loss",
+    "tests/test_toy_bandit.py::two_arm_variances": "calls gradient_variance for each baseline",
+    "tests/test_toy_bandit.py::softmax_variances": "calls softmax_gradient_variance for each baseline",
+}
+
+
+def test_every_exercise_has_hint_lines_and_its_docstring_names_the_stats_its_tests_read():
+    """The hint is the equation in the code's names, not the docstring's first line again; every
+    key of a dict a solution returns, and every stats key a grading test reads, is in a docstring."""
+    read = {}  # test file -> the string keys its tests read from a stats dict
+    for _, test_file, _ in msc.EXERCISES.values():
+        tree = ast.parse((ROOT / test_file).read_text(encoding="utf-8"))
+        read[test_file] = {n.slice.value for n in ast.walk(tree) if isinstance(n, ast.Subscript)
+                           and isinstance(n.value, ast.Name) and "stats" in n.value.id
+                           and isinstance(n.slice, ast.Constant) and isinstance(n.slice.value, str)}
+    for key, (_, test_file, _) in msc.EXERCISES.items():
+        file, name = key.split("::")
+        text = (ROOT / file).read_text(encoding="utf-8")
+        lines = text.splitlines()
+        ((start, end, *_),) = [r for r in msc.regions(text) if r[3] == name]
+        hints = [line.strip() for line in lines[start + 1:end] if line.strip().startswith(msc.HINT)]
+        func = next(n for n in ast.parse(text).body if isinstance(n, ast.FunctionDef) and n.name == name)
+        doc = ast.get_docstring(func)
+        assert hints and doc.splitlines()[0] not in " ".join(hints), key
+        region = "\n".join(lines[start:end + 1])
+        returned = {k.value for n in ast.walk(ast.parse(textwrap.dedent(region))) if isinstance(n, ast.Dict)
+                    for k in n.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)}
+        for stat in returned | {k for k in read[test_file] if f'"{k}"' in region}:
+            assert stat in doc, f"{key}: the docstring does not name {stat!r}"
 
 
 def test_script_is_idempotent_and_a_copy_of_the_copy_is_the_same(student, tmp_path):

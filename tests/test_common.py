@@ -59,10 +59,13 @@ def test_masked_whiten_has_zero_mean_unit_std_on_mask_and_zero_off_it():
     assert abs(values.mean().item()) < 1e-12
     assert abs(values.std().item() - 1) < 1e-6  # Bessel-corrected std, as TRL
     assert (w[~mask.bool()] == 0).all()
-    ref = (x[mask.bool()] - x[mask.bool()].mean()) / x[mask.bool()].std()
-    assert torch.allclose(values, ref, atol=1e-6)
     kept = masked_whiten(x, mask, shift_mean=False)[mask.bool()]
     assert torch.allclose(kept.mean(), x[mask.bool()].mean())
+    # by hand: 1, 2, 3 kept (100 and 7 are padding): mean 2, std (ddof 1) 1, so -1, 0, 1 (ddof 0: -+1.22)
+    small = masked_whiten(torch.tensor([[1.0, 2.0, 100.0], [3.0, 7.0, 7.0]], dtype=torch.float64),
+                          torch.tensor([[1, 1, 0], [1, 0, 0]]))
+    torch.testing.assert_close(small, torch.tensor([[-1.0, 0.0, 0.0], [1.0, 0.0, 0.0]], dtype=torch.float64),
+                               rtol=0, atol=1e-7)
 
 
 def test_reward_to_go_sums_future_masked_values():
@@ -150,35 +153,53 @@ def test_token_logprobs_of_groups_sharing_a_prompt_equal_one_pass_over_every_row
 
 
 def test_sampling_logprobs_match_training_logprobs_with_left_padding():
-    """The log-probs the loop trains on are those generate() sampled from (temperature, positions)."""
+    """The log-probs the loop trains on are those common.generate sampled from: its temperature,
+    top-k and top-p (from cfg), and positions that skip the left padding. The sampler's own
+    processed scores are captured from inside common.generate."""
     tok = AutoTokenizer.from_pretrained(config.EMBEDDED_MODEL, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(config.EMBEDDED_MODEL).eval()
+    cfg = config.TrainConfig(max_new_tokens=5, temperature=0.7, top_k=8, top_p=0.9)
     prompt_ids, prompt_mask = common.tokenize_prompts(tok, ["1+2=", "123+456=", "99*9="], "cpu")
+    scores, generate = [], model.generate
+
+    def generate_keeping_scores(**kwargs):
+        out = generate(**kwargs, return_dict_in_generate=True, output_scores=True)
+        scores.extend(out.scores)
+        return out.sequences
+
+    model.generate = generate_keeping_scores
     torch.manual_seed(0)
-    out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, do_sample=True, temperature=0.8, top_k=0,
-                         max_new_tokens=5, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                         return_dict_in_generate=True, output_logits=True)
-    completion = out.sequences[:, prompt_ids.shape[1]:]
+    completion = common.generate(model, tok, prompt_ids, prompt_mask, cfg, num_samples=2)
     mask = completion_mask(completion, tok.eos_token_id)
-    sampled = torch.stack([torch.log_softmax(l.float() / 0.8, -1) for l in out.logits], 1)
+    sampled = torch.stack([torch.log_softmax(s.float(), -1) for s in scores], 1)[:, :completion.shape[1]]
     sampled = sampled.gather(-1, completion[..., None]).squeeze(-1)
-    logp = common.token_logprobs(model, out.sequences, torch.cat([prompt_mask, mask], 1), completion.shape[1], 0.8)
-    assert torch.allclose(logp[mask.bool()], sampled[mask.bool()], atol=1e-4)
+    input_ids = torch.cat([prompt_ids.repeat_interleave(2, 0), completion], 1)
+    attention_mask = torch.cat([prompt_mask.repeat_interleave(2, 0), mask], 1)
+    logp = common.token_logprobs(model, input_ids, attention_mask, completion.shape[1], cfg.temperature,
+                                 top_k=cfg.top_k, top_p=cfg.top_p)
+    assert mask.sum() >= 6
+    torch.testing.assert_close(logp[mask.bool()], sampled[mask.bool()], atol=1e-4, rtol=0)
 
 
 def test_generate_returns_k_adjacent_samples_per_prompt_and_greedy_is_deterministic():
+    """At a temperature of 1e-4 sampling is greedy, so each prompt's K samples are its greedy
+    completion: rows 0..K-1 belong to the first prompt and K..2K-1 to the second (adjacent), not
+    interleaved. The two prompts' answers differ, so the order is visible."""
     tok = AutoTokenizer.from_pretrained(config.EMBEDDED_MODEL, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(config.EMBEDDED_MODEL)
-    cfg = config.TrainConfig(max_new_tokens=6)
+    cfg = config.TrainConfig(max_new_tokens=6, temperature=1e-4)
     prompt_ids, prompt_mask = common.tokenize_prompts(tok, ["12+3=", "45+67="], "cpu")
     samples = common.generate(model, tok, prompt_ids, prompt_mask, cfg, num_samples=4)
     assert samples.shape[0] == 8 and samples.shape[1] <= 6
     greedy = [common.generate(model, tok, prompt_ids, prompt_mask, cfg, greedy=True) for _ in range(2)]
     assert torch.equal(greedy[0], greedy[1])
+    n = greedy[0].shape[1]
+    assert not torch.equal(greedy[0][0], greedy[0][1])
+    for i in range(8):
+        assert torch.equal(samples[i, :n], greedy[0][i // 4]), i
     # greedy decoding of a left-padded batch equals decoding each prompt alone
     alone = common.generate(model, tok, *common.tokenize_prompts(tok, ["12+3="], "cpu"), cfg, greedy=True)
-    n = alone.shape[1]
-    assert torch.equal(greedy[0][0, :n], alone[0])
+    assert torch.equal(greedy[0][0, :alone.shape[1]], alone[0])
 
 
 def test_held_out_split_is_disjoint_from_training_prompts():

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from support import config, tasks  # noqa: E402
 from support.run import read_metrics  # noqa: E402
 from conftest import launch_two_processes  # noqa: E402
+import dapo  # noqa: E402
 import grpo  # noqa: E402
 from dapo import Config, dapo_loss, dynamic_sampling_filter, grpo_advantages, overlong_penalty  # noqa: E402
 
@@ -48,23 +49,54 @@ def test_dynamic_sampling_keeps_only_groups_with_mixed_correctness():
     assert dynamic_sampling_filter(correct, group_size=3).tolist() == [False, False, True, True]
 
 
-def test_dynamic_sampling_filters_on_correctness_not_on_the_shaped_reward():
-    """An all-wrong group whose rewards differ only by the length penalty is still dropped."""
-    correct = torch.tensor([0.0, 0.0, 1.0, 0.0])
-    rewards = correct + overlong_penalty(torch.tensor([3, 8, 3, 3]), 8, 3)
-    assert rewards[:2].tolist() == [0.0, -1.0]
-    assert dynamic_sampling_filter(correct, 2).tolist() == [False, True]
+def test_dynamic_sampling_drops_uniform_groups_of_any_size():
+    correct = torch.tensor([0.0, 1.0, 0.0, 0.0, 1.0, 1.0])  # G = 2: mixed, all wrong, all right
+    assert dynamic_sampling_filter(correct, group_size=2).tolist() == [True, False, False]
+    assert dynamic_sampling_filter(correct, group_size=6).tolist() == [True]
+
+
+def test_dynamic_sampling_filters_on_correctness_not_on_the_shaped_reward(tmp_path, monkeypatch):
+    """main() hands the filter the 0/1 correctness, not the reward. With --reward_scales hetero the
+    rewards are per-family values that differ from the correctness, so filtering on them would
+    show; the filter's input is compared with what the reward function returned."""
+    returned, filtered, make_reward_fn = [], [], tasks.make_reward_fn
+
+    def recording_reward_fn(cfg, device):
+        reward_fn = make_reward_fn(cfg, device)
+
+        def recorded(examples, completions):
+            rewards, correct = reward_fn(examples, completions)
+            returned.append((rewards.clone(), correct.clone()))
+            return rewards, correct
+        return recorded
+
+    def recording_filter(values, group_size):
+        filtered.append(values.clone())
+        return dynamic_sampling_filter(values, group_size)
+
+    monkeypatch.setattr(tasks, "make_reward_fn", recording_reward_fn)
+    monkeypatch.setattr(dapo, "dynamic_sampling_filter", recording_filter)
+    monkeypatch.setattr(sys, "argv", ["dapo.py", "--num_steps", "1", "--batch_size", "16", "--reward_scales", "hetero",
+                                      "--max_sampling_rounds", "1", "--eval_every", "100", "--save_model", "False",
+                                      "--output_dir", str(tmp_path)])
+    dapo.main()
+    training = [(r, c) for r, c in returned if len(r) == len(filtered[0])]  # not the evaluation's calls
+    assert filtered and len(training) >= len(filtered)
+    for values, (rewards, correct) in zip(filtered, training):
+        assert torch.equal(values, correct) and not torch.equal(values, rewards)
 
 
 # ---------------------------------------------------------------- advantage and loss
 
 def test_advantage_is_grpos_group_advantage():
+    """dapo.py imports GRPO's advantage (one exercise, graded in tests/test_grpo.py); its default,
+    scale_rewards='group', is DAPO's: std with ddof 1, eps 1e-6, all-equal groups exactly 0."""
+    assert grpo_advantages is grpo.grpo_advantages
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 4.0, 4.0, 2.0, 0.7, 0.7, 0.7, 0.7], dtype=F64)
-    assert torch.equal(grpo_advantages(rewards, 4), grpo.grpo_advantages(rewards, 4, "group"))
-    assert grpo_advantages(rewards, 4)[8:].tolist() == [0.0] * 4
-    assert grpo_advantages(rewards, 4)[0].item() == pytest.approx(0.75 / (0.5 + 1e-6), rel=1e-12)  # std ddof=1, eps 1e-6
-    rewards7 = torch.tensor([0.7] * 7)  # float32: the mean of seven 0.7s is not 0.7, the advantage is still exactly 0
-    assert grpo_advantages(rewards7, 7).tolist() == [0.0] * 7
+    s2 = math.sqrt(4 / 3)  # group 1: mean 1/4, std 1/2; group 2: mean 3, std sqrt(4/3); group 3: all equal
+    expected = ([0.75 / (0.5 + 1e-6)] + [-0.25 / (0.5 + 1e-6)] * 3 + [x / (s2 + 1e-6) for x in (-1, 1, 1, -1)]
+                + [0.0] * 4)
+    torch.testing.assert_close(grpo_advantages(rewards, 4), torch.tensor(expected, dtype=F64), rtol=1e-12, atol=0)
 
 
 def one_token_grad(ratio, adv, epsilon_low=0.2, epsilon_high=0.28):

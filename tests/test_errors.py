@@ -41,6 +41,13 @@ BAD_INPUTS = [  # (script, arguments, what the message must name)
     ("dapo", ["--geo_mask_delta", "0.1"], "--geo_mask_delta"),
     ("grpo", ["--rollout_dtype", "fp8"], "--rollout_dtype"),
     ("ppo", ["--lam_critic", "2"], "--lam_critic"),
+    ("remax", ["--output_dir", "README.md"], "--output_dir"),
+    ("remax", ["--output_dir", "README.md/run"], "--output_dir"),
+    ("remax", ["--save_total_limit", "-1"], "--save_total_limit"),
+    ("remax", ["--resume_from", "README.md"], "--resume_from"),
+    ("remax", ["--micro_batch_size", "-1"], "--micro_batch_size"),
+    ("grpo", ["--generation_batch_size", "-2"], "--generation_batch_size"),
+    ("rloo", ["--micro_batch_size", "4", "--num_generations", "8"], "--micro_batch_size"),
 ]
 
 
@@ -85,3 +92,13 @@ def test_no_answers_without_reward_model_is_refused(tmp_path):
     path.write_text(json.dumps({"question": "1+1="}) + "\n")
     with pytest.raises(SystemExit, match="--answer_column"):
         config.parse_config(importlib.import_module("remax").Config, ["--dataset", str(path), "--answer_column", ""])
+
+
+def test_a_learning_rate_that_breaks_the_weights_stops_with_an_error(tmp_path):
+    """AdamW moves every weight by about --learning_rate: 1e30 leaves finite weights whose logits
+    overflow, which sampling would meet as a RuntimeError."""
+    out = run(["--learning_rate", "1e30", "--num_steps", "4", "--batch_size", "2", "--max_new_tokens", "4",
+               "--eval_every", "100000", "--save_steps", "1", "--save_model", "False"], tmp_path,
+              env={"OMP_NUM_THREADS": "1"})
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert "made the policy's weights or logits non-finite" in out.stderr and "--learning_rate" in out.stderr

@@ -99,14 +99,19 @@ def test_clip_gradient_is_zero_exactly_on_the_clipped_side(adv, ratio, clipped):
         assert loss == pytest.approx(-ratio * adv, rel=1e-12)
     assert stats["clip_frac_high"].item() == float(clipped and adv > 0)
     assert stats["clip_frac_low"].item() == float(clipped and adv < 0)
+    assert stats["approx_kl"].item() == pytest.approx(ratio - 1 - math.log(ratio), rel=1e-12)  # k3 of pi_old / pi
 
 
-def test_clip_loss_is_continuous_at_the_boundaries():
-    for adv in (2.0, -2.0):
-        for boundary in (0.8, 1.2):
-            below, _, _ = one_token_loss(boundary - 1e-9, adv)
-            above, _, _ = one_token_loss(boundary + 1e-9, adv)
-            assert below == pytest.approx(above, abs=1e-8)
+@pytest.mark.parametrize("adv", [2.0, -2.0])
+def test_clip_loss_is_the_pessimistic_bound_of_the_unclipped_surrogate(adv):
+    """The objective min(rho A, clip(rho) A) is never above rho A: the loss is -rho A where the clip
+    cannot help the objective and -clip(rho) A, a larger loss, where it would. Ratios 0.5 ... 1.5."""
+    for i in range(21):
+        ratio = 0.5 + 0.05 * i
+        loss, _, _ = one_token_loss(ratio, adv)
+        clipped = (ratio > 1.2 and adv > 0) or (ratio < 0.8 and adv < 0)
+        assert loss == pytest.approx(-adv * (min(max(ratio, 0.8), 1.2) if clipped else ratio), abs=1e-12)
+        assert loss >= -adv * ratio - 1e-12
 
 
 def seqs():
@@ -242,9 +247,26 @@ def test_beta_zero_loads_no_reference_model(beta, loaded, tmp_path, monkeypatch)
 
 
 def test_several_iterations_take_the_ratio_against_the_sampling_time_policy(tmp_path, monkeypatch):
-    """mu = 2: the second update sees rho != 1 (the first moved the policy), so approx KL > 0."""
-    rows = run_in_process(["--num_steps", "1", "--num_epochs", "2", "--beta", "0"], tmp_path, monkeypatch)
-    assert rows[1]["train/adv_std"] > 0 and rows[1]["train/approx_kl"] > 0
+    """mu = 3: every update's old_logp are the log-probs at sampling time, i.e. the first update's
+    logp. With the ratio taken against the previous update instead, the third update's old_logp
+    would be the second update's logp (mu = 2 cannot tell the two apart: there the previous update
+    is the sampling time)."""
+    calls, grpo_loss = [], grpo.grpo_loss
+
+    def recording_loss(logp, old_logp, *args, **kwargs):
+        calls.append((logp.detach().clone(), old_logp.detach().clone()))
+        return grpo_loss(logp, old_logp, *args, **kwargs)
+
+    monkeypatch.setattr(grpo, "grpo_loss", recording_loss)
+    rows = run_in_process(["--num_steps", "1", "--num_epochs", "3", "--beta", "0"], tmp_path, monkeypatch)
+    assert rows[1]["train/adv_std"] > 0 and len(calls) % 3 == 0
+    per_update = len(calls) // 3  # loss calls per update (micro-batches)
+    first = torch.cat([logp for logp, _ in calls[:per_update]])
+    for update in range(3):
+        logps, olds = zip(*calls[update * per_update:(update + 1) * per_update])
+        torch.testing.assert_close(torch.cat(olds), first, rtol=0, atol=1e-5)  # sampling time, every update
+        if update > 0:  # the policy moved, so the ratio is not 1 and "the previous update" would differ
+            assert (torch.cat(logps) - first).abs().max() > 1e-3
 
 
 def run(args, tmp_path):

@@ -58,9 +58,15 @@ def test_k2_is_biased_at_third_order():
 
 
 def test_k1_loss_gradient_is_zero():
+    """E_q[grad k1] = E_q[grad log q] = 0. Zero in expectation only: per sample the gradient of k1
+    is +grad log q(y) (k1 = log q - log p), which is not 0, so the test also sees the sign."""
     theta, ref_logp = setup()
     g = grad(expectation(theta, ref_logp, kl_k1), theta)
     assert torch.allclose(g, torch.zeros_like(g), atol=1e-12)
+    for y in (0, 3):
+        score = grad(torch.log_softmax(theta, 0)[y], theta)
+        per_sample = grad(kl_k1(torch.log_softmax(theta, 0), ref_logp)[y], theta)
+        assert close(per_sample, score) and score.abs().max() > 0.1
 
 
 def test_k2_loss_gradient_is_reverse_kl():

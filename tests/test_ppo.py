@@ -4,6 +4,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import math  # noqa: E402
 import os  # noqa: E402
 import subprocess  # noqa: E402
 
@@ -30,29 +31,33 @@ def random_episodes(seed=0, lengths=(5, 1, 3, 7), T=7):
     return rewards, values, mask
 
 
-def gae_loop(rewards, values, lengths, gamma, lam):
-    """GAE written as plain Python over each episode's own length, V after the end = 0."""
-    advantages = []
-    for r, v, n in zip(rewards.tolist(), values.tolist(), lengths):
-        adv, next_adv = [0.0] * len(r), 0.0
-        for t in reversed(range(n)):
-            next_value = v[t + 1] if t + 1 < n else 0.0
-            next_adv = r[t] + gamma * next_value - v[t] + gamma * lam * next_adv
-            adv[t] = next_adv
-        advantages.append(adv)
-    return torch.tensor(advantages, dtype=torch.float64)
-
-
 # ---------------------------------------------------------------- GAE
 
-@pytest.mark.parametrize("gamma, lam", [(1.0, 0.95), (0.9, 0.8), (0.99, 0.0), (1.0, 1.0)])
-def test_gae_matches_a_hand_written_loop(gamma, lam):
-    lengths = (5, 1, 3, 7)
-    rewards, values, mask = random_episodes(lengths=lengths)
+def test_gae_hand_computed_values():
+    """gamma 0.9, lam 0.5, so gamma lam = 0.45. Row 1: rewards (0, 0, 1), values (0.5, 0.2, 0.4):
+    delta = (0 + 0.9 * 0.2 - 0.5, 0 + 0.9 * 0.4 - 0.2, 1 + 0 - 0.4) = (-0.32, 0.16, 0.6);
+    A_3 = 0.6, A_2 = 0.16 + 0.45 * 0.6 = 0.43, A_1 = -0.32 + 0.45 * 0.43 = -0.1265; R = A + V.
+    Row 2 ends at token 2 (EOS); what follows is garbage: delta_2 = 2 + 0 - (-1) = 3 (V after the
+    end is 0), delta_1 = 0.5 + 0.9 * (-1) - 1 = -1.4; A = (-1.4 + 0.45 * 3, 3) = (-0.05, 3)."""
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.5, 2.0, 9.0]], dtype=torch.float64)
+    values = torch.tensor([[0.5, 0.2, 0.4], [1.0, -1.0, 7.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    adv, returns = gae(rewards, values, mask, gamma=0.9, lam=0.5)
+    torch.testing.assert_close(adv, torch.tensor([[-0.1265, 0.43, 0.6], [-0.05, 3.0, 0.0]], dtype=torch.float64),
+                               rtol=0, atol=1e-12)
+    torch.testing.assert_close(returns, torch.tensor([[0.3735, 0.63, 1.0], [0.95, 2.0, 0.0]], dtype=torch.float64),
+                               rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("gamma, lam", [(1.0, 0.95), (0.9, 0.8), (0.99, 0.0)])
+def test_gae_satisfies_its_recursion_on_every_valid_token(gamma, lam):
+    """A_t - gamma lam A_{t+1} = r_t + gamma V_{t+1} - V_t, with A and V zero after each row's end."""
+    rewards, values, mask = random_episodes(lengths=(5, 1, 3, 7))
     adv, returns = gae(rewards, values, mask, gamma, lam)
-    expected = gae_loop(rewards, values, lengths, gamma, lam)
-    torch.testing.assert_close(adv, expected, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(returns, torch.where(mask.bool(), expected + values, torch.zeros_like(values)), rtol=1e-12, atol=1e-12)
+    shift = lambda x: torch.cat([(x * mask)[:, 1:], torch.zeros_like(x[:, :1])], 1)  # noqa: E731
+    td_error = (rewards + gamma * shift(values) - values) * mask
+    torch.testing.assert_close((adv - gamma * lam * shift(adv)) * mask, td_error, rtol=0, atol=1e-12)
+    torch.testing.assert_close(returns, (adv + values) * mask, rtol=0, atol=1e-12)
 
 
 def test_gae_with_gamma_and_lambda_one_is_reward_to_go_minus_value():
@@ -162,11 +167,16 @@ def test_policy_loss_gradient_is_zero_exactly_where_clipped(adv, ratio, clipped)
 
 
 @pytest.mark.parametrize("adv", [1.0, -1.0])
-def test_policy_loss_is_continuous_at_the_clip_boundaries(adv):
-    for boundary in (0.8, 1.2):
-        below, _, _ = policy_loss_and_grad([boundary - 1e-9], [adv])
-        above, _, _ = policy_loss_and_grad([boundary + 1e-9], [adv])
-        assert below == pytest.approx(above, abs=1e-8)
+def test_policy_loss_is_the_pessimistic_bound_of_the_unclipped_surrogate(adv):
+    """Per token the objective min(rho A, clip(rho) A) is never above rho A: the loss equals -rho A
+    where the clip cannot help the objective (rho inside the range, or moved against A) and is
+    -clip(rho) A, a larger loss, elsewhere. Ratios 0.5 ... 1.5 in steps of 0.05."""
+    ratios = [0.5 + 0.05 * i for i in range(21)]
+    loss, _, _ = policy_loss_and_grad(ratios, [adv] * len(ratios))
+    clipped = [(r > 1.2 and adv > 0) or (r < 0.8 and adv < 0) for r in ratios]
+    per_token = [-adv * (min(max(r, 0.8), 1.2) if c else r) for r, c in zip(ratios, clipped)]
+    assert loss == pytest.approx(sum(per_token) / len(ratios), abs=1e-12)
+    assert loss > -adv * sum(ratios) / len(ratios) + 0.01  # strictly above the unclipped loss: some tokens clipped
 
 
 def test_policy_loss_masks_padding_and_reports_the_ratio_kl():
@@ -177,6 +187,8 @@ def test_policy_loss_masks_padding_and_reports_the_ratio_kl():
     loss, stats = ppo_policy_loss(logp, old_logp, adv, mask, 0.2)
     loss.backward()
     assert logp.grad[0, 2].item() == 0.0 and torch.isfinite(loss)
+    # both kept ratios, e^0.1 and e^-0.2 (> 0.8), are inside the clip: loss = -mean(rho A) over 2 tokens
+    assert loss.item() == pytest.approx(-(math.exp(0.1) + math.exp(-0.2)) / 2, abs=1e-12)
     log_r = torch.tensor([0.1, -0.2], dtype=torch.float64)  # logp - old_logp
     k3 = torch.exp(log_r) - 1 - log_r  # rho - 1 - log rho: KL(pi_old || pi_theta), samples from pi_old
     assert stats["approx_kl"].item() == pytest.approx(k3.mean().item())
@@ -241,13 +253,15 @@ def test_adaptive_kl_controller_moves_beta_towards_the_target_at_most_20_percent
 # ---------------------------------------------------------------- config
 
 def test_dual_clip_caps_the_loss_of_a_negative_advantage_token_with_a_large_ratio():
-    old_logp = torch.zeros(1, 2, dtype=torch.float64)
-    logp = torch.log(torch.tensor([[5.0, 2.0]], dtype=torch.float64)).requires_grad_()
-    loss, _ = ppo_policy_loss(logp, old_logp, torch.tensor([[-1.0, -1.0]], dtype=torch.float64), torch.ones(1, 2), 0.2,
-                              dual_clip_c=3.0)
+    old_logp = torch.zeros(1, 3, dtype=torch.float64)
+    logp = torch.log(torch.tensor([[5.0, 2.0, 5.0]], dtype=torch.float64)).requires_grad_()
+    loss, _ = ppo_policy_loss(logp, old_logp, torch.tensor([[-1.0, -1.0, 1.0]], dtype=torch.float64), torch.ones(1, 3),
+                              0.2, dual_clip_c=3.0)
     loss.backward()
-    # rho = 5 past c = 3: loss 3 |A|, no gradient; rho = 2: -rho A as without the dual clip
-    assert loss.item() == pytest.approx((3.0 + 2.0) / 2) and logp.grad.tolist() == [[0.0, 1.0]]
+    # rho = 5 past c = 3: loss 3 |A|, no gradient; rho = 2: -rho A as without the dual clip;
+    # A > 0 with rho = 5: only the ordinary clip, loss -1.2 A (the dual clip would make it -3 A)
+    assert loss.item() == pytest.approx((3.0 + 2.0 - 1.2) / 3, abs=1e-12)
+    torch.testing.assert_close(logp.grad, torch.tensor([[0.0, 2.0 / 3, 0.0]], dtype=torch.float64))
 
 
 @pytest.mark.parametrize("kwargs, flag", [

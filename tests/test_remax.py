@@ -38,6 +38,17 @@ def test_remax_loss_returns_fold_kl_reward_to_go():
     assert torch.allclose(logp.grad, torch.tensor([[-0.425, -0.45, 0.0]]))
 
 
+def test_remax_loss_does_not_backpropagate_through_the_return():
+    """The return G_t is a reward: a k1 that still carries its gradient must not add one.
+    logp (-1, -2), ref_logp (-1.5, -1): k1 = (0.5, -1), reward-to-go (-0.5, -1), beta 0.1, A = 1:
+    G = (1.05, 1.1) and, token-mean over 2 tokens, d loss / d logp = -G / 2."""
+    logp = torch.tensor([[-1.0, -2.0]], dtype=torch.float64, requires_grad=True)
+    kl = logp - torch.tensor([[-1.5, -1.0]], dtype=torch.float64)  # not detached
+    loss, _ = remax_loss(logp, torch.tensor([1.0], dtype=torch.float64), kl, torch.ones(1, 2), beta=0.1)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-0.525, -0.55]], dtype=torch.float64), rtol=0, atol=1e-12)
+
+
 def test_remax_loss_gradient_is_reinforce_with_baseline():
     """Without KL, the gradient equals that of -mean_i (r_i - b_i) * log pi(y_i) per token."""
     torch.manual_seed(0)

@@ -21,10 +21,11 @@ LN = math.log
 
 
 def test_truncated_is_weight_is_the_capped_detached_ratio():
-    logp = torch.tensor([[LN(0.5), LN(0.2), LN(0.9)]], dtype=F64, requires_grad=True)
+    logp = torch.tensor([[LN(0.5), LN(0.1), LN(0.9)]], dtype=F64, requires_grad=True)
     rollout_logp = torch.tensor([[LN(0.25), LN(0.4), LN(0.1)]], dtype=F64)
     w = common.truncated_is_weight(logp, rollout_logp, cap=2.0)
-    torch.testing.assert_close(w, torch.tensor([[2.0, 0.5, 2.0]], dtype=F64))  # ratios 2, 0.5, 9 capped at 2
+    # ratios 2, 0.25, 9: capped above at 2 and never below (0.25 < 1 / cap stays)
+    torch.testing.assert_close(w, torch.tensor([[2.0, 0.25, 2.0]], dtype=F64))
     assert not w.requires_grad
 
 

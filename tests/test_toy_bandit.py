@@ -28,6 +28,8 @@ def softmax_variances(theta, r, bernoulli=False):
 @pytest.mark.parametrize("r1, r0, p, expected", [
     (1.0, 0.0, 0.9, [0.0009, 0.0576, 0.0729, 0.0]),
     (2.0, 1.0, 0.7, [0.3549, 0.0336, 0.1029, 0.0]),
+    # p < 1/2: greedy picks action 0 (b = r0 = 0), the same variance as none; b* = 0.7, mean 0.3
+    (1.0, 0.0, 0.3, [0.1029, 0.0336, 0.1029, 0.0]),
 ])
 def test_two_arm_check_values(r1, r0, p, expected):
     var = two_arm_variances(p, r1, r0)
@@ -108,9 +110,11 @@ def test_k_arm_optimal_baseline_is_argmin_of_variance(theta, r, bernoulli):
 
 def test_optimal_baseline_with_zero_mean_reward():
     # E[r] = 0: the misprinted formula E[r ||s||^2] / E[r] is undefined; the right one is not.
-    assert 0.5 * 1.0 + 0.5 * -1.0 == 0.0
-    b_best = B_GRID[np.argmin(tb.gradient_variance(0.5, 1.0, -1.0, B_GRID))]
-    assert abs(b_best - tb.optimal_baseline(0.5, 1.0, -1.0)) <= 1e-4
+    # p = 3/4, r = (1, -3): E[r] = 0.75 - 0.75 = 0 and b* = (1 - p) r1 + p r0 = 0.25 - 2.25 = -2
+    assert tb.two_arm_baselines(0.75, 1.0, -3.0)["mean"] == 0.0
+    assert tb.optimal_baseline(0.75, 1.0, -3.0) == pytest.approx(-2.0, abs=1e-12)
+    b_best = B_GRID[np.argmin(tb.gradient_variance(0.75, 1.0, -3.0, B_GRID))]
+    assert abs(b_best - -2.0) <= 1e-4
     theta = np.array([1.0, -0.5, 0.2])
     r = np.array([1.0, 0.0, -2.0])
     r = r - tb.softmax(theta) @ r  # now E[r] = 0
@@ -162,10 +166,11 @@ def test_group_advantages_match_their_definitions():
     loo = np.array([[row[i] - np.delete(row, i).mean() for i in range(4)] for row in rewards])
     np.testing.assert_allclose(tb.rloo_advantages(rewards), loo, rtol=1e-12)
     np.testing.assert_allclose(tb.mean_advantages(rewards), rewards - rewards.mean(1, keepdims=True))
-    torch = pytest.importorskip("torch")
-    t = torch.tensor(rewards, dtype=torch.float64)
-    expected = (t - t.mean(1, keepdim=True)) / (t.std(1, keepdim=True) + 1e-6)  # torch.std: Bessel
-    np.testing.assert_allclose(tb.grpo_advantages(rewards), expected.numpy(), rtol=1e-12)
+    # GRPO, by hand: [1, 0, 0, 0] has mean 1/4 and std (ddof 1) 1/2; [2, 4, 4, 2] mean 3, std sqrt(4/3)
+    s2 = np.sqrt(4 / 3)
+    expected = np.array([[0.75, -0.25, -0.25, -0.25], [-1.0, 1.0, 1.0, -1.0]]) / np.array([[0.5 + 1e-6], [s2 + 1e-6]])
+    np.testing.assert_allclose(tb.grpo_advantages(np.array([[1.0, 0.0, 0.0, 0.0], [2.0, 4.0, 4.0, 2.0]])), expected,
+                               rtol=1e-12)
 
 
 def test_grpo_all_equal_group_gets_zero_advantage():

@@ -1,0 +1,488 @@
+"""Wrong answers a student writes, and the check that the grading tests reject every one.
+
+    python classroom/wrong_answers.py             # run the check: one pytest run of the grading tests
+    python classroom/wrong_answers.py --list      # the table exercise -> wrong version -> test (markdown)
+
+A wrong version is one edit of a reference solution: the text `old` in the code of the
+function's `# BEGIN SOLUTION` region (its `# HINT:` lines aside) becomes `new`. The check runs
+the grading tests of make_student_copy.py once under pytest; after a test passes on the
+reference it runs again with each wrong version of each exercise it grades swapped in (the
+function's code object is replaced, so every caller and every `from module import name` sees
+it) and records which tests fail. It fails unless the reference passes and every wrong version
+fails the test the table names for it. For teachers only: the edits hold pieces of the
+solutions, so make_student_copy.py leaves this file (and tests/test_grading.py) out of the
+student copy.
+"""
+import argparse
+import ast
+import json
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import make_student_copy as msc  # noqa: E402
+
+ROOT = msc.ROOT
+
+# "file::function" -> [(wrong version, old, new, the grading test that catches it), ...]
+WRONG_ANSWERS = {
+    "common.py::kl_k1": [
+        ("sign flipped: log p - log q", "return logp - ref_logp", "return ref_logp - logp",
+         "test_k1_and_k3_are_unbiased_for_reverse_kl"),
+        ("the ratio instead of its log: q/p - 1", "return logp - ref_logp", "return torch.exp(logp - ref_logp) - 1",
+         "test_k1_and_k3_are_unbiased_for_reverse_kl"),
+    ],
+    "common.py::kl_k2": [
+        ("the 1/2 forgotten", "0.5 * (logp - ref_logp) ** 2", "(logp - ref_logp) ** 2",
+         "test_estimators_hand_computed_values"),
+        ("absolute value instead of the square", "0.5 * (logp - ref_logp) ** 2", "0.5 * (logp - ref_logp).abs()",
+         "test_k2_loss_gradient_is_reverse_kl"),
+    ],
+    "common.py::kl_k3": [
+        ("ratio upside down: q/p - log(q/p) - 1", "log_ratio = ref_logp - logp", "log_ratio = logp - ref_logp",
+         "test_k1_and_k3_are_unbiased_for_reverse_kl"),
+        ("the - 1 forgotten", "- log_ratio - 1", "- log_ratio", "test_estimators_hand_computed_values"),
+        ("sign of the log term flipped", "- log_ratio - 1", "+ log_ratio - 1",
+         "test_k3_is_nonnegative_per_sample_and_k1_is_not"),
+    ],
+    "common.py::kl_penalty": [
+        ("the ratio detached (k3 keeps its forward-KL gradient)", "torch.exp(logp - old_logp) * kl",
+         "torch.exp(logp - old_logp).detach() * kl",
+         "test_kl_penalty_with_the_ratio_in_the_graph_gives_the_reverse_kl_gradient_off_policy"),
+        ("ratio upside down: pi_old / pi_theta", "torch.exp(logp - old_logp) * kl", "torch.exp(old_logp - logp) * kl",
+         "test_kl_penalty_with_the_ratio_in_the_graph_gives_the_reverse_kl_gradient_off_policy"),
+        ("old_logp ignored", "return kl if old_logp is None else torch.exp(logp - old_logp) * kl", "return kl",
+         "test_ratio_weighted_k3_on_a_sequence_is_the_per_state_reverse_kl_over_the_samplers_states"),
+        ("k1 and k3 swapped", '{"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}', '{"k1": kl_k3, "k2": kl_k2, "k3": kl_k1}',
+         "test_kl_is_weight_on_policy_gives_k3_the_gradient_of_k2"),
+    ],
+    "common.py::masked_sum": [
+        ("mask by multiplying (NaN * 0 is NaN)", "x = torch.where(mask.bool(), x, torch.zeros_like(x))",
+         "x = x * mask", "test_masked_sum_and_mean_ignore_masked_values_even_nan"),
+        ("mask forgotten", "x = torch.where(mask.bool(), x, torch.zeros_like(x))", "x = x",
+         "test_masked_sum_and_mean_ignore_masked_values_even_nan"),
+        ("dim ignored", "return x.sum() if dim is None else x.sum(dim)", "return x.sum()",
+         "test_masked_sum_and_mean_ignore_masked_values_even_nan"),
+    ],
+    "common.py::masked_mean": [
+        ("mean over padding: divides by every entry", "masked_sum(torch.ones_like(x), mask, dim).clamp(min=1)",
+         "(x.numel() if dim is None else x.shape[dim])", "test_masked_sum_and_mean_ignore_masked_values_even_nan"),
+        ("no guard for an empty row (0 / 0)", ".clamp(min=1)", "", "test_masked_mean_of_empty_row_is_zero"),
+    ],
+    "common.py::masked_whiten": [
+        ("std without Bessel's correction (ddof 0)", "(n - 1).clamp(min=1)", "n",
+         "test_masked_whiten_has_zero_mean_unit_std_on_mask_and_zero_off_it"),
+        ("mean over padding too", "mean = masked_mean(x, mask)", "mean = x.mean()",
+         "test_masked_whiten_has_zero_mean_unit_std_on_mask_and_zero_off_it"),
+        ("shift_mean=False does not add the mean back", "whitened = whitened + mean", "whitened = whitened",
+         "test_masked_whiten_has_zero_mean_unit_std_on_mask_and_zero_off_it"),
+        ("padding not zeroed", "return torch.where(mask.bool(), whitened, torch.zeros_like(whitened))",
+         "return whitened", "test_masked_whiten_has_zero_mean_unit_std_on_mask_and_zero_off_it"),
+    ],
+    "common.py::completion_mask": [
+        ("the EOS itself dropped", "torch.cumsum(is_eos.long(), dim=1) - is_eos.long()",
+         "torch.cumsum(is_eos.long(), dim=1)", "test_completion_mask_keeps_first_eos_and_drops_the_rest"),
+        ("only the EOS tokens dropped", "return (eos_before == 0).long()", "return (~is_eos).long()",
+         "test_completion_mask_keeps_first_eos_and_drops_the_rest"),
+        ("cumulative sum over the batch, not the sequence", "torch.cumsum(is_eos.long(), dim=1)",
+         "torch.cumsum(is_eos.long(), dim=0)", "test_completion_mask_keeps_first_eos_and_drops_the_rest"),
+    ],
+    "common.py::aggregate_loss": [
+        ("token-mean over padding too", "masked_sum(per_token_loss, mask) / mask.sum().clamp(min=1)",
+         "masked_sum(per_token_loss, mask) / per_token_loss.numel()", "test_aggregate_loss_modes_hand_computed"),
+        ("seq-mean-token-mean over all tokens (token-mean)", "return masked_mean(per_token_loss, mask, dim=1).mean()",
+         "return masked_mean(per_token_loss, mask)", "test_aggregate_loss_modes_hand_computed"),
+        ("seq-mean-token-sum-norm divides by each length",
+         "(masked_sum(per_token_loss, mask, dim=1) / max_len).mean()",
+         "masked_mean(per_token_loss, mask, dim=1).mean()", "test_aggregate_loss_modes_hand_computed"),
+        ("max_len ignored (the batch width)", "max_len = per_token_loss.shape[1] if max_len is None else max_len",
+         "max_len = per_token_loss.shape[1]", "test_aggregate_loss_modes_hand_computed"),
+        ("an unknown mode falls back to token-mean", 'raise ValueError(f"unknown loss aggregation',
+         'return masked_mean(per_token_loss, mask)  # (f"unknown loss aggregation',
+         "test_aggregate_loss_rejects_unknown_mode"),
+    ],
+    "common.py::reward_to_go": [
+        ("sum over the past (no flips)", "torch.flip(torch.cumsum(torch.flip(x, [1]), 1), [1])", "torch.cumsum(x, 1)",
+         "test_reward_to_go_sums_future_masked_values"),
+        ("off by one: the current token left out", "torch.flip(torch.cumsum(torch.flip(x, [1]), 1), [1])",
+         "torch.flip(torch.cumsum(torch.flip(x, [1]), 1), [1]) - x", "test_reward_to_go_sums_future_masked_values"),
+        ("mask forgotten", "x = torch.where(mask.bool(), x, torch.zeros_like(x))", "x = x",
+         "test_reward_to_go_sums_future_masked_values"),
+    ],
+    "common.py::truncated_is_weight": [
+        ("not detached", ".clamp(max=cap).detach()", ".clamp(max=cap)",
+         "test_truncated_is_weight_is_the_capped_detached_ratio"),
+        ("ratio upside down", "torch.exp(logp - rollout_logp)", "torch.exp(rollout_logp - logp)",
+         "test_truncated_is_weight_is_the_capped_detached_ratio"),
+        ("clipped on both sides, to [1/cap, cap]", ".clamp(max=cap)", ".clamp(min=1 / cap, max=cap)",
+         "test_truncated_is_weight_is_the_capped_detached_ratio"),
+    ],
+    "common.py::geometric_sequence_mask": [
+        ("the sum of the log-ratios, not their mean", "drift = masked_mean(", "drift = masked_sum(",
+         "test_geometric_sequence_mask_uses_the_mean_log_ratio_over_valid_tokens_and_spares_a_positive_advantage"),
+        ("mean over padding too", "masked_mean((old_logp - logp).detach(), mask, dim=1)",
+         "(old_logp - logp).detach().mean(1)",
+         "test_geometric_sequence_mask_uses_the_mean_log_ratio_over_valid_tokens_and_spares_a_positive_advantage"),
+        ("masks a positive advantage too", "((adv < 0) & (drift > delta))", "(drift > delta)",
+         "test_geometric_sequence_mask_uses_the_mean_log_ratio_over_valid_tokens_and_spares_a_positive_advantage"),
+        ("log-ratio the wrong way round", "(old_logp - logp).detach()", "(logp - old_logp).detach()",
+         "test_geometric_sequence_mask_uses_the_mean_log_ratio_over_valid_tokens_and_spares_a_positive_advantage"),
+    ],
+    "remax.py::remax_advantages": [
+        ("sign flipped", "return rewards - greedy_rewards", "return greedy_rewards - rewards",
+         "test_remax_advantage_subtracts_the_greedy_reward"),
+        ("no baseline", "return rewards - greedy_rewards", "return rewards",
+         "test_remax_advantage_subtracts_the_greedy_reward"),
+    ],
+    "remax.py::remax_loss": [
+        ("each token's own k1, not its reward-to-go", "common.reward_to_go(kl, mask)", "kl * mask",
+         "test_remax_loss_returns_fold_kl_reward_to_go"),
+        ("KL penalty's sign flipped", "adv[:, None] - beta", "adv[:, None] + beta",
+         "test_remax_loss_returns_fold_kl_reward_to_go"),
+        ("loss_agg ignored (always token-mean)", "mask, loss_agg, max_len)", 'mask, "token-mean", max_len)',
+         "test_remax_loss_gradient_is_reinforce_with_baseline"),
+        ("max_len ignored (divides by the batch width)", "mask, loss_agg, max_len)", "mask, loss_agg)",
+         "test_remax_loss_seq_mean_token_sum_norm_divides_by_max_len_not_the_batch_width"),
+        ("return not detached: the KL penalty's own gradient leaks in", ").detach()\n", ")\n",
+         "test_remax_loss_does_not_backpropagate_through_the_return"),
+        ("return_mean over padding too", "common.masked_mean(returns, mask)", "returns.mean()",
+         "test_remax_loss_returns_fold_kl_reward_to_go"),
+    ],
+    "rloo.py::rloo_advantages": [
+        ("mean including self (Dr. GRPO's baseline)",
+         "(grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)", "grouped.mean(dim=1, keepdim=True)",
+         "test_rloo_advantage_is_reward_minus_mean_of_the_others"),
+        ("divides by K instead of K - 1", "/ (group_size - 1)", "/ group_size",
+         "test_rloo_advantage_is_reward_minus_mean_of_the_others"),
+        ("groups strided, not adjacent", "grouped = rewards.view(-1, group_size)",
+         "grouped = rewards.view(group_size, -1).T.contiguous()",
+         "test_rloo_advantage_is_reward_minus_mean_of_the_others"),
+    ],
+    "rloo.py::rloo_loss": [
+        ("token mean instead of the sequence sum", "seq_logp = common.masked_sum(logp, mask, dim=1)",
+         "seq_logp = common.masked_mean(logp, mask, dim=1)", "test_rloo_loss_treats_the_whole_sequence_as_one_action"),
+        ("padding summed too", "seq_logp = common.masked_sum(logp, mask, dim=1)", "seq_logp = logp.sum(1)",
+         "test_rloo_loss_treats_the_whole_sequence_as_one_action"),
+        ("advantage not detached", "-(adv.detach() * weighted)", "-(adv * weighted)",
+         "test_rloo_loss_does_not_backpropagate_into_the_advantage"),
+        ("sign flipped", "loss = -(adv.detach() * weighted).mean()", "loss = (adv.detach() * weighted).mean()",
+         "test_rloo_loss_treats_the_whole_sequence_as_one_action"),
+        ("pg_weight ignored", "weighted = seq_logp if pg_weight is None else", "weighted = seq_logp if True else",
+         "test_rloo_loss_pg_weight_scales_each_tokens_log_prob"),
+    ],
+    "grpo.py::grpo_advantages": [
+        ("std without Bessel's correction (ddof 0)", "grouped.std(dim=1, keepdim=True)",
+         "grouped.std(dim=1, keepdim=True, correction=0)", "test_group_advantage_uses_bessel_std_and_eps"),
+        ("no eps", "(grouped.std(dim=1, keepdim=True) + eps)", "grouped.std(dim=1, keepdim=True)",
+         "test_group_advantage_eps_keeps_a_tiny_std_finite"),
+        ("all-equal group not set to 0 (the float32 mean rounds)", "adv[(grouped == grouped[:, :1]).all(dim=1)] = 0.0",
+         "pass", "test_all_equal_group_gives_exactly_zero_advantage"),
+        ("'batch' divides by the group's std", "adv = adv / (rewards.std() + eps)",
+         "adv = adv / (grouped.std(dim=1, keepdim=True) + eps)", "test_scale_rewards_group_batch_none"),
+        ("'none' still divides by the std", 'elif scale_rewards != "none":\n        raise ValueError',
+         "else:\n        adv = adv / (grouped.std(dim=1, keepdim=True) + eps)\n    if False:\n        raise ValueError",
+         "test_scale_rewards_group_batch_none"),
+        ("groups strided, not adjacent", "grouped = rewards.view(-1, group_size)",
+         "grouped = rewards.view(group_size, -1).T.contiguous()", "test_group_advantage_uses_bessel_std_and_eps"),
+    ],
+    "grpo.py::grpo_loss": [
+        ("clip on the wrong side: max instead of min", "surrogate = torch.min(ratio * adv",
+         "surrogate = torch.max(ratio * adv", "test_clip_gradient_is_zero_exactly_on_the_clipped_side"),
+        ("the clipped term alone (no min)",
+         "torch.min(ratio * adv, torch.clamp(ratio, 1 - epsilon, 1 + epsilon) * adv)",
+         "torch.clamp(ratio, 1 - epsilon, 1 + epsilon) * adv",
+         "test_clip_gradient_is_zero_exactly_on_the_clipped_side"),
+        ("ratio upside down: pi_old / pi_theta", "ratio = torch.exp(log_ratio)", "ratio = torch.exp(-log_ratio)",
+         "test_clip_gradient_is_zero_exactly_on_the_clipped_side"),
+        ("KL term's sign flipped", "per_token_loss = -surrogate + beta * kl",
+         "per_token_loss = -surrogate - beta * kl", "test_k3_term_value_and_gradient"),
+        ("KL term detached", "kl = common.kl_penalty(logp, ref_logp", "kl = common.kl_penalty(logp.detach(), ref_logp",
+         "test_k3_term_value_and_gradient"),
+        ("kl_is_weight ignored", "old_logp if kl_is_weight else None", "None",
+         "test_kl_estimator_k2_and_k3_with_the_ratio_weight_give_the_k2_gradient"),
+        ("dual clip on a positive advantage too",
+         "torch.where(adv < 0, torch.max(surrogate, dual_clip_c * adv), surrogate)",
+         "torch.max(surrogate, dual_clip_c * adv)", "test_dual_clip_bounds_the_loss_of_a_negative_advantage_token"),
+        ("dual clip with min instead of max", "torch.max(surrogate, dual_clip_c * adv)",
+         "torch.min(surrogate, dual_clip_c * adv)", "test_dual_clip_bounds_the_loss_of_a_negative_advantage_token"),
+        ("pg_weight ignored", "surrogate = pg_weight * surrogate", "surrogate = surrogate",
+         "test_pg_weight_multiplies_the_surrogate_and_not_the_kl_term"),
+        ("pg_weight on the KL term too", "per_token_loss = -surrogate + beta * kl",
+         "per_token_loss = -surrogate + beta * kl * (1 if pg_weight is None else pg_weight)",
+         "test_pg_weight_multiplies_the_surrogate_and_not_the_kl_term"),
+        ("mask forgotten: padding in the loss", "common.aggregate_loss(per_token_loss, mask,",
+         "common.aggregate_loss(per_token_loss, torch.ones_like(mask),", "test_loss_ignores_tokens_after_the_mask"),
+        ("loss_agg ignored", "mask, loss_agg, max_len)", 'mask, "seq-mean-token-mean", max_len)',
+         "test_with_one_iteration_ratio_is_one_and_gradient_is_the_policy_gradient"),
+        ("clip fractions count either sign of A", "((ratio > 1 + epsilon) & (adv > 0))", "(ratio > 1 + epsilon)",
+         "test_clip_gradient_is_zero_exactly_on_the_clipped_side"),
+        ("approx_kl as the mean log-ratio (k1)", "common.masked_mean(ratio - 1 - log_ratio, mask)",
+         "common.masked_mean(-log_ratio, mask)", "test_clip_gradient_is_zero_exactly_on_the_clipped_side"),
+    ],
+    "dapo.py::dynamic_sampling_filter": [
+        ("drops only all-wrong groups", "(grouped != grouped[:, :1]).any(dim=1)", "grouped.sum(dim=1) > 0",
+         "test_dynamic_sampling_keeps_only_groups_with_mixed_correctness"),
+        ("groups strided, not adjacent", "grouped = correct.view(-1, group_size)",
+         "grouped = correct.view(group_size, -1).T", "test_dynamic_sampling_keeps_only_groups_with_mixed_correctness"),
+    ],
+    "dapo.py::overlong_penalty": [
+        ("penalty from max_len, not max_len - cache_len", "expected_max = max_len - cache_len",
+         "expected_max = max_len", "test_overlong_penalty_check_values_from_the_paper"),
+        ("off by one at max_len - cache_len", "((expected_max - lengths) / cache_len)",
+         "((expected_max - lengths - 1) / cache_len)", "test_overlong_penalty_check_values_from_the_paper"),
+        ("not capped at -1", ".clamp(min=-1.0, max=0.0)", ".clamp(max=0.0)",
+         "test_overlong_penalty_check_values_from_the_paper"),
+        ("cache_len = 0 divides by zero", "if cache_len == 0:", "if False:",
+         "test_overlong_penalty_with_no_cache_only_punishes_past_max_len"),
+    ],
+    "dapo.py::dapo_loss": [
+        ("symmetric clip: epsilon_high ignored", "torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)",
+         "torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_low)", "test_clip_higher_bounds"),
+        ("epsilons swapped", "torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)",
+         "torch.clamp(ratio, 1 - epsilon_high, 1 + epsilon_low)", "test_clip_higher_bounds"),
+        ("clip on the wrong side: max instead of min", "surrogate = torch.min(ratio * adv",
+         "surrogate = torch.max(ratio * adv", "test_clip_higher_bounds"),
+        ("GRPO's seq-mean-token-mean", 'aggregate_loss(per_token_loss, mask, "token-mean")',
+         'aggregate_loss(per_token_loss, mask, "seq-mean-token-mean")',
+         "test_dapo_loss_is_a_token_mean_over_the_batch"),
+        ("mask forgotten: padding in the mean", 'aggregate_loss(per_token_loss, mask, "token-mean")',
+         'aggregate_loss(per_token_loss, torch.ones_like(mask), "token-mean")',
+         "test_dapo_loss_is_a_token_mean_over_the_batch"),
+        ("pg_weight ignored", "surrogate = pg_weight * surrogate", "surrogate = surrogate",
+         "test_dual_clip_and_pg_weight"),
+        ("clip_frac_high counted at epsilon_low", "(ratio > 1 + epsilon_high) & (adv > 0)",
+         "(ratio > 1 + epsilon_low) & (adv > 0)", "test_clip_higher_bounds"),
+    ],
+    "ppo.py::gae": [
+        ("no (1 - done) cut: bootstraps from the value after EOS",
+         "values = torch.where(mask.bool(), values, torch.zeros_like(values))", "values = values",
+         "test_gae_last_valid_token_bootstraps_from_zero"),
+        ("rewards after EOS not masked", "rewards = torch.where(mask.bool(), rewards, torch.zeros_like(rewards))",
+         "rewards = rewards", "test_gae_padding_does_not_change_valid_advantages_and_gets_zero"),
+        ("off by one: delta_t = r_t + gamma V_t - V_t",
+         "        delta = rewards[:, t] + gamma * next_value - values[:, t]\n",
+         "        next_value = values[:, t]\n        delta = rewards[:, t] + gamma * next_value - values[:, t]\n",
+         "test_gae_hand_computed_values"),
+        ("lambda without gamma: A_t = delta_t + lam A_{t+1}", "gamma * lam * next_adv", "lam * next_adv",
+         "test_gae_hand_computed_values"),
+        ("the loop runs forwards in time", "reversed(range(rewards.shape[1]))", "range(rewards.shape[1])",
+         "test_gae_hand_computed_values"),
+        ("returns from the next value: R_t = A_t + V_{t+1}", "returns = advantages + values",
+         "returns = advantages + torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], 1)",
+         "test_gae_with_gamma_and_lambda_one_is_reward_to_go_minus_value"),
+    ],
+    "ppo.py::decoupled_gae": [
+        ("the two lambdas swapped", "advantages, _ = gae(rewards, values, mask, gamma, lam_policy)",
+         "advantages, _ = gae(rewards, values, mask, gamma, lam_critic)",
+         "test_decoupled_gae_takes_advantages_with_the_policy_lambda_and_targets_with_the_critics"),
+        ("lam_critic ignored", "_, returns = gae(rewards, values, mask, gamma, lam_critic)",
+         "_, returns = gae(rewards, values, mask, gamma, lam_policy)",
+         "test_decoupled_gae_takes_advantages_with_the_policy_lambda_and_targets_with_the_critics"),
+    ],
+    "ppo.py::length_adaptive_lam": [
+        ("not clamped at 0", ".clamp(min=0.0)", "",
+         "test_length_adaptive_lambda_is_one_minus_one_over_alpha_length_clamped_at_zero"),
+        ("1/(alpha |y|) without the 1 -", "(1 - 1 / (alpha * lengths.float()))", "(1 / (alpha * lengths.float()))",
+         "test_length_adaptive_lambda_is_one_minus_one_over_alpha_length_clamped_at_zero"),
+        ("alpha in the numerator: 1 - alpha / |y|", "(1 - 1 / (alpha * lengths.float()))",
+         "(1 - alpha / lengths.float())",
+         "test_length_adaptive_lambda_is_one_minus_one_over_alpha_length_clamped_at_zero"),
+    ],
+    "ppo.py::ppo_policy_loss": [
+        ("clip on the wrong side: max instead of min", "surrogate = torch.min(ratio * adv",
+         "surrogate = torch.max(ratio * adv", "test_policy_loss_gradient_is_zero_exactly_where_clipped"),
+        ("the clipped term alone (no min)",
+         "torch.min(ratio * adv, torch.clamp(ratio, 1 - epsilon, 1 + epsilon) * adv)",
+         "torch.clamp(ratio, 1 - epsilon, 1 + epsilon) * adv",
+         "test_policy_loss_gradient_is_zero_exactly_where_clipped"),
+        ("ratio upside down: pi_old / pi_theta", "ratio = torch.exp(log_ratio)", "ratio = torch.exp(-log_ratio)",
+         "test_policy_loss_gradient_is_zero_exactly_where_clipped"),
+        ("mask forgotten: mean over padding", "common.masked_mean(-surrogate, mask)", "(-surrogate).mean()",
+         "test_policy_loss_masks_padding_and_reports_the_ratio_kl"),
+        ("dual clip on a positive advantage too",
+         "torch.where(adv < 0, torch.max(surrogate, dual_clip_c * adv), surrogate)",
+         "torch.max(surrogate, dual_clip_c * adv)",
+         "test_dual_clip_caps_the_loss_of_a_negative_advantage_token_with_a_large_ratio"),
+        ("clip fractions count either sign of A", "((ratio > 1 + epsilon) & (adv > 0))", "(ratio > 1 + epsilon)",
+         "test_policy_loss_gradient_is_zero_exactly_where_clipped"),
+        ("approx_kl as the mean log-ratio (k1)", "common.masked_mean(ratio - 1 - log_ratio, mask)",
+         "common.masked_mean(-log_ratio, mask)", "test_policy_loss_masks_padding_and_reports_the_ratio_kl"),
+    ],
+    "ppo.py::ppo_value_loss": [
+        ("min instead of max", "torch.max(unclipped, clipped)", "torch.min(unclipped, clipped)",
+         "test_value_clip_never_stops_a_move_back_towards_the_return"),
+        ("the 1/2 forgotten", "loss = 0.5 * common.masked_mean", "loss = common.masked_mean",
+         "test_value_loss_inside_the_clip_is_half_squared_error"),
+        ("clipped around the return, not the old value",
+         "old_values + torch.clamp(values - old_values, -epsilon_value, epsilon_value)",
+         "returns + torch.clamp(values - returns, -epsilon_value, epsilon_value)",
+         "test_value_clip_stops_a_move_past_the_clip_towards_the_return"),
+        ("mean over padding", "common.masked_mean(torch.max(unclipped, clipped), mask)",
+         "torch.max(unclipped, clipped).mean()", "test_value_loss_is_a_token_mean_over_the_mask"),
+        ("clip_frac counts ties", "(clipped > unclipped)", "(clipped >= unclipped)",
+         "test_value_loss_inside_the_clip_is_half_squared_error"),
+    ],
+    "toy_bandit.py::gradient_variance": [
+        ("second moment: (grad J)^2 not subtracted", "return second_moment - (p * (1 - p) * (r1 - r0)) ** 2",
+         "return second_moment", "test_two_arm_check_values"),
+        ("score not squared", "p * (1 - p) ** 2 * ((r1 - b) ** 2 + noise1)", "p * (1 - p) * ((r1 - b) ** 2 + noise1)",
+         "test_two_arm_check_values"),
+        ("Bernoulli noise left out", "if bernoulli else (0.0, 0.0)", "if False else (0.0, 0.0)",
+         "test_two_arm_variance_is_quadratic_around_b_star"),
+        ("each arm's noise on the other arm", "(r1 * (1 - r1), r0 * (1 - r0))", "(r0 * (1 - r0), r1 * (1 - r1))",
+         "test_two_arm_variance_is_quadratic_around_b_star"),
+    ],
+    "toy_bandit.py::optimal_baseline": [
+        ("the expected reward (Sutton's baseline)", "return (1 - p) * r1 + p * r0", "return p * r1 + (1 - p) * r0",
+         "test_optimal_baseline_is_argmin_of_variance"),
+        ("E[r s^2] without dividing by E[s^2]", "return (1 - p) * r1 + p * r0",
+         "return p * (1 - p) * ((1 - p) * r1 + p * r0)", "test_optimal_baseline_is_argmin_of_variance"),
+    ],
+    "toy_bandit.py::two_arm_baselines": [
+        ("greedy tie goes to action 1", "np.where(p > 0.5, r1, r0)", "np.where(p >= 0.5, r1, r0)",
+         "test_greedy_tie_break_goes_to_lowest_index"),
+        ("greedy = the better arm's reward, not the likelier action's", "np.where(p > 0.5, r1, r0)",
+         "np.maximum(r1, r0) + 0 * p", "test_two_arm_check_values"),
+        ("mean with the probabilities swapped", '"mean": p * r1 + (1 - p) * r0', '"mean": (1 - p) * r1 + p * r0',
+         "test_two_arm_check_values"),
+    ],
+    "toy_bandit.py::softmax_gradient_variance": [
+        ("||s||^2 without the ||pi||^2 term", "sq_norm = 1 - 2 * pi + pi @ pi", "sq_norm = 1 - 2 * pi",
+         "test_k_arm_check_values"),
+        ("(grad J)^2 not subtracted", "- grad_J @ grad_J", "", "test_k_arm_check_values"),
+        ("grad J without the mean reward: pi * r", "grad_J = pi * (r - pi @ r)", "grad_J = pi * r",
+         "test_k_arm_check_values"),
+        ("Bernoulli noise left out", "noise = r * (1 - r) if bernoulli else 0.0", "noise = 0.0",
+         "test_closed_form_matches_monte_carlo"),
+    ],
+    "toy_bandit.py::softmax_optimal_baseline": [
+        ("the expected reward", "return (pi * r * sq_norm).sum() / (1 - pi @ pi)", "return pi @ r",
+         "test_k_arm_optimal_baseline_is_argmin_of_variance"),
+        ("not divided by W = 1 - ||pi||^2", "return (pi * r * sq_norm).sum() / (1 - pi @ pi)",
+         "return (pi * r * sq_norm).sum()", "test_k_arm_optimal_baseline_is_argmin_of_variance"),
+        ("||s||^2 weights left out", "(pi * r * sq_norm).sum()", "(pi * r).sum()",
+         "test_k_arm_optimal_baseline_is_argmin_of_variance"),
+    ],
+    "toy_bandit.py::softmax_baselines": [
+        ("greedy = the best reward, not the likeliest action's", "r[np.argmax(pi)]", "r.max()",
+         "test_greedy_tie_break_goes_to_lowest_index"),
+        ("greedy tie goes to the highest index", "r[np.argmax(pi)]", "r[len(pi) - 1 - np.argmax(pi[::-1])]",
+         "test_greedy_tie_break_goes_to_lowest_index"),
+        ("mean = the unweighted mean of r", '"mean": pi @ r', '"mean": r.mean()', "test_k_arm_check_values"),
+    ],
+}
+
+
+def wrong_source(root, key, old, new):
+    """The source of `key`'s function with `old` replaced by `new` in its solution region (None: as is)."""
+    file, name = key.split("::")
+    text = (root / file).read_text(encoding="utf-8")
+    lines = text.splitlines(keepends=True)
+    ((start, end),) = [(s, e) for s, e, _, function, _ in msc.regions(text) if function == name]
+    # the edit applies to the code, not to the # HINT lines (blanked, so line numbers stay)
+    region = "".join("\n" if line.strip().startswith(msc.HINT) else line for line in lines[start:end + 1])
+    if old is not None and region.count(old) != 1:
+        raise ValueError(f"{key}: {old!r} occurs {region.count(old)} times in the solution, not once")
+    patched = "".join(lines[:start]) + (region if old is None else region.replace(old, new)) + "".join(lines[end + 1:])
+    (func,) = [n for n in ast.parse(patched).body if isinstance(n, ast.FunctionDef) and n.name == name]
+    return ast.get_source_segment(patched, func)
+
+
+def wrong_code(root, key, old, new):
+    """The code object of the wrong version, compiled in the namespace of the (imported) module."""
+    namespace = dict(sys.modules[Path(key.split("::")[0]).stem].__dict__)
+    exec(compile(wrong_source(root, key, old, new), f"<wrong {key}>", "exec"), namespace)
+    return namespace[key.split("::")[1]].__code__
+
+
+@contextmanager
+def swapped(key, code):
+    function = getattr(sys.modules[Path(key.split("::")[0]).stem], key.split("::")[1])
+    saved, function.__code__ = function.__code__, code
+    try:
+        yield
+    finally:
+        function.__code__ = saved
+
+
+class WrongAnswerRunner:
+    """pytest plugin: rerun each passing grading test with every wrong version of what it grades."""
+
+    def __init__(self, root):
+        self.root = root
+        self.grades = {}  # test node id (no parameters) -> the exercises it grades
+        for key, (_, test_file, names) in msc.EXERCISES.items():
+            for name in names:
+                self.grades.setdefault(f"{test_file}::{name}", []).append(key)
+        self.caught = {(key, i): set() for key, wrong in WRONG_ANSWERS.items() for i in range(len(wrong))}
+        self.codes = {}  # (key, i) -> the wrong version's code object, compiled once
+        self.reference_failed = []
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_call(self, item):
+        outcome = yield
+        node = item.nodeid.split("[")[0]
+        if outcome.excinfo is not None:
+            self.reference_failed.append(item.nodeid)
+            return
+        for key in self.grades.get(node, []):
+            for i, (_, old, new, _) in enumerate(WRONG_ANSWERS.get(key, [])):
+                if (key, i) not in self.codes:
+                    self.codes[key, i] = wrong_code(self.root, key, old, new)
+                with swapped(key, self.codes[key, i]):
+                    try:
+                        item.runtest()
+                    except (Exception, pytest.fail.Exception):  # an error is caught too
+                        self.caught[key, i].add(node.split("::")[1])
+
+
+def check(root=ROOT):
+    """Run the grading tests with every wrong version; returns (rows, reference failures)."""
+    runner = WrongAnswerRunner(root)
+    code = pytest.main(["-q", "-p", "no:cacheprovider", "--rootdir", str(root),
+                        *(str(root / node) for node in msc.grading_tests())], plugins=[runner])
+    rows = []
+    for key, wrong in WRONG_ANSWERS.items():
+        for i, (description, _, _, catcher) in enumerate(wrong):
+            caught = sorted(runner.caught[key, i])
+            rows.append({"exercise": key, "wrong": description, "named_test": catcher, "failed_tests": caught,
+                         "caught": catcher in caught})
+    return rows, runner.reference_failed or ([] if code == 0 else [f"pytest exit status {int(code)}"])
+
+
+def table():
+    rows = ["| Exercise | Wrong version | Caught by |", "|---|---|---|"]
+    for key, wrong in WRONG_ANSWERS.items():
+        file, function = key.split("::")
+        test_file = Path(msc.EXERCISES[key][1]).name
+        for i, (description, _, _, catcher) in enumerate(wrong):
+            exercise = f"`{function}` (`{file}`)" if i == 0 else ""
+            rows.append(f"| {exercise} | {description.replace('|', chr(92) + '|')} | `{test_file}::{catcher}` |")
+    return "\n".join(rows)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--list", action="store_true", help="Print the table of wrong versions (markdown) and exit.")
+    parser.add_argument("--json", help="Also write the results to this file.")
+    args = parser.parse_args()
+    if args.list:
+        print(table())
+        return
+    rows, reference_failed = check()
+    for row in rows:
+        status = "caught" if row["caught"] else "NOT CAUGHT"
+        print(f"{status:>10}  {row['exercise']}: {row['wrong']}  (failed: {', '.join(row['failed_tests']) or 'none'})")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "reference_failed": reference_failed}, indent=1))
+    missed = [r for r in rows if not r["caught"]]
+    print(f"\n{len(rows) - len(missed)} of {len(rows)} wrong versions caught by the test the table names; "
+          f"reference failures: {reference_failed or 'none'}")
+    sys.exit(1 if missed or reference_failed else 0)
+
+
+if __name__ == "__main__":
+    main()

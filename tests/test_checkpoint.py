@@ -1,0 +1,266 @@
+"""Checkpoints: atomic writes that survive kill -9, retention (--save_total_limit), --resume_from
+latest, what a checkpoint records and the resumes it refuses, non-finite weights and logits, and
+fp16 loss-scale overflows."""
+import importlib
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from support import config, models, run, tasks
+from conftest import ROOT
+
+CHAOS_ARGS = ["--num_steps", "6", "--batch_size", "2", "--max_new_tokens", "4", "--eval_every", "100000",
+              "--save_steps", "1", "--save_model", "False"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def config_class(script):
+    return importlib.import_module(script).Config
+
+
+def comparable(rows):
+    return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in rows]
+
+
+def progressed(path, since, step):
+    """metrics.jsonl, rewritten after `since` (a resumed run drops the rows past its checkpoint),
+    has a row after `step`."""
+    try:
+        return os.stat(path).st_mtime > since and max(r["step"] for r in run.read_metrics(path)) > step
+    except (OSError, ValueError):
+        return False
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def chaos(cmd, out_dir, kills, seed):
+    """Run cmd + --resume_from latest `kills` times, each SIGKILLed (the whole process group: every
+    rank at once), then once to the end. The first kill lands inside a checkpoint write (a seeded
+    0-50 ms after a tmp-checkpoint-N folder appears), the others at a seeded random moment after
+    the run has logged a step of its own. Returns how many partial folders each kill left."""
+    rng, partial_left = random.Random(seed), []
+    for kill in range(kills):
+        latest = run.list_checkpoints(out_dir)[0]
+        resumed_at = run.checkpoint_step(latest[-1]) if latest else -1
+        err_file = open(out_dir.parent / "killed.err", "w+")  # a file, not a pipe nobody reads while it runs
+        proc = subprocess.Popen(cmd + ["--resume_from", "latest"], cwd=ROOT, env=ENV, start_new_session=True,
+                                stdout=subprocess.DEVNULL, stderr=err_file)
+        started, deadline = time.time(), time.time() + 120
+        while proc.poll() is None and time.time() < deadline:
+            if run.list_checkpoints(out_dir)[1] if kill == 0 else progressed(out_dir / "metrics.jsonl", started,
+                                                                             resumed_at):
+                break
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0.0, 0.05) if kill == 0 else rng.uniform(0.0, 0.6))  # a step + save: ~0.3 s
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+        err_file.seek(0)
+        err = err_file.read()
+        err_file.close()
+        assert "Traceback" not in err, err[-3000:]
+        partial_left.append(len(run.list_checkpoints(out_dir)[1]))
+    last = subprocess.run(cmd + ["--resume_from", "latest"], cwd=ROOT, env=ENV, capture_output=True, text=True)
+    assert last.returncode == 0, last.stderr[-3000:]
+    return partial_left
+
+
+def test_runs_killed_at_random_moments_resume_to_the_uninterrupted_metrics(tmp_path):
+    cmd = [sys.executable, "remax.py", *CHAOS_ARGS]
+    full = subprocess.run(cmd + ["--output_dir", str(tmp_path / "full")], cwd=ROOT, env=ENV, capture_output=True,
+                          text=True)
+    assert full.returncode == 0, full.stderr[-3000:]
+    partial_left = chaos(cmd + ["--output_dir", str(tmp_path / "chaos")], tmp_path / "chaos", kills=3, seed=0)
+    assert partial_left[0] >= 1  # the kill inside a save left a tmp-checkpoint-N that the resume skipped
+    expected = comparable(run.read_metrics(tmp_path / "full" / "metrics.jsonl"))
+    assert [r["step"] for r in expected] == list(range(7))
+    assert comparable(run.read_metrics(tmp_path / "chaos" / "metrics.jsonl")) == expected
+    # --save_total_limit 2 (the default) and no partial folder left behind
+    assert sorted(p.name for p in (tmp_path / "chaos").iterdir() if "checkpoint" in p.name) == \
+        ["checkpoint-5", "checkpoint-6"]
+
+
+def test_two_process_run_killed_and_resumed_matches_the_uninterrupted_one(tmp_path):
+    def launch(out_dir):
+        return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                "--main_process_port", str(free_port()), "remax.py", *CHAOS_ARGS, "--num_steps", "3",
+                "--output_dir", str(out_dir)]
+
+    full = subprocess.run(launch(tmp_path / "full"), cwd=ROOT, env=ENV, capture_output=True, text=True)
+    assert full.returncode == 0, full.stderr[-3000:]
+    assert chaos(launch(tmp_path / "chaos"), tmp_path / "chaos", kills=1, seed=1)[0] >= 1
+    expected = comparable(run.read_metrics(tmp_path / "full" / "metrics.jsonl"))
+    assert [r["step"] for r in expected] == list(range(4))
+    assert comparable(run.read_metrics(tmp_path / "chaos" / "metrics.jsonl")) == expected
+    ckpt = tmp_path / "chaos" / "checkpoint-3"
+    for name in ("sampler_rank0.json", "sampler_rank1.json", "random_states_0.pkl", "random_states_1.pkl"):
+        assert (ckpt / name).exists(), name
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert (state["script"], state["world_size"], state["config"]["batch_size"]) == ("remax.py", 2, 2)
+    summary = json.loads((tmp_path / "chaos" / "summary.json").read_text())
+    assert summary["num_processes"] == 2 and len(set(summary["replica_weight_checksums"])) == 1
+
+
+@pytest.fixture(scope="module")
+def parts():
+    """A CPU accelerator with the embedded policy prepared, its tokenizer and a prompt sampler."""
+    from accelerate import Accelerator
+
+    cfg = config.TrainConfig()
+    accelerator = Accelerator(cpu=True)
+    policy = accelerator.prepare(models.load_model(cfg))
+    sampler = tasks.PromptSampler([{"prompt": "12+3="}, {"prompt": "7*8="}], 1, 0)
+    return accelerator, policy, models.load_tokenizer(cfg), sampler
+
+
+def checkpointer(parts, out_dir, **flags):
+    accelerator, policy, tokenizer, sampler = parts
+    return run.Checkpointer(config.TrainConfig(output_dir=str(out_dir), **flags), accelerator, sampler)
+
+
+def test_retention_keeps_the_newest_complete_checkpoints_and_latest_skips_partial_ones(parts, tmp_path, capsys,
+                                                                                       monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["remax.py"])
+    _, policy, tokenizer, _ = parts
+    ckpt = checkpointer(parts, tmp_path, save_total_limit=2)
+    for step in (1, 2, 3):
+        ckpt.save(step, policy, tokenizer)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", "checkpoint-3"]
+    (tmp_path / "tmp-checkpoint-4").mkdir()  # killed while writing step 4
+    (tmp_path / "checkpoint-5").mkdir()  # an older version's half-written folder: no trainer_state.json
+    cfg = config.parse_config(config_class("remax"), ["--output_dir", str(tmp_path), "--resume_from", "latest"])
+    assert cfg.resume_from == str(tmp_path / "checkpoint-3")
+    err = capsys.readouterr().err
+    assert "warning: ignoring partial checkpoints" in err and "tmp-checkpoint-4" in err and "checkpoint-5" in err
+    ckpt.save(4, policy, tokenizer)  # deletes the partial folders and checkpoint-2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-3", "checkpoint-4"]
+    keep_all = checkpointer(parts, tmp_path, save_total_limit=0)
+    keep_all.save(5, policy, tokenizer)
+    keep_all.save(6, policy, tokenizer)
+    assert len(run.list_checkpoints(tmp_path)[0]) == 4
+
+
+def test_resume_latest_without_a_checkpoint_starts_at_step_zero(tmp_path, capsys):
+    cfg = config.parse_config(config_class("remax"), ["--output_dir", str(tmp_path), "--resume_from", "latest"])
+    assert cfg.resume_from == "" and "starting at step 0" in capsys.readouterr().err
+
+
+def write_checkpoint(out_dir, script, cfg, world_size=1, step=3):
+    """A checkpoint folder with the trainer_state.json Checkpointer.save writes (the rest is not read
+    before the run loads its models)."""
+    path = out_dir / f"checkpoint-{step}"
+    path.mkdir(parents=True)
+    (path / "trainer_state.json").write_text(json.dumps(run.trainer_state(cfg, step, world_size, script)))
+    return path
+
+
+def test_resume_refuses_another_scripts_checkpoint(tmp_path, monkeypatch):
+    grpo_cfg = config.parse_config(config_class("grpo"), ["--output_dir", str(tmp_path / "g")])
+    path = write_checkpoint(tmp_path / "g", "grpo.py", grpo_cfg)
+    monkeypatch.setattr(sys, "argv", ["ppo.py"])
+    with pytest.raises(SystemExit) as e:
+        config.parse_config(config_class("ppo"), ["--output_dir", str(tmp_path / "p"), "--resume_from", str(path)])
+    assert str(e.value).startswith("error: --resume_from") and "written by grpo.py, not ppo.py" in str(e.value)
+
+
+def test_resume_refuses_step_changing_flags_and_notes_harmless_ones(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", ["grpo.py"])
+    Config = config_class("grpo")
+    path = write_checkpoint(tmp_path, "grpo.py", config.parse_config(Config, ["--output_dir", str(tmp_path)]))
+    with pytest.raises(SystemExit) as e:
+        config.parse_config(Config, ["--output_dir", str(tmp_path / "new"), "--resume_from", str(path),
+                                     "--num_generations", "4", "--learning_rate", "1e-5"])
+    assert "--num_generations (8 there, 4 here)" in str(e.value) and "--learning_rate" in str(e.value)
+    assert "--num_steps" not in str(e.value)
+    cfg = config.parse_config(Config, ["--output_dir", str(tmp_path), "--resume_from", "latest", "--num_steps", "900",
+                                       "--save_steps", "10"])
+    assert cfg.resume_from == str(path)
+    assert "note: resuming" in capsys.readouterr().err
+
+
+def test_resume_with_another_world_size_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["remax.py"])
+    Config = config_class("remax")
+    path = write_checkpoint(tmp_path, "remax.py", config.parse_config(Config, ["--output_dir", str(tmp_path)]),
+                            world_size=2)
+    cfg = config.parse_config(Config, ["--output_dir", str(tmp_path), "--resume_from", str(path)])
+    with pytest.raises(SystemExit, match="written by 2 processes and this run has 1: launch it with --num_processes 2"):
+        config.make_accelerator(cfg)
+
+
+def test_output_dir_with_checkpoints_or_another_scripts_run_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["remax.py"])
+    Config = config_class("remax")
+    write_checkpoint(tmp_path, "remax.py", config.parse_config(Config, ["--output_dir", str(tmp_path)]))
+    with pytest.raises(SystemExit, match="error: --output_dir .* holds checkpoints of an earlier run"):
+        config.parse_config(Config, ["--output_dir", str(tmp_path)])
+    monkeypatch.setattr(sys, "argv", ["rloo.py"])
+    with pytest.raises(SystemExit, match="error: --output_dir .* holds a run of remax.py"):
+        config.parse_config(config_class("rloo"), ["--output_dir", str(tmp_path), "--resume_from", "latest"])
+
+
+def test_a_run_without_checkpoints_is_written_over_by_its_script_only(parts, tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["remax.py"])
+    cfg = config.parse_config(config_class("remax"), ["--output_dir", str(tmp_path)])
+    run.MetricLogger(cfg, parts[0]).log(0, {"eval/accuracy": 0.5})  # writes config.json naming remax.py
+    assert config.parse_config(config_class("remax"), ["--output_dir", str(tmp_path)]).output_dir == str(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["grpo.py"])
+    with pytest.raises(SystemExit, match="error: --output_dir .* holds a run of remax.py: give grpo.py another"):
+        config.parse_config(config_class("grpo"), ["--output_dir", str(tmp_path)])
+
+
+def test_unwritable_output_dir_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setattr(os, "access", lambda path, mode: False)  # tests may run as root, who can write anywhere
+    with pytest.raises(SystemExit, match="error: --output_dir .* is not writable"):
+        config.parse_config(config_class("remax"), ["--output_dir", str(tmp_path / "run")])
+
+
+def test_fp16_overflow_skips_steps_and_stops_after_max_skipped_steps(parts, tmp_path, monkeypatch):
+    """With a GradScaler an inf gradient norm is a skipped step (optimizer.step() skips it and lowers
+    the scale); MAX_SKIPPED_STEPS in a row stop the run, a finite step in between resets the count."""
+    accelerator, policy, tokenizer, _ = parts
+    monkeypatch.setattr(accelerator, "scaler", torch.amp.GradScaler("cpu"))
+    ckpt = checkpointer(parts, tmp_path)
+    loss, inf = torch.tensor(0.5), torch.tensor(float("inf"))
+    for step in range(1, run.MAX_SKIPPED_STEPS):
+        ckpt.check_finite(step, loss, inf, policy, tokenizer)
+    ckpt.check_finite(run.MAX_SKIPPED_STEPS, loss, torch.tensor(1.0), policy, tokenizer)
+    for step in range(run.MAX_SKIPPED_STEPS + 1, 2 * run.MAX_SKIPPED_STEPS):
+        ckpt.check_finite(step, loss, inf, policy, tokenizer)
+    assert not list(tmp_path.iterdir())
+    with pytest.raises(SystemExit, match=f"error: {run.MAX_SKIPPED_STEPS} steps in a row .* overflowed the fp16"):
+        ckpt.check_finite(2 * run.MAX_SKIPPED_STEPS, loss, inf, policy, tokenizer)
+    assert (tmp_path / f"checkpoint-{2 * run.MAX_SKIPPED_STEPS - 1}" / "trainer_state.json").exists()
+    with pytest.raises(SystemExit, match="non-finite loss"):  # a NaN loss is no overflow: it stops at once
+        checkpointer(parts, tmp_path).check_finite(3, torch.tensor(float("nan")), inf, policy, tokenizer)
+
+
+def test_non_finite_logits_after_an_update_stop_and_name_the_last_good_checkpoint(parts, tmp_path):
+    accelerator, policy, tokenizer, _ = parts
+    ckpt = checkpointer(parts, tmp_path, save_steps=1)
+    assert ckpt.step_end(1, policy, tokenizer) is False
+    assert (tmp_path / "checkpoint-1").exists()
+    model = accelerator.unwrap_model(policy)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        for p in model.parameters():  # what one AdamW step with --learning_rate 1e30 does: finite weights
+            p.add_(1e30 * torch.sign(p))
+    try:
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+        with pytest.raises(SystemExit, match="step 2 made the policy's weights or logits non-finite.*checkpoint-1"):
+            ckpt.step_end(2, policy, tokenizer)
+    finally:
+        model.load_state_dict(saved)
+    assert not (tmp_path / "checkpoint-2").exists()  # the broken weights are not saved
