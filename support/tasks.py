@@ -2,6 +2,7 @@
 math reward, an optional reward model, the prompt sampler and held-out evaluation."""
 import ast
 import hashlib
+import math
 import random
 import re
 
@@ -251,8 +252,9 @@ def evaluate(model, tokenizer, examples, cfg, accelerator, batch_size=256):
     families = sorted({ex["family"] for ex in examples})
     counts = [[0, 0] for _ in families]  # (correct, total) per family, in Python: no device op per example
     unwrapped = accelerator.unwrap_model(model)
-    for i in range(0, len(shard), batch_size):
-        batch = shard[i:i + batch_size]
+    # as many generate calls on every rank (under ZeRO-3 each is a collective), each at most batch_size prompts
+    num_calls = math.ceil(math.ceil(len(examples) / accelerator.num_processes) / batch_size)
+    for batch in (shard[i::num_calls] for i in range(num_calls)):
         prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, [ex["prompt"] for ex in batch], accelerator.device)
         completion_ids = common.generate(unwrapped, tokenizer, prompt_ids, prompt_mask, cfg, greedy=True)
         mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
