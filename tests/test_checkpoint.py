@@ -20,6 +20,7 @@ from conftest import ROOT
 CHAOS_ARGS = ["--num_steps", "6", "--batch_size", "2", "--max_new_tokens", "4", "--eval_every", "100000",
               "--save_steps", "1", "--save_model", "False"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+SLOW_CHECKPOINTS = str(ROOT / "tests" / "slow_checkpoints.py")
 
 
 def config_class(script):
@@ -47,8 +48,9 @@ def free_port():
 
 def chaos(cmd, out_dir, kills, seed):
     """Run cmd + --resume_from latest `kills` times, each SIGKILLed (the whole process group: every
-    rank at once), then once to the end. The first kill lands inside a checkpoint write (a seeded
-    0-50 ms after a tmp-checkpoint-N folder appears), the others at a seeded random moment after
+    rank at once), then once to the end. cmd runs the script through tests/slow_checkpoints.py, which
+    holds every checkpoint write open for half a second: the first kill lands inside a write (a seeded
+    0-250 ms after a tmp-checkpoint-N folder appears), the others at a seeded random moment after
     the run has logged a step of its own. Returns how many partial folders each kill left."""
     rng, partial_left = random.Random(seed), []
     for kill in range(kills):
@@ -63,7 +65,7 @@ def chaos(cmd, out_dir, kills, seed):
                                                                              resumed_at):
                 break
             time.sleep(0.01)
-        time.sleep(rng.uniform(0.0, 0.05) if kill == 0 else rng.uniform(0.0, 0.6))  # a step + save: ~0.3 s
+        time.sleep(rng.uniform(0.0, 0.25) if kill == 0 else rng.uniform(0.0, 0.8))  # a step + save: ~0.8 s
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
@@ -82,7 +84,8 @@ def test_runs_killed_at_random_moments_resume_to_the_uninterrupted_metrics(tmp_p
     full = subprocess.run(cmd + ["--output_dir", str(tmp_path / "full")], cwd=ROOT, env=ENV, capture_output=True,
                           text=True)
     assert full.returncode == 0, full.stderr[-3000:]
-    partial_left = chaos(cmd + ["--output_dir", str(tmp_path / "chaos")], tmp_path / "chaos", kills=3, seed=0)
+    slow = [sys.executable, SLOW_CHECKPOINTS, "remax.py", *CHAOS_ARGS]
+    partial_left = chaos(slow + ["--output_dir", str(tmp_path / "chaos")], tmp_path / "chaos", kills=3, seed=0)
     assert partial_left[0] >= 1  # the kill inside a save left a tmp-checkpoint-N that the resume skipped
     expected = comparable(run.read_metrics(tmp_path / "full" / "metrics.jsonl"))
     assert [r["step"] for r in expected] == list(range(7))
@@ -93,14 +96,14 @@ def test_runs_killed_at_random_moments_resume_to_the_uninterrupted_metrics(tmp_p
 
 
 def test_two_process_run_killed_and_resumed_matches_the_uninterrupted_one(tmp_path):
-    def launch(out_dir):
+    def launch(out_dir, *script):
         return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                "--main_process_port", str(free_port()), "remax.py", *CHAOS_ARGS, "--num_steps", "3",
+                "--main_process_port", str(free_port()), *script, *CHAOS_ARGS, "--num_steps", "3",
                 "--output_dir", str(out_dir)]
 
-    full = subprocess.run(launch(tmp_path / "full"), cwd=ROOT, env=ENV, capture_output=True, text=True)
+    full = subprocess.run(launch(tmp_path / "full", "remax.py"), cwd=ROOT, env=ENV, capture_output=True, text=True)
     assert full.returncode == 0, full.stderr[-3000:]
-    assert chaos(launch(tmp_path / "chaos"), tmp_path / "chaos", kills=1, seed=1)[0] >= 1
+    assert chaos(launch(tmp_path / "chaos", SLOW_CHECKPOINTS, "remax.py"), tmp_path / "chaos", kills=1, seed=1)[0] >= 1
     expected = comparable(run.read_metrics(tmp_path / "full" / "metrics.jsonl"))
     assert [r["step"] for r in expected] == list(range(4))
     assert comparable(run.read_metrics(tmp_path / "chaos" / "metrics.jsonl")) == expected

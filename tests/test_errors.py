@@ -96,9 +96,12 @@ def test_no_answers_without_reward_model_is_refused(tmp_path):
 
 def test_a_learning_rate_that_breaks_the_weights_stops_with_an_error(tmp_path):
     """AdamW moves every weight by about --learning_rate: 1e30 leaves finite weights whose logits
-    overflow, which sampling would meet as a RuntimeError."""
-    out = run(["--learning_rate", "1e30", "--num_steps", "4", "--batch_size", "2", "--max_new_tokens", "4",
-               "--eval_every", "100000", "--save_steps", "1", "--save_model", "False"], tmp_path,
-              env={"OMP_NUM_THREADS": "1"})
+    overflow, which sampling would meet as a RuntimeError. Every reward is non-zero but for a wrong
+    add_3x3 answer (--reward_scales hetero, no baseline), so the first update has a gradient: with
+    0/1 rewards and the greedy baseline every advantage of a small batch can be 0, and a zero
+    gradient moves no weight at any learning rate."""
+    out = run(["--learning_rate", "1e30", "--num_steps", "4", "--batch_size", "4", "--max_new_tokens", "4",
+               "--reward_scales", "hetero", "--baseline", "none", "--eval_every", "100000", "--save_steps", "1",
+               "--save_model", "False"], tmp_path, env={"OMP_NUM_THREADS": "1"})
     assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
     assert "made the policy's weights or logits non-finite" in out.stderr and "--learning_rate" in out.stderr
