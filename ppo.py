@@ -199,25 +199,31 @@ class ValueModel(torch.nn.Module):
     """The critic: a sequence-classification model with one label (the policy's backbone plus a
     scalar head `score`, as reward models are stored), applied at every position.
     From a causal-LM checkpoint the backbone is loaded and the head newly initialised.
-    Always trained in full (also when the policy uses --lora_r), in --torch_dtype."""
+    In --torch_dtype. Given a LoRA config (the policy's --lora_r) only the adapter and the head
+    train: the backbone stays a frozen copy, without gradients or AdamW state."""
 
-    def __init__(self, path, torch_dtype="float32", gradient_checkpointing=False):
+    def __init__(self, path, torch_dtype="float32", gradient_checkpointing=False, lora=None):
         super().__init__()
         self.model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1,
                                                                         dtype=config.DTYPES[torch_dtype])
         models.disable_dropout(self.model)
         if gradient_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if lora is not None:
+            from peft import get_peft_model
+
+            self.model = get_peft_model(self.model, lora)  # the adapter's layers go into the model in place
         self.train()  # dropout is off; train mode only lets gradient checkpointing act
 
     def forward(self, input_ids, attention_mask, num_completion_tokens):
         """(B, C) values V_t of the prefix before each of the last C tokens (the state in which
         token t is chosen: the same positions whose logits give logp_t), in fp32."""
         c = num_completion_tokens
+        model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model  # under LoRA
         position_ids = common.position_ids_from_mask(attention_mask)
-        hidden = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                       use_cache=False).last_hidden_state
-        return self.model.score(hidden[:, -(c + 1):-1]).squeeze(-1).float()
+        hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                  use_cache=False).last_hidden_state
+        return model.score(hidden[:, -(c + 1):-1]).squeeze(-1).float()
 
 
 class AdaptiveKLController:
@@ -258,10 +264,12 @@ def main():
     policy = models.load_model(cfg)
     if cfg.reward_model_path:
         models.check_model_path(cfg.reward_model_path, flag="--reward_model_path")
-    critic = ValueModel(cfg.reward_model_path or cfg.model_name_or_path, cfg.torch_dtype, cfg.gradient_checkpointing)
+    critic = ValueModel(cfg.reward_model_path or cfg.model_name_or_path, cfg.torch_dtype, cfg.gradient_checkpointing,
+                        lora=models.lora_config(cfg, "SEQ_CLS") if cfg.lora_r > 0 else None)
     ref_model = models.load_reference(cfg, policy) if cfg.beta > 0 else None
     optimizer, scheduler = models.make_optimizer(policy, cfg)
-    critic_optimizer = torch.optim.AdamW(critic.parameters(), lr=cfg.critic_learning_rate, weight_decay=0.0)
+    critic_optimizer = torch.optim.AdamW([p for p in critic.parameters() if p.requires_grad],
+                                         lr=cfg.critic_learning_rate, weight_decay=0.0)
     critic_scheduler = get_constant_schedule_with_warmup(critic_optimizer, cfg.warmup_steps)
     policy, critic, optimizer, critic_optimizer, scheduler, critic_scheduler = accelerator.prepare(
         policy, critic, optimizer, critic_optimizer, scheduler, critic_scheduler)
@@ -400,8 +408,8 @@ def main():
         run.plot_metrics(logger.path, f"{cfg.output_dir}/critic_curves.png", CRITIC_PLOT_KEYS)
     if cfg.save_model:
         models.save_model(accelerator, policy, tokenizer, f"{cfg.output_dir}/final", cfg.merge_lora)
-        critic_model = accelerator.unwrap_model(critic).model
-        models.save_model(accelerator, critic_model, tokenizer, f"{cfg.output_dir}/final/critic")
+        critic_model = accelerator.unwrap_model(critic).model  # under LoRA merged: a whole critic either way
+        models.save_model(accelerator, critic_model, tokenizer, f"{cfg.output_dir}/final/critic", merge_lora=True)
 
 
 if __name__ == "__main__":

@@ -41,13 +41,20 @@ def load_model(cfg, trainable=True):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     if cfg.lora_r > 0:
-        from peft import LoraConfig, get_peft_model
+        from peft import get_peft_model
 
-        targets = cfg.lora_target_modules
-        targets = targets if targets == "all-linear" else targets.split(",")
-        lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, target_modules=targets, task_type="CAUSAL_LM")
-        model = get_peft_model(model, lora)
+        model = get_peft_model(model, lora_config(cfg, "CAUSAL_LM"))
     return model.train()  # dropout is off; train mode only lets gradient checkpointing act
+
+
+def lora_config(cfg, task_type):
+    """The LoRA adapter of --lora_r, --lora_alpha and --lora_target_modules. task_type SEQ_CLS (the
+    PPO critic) also trains the classification head `score` in full."""
+    from peft import LoraConfig
+
+    targets = cfg.lora_target_modules
+    targets = targets if targets == "all-linear" else targets.split(",")
+    return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, target_modules=targets, task_type=task_type)
 
 
 class AdapterDisabled(torch.nn.Module):

@@ -304,6 +304,24 @@ def test_value_model_gives_the_value_of_the_prefix_before_each_completion_token_
     torch.testing.assert_close(values[0], full[0, -3:-1], rtol=1e-4, atol=1e-5)  # V before "1" and before "5"
 
 
+def test_lora_critic_trains_only_its_adapter_and_head_and_starts_as_the_full_critic():
+    from support import models
+
+    enc = AutoTokenizer.from_pretrained(config.EMBEDDED_MODEL, padding_side="left")(
+        ["12+3=15", "456+789=1245"], return_tensors="pt", padding=True, add_special_tokens=False)
+    torch.manual_seed(0)
+    full = ValueModel(config.EMBEDDED_MODEL).eval()
+    torch.manual_seed(0)  # the same random head: the adapter is added after it
+    lora = ValueModel(config.EMBEDDED_MODEL, lora=models.lora_config(config.TrainConfig(lora_r=4), "SEQ_CLS")).eval()
+    trainable = [name for name, p in lora.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in name or "score" in name for name in trainable)
+    assert any("score" in name for name in trainable) and any("lora_B" in name for name in trainable)
+    assert sum(p.numel() for p in lora.parameters() if p.requires_grad) < 0.2 * sum(p.numel() for p in full.parameters())
+    with torch.no_grad():  # lora_B starts at 0: the same values through the adapter-wrapped model
+        torch.testing.assert_close(lora(enc["input_ids"], enc["attention_mask"], 3),
+                                   full(enc["input_ids"], enc["attention_mask"], 3), rtol=0, atol=0)
+
+
 # ---------------------------------------------------------------- end to end
 
 def assert_params_changed(final_dir):
@@ -332,6 +350,19 @@ def test_ppo_end_to_end_writes_metrics_plots_policy_and_critic(tmp_path):
     reloaded = ValueModel(str(tmp_path / "final" / "critic"))
     fresh = ValueModel(config.EMBEDDED_MODEL)
     assert not torch.equal(reloaded.model.base_model.norm.weight, fresh.model.base_model.norm.weight)
+
+
+def test_ppo_with_lora_saves_a_whole_critic_with_the_adapter_merged(tmp_path):
+    out = subprocess.run([sys.executable, "ppo.py", "--num_steps", "2", "--eval_every", "2", "--batch_size", "8",
+                          "--lora_r", "4", "--learning_rate", "1e-2", "--critic_learning_rate", "1e-2",
+                          "--output_dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (tmp_path / "final" / "adapter_config.json").exists()  # the policy: its adapter
+    reloaded = ValueModel(str(tmp_path / "final" / "critic"))  # the critic: a plain checkpoint
+    fresh = ValueModel(config.EMBEDDED_MODEL)
+    layer, start = reloaded.model.base_model.layers[0], fresh.model.base_model.layers[0]
+    assert not torch.equal(layer.self_attn.q_proj.weight, start.self_attn.q_proj.weight)  # the adapter, merged
+    assert torch.equal(layer.input_layernorm.weight, start.input_layernorm.weight)  # not in the adapter: frozen
 
 
 def test_two_process_gloo_run_keeps_replicas_identical(tmp_path):
