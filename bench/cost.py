@@ -122,8 +122,9 @@ def run_child(script, result_path, script_args):
 # ----------------------------------------------------------------------------------------
 # parent: one subprocess per (model, algorithm), then the tables
 # ----------------------------------------------------------------------------------------
-def make_large_model(folder):
-    """A randomly initialised Qwen2 (LARGE_CONFIG) with the embedded tokenizer, saved to `folder`."""
+def make_large_model(folder, shape=LARGE_CONFIG):
+    """A randomly initialised Qwen2 of `shape` (LARGE_CONFIG unless given) with the embedded tokenizer,
+    saved to `folder`. The vocabulary is the tokenizer's unless `shape` sets vocab_size."""
     import torch
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
@@ -131,8 +132,8 @@ def make_large_model(folder):
     from support.config import EMBEDDED_MODEL
 
     tokenizer = AutoTokenizer.from_pretrained(EMBEDDED_MODEL)
-    config = Qwen2Config(vocab_size=len(tokenizer), bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, **LARGE_CONFIG)
+    config = Qwen2Config(bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, **{"vocab_size": len(tokenizer), **shape})
     torch.manual_seed(0)
     Qwen2ForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -140,6 +141,9 @@ def make_large_model(folder):
 
 
 def run_algorithm(name, model_path, args, workdir):
+    sys.path.insert(0, str(ROOT))
+    from support.run import read_metrics
+
     out_dir = Path(workdir) / name
     result_path = Path(workdir) / f"{name}.json"
     script, extra = VARIANTS[name]
@@ -154,7 +158,7 @@ def run_algorithm(name, model_path, args, workdir):
         print(f"[{name}] failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}", file=sys.stderr)
         return None
     result = json.loads(result_path.read_text())
-    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = read_metrics(out_dir / "metrics.jsonl")
     # steps that trained (DAPO skips a step when dynamic sampling keeps no group)
     timed = [r for r in rows if r["step"] > args.warmup and "time/step_s" in r and not r.get("train/skipped_step")]
     result["time"] = {k: sum(r.get(f"time/{k}_s", 0.0) for r in timed) / len(timed) for k in (*PHASES, "step")} if timed else None
@@ -172,6 +176,15 @@ VARIANTS["ppo-1x1"] = ("ppo.py", ["--num_epochs", "1", "--num_mini_batches", "1"
 
 def mib(x):
     return f"{x / MiB:,.1f}"
+
+
+def write_report(out, text, results):
+    """The markdown report to `out` and the raw results beside it as .json ('' = stdout only)."""
+    print(text)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text)
+        Path(out).with_suffix(".json").write_text(json.dumps(results, indent=1))
 
 
 def table(results, on_gpu):
@@ -276,12 +289,7 @@ def main():
                             f"{table(results, on_gpu)}\n\nRatios (below 1: ReMax needs less):\n\n{ratio_table(results, on_gpu)}")
     sections[0] += (f"\nLoad average (1 min) before / after: {load_before:.2f} / {os.getloadavg()[0]:.2f} "
                     "(other processes on the machine inflate the times, not the memory).")
-    text = "\n\n".join(sections) + "\n"
-    print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text)
-        Path(args.out).with_suffix(".json").write_text(json.dumps(all_results, indent=1))
+    write_report(args.out, "\n\n".join(sections) + "\n", all_results)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.cost import ALGORITHMS  # noqa: E402
+from bench.cost import ALGORITHMS, make_large_model, write_report  # noqa: E402
+from support.run import read_metrics  # noqa: E402
 
 # Qwen2.5-0.5B's shape and vocabulary; TINY is the same family for the CPU smoke path
 QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
@@ -81,21 +82,14 @@ def run_child(script, result_path, script_args):
 # ----------------------------------------------------------------------------------------
 # parent: build the model, one subprocess per (setting, precision, algorithm), the table
 # ----------------------------------------------------------------------------------------
-def make_model(folder, shape):
-    """A randomly initialised Qwen2 of `shape` with the embedded tokenizer, saved to `folder`."""
+def count_params(model_path):
+    """Parameters of the saved model, counted on the meta device (no memory, no weights read)."""
     import torch
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from support.config import EMBEDDED_MODEL
-
-    tokenizer = AutoTokenizer.from_pretrained(EMBEDDED_MODEL)
-    config = Qwen2Config(bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id, **shape)
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config)
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder, sum(p.numel() for p in model.parameters())
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    return sum(p.numel() for p in model.parameters())
 
 
 def run_one(algorithm, precision, launch, model_path, args, workdir):
@@ -115,7 +109,7 @@ def run_one(algorithm, precision, launch, model_path, args, workdir):
         return {"algorithm": algorithm, "precision": precision, "setting": launch["name"],
                 "failed": f"exit {proc.returncode}"}
     ranks = [json.loads(p.read_text()) for p in sorted(Path(workdir).glob(f"{name}.json.rank*"))]
-    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = read_metrics(out_dir / "metrics.jsonl")
     steps = [r for r in rows if r["step"] > 0 and "time/step_s" in r]  # DAPO skips a step that kept no group
     timed = steps[1:] or steps
     if not timed:
@@ -187,7 +181,8 @@ def main():
             if not (algorithm == "ppo" and launch["name"].startswith("ZeRO"))]  # ppo.py refuses DeepSpeed
     results, start = [], time.time()
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
-        model_path, params = make_model(os.path.join(tmp, "model"), QWEN25_05B if on_gpu else TINY)
+        model_path = make_large_model(os.path.join(tmp, "model"), QWEN25_05B if on_gpu else TINY)
+        params = count_params(model_path)
         for algorithm, precision, launch in runs:
             print(f"[{launch['name']}, {precision}] {algorithm} ...", file=sys.stderr, flush=True)
             results.append(run_one(algorithm, precision, launch, model_path, args, tmp))
@@ -197,12 +192,7 @@ def main():
               f"of the times; batch {args.batch_size}, micro-batch {args.micro_batch_size}, max_new_tokens "
               f"{args.max_new_tokens}; random 0/1 rewards; each script's defaults otherwise.",
               f"Command: `{shlex.join(['python', 'bench/gpu_check.py', *sys.argv[1:]])}`; {time.time() - start:.0f} s."]
-    text = "\n".join(header) + "\n\n" + table(results) + "\n"
-    print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text)
-        Path(args.out).with_suffix(".json").write_text(json.dumps(results, indent=1))
+    write_report(args.out, "\n".join(header) + "\n\n" + table(results) + "\n", results)
     if any("failed" in r for r in results):
         raise SystemExit("error: some runs failed (above)")
 

@@ -51,9 +51,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.cost import ALGORITHMS, make_large_model, model_state, proc_status_bytes  # noqa: E402
-
-MiB = 2 ** 20
+from bench.cost import (ALGORITHMS, LARGE_CONFIG, make_large_model, mib, model_state, proc_status_bytes,  # noqa: E402
+                        write_report)
+from support.run import read_metrics  # noqa: E402
 
 
 # ----------------------------------------------------------------------------------------
@@ -216,7 +216,7 @@ def run_config(algorithm, batch_size, micro_batch_size, model_path, args, workdi
         print(f"[{name}] failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}", file=sys.stderr)
         return None
     result = json.loads(result_path.read_text())
-    rows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    rows = read_metrics(out_dir / "metrics.jsonl")
     steps = [r for r in rows if r["step"] > 0 and "time/step_s" in r]
     if not steps:  # dapo.py skips a step whose groups are all wrong, as every group of the random model is
         print(f"[{name}] trained no step", file=sys.stderr)
@@ -226,10 +226,6 @@ def run_config(algorithm, batch_size, micro_batch_size, model_path, args, workdi
                   step_s=sum(r["time/step_s"] for r in steps) / len(steps),
                   completion_len=sum(r["train/completion_len"] for r in steps) / len(steps))
     return result
-
-
-def mib(x):
-    return f"{x / MiB:,.1f}"
 
 
 def table(results):
@@ -269,7 +265,6 @@ def main():
         parser.error(f"--model must be 'large' or 'embedded' (got {args.model!r})")
 
     import torch
-    from transformers import AutoConfig
 
     on_gpu = torch.cuda.is_available()
     machine = torch.cuda.get_device_name() if on_gpu else f"CPU only ({os.cpu_count()} cores, {platform.machine()})"
@@ -279,10 +274,9 @@ def main():
     results, load_before, start = [], os.getloadavg()[0], time.time()
     with tempfile.TemporaryDirectory(prefix="memory_") as tmp:
         if args.model == "large":
-            model_path = make_large_model(os.path.join(tmp, "large_model"))
-            model_config = AutoConfig.from_pretrained(model_path)
-            model_config.max_position_embeddings = args.max_new_tokens + 64  # room for the prompt (RoPE: no weights)
-            model_config.save_pretrained(model_path)
+            # room for the prompt and the completion (RoPE: the length changes no weight)
+            shape = {**LARGE_CONFIG, "max_position_embeddings": args.max_new_tokens + 64}
+            model_path = make_large_model(os.path.join(tmp, "large_model"), shape)
         else:
             from support.config import EMBEDDED_MODEL
             model_path = EMBEDDED_MODEL
@@ -304,12 +298,7 @@ def main():
               f"Command: `{shlex.join(['python', 'bench/memory.py', *sys.argv[1:]])}`",
               f"Load average (1 min) before / after: {load_before:.2f} / {os.getloadavg()[0]:.2f}; "
               f"{time.time() - start:.0f} s in all."]
-    text = "\n".join(header) + "\n\n" + table(results) + "\n"
-    print(text)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text)
-        Path(args.out).with_suffix(".json").write_text(json.dumps(results, indent=1))
+    write_report(args.out, "\n".join(header) + "\n\n" + table(results) + "\n", results)
 
 
 if __name__ == "__main__":

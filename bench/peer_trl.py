@@ -38,11 +38,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from bench.cost import LARGE_CONFIG, make_large_model  # noqa: E402
+
 SIDES = ("ours", "trl")
 PHASES = ("generation", "scoring", "forward_backward", "rest")
 # the 75M Qwen2 of bench/cost.py, with room for a prompt and 64 new tokens
-LARGE_CONFIG = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=12,
-                    num_key_value_heads=12, max_position_embeddings=128, tie_word_embeddings=True)
+LARGE_SHAPE = {**LARGE_CONFIG, "max_position_embeddings": 128}
 MiB = 2 ** 20
 
 
@@ -188,23 +190,6 @@ def child(side, spec_path, result_path):
 # ----------------------------------------------------------------------------------------
 # parent: alternate the runs, then the tables
 # ----------------------------------------------------------------------------------------
-def make_large_model(folder):
-    """A randomly initialised Qwen2 (LARGE_CONFIG) with the embedded tokenizer, saved to `folder`."""
-    import torch
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
-
-    sys.path.insert(0, str(ROOT))
-    from support.config import EMBEDDED_MODEL
-
-    tokenizer = AutoTokenizer.from_pretrained(EMBEDDED_MODEL)
-    config = Qwen2Config(vocab_size=len(tokenizer), bos_token_id=tokenizer.eos_token_id,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **LARGE_CONFIG)
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(config).save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
 def run_side(side, spec, python, threads, workdir):
     name = f"{spec['algorithm']}_{side}_seed{spec['seed']}"
     spec = {**spec, "output_dir": str(workdir / name)}
@@ -326,7 +311,8 @@ def main():
                 model, seeds, steps = EMBEDDED_MODEL, [int(s) for s in args.seeds.split(",")], args.steps
                 batch_size, max_new_tokens = args.batch_size, 8
             else:
-                model, seeds, steps = make_large_model(os.path.join(tmp, "large_model")), [0], args.large_steps
+                model = make_large_model(os.path.join(tmp, "large_model"), LARGE_SHAPE)
+                seeds, steps = [0], args.large_steps
                 batch_size, max_new_tokens = args.large_batch_size, args.large_max_new_tokens
             summaries = {}
             for algorithm in args.algorithms.split(","):
