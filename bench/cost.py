@@ -73,12 +73,11 @@ def model_state(models):
     return rows
 
 
-def run_child(script, result_path, script_args):
+def record_models_and_optimizers():
+    """From here on every model loaded with from_pretrained and every optimizer created lands in the
+    two lists returned: (models, optimizers)."""
     import torch
     from transformers import PreTrainedModel
-
-    sys.path.insert(0, str(ROOT))
-    from support import tasks
 
     loaded, optimizers = [], []
     from_pretrained = PreTrainedModel.from_pretrained.__func__
@@ -96,6 +95,16 @@ def run_child(script, result_path, script_args):
 
     PreTrainedModel.from_pretrained = classmethod(recording_from_pretrained)
     torch.optim.Optimizer.__init__ = recording_optimizer_init
+    return loaded, optimizers
+
+
+def run_child(script, result_path, script_args):
+    import torch
+
+    sys.path.insert(0, str(ROOT))
+    from support import tasks
+
+    loaded, optimizers = record_models_and_optimizers()
     tasks.evaluate = lambda *args, **kwargs: {"eval/accuracy": float("nan")}
 
     spec = importlib.util.spec_from_file_location(Path(script).stem, script)

@@ -52,7 +52,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.cost import (ALGORITHMS, LARGE_CONFIG, make_large_model, mib, model_state, proc_status_bytes,  # noqa: E402
-                        write_report)
+                        record_models_and_optimizers, write_report)
 from support.run import read_metrics  # noqa: E402
 
 
@@ -109,23 +109,12 @@ def read_weights(models):
 
 def run_child(script, result_path, script_args):
     import torch
-    from transformers import GenerationMixin, PreTrainedModel
+    from transformers import GenerationMixin
 
     from support import run, tasks
 
-    loaded, optimizers, first_step, phase_peaks = [], [], {}, {}
-    from_pretrained = PreTrainedModel.from_pretrained.__func__
-
-    def recording_from_pretrained(cls, *args, **kwargs):
-        model = from_pretrained(cls, *args, **kwargs)
-        loaded.append(model)
-        return model
-
-    optimizer_init = torch.optim.Optimizer.__init__
-
-    def recording_optimizer_init(self, *args, **kwargs):
-        optimizer_init(self, *args, **kwargs)
-        optimizers.append(self)
+    loaded, optimizers = record_models_and_optimizers()
+    first_step, phase_peaks = {}, {}
 
     next_batch = tasks.PromptSampler.next
 
@@ -166,8 +155,6 @@ def run_child(script, result_path, script_args):
         generation_config.min_new_tokens = generation_config.max_new_tokens  # EOS held back until then
         return generate(self, *args, generation_config=generation_config, **kwargs)
 
-    PreTrainedModel.from_pretrained = classmethod(recording_from_pretrained)
-    torch.optim.Optimizer.__init__ = recording_optimizer_init
     tasks.PromptSampler.next = next_batch_measured
     run.StepTimer.__call__ = timed_phase_measured
     run.MetricLogger.finish = finish_measured
