@@ -279,6 +279,9 @@ def main():
     if cfg.save_model:
         models.save_model(accelerator, policy, tokenizer, f"{cfg.output_dir}/final", cfg.merge_lora)
 
+    accelerator.wait_for_everyone()
+    accelerator.end_training()  # close the process group on every rank before the interpreter exits
+
 
 if __name__ == "__main__":
     main()

@@ -411,6 +411,9 @@ def main():
         critic_model = accelerator.unwrap_model(critic).model  # under LoRA merged: a whole critic either way
         models.save_model(accelerator, critic_model, tokenizer, f"{cfg.output_dir}/final/critic", merge_lora=True)
 
+    accelerator.wait_for_everyone()
+    accelerator.end_training()  # close the process group on every rank before the interpreter exits
+
 
 if __name__ == "__main__":
     main()

@@ -309,8 +309,6 @@ class MetricLogger:
         held = torch.tensor([[shards["params_local"], shards["optimizer_local"]]], dtype=torch.long,
                             device=self.accelerator.device)
         held = self.accelerator.gather(held).tolist()
-        if self.cfg.report_to != "none":
-            self.accelerator.end_training()
         if not self.accelerator.is_main_process:
             return
         evals = [r for r in read_metrics(self.path) if "eval/accuracy" in r]
