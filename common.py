@@ -258,6 +258,18 @@ def sampling_mask(logits, top_k=0, top_p=1.0):
     return logits
 
 
+def shared_prompt_cache(model, prompt_ids, prompt_mask, rows):
+    """The keys and values of each prompt's tokens but its last, computed once per prompt, then copied
+    to every row that continues it: row i of the cache is prompt rows[i]'s. The last prompt token and
+    what follows it then run row by row. Scoring a group's rows and sampling a prompt's K completions
+    both share their prompt this way."""
+    position_ids = position_ids_from_mask(prompt_mask)
+    cache = model(input_ids=prompt_ids[:, :-1], attention_mask=prompt_mask[:, :-1],
+                  position_ids=position_ids[:, :-1], logits_to_keep=1, use_cache=True).past_key_values
+    cache.reorder_cache(rows)
+    return cache
+
+
 def completion_logits(model, input_ids, attention_mask, num_completion_tokens):
     """The (B, C, V) logits that predict the last C tokens of each row (position t predicts t + 1).
 
@@ -279,9 +291,7 @@ def completion_logits(model, input_ids, attention_mask, num_completion_tokens):
                     logits_to_keep=c + 1, use_cache=False)
         return out.logits[:, -(c + 1):-1, :]
     first = counts.cumsum(0) - counts  # the first row of each group
-    cache = model(input_ids=input_ids[first, :-c - 1], attention_mask=attention_mask[first, :-c - 1],
-                  position_ids=position_ids[first, :-c - 1], logits_to_keep=1, use_cache=True).past_key_values
-    cache.reorder_cache(group)  # row i gets its group's keys and values
+    cache = shared_prompt_cache(model, input_ids[first, :-c], attention_mask[first, :-c], group)
     out = model(input_ids=input_ids[:, -c - 1:-1], attention_mask=attention_mask[:, :-1],
                 position_ids=position_ids[:, -c - 1:-1], past_key_values=cache, logits_to_keep=c, use_cache=True)
     return out.logits
@@ -335,7 +345,9 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=1, gree
     The sampler is exactly temperature, top-k and top-p, as token_logprobs scores it: the generation
     config is built whole (the library's defaults plus these), and the checkpoint's
     generation_config.json, whose repetition penalty or min_p would change the distribution, is set aside
-    for the call. Works for a bare, DDP-unwrapped (accelerator.unwrap_model) or peft model.
+    for the call. Each prompt runs once for its samples (`shared_prompt_cache`), which then continue it
+    from copies of its keys and values: the same draws as generate's own num_return_sequences, without
+    K passes over the prompt. Works for a bare, DDP-unwrapped (accelerator.unwrap_model) or peft model.
     """
     from transformers import GenerationConfig
 
@@ -344,7 +356,7 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=1, gree
         num_samples = 1
     else:
         gen = GenerationConfig(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                               max_new_tokens=cfg.max_new_tokens, num_return_sequences=num_samples)
+                               max_new_tokens=cfg.max_new_tokens)
     gen.pad_token_id, gen.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     n = max(1, cfg.generation_batch_size // num_samples) if cfg.generation_batch_size else len(prompt_ids)
     hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model  # under a peft wrapper
@@ -353,9 +365,14 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=1, gree
     model.eval()
     try:
         with gathered_parameters(model):
-            chunks = [model.generate(input_ids=prompt_ids[i:i + n], attention_mask=prompt_mask[i:i + n],
-                                     generation_config=gen)[:, prompt_ids.shape[1]:]
-                      for i in range(0, len(prompt_ids), n)]
+            chunks = []
+            for i in range(0, len(prompt_ids), n):
+                ids, mask = prompt_ids[i:i + n], prompt_mask[i:i + n]
+                rows = torch.arange(len(ids), device=ids.device).repeat_interleave(num_samples)  # K adjacent
+                cache = shared_prompt_cache(model, ids, mask, rows) if ids.shape[1] > 1 else None
+                out = model.generate(input_ids=ids[rows], attention_mask=mask[rows], past_key_values=cache,
+                                     generation_config=gen)
+                chunks.append(out[:, ids.shape[1]:])
     finally:
         hf_model.generation_config = checkpoint_config
         model.train(was_training)

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 import common
 from support import config
@@ -85,6 +85,36 @@ def test_the_samplers_processed_scores_are_the_scored_logprobs(top_k, top_p):
                                    top_k=top_k, top_p=top_p)
     assert mask.sum() > 20
     torch.testing.assert_close(scored[mask.bool()], sampler_logp[mask.bool()], rtol=0, atol=1e-5)
+
+
+def test_samples_continuing_one_pass_over_their_prompt_are_generates_own_num_return_sequences():
+    """common.generate runs each prompt once and gives its K samples copies of its keys and values;
+    transformers' num_return_sequences runs the prompt K times. From the same seed the draws are the same
+    and so are the sampler's processed scores (to 1e-5): row i continues prompt i // K, at its positions."""
+    model, tokenizer, prompt_ids, prompt_mask = load()
+    cfg = Sampling(top_k=6, top_p=0.9)
+    captured = []
+    hf_generate = model.generate
+
+    def generate_with_scores(**kwargs):
+        kwargs["generation_config"].output_scores = True
+        kwargs["generation_config"].return_dict_in_generate = True
+        out = hf_generate(**kwargs)
+        captured.append(torch.stack(out.scores, dim=1))
+        return out.sequences
+
+    model.generate = generate_with_scores
+    shared = sample(model, tokenizer, prompt_ids, prompt_mask, cfg, seed=0, num_samples=4)
+    model.generation_config = GenerationConfig()
+    gen = GenerationConfig(do_sample=True, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
+                           max_new_tokens=cfg.max_new_tokens, num_return_sequences=4, output_scores=True,
+                           return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id,
+                           eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    plain = hf_generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen)
+    assert prompt_mask.sum(1).unique().numel() > 1  # left padding of more than one width
+    assert torch.equal(shared, plain.sequences[:, prompt_ids.shape[1]:])
+    torch.testing.assert_close(captured[0], torch.stack(plain.scores, dim=1), rtol=0, atol=1e-5)
 
 
 def test_generation_in_calls_of_any_size_returns_the_same_completions():
