@@ -69,7 +69,7 @@ CHECKPOINT_PREFIX, PARTIAL_PREFIX = "checkpoint-", "tmp-checkpoint-"
 # Under fp16 mixed precision a GradScaler multiplies the loss by a scale (2**16 at first) and halves it at
 # every overflow, skipping that step: a few skips are routine, this many in a row is a diverging run.
 MAX_SKIPPED_STEPS = 20
-PROBE_PROMPTS = 4  # training prompts whose logits are checked after every update
+PROBE_PROMPTS = 1  # training prompts whose logits are checked after every update (one finds an overflow)
 
 
 def list_checkpoints(output_dir):
@@ -243,17 +243,20 @@ def loss_scaling(accelerator):
 
 def finite_weights_and_logits(model, tokenizer, prompts):
     """True when every trainable weight (this rank's shard under ZeRO-3) is finite and so are the
-    logits on a few training prompts. Weights of ~1e30 are finite, yet the logits overflow and
-    sampling fails, hence the forward pass; it takes real prompts because a lone EOS token can
-    still give finite logits."""
+    logits on `prompts` (training prompts). A weight is tested by its fp32 sum, into which a NaN or inf
+    propagates (a sum overflows only for weights near fp32's limit, as broken as an inf; one
+    reduction costs a fraction of an elementwise isfinite). Weights of ~1e30 are finite, yet the
+    logits overflow and sampling fails, hence the forward pass; it takes real prompts because a lone
+    EOS token can still give finite logits."""
     with torch.no_grad():
-        weights = [torch.isfinite(getattr(p, "ds_tensor", p)).all() for p in model.parameters() if p.requires_grad]
+        weights = [getattr(p, "ds_tensor", p).sum(dtype=torch.float32)
+                   for p in model.parameters() if p.requires_grad]
         enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
         device = next(model.parameters()).device
         # the last position sees every earlier one, so its logits carry a NaN from anywhere in the prompt
         logits = model(input_ids=enc["input_ids"].to(device), attention_mask=enc["attention_mask"].to(device),
                        use_cache=False, logits_to_keep=1).logits
-        return bool(torch.stack(weights).all()) and bool(torch.isfinite(logits).all())
+        return bool(torch.stack(weights).isfinite().all()) and bool(torch.isfinite(logits).all())
 
 
 class MetricLogger:

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -267,3 +268,22 @@ def test_non_finite_logits_after_an_update_stop_and_name_the_last_good_checkpoin
     finally:
         model.load_state_dict(saved)
     assert not (tmp_path / "checkpoint-2").exists()  # the broken weights are not saved
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_a_non_finite_weight_is_found_even_where_the_probe_logits_stay_finite(parts, bad, monkeypatch):
+    """One non-finite entry in one weight, with the probe's forward pass made to return finite logits
+    (as it does when the broken entry is one no probe prompt reads): the weight test alone must see it."""
+    accelerator, policy, tokenizer, _ = parts
+    model = accelerator.unwrap_model(policy)
+    weight = model.model.layers[1].mlp.up_proj.weight
+    saved = weight.detach().clone()
+    monkeypatch.setattr(model, "forward", lambda **kwargs: SimpleNamespace(logits=torch.zeros(1, 1, 3)))
+    assert run.finite_weights_and_logits(model, tokenizer, ["12+3="])
+    with torch.no_grad():
+        weight[5, 7] = bad
+    try:
+        assert not run.finite_weights_and_logits(model, tokenizer, ["12+3="])
+    finally:
+        with torch.no_grad():
+            weight.copy_(saved)
