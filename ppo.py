@@ -269,7 +269,7 @@ def main():
     ref_model = models.load_reference(cfg, policy) if cfg.beta > 0 else None
     optimizer, scheduler = models.make_optimizer(policy, cfg)
     critic_optimizer = torch.optim.AdamW([p for p in critic.parameters() if p.requires_grad],
-                                         lr=cfg.critic_learning_rate, weight_decay=0.0)
+                                         lr=cfg.critic_learning_rate, weight_decay=0.0, fused=True)
     critic_scheduler = get_constant_schedule_with_warmup(critic_optimizer, cfg.warmup_steps)
     policy, critic, optimizer, critic_optimizer, scheduler, critic_scheduler = accelerator.prepare(
         policy, critic, optimizer, critic_optimizer, scheduler, critic_scheduler)

@@ -83,18 +83,19 @@ def peak():
 
 
 def allocate_adamw_state(optimizer):
-    """What AdamW allocates at its first step (torch.optim.Adam._init_group without fused, capturable or
-    amsgrad): a CPU step counter at 0 and two zero moments per trainable weight."""
+    """What AdamW allocates at its first step (torch.optim.Adam._init_group without amsgrad): a step
+    counter at 0 (fp32 on the weight's device when fused or capturable, else on the CPU) and two zero
+    moments per trainable weight."""
     import torch
 
     for group in optimizer.param_groups:
-        if group["fused"] or group["capturable"] or group["amsgrad"]:
-            raise SystemExit("error: bench/memory.py allocates only plain AdamW's state (no fused, capturable or "
-                             "amsgrad)")
+        if group["amsgrad"]:
+            raise SystemExit("error: bench/memory.py allocates only AdamW's state without amsgrad")
+        on_device = group["fused"] or group["capturable"]
         for p in group["params"]:
             if p.requires_grad and not optimizer.state[p]:
-                optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
-                                      "exp_avg_sq": torch.zeros_like(p)}
+                step = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
+                optimizer.state[p] = {"step": step, "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
 
 
 def read_weights(models):

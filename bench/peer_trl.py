@@ -4,10 +4,10 @@ model, prompt stream, reward, held-out evaluation and config, runs alternated.
 The same work on both sides: the prompts come from this project's PromptSampler (TRL reads them in
 that order, shuffle_dataset off, each repeated K times as generate() does here), the reward is
 tasks.compute_rewards, the held-out accuracy is tasks.evaluate on the trained policy, and the config is
-64 completions per step (K = 8 per prompt), 8 new tokens, temperature 1, lr 1e-4 constant, AdamW
-without weight decay, gradient clip 1, fp32, no gradient checkpointing, a metrics row every step. GRPO:
-beta 0.04 with k3 in the loss, sequence-mean of token-means (TRL loss_type "grpo"), group std scaling,
-TRL's KL bias correction off. RLOO: the k1 penalty beta 0.05 summed into the reward.
+64 completions per step (K = 8 per prompt), 8 new tokens, temperature 1, lr 1e-4 constant, fused AdamW
+(TRL's default and this project's) without weight decay, gradient clip 1, fp32, no gradient
+checkpointing, a metrics row every step. GRPO: beta 0.04 with k3 in the loss, sequence-mean of
+token-means (TRL loss_type "grpo"), group std scaling, TRL's KL bias correction off. RLOO: the k1 penalty beta 0.05 summed into the reward.
 
 Each run is a subprocess (our script with this project's python, TRL's trainer with --trl_python);
 the order of the two sides alternates from seed to seed. Per run it records the wall time between
@@ -135,7 +135,7 @@ def run_trl(spec):
                   gradient_accumulation_steps=1, num_generations=cfg.num_generations,
                   max_completion_length=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                   top_k=cfg.top_k, learning_rate=cfg.learning_rate, lr_scheduler_type="constant", warmup_steps=0,
-                  optim="adamw_torch", weight_decay=0.0, max_grad_norm=cfg.max_grad_norm, beta=cfg.beta,
+                  optim="adamw_torch_fused", weight_decay=0.0, max_grad_norm=cfg.max_grad_norm, beta=cfg.beta,
                   shuffle_dataset=False, bf16=False, fp16=False, use_cpu=True, gradient_checkpointing=False,
                   logging_steps=1, save_strategy="no", report_to="none", seed=cfg.seed, disable_tqdm=True)
     if spec["algorithm"] == "grpo":

@@ -8,6 +8,7 @@ import json  # noqa: E402
 import os  # noqa: E402
 import subprocess  # noqa: E402
 
+import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from bench.memory import allocate_adamw_state  # noqa: E402
@@ -36,11 +37,12 @@ def test_memory_benchmark_smoke_run_measures_every_configuration(tmp_path):
         assert r["step_s"] > 0 and r["steps"] == 1
 
 
-def test_allocating_adamw_state_before_the_first_step_leaves_the_updates_unchanged():
+@pytest.mark.parametrize("fused", [False, True])
+def test_allocating_adamw_state_before_the_first_step_leaves_the_updates_unchanged(fused):
     torch.manual_seed(0)
     models = [torch.nn.Linear(4, 3) for _ in range(2)]
     models[1].load_state_dict(models[0].state_dict())
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.01) for m in models]
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=0.1, weight_decay=0.01, fused=fused) for m in models]
     allocate_adamw_state(optimizers[1])
     for x in torch.randn(3, 5, 4):
         for model, optimizer in zip(models, optimizers):
