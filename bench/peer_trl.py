@@ -7,7 +7,8 @@ tasks.compute_rewards, the held-out accuracy is tasks.evaluate on the trained po
 64 completions per step (K = 8 per prompt), 8 new tokens, temperature 1, lr 1e-4 constant, fused AdamW
 (TRL's default and this project's) without weight decay, gradient clip 1, fp32, no gradient
 checkpointing, a metrics row every step. GRPO: beta 0.04 with k3 in the loss, sequence-mean of
-token-means (TRL loss_type "grpo"), group std scaling, TRL's KL bias correction off. RLOO: the k1 penalty beta 0.05 summed into the reward.
+token-means (TRL loss_type "grpo"), group std scaling, TRL's KL bias correction off. RLOO: the k1
+penalty beta 0.05 summed into the reward.
 
 Each run is a subprocess (our script with this project's python, TRL's trainer with --trl_python);
 the order of the two sides alternates from seed to seed. Per run it records the wall time between
