@@ -149,6 +149,26 @@ def make_large_model(folder, shape=LARGE_CONFIG):
     return folder
 
 
+def child_env(threads=None):
+    """The environment of a benchmark's child run: offline, no progress bars, and `threads` torch
+    threads (None: torch's own choice)."""
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
+    if threads:
+        env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+    return env
+
+
+def launch_child(bench_file, name, script, result_path, script_args, threads):
+    """`python bench_file --child script result_path -- script_args` in a subprocess (the child runs the
+    script's main() and writes result_path); the child's result, or None after printing its error."""
+    cmd = [sys.executable, str(bench_file), "--child", str(ROOT / script), str(result_path), "--", *script_args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=child_env(threads), capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(f"[{name}] failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}", file=sys.stderr)
+        return None
+    return json.loads(Path(result_path).read_text())
+
+
 def run_algorithm(name, model_path, args, workdir):
     sys.path.insert(0, str(ROOT))
     from support.run import read_metrics
@@ -159,14 +179,9 @@ def run_algorithm(name, model_path, args, workdir):
     script_args = ["--model_name_or_path", model_path, "--num_steps", str(args.steps), "--batch_size", str(args.batch_size),
                    "--max_new_tokens", str(args.max_new_tokens), "--eval_every", "1000000", "--log_every", "1000000",
                    "--save_model", "False", "--seed", "0", "--output_dir", str(out_dir), *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
-           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(ROOT / script), str(result_path), "--", *script_args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        print(f"[{name}] failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}", file=sys.stderr)
+    result = launch_child(Path(__file__).resolve(), name, script, result_path, script_args, args.threads)
+    if result is None:
         return None
-    result = json.loads(result_path.read_text())
     rows = read_metrics(out_dir / "metrics.jsonl")
     # steps that trained (DAPO skips a step when dynamic sampling keeps no group)
     timed = [r for r in rows if r["step"] > args.warmup and "time/step_s" in r and not r.get("train/skipped_step")]

@@ -41,7 +41,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.cost import ALGORITHMS, make_large_model, write_report  # noqa: E402
+from bench.cost import ALGORITHMS, child_env, make_large_model, write_report  # noqa: E402
 from support.run import read_metrics  # noqa: E402
 
 # Qwen2.5-0.5B's shape and vocabulary; TINY is the same family for the CPU smoke path
@@ -102,8 +102,7 @@ def run_one(algorithm, precision, launch, model_path, args, workdir):
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch["flags"], "--num_machines", "1",
            "--dynamo_backend", "no", "--mixed_precision", precision, str(Path(__file__).resolve()), "--child",
            str(ROOT / f"{algorithm}.py"), str(result_path), "--", *script_args]
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True)
     if proc.returncode != 0:
         print(f"[{name}] failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}", file=sys.stderr)
         return {"algorithm": algorithm, "precision": precision, "setting": launch["name"],

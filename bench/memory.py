@@ -42,7 +42,6 @@ import json
 import os
 import platform
 import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,8 +50,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.cost import (ALGORITHMS, LARGE_CONFIG, make_large_model, mib, model_state, proc_status_bytes,  # noqa: E402
-                        record_models_and_optimizers, write_report)
+from bench.cost import (ALGORITHMS, LARGE_CONFIG, launch_child, make_large_model, mib, model_state,  # noqa: E402
+                        proc_status_bytes, record_models_and_optimizers, write_report)
 from support.run import read_metrics  # noqa: E402
 
 
@@ -195,15 +194,9 @@ def run_config(algorithm, batch_size, micro_batch_size, model_path, args, workdi
                    str(args.generation_batch_size), "--max_new_tokens", str(args.max_new_tokens),
                    "--eval_every", "1000000", "--log_every", "1000000", "--save_model", "False", "--seed", "0",
                    "--output_dir", str(out_dir)]
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
-           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", str(ROOT / f"{algorithm}.py"), str(result_path),
-           "--", *script_args]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        print(f"[{name}] failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}", file=sys.stderr)
+    result = launch_child(Path(__file__).resolve(), name, f"{algorithm}.py", result_path, script_args, args.threads)
+    if result is None:
         return None
-    result = json.loads(result_path.read_text())
     rows = read_metrics(out_dir / "metrics.jsonl")
     steps = [r for r in rows if r["step"] > 0 and "time/step_s" in r]
     if not steps:  # dapo.py skips a step whose groups are all wrong, as every group of the random model is

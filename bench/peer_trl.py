@@ -40,7 +40,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.cost import LARGE_CONFIG, make_large_model  # noqa: E402
+from bench.cost import LARGE_CONFIG, child_env, make_large_model  # noqa: E402
 
 SIDES = ("ours", "trl")
 PHASES = ("generation", "scoring", "forward_backward", "rest")
@@ -196,11 +196,9 @@ def run_side(side, spec, python, threads, workdir):
     spec = {**spec, "output_dir": str(workdir / name)}
     spec_path, result_path = workdir / f"{name}.spec.json", workdir / f"{name}.json"
     spec_path.write_text(json.dumps(spec))
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads),
-           "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TQDM_DISABLE": "1"}
     cmd = [python, str(Path(__file__).resolve()), "--child", side, str(spec_path), str(result_path)]
     start = time.time()
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=ROOT, env=child_env(threads), capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"error: the {side} run {name} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     print(f"  {name}: {time.time() - start:.0f}s", file=sys.stderr, flush=True)
