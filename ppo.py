@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 from accelerate.utils import set_seed
 from tqdm.auto import tqdm
-from transformers import AutoModelForSequenceClassification, get_constant_schedule_with_warmup
+from transformers import AutoModelForSequenceClassification
 
 import common
 from support import config, models, run, tasks
@@ -268,9 +268,7 @@ def main():
                         lora=models.lora_config(cfg, "SEQ_CLS") if cfg.lora_r > 0 else None)
     ref_model = models.load_reference(cfg, policy) if cfg.beta > 0 else None
     optimizer, scheduler = models.make_optimizer(policy, cfg)
-    critic_optimizer = torch.optim.AdamW([p for p in critic.parameters() if p.requires_grad],
-                                         lr=cfg.critic_learning_rate, weight_decay=0.0, fused=True)
-    critic_scheduler = get_constant_schedule_with_warmup(critic_optimizer, cfg.warmup_steps)
+    critic_optimizer, critic_scheduler = models.make_optimizer(critic, cfg, cfg.critic_learning_rate)
     policy, critic, optimizer, critic_optimizer, scheduler, critic_scheduler = accelerator.prepare(
         policy, critic, optimizer, critic_optimizer, scheduler, critic_scheduler)
     if ref_model is not None:

@@ -140,12 +140,15 @@ def check_model_path(name, flag="--model_name_or_path"):
                          "and HF_HUB_OFFLINE is set: download it first or pass a local folder.")
 
 
-def make_optimizer(model, cfg):
+def make_optimizer(model, cfg, learning_rate=None):
+    """AdamW over the trainable weights at learning_rate (--learning_rate unless given), without weight
+    decay, and the constant schedule after --warmup_steps."""
     from transformers import get_constant_schedule_with_warmup
 
     params = [p for p in model.parameters() if p.requires_grad]
     # fused: one kernel for every tensor's update (the same AdamW; on CPU 2.7x faster than the default loop)
-    optimizer = torch.optim.AdamW(params, lr=cfg.learning_rate, weight_decay=0.0, fused=True)
+    lr = cfg.learning_rate if learning_rate is None else learning_rate
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0, fused=True)
     return optimizer, get_constant_schedule_with_warmup(optimizer, cfg.warmup_steps)
 
 
