@@ -6,9 +6,9 @@ what is sampled is what is scored (same temperature, same masks). The plumbing (
 and rewards, model loading, logging, checkpoints) lives in support/. Equations and sign
 conventions: docs/algorithms.md.
 """
-from contextlib import contextmanager
-
 import torch
+
+from support import models
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -364,7 +364,7 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=1, gree
     was_training = model.training
     model.eval()
     try:
-        with gathered_parameters(model):
+        with models.gathered_parameters(model):
             chunks = []
             for i in range(0, len(prompt_ids), n):
                 ids, mask = prompt_ids[i:i + n], prompt_mask[i:i + n]
@@ -380,48 +380,3 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=1, gree
     width = max(chunk.shape[1] for chunk in chunks)
     return torch.cat([torch.nn.functional.pad(chunk, (0, width - chunk.shape[1]), value=tokenizer.pad_token_id)
                       for chunk in chunks])
-
-
-@contextmanager
-def gathered_parameters(model):
-    """Under DeepSpeed ZeRO-3 each rank holds a shard of every weight, and hooks on every module
-    gather a module's weights before its forward and release them after: generating token by
-    token would gather the whole model once per token (10-100x slower). Gather it once for the
-    whole generate call instead, with DeepSpeed's hooks taken off (else the release hooks free
-    the gathered weights again after each token, for models beyond DeepSpeed's reuse window)
-    and put back after, the same ones in the same order. A no-op without ZeRO-3."""
-    sharded = [p for p in model.parameters() if hasattr(p, "ds_id")]
-    if not sharded:
-        yield
-        return
-    import deepspeed
-
-    with deepspeed.zero.GatheredParameters(sharded):
-        for p in sharded:
-            p.ds_active_sub_modules.clear()  # no module holds them now: the exit may release them
-        saved = []
-        for module in model.modules():
-            for hooks in (module._forward_pre_hooks, module._forward_hooks):
-                saved.append((hooks, dict(hooks)))
-                for key, hook in list(hooks.items()):
-                    if getattr(hook, "__module__", "").startswith("deepspeed."):
-                        del hooks[key]
-        try:
-            yield
-        finally:
-            for hooks, original in saved:  # in place: the hooks' handles point at these dicts
-                hooks.clear()
-                hooks.update(original)
-
-
-def tokenize_prompts(tokenizer, prompts, device):
-    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-    return enc["input_ids"].to(device), enc["attention_mask"].to(device)
-
-
-def decode_completions(tokenizer, completion_ids, mask):
-    """The text of each completion's tokens where mask is 1 (as Python lists: one batched decode,
-    no tensor op per row)."""
-    kept = [[t for t, m in zip(ids, row_mask) if m] for ids, row_mask in zip(completion_ids.tolist(), mask.tolist())]
-    return tokenizer.batch_decode(kept, skip_special_tokens=True)
-

@@ -166,7 +166,7 @@ def main():
                 torch.tensor(float(len(kept_examples) < cfg.batch_size), device=accelerator.device), "sum") > 0:
             rounds += 1
             batch = sampler.next()
-            prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, [ex["prompt"] for ex in batch],
+            prompt_ids, prompt_mask = tasks.tokenize_prompts(tokenizer, [ex["prompt"] for ex in batch],
                                                               accelerator.device)
             with timer("generation"):
                 unwrapped = accelerator.unwrap_model(policy)
@@ -177,7 +177,7 @@ def main():
             with timer("scoring"):
                 examples = [ex for ex in batch for _ in range(group_size)]  # each prompt's samples adjacent
                 mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
-                completions = common.decode_completions(tokenizer, completion_ids, mask)
+                completions = tasks.decode_completions(tokenizer, completion_ids, mask)
                 rewards, correct = reward_fn(examples, completions)
                 round_rewards.append(rewards)
                 keep = dynamic_sampling_filter(correct if cfg.dynamic_sampling_metric == "correct" else rewards,
@@ -207,7 +207,7 @@ def main():
                 completion_ids = torch.nn.utils.rnn.pad_sequence(kept_completion_ids[:n], batch_first=True,
                                                                  padding_value=tokenizer.pad_token_id)
                 prompts = [ex["prompt"] for ex in examples]
-                prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, prompts, accelerator.device)
+                prompt_ids, prompt_mask = tasks.tokenize_prompts(tokenizer, prompts, accelerator.device)
                 mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
                 penalty = overlong_penalty(mask.sum(1), cfg.max_new_tokens, cfg.overlong_cache_len)
                 rewards = rewards + penalty  # overlong shaping, after the filter
@@ -288,7 +288,7 @@ def main():
                 **timer.metrics(),
             }
             metrics["time/tokens_per_s"] = lengths.sum() / metrics["time/step_s"]
-            samples = zip(prompts, common.decode_completions(tokenizer, completion_ids, mask), rewards.tolist())
+            samples = zip(prompts, tasks.decode_completions(tokenizer, completion_ids, mask), rewards.tolist())
 
         # ---- log (a skipped step logs only what dynamic sampling did) ----
         metrics.update({

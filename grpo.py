@@ -165,7 +165,7 @@ def main():
     for step in tqdm(range(start_step + 1, cfg.num_steps + 1), disable=not accelerator.is_main_process, desc="grpo"):
         # ---- rollout: a group of sampled responses per prompt ----
         batch = sampler.next()
-        prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, [ex["prompt"] for ex in batch], accelerator.device)
+        prompt_ids, prompt_mask = tasks.tokenize_prompts(tokenizer, [ex["prompt"] for ex in batch], accelerator.device)
         with timer("generation"):
             unwrapped = accelerator.unwrap_model(policy)
             if rollout_model is not None:  # the sampler gets this step's weights, in its own dtype
@@ -177,7 +177,7 @@ def main():
             prompt_ids = prompt_ids.repeat_interleave(group_size, dim=0)
             prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
             mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
-            completions = common.decode_completions(tokenizer, completion_ids, mask)
+            completions = tasks.decode_completions(tokenizer, completion_ids, mask)
             rewards, correct = reward_fn(examples, completions)
             input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
             attention_mask = torch.cat([prompt_mask, mask], dim=1)

@@ -289,13 +289,13 @@ def main():
         # ---- rollout: one sampled response per prompt ----
         batch = sampler.next()
         prompts = [ex["prompt"] for ex in batch]
-        prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, prompts, accelerator.device)
+        prompt_ids, prompt_mask = tasks.tokenize_prompts(tokenizer, prompts, accelerator.device)
         with timer("generation"):
             unwrapped = accelerator.unwrap_model(policy)
             completion_ids = common.generate(unwrapped, tokenizer, prompt_ids, prompt_mask, cfg)
         with timer("scoring"):
             mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
-            completions = common.decode_completions(tokenizer, completion_ids, mask)
+            completions = tasks.decode_completions(tokenizer, completion_ids, mask)
             rewards, correct = reward_fn(batch, completions)
             input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
             attention_mask = torch.cat([prompt_mask, mask], dim=1)

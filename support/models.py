@@ -1,7 +1,8 @@
 """Models: the tokenizer, the policy (full or LoRA), the frozen reference, the low-precision
-sampler, the optimizer, and saving with save_pretrained."""
+sampler, the optimizer, saving with save_pretrained, and the ZeRO-3 weights gathered for generation."""
 import copy
 import os
+from contextlib import contextmanager
 
 import torch
 
@@ -182,3 +183,35 @@ def save_model(accelerator, model, tokenizer, path, merge_lora=False):
         else:
             unwrapped.save_pretrained(path, state_dict=state_dict)
         tokenizer.save_pretrained(path)
+
+
+@contextmanager
+def gathered_parameters(model):
+    """Under DeepSpeed ZeRO-3 each rank holds a shard of every weight, and hooks on every module
+    gather a module's weights before its forward and release them after: generating token by
+    token would gather the whole model once per token (10-100x slower). Gather it once for the
+    whole generate call instead, with DeepSpeed's hooks taken off (else the release hooks free
+    the gathered weights again after each token, for models beyond DeepSpeed's reuse window)
+    and put back after, the same ones in the same order. A no-op without ZeRO-3."""
+    sharded = [p for p in model.parameters() if hasattr(p, "ds_id")]
+    if not sharded:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(sharded):
+        for p in sharded:
+            p.ds_active_sub_modules.clear()  # no module holds them now: the exit may release them
+        saved = []
+        for module in model.modules():
+            for hooks in (module._forward_pre_hooks, module._forward_hooks):
+                saved.append((hooks, dict(hooks)))
+                for key, hook in list(hooks.items()):
+                    if getattr(hook, "__module__", "").startswith("deepspeed."):
+                        del hooks[key]
+        try:
+            yield
+        finally:
+            for hooks, original in saved:  # in place: the hooks' handles point at these dicts
+                hooks.clear()
+                hooks.update(original)

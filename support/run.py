@@ -13,7 +13,6 @@ from dataclasses import asdict
 import torch
 from tqdm.auto import tqdm
 
-import common
 from support import models
 from support.models import save_model
 
@@ -304,7 +303,7 @@ class MetricLogger:
     def finish(self, model):
         """Write summary.json (held-out accuracy before/after, wall time, a weight checksum per
         rank: data-parallel replicas must agree) and curves.png."""
-        with common.gathered_parameters(model):  # the whole weights under ZeRO-3, not this rank's shard
+        with models.gathered_parameters(model):  # the whole weights under ZeRO-3, not this rank's shard
             checksum = torch.tensor([sum(p.detach().double().sum() + p.detach().double().abs().sum()
                                          for p in model.parameters())], device=self.accelerator.device)
         checksums = self.accelerator.gather(checksum).tolist()

@@ -1,5 +1,6 @@
 """Tasks and rewards: the built-in arithmetic task, real data (GSM8K or a local file) with its
-math reward, an optional reward model, the prompt sampler and held-out evaluation."""
+math reward, an optional reward model, the prompt sampler, held-out evaluation, and prompts to
+token ids and completions back to text."""
 import ast
 import hashlib
 import math
@@ -255,10 +256,10 @@ def evaluate(model, tokenizer, examples, cfg, accelerator, batch_size=256):
     # as many generate calls on every rank (under ZeRO-3 each is a collective), each at most batch_size prompts
     num_calls = math.ceil(math.ceil(len(examples) / accelerator.num_processes) / batch_size)
     for batch in (shard[i::num_calls] for i in range(num_calls)):
-        prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, [ex["prompt"] for ex in batch], accelerator.device)
+        prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [ex["prompt"] for ex in batch], accelerator.device)
         completion_ids = common.generate(unwrapped, tokenizer, prompt_ids, prompt_mask, cfg, greedy=True)
         mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
-        texts = common.decode_completions(tokenizer, completion_ids, mask)
+        texts = decode_completions(tokenizer, completion_ids, mask)
         for text, ex in zip(texts, batch):
             j = families.index(ex["family"])
             counts[j][0] += is_correct(text, ex["answer"], ex.get("check", "exact"))
@@ -269,3 +270,15 @@ def evaluate(model, tokenizer, examples, cfg, accelerator, batch_size=256):
     for j, fam in enumerate(families):
         metrics[f"eval/acc_{fam}"] = correct[j] / max(total[j], 1)
     return metrics
+
+
+def tokenize_prompts(tokenizer, prompts, device):
+    enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    return enc["input_ids"].to(device), enc["attention_mask"].to(device)
+
+
+def decode_completions(tokenizer, completion_ids, mask):
+    """The text of each completion's tokens where mask is 1 (as Python lists: one batched decode,
+    no tensor op per row)."""
+    kept = [[t for t, m in zip(ids, row_mask) if m] for ids, row_mask in zip(completion_ids.tolist(), mask.tolist())]
+    return tokenizer.batch_decode(kept, skip_special_tokens=True)

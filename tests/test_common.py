@@ -159,7 +159,7 @@ def test_sampling_logprobs_match_training_logprobs_with_left_padding():
     tok = AutoTokenizer.from_pretrained(config.EMBEDDED_MODEL, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(config.EMBEDDED_MODEL).eval()
     cfg = config.TrainConfig(max_new_tokens=5, temperature=0.7, top_k=8, top_p=0.9)
-    prompt_ids, prompt_mask = common.tokenize_prompts(tok, ["1+2=", "123+456=", "99*9="], "cpu")
+    prompt_ids, prompt_mask = tasks.tokenize_prompts(tok, ["1+2=", "123+456=", "99*9="], "cpu")
     scores, generate = [], model.generate
 
     def generate_keeping_scores(**kwargs):
@@ -188,7 +188,7 @@ def test_generate_returns_k_adjacent_samples_per_prompt_and_greedy_is_determinis
     tok = AutoTokenizer.from_pretrained(config.EMBEDDED_MODEL, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(config.EMBEDDED_MODEL)
     cfg = config.TrainConfig(max_new_tokens=6, temperature=1e-4)
-    prompt_ids, prompt_mask = common.tokenize_prompts(tok, ["12+3=", "45+67="], "cpu")
+    prompt_ids, prompt_mask = tasks.tokenize_prompts(tok, ["12+3=", "45+67="], "cpu")
     samples = common.generate(model, tok, prompt_ids, prompt_mask, cfg, num_samples=4)
     assert samples.shape[0] == 8 and samples.shape[1] <= 6
     greedy = [common.generate(model, tok, prompt_ids, prompt_mask, cfg, greedy=True) for _ in range(2)]
@@ -198,7 +198,7 @@ def test_generate_returns_k_adjacent_samples_per_prompt_and_greedy_is_determinis
     for i in range(8):
         assert torch.equal(samples[i, :n], greedy[0][i // 4]), i
     # greedy decoding of a left-padded batch equals decoding each prompt alone
-    alone = common.generate(model, tok, *common.tokenize_prompts(tok, ["12+3="], "cpu"), cfg, greedy=True)
+    alone = common.generate(model, tok, *tasks.tokenize_prompts(tok, ["12+3="], "cpu"), cfg, greedy=True)
     assert torch.equal(greedy[0][0, :alone.shape[1]], alone[0])
 
 
@@ -229,7 +229,7 @@ def test_prompt_sampler_shards_differ_across_ranks():
 def test_decode_completions_keeps_the_tokens_up_to_eos():
     tok = AutoTokenizer.from_pretrained(config.EMBEDDED_MODEL, padding_side="left")
     completion_ids = torch.tensor([[4, 5, EOS, 0], [15, 11, 12, 13], [EOS, 0, 0, 0]])  # "12", "*89+" (no EOS), ""
-    texts = common.decode_completions(tok, completion_ids, completion_mask(completion_ids, EOS))
+    texts = tasks.decode_completions(tok, completion_ids, completion_mask(completion_ids, EOS))
     assert texts == ["12", "*89+", ""]
 
 

@@ -110,7 +110,7 @@ def test_zero3_generation_gathers_once_and_nonfinite_steps_are_skipped(tmp_path)
 
 def worker(out_dir):
     """Under torchrun, 2 processes: ZeRO-3 generation with DeepSpeed's hooks kept (a plain GatheredParameters)
-    and taken off (common.gathered_parameters), counting all-gathers, with a reuse distance of 0 so that every
+    and taken off (models.gathered_parameters), counting all-gathers, with a reuse distance of 0 so that every
     module releases its weights after its forward, as in a model larger than DeepSpeed's reuse window. Then a
     NaN loss under ZeRO-2 and ZeRO-3: DeepSpeed's step must skip the update and report a non-finite norm."""
     from types import SimpleNamespace
@@ -121,7 +121,7 @@ def worker(out_dir):
 
     sys.path.insert(0, str(ROOT))
     import common
-    from support import config
+    from support import config, models, tasks
 
     deepspeed.init_distributed("gloo")
     allgathers = [0]
@@ -140,21 +140,21 @@ def worker(out_dir):
 
     result = {"nonfinite": {}}
     tokenizer = AutoTokenizer.from_pretrained(config.EMBEDDED_MODEL, padding_side="left")
-    prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, ["12+34=", "5*6="], "cpu")
+    prompt_ids, prompt_mask = tasks.tokenize_prompts(tokenizer, ["12+34=", "5*6="], "cpu")
     never_eos = SimpleNamespace(pad_token_id=tokenizer.pad_token_id, eos_token_id=-1)  # always 12 tokens
     cfg = SimpleNamespace(max_new_tokens=12, temperature=1.0, top_p=1.0, top_k=0, micro_batch_size=0,
                           generation_batch_size=0)
     zero3 = engine(3, stage3_max_reuse_distance=0, stage3_prefetch_bucket_size=0, stage3_param_persistence_threshold=0)
     result["num_weights"] = len(list(zero3.module.parameters()))
-    gathered_parameters = common.gathered_parameters
+    gathered_parameters = models.gathered_parameters
     for name, gather in (("hooks_kept", lambda m: deepspeed.zero.GatheredParameters(list(m.parameters()))),
                          ("hooks_off", gathered_parameters)):
-        common.gathered_parameters = gather
+        models.gathered_parameters = gather
         torch.manual_seed(0)
         allgathers[0] = 0
         ids = common.generate(zero3.module, never_eos, prompt_ids, prompt_mask, cfg)
         result[name] = {"allgathers": allgathers[0], "tokens": ids.tolist(), "completion_len": ids.shape[1]}
-    common.gathered_parameters = gathered_parameters
+    models.gathered_parameters = gathered_parameters
     allgathers[0] = 0
     zero3.backward(zero3(input_ids=prompt_ids, attention_mask=prompt_mask, labels=prompt_ids).loss)
     zero3.step()

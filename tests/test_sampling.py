@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 import common
-from support import config
+from support import config, tasks
 
 
 @dataclass
@@ -26,7 +26,7 @@ PROMPTS = ["12+3=", "5*7=", "99-45=", "123+456="]
 def load():
     tokenizer = AutoTokenizer.from_pretrained(config.EMBEDDED_MODEL, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(config.EMBEDDED_MODEL).eval()
-    prompt_ids, prompt_mask = common.tokenize_prompts(tokenizer, PROMPTS, "cpu")
+    prompt_ids, prompt_mask = tasks.tokenize_prompts(tokenizer, PROMPTS, "cpu")
     return model, tokenizer, prompt_ids, prompt_mask
 
 

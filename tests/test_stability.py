@@ -13,7 +13,7 @@ import common
 import dapo
 import grpo
 import rloo
-from support import config, models
+from support import config, models, tasks
 from support.run import read_metrics
 
 F64 = torch.float64
@@ -90,7 +90,7 @@ def test_token_logprobs_with_top_k_and_top_p_are_the_samplers_processed_scores()
     distribution each token was drawn from. token_logprobs must score that one, not the full softmax."""
     tok = AutoTokenizer.from_pretrained(config.EMBEDDED_MODEL, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(config.EMBEDDED_MODEL).eval()
-    prompt_ids, prompt_mask = common.tokenize_prompts(tok, ["1+2=", "123+456=", "99*9="], "cpu")
+    prompt_ids, prompt_mask = tasks.tokenize_prompts(tok, ["1+2=", "123+456=", "99*9="], "cpu")
     torch.manual_seed(0)
     T, top_k, top_p = 0.8, 6, 0.7
     out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, do_sample=True, temperature=T, top_k=top_k,
