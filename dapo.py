@@ -178,7 +178,7 @@ def main():
                 examples = [ex for ex in batch for _ in range(group_size)]  # each prompt's samples adjacent
                 mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
                 completions = tasks.decode_completions(tokenizer, completion_ids, mask)
-                rewards, correct = reward_fn(examples, completions)
+                rewards, correct, reward_stats = reward_fn(examples, completions)
                 round_rewards.append(rewards)
                 keep = dynamic_sampling_filter(correct if cfg.dynamic_sampling_metric == "correct" else rewards,
                                                group_size)

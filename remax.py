@@ -106,7 +106,7 @@ def main():
         with timer("scoring"):
             mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
             completions = tasks.decode_completions(tokenizer, completion_ids, mask)
-            rewards, correct = reward_fn(batch, completions)
+            rewards, correct, reward_stats = reward_fn(batch, completions)
             input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
             attention_mask = torch.cat([prompt_mask, mask], dim=1)
             T = completion_ids.shape[1]
@@ -122,7 +122,7 @@ def main():
                 greedy_ids = common.generate(unwrapped, tokenizer, prompt_ids, prompt_mask, cfg, greedy=True)
             with timer("scoring"):
                 greedy_mask = common.completion_mask(greedy_ids, tokenizer.eos_token_id)
-                greedy_rewards, _ = reward_fn(batch, tasks.decode_completions(tokenizer, greedy_ids, greedy_mask))
+                greedy_rewards, _, _ = reward_fn(batch, tasks.decode_completions(tokenizer, greedy_ids, greedy_mask))
         else:
             greedy_ids, greedy_rewards = completion_ids[:0], torch.zeros_like(rewards)
         adv = remax_advantages(rewards, greedy_rewards)

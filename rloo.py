@@ -113,7 +113,7 @@ def main():
             prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
             mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
             completions = tasks.decode_completions(tokenizer, completion_ids, mask)
-            rewards, correct = reward_fn(examples, completions)
+            rewards, correct, reward_stats = reward_fn(examples, completions)
             input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
             attention_mask = torch.cat([prompt_mask, mask], dim=1)
             T = completion_ids.shape[1]

@@ -62,7 +62,7 @@ def random_reward_fn(cfg, accelerator):
 
     def reward_fn(examples, completions):
         correct = torch.randint(0, 2, (len(completions),), device=accelerator.device).float()
-        return correct, correct
+        return correct, correct, {}
 
     return reward_fn
 

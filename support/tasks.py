@@ -194,7 +194,7 @@ class RewardModel:
 
 
 def make_reward_fn(cfg, accelerator):
-    """reward_fn(examples, completions) -> (rewards, correct) on the accelerator's device. Rule reward, a
+    """reward_fn(examples, completions) -> (rewards, correct, stats) on the accelerator's device. Rule reward, a
     reward model, or a weighted sum of both. A non-finite reward stops before any update."""
     reward_model = RewardModel(cfg.reward_model, cfg.reward_model_dtype, accelerator, cfg.micro_batch_size) \
         if cfg.reward_model else None
@@ -217,7 +217,7 @@ def make_reward_fn(cfg, accelerator):
             raise SystemExit(f"error: non-finite reward {rewards[i].item()} for prompt {examples[i]['prompt'][:200]!r} "
                              f"and completion {completions[i][:200]!r}; step not applied. Check the reward function "
                              "/ --reward_model.")
-        return rewards, correct
+        return rewards, correct, {}
 
     return reward_fn
 

@@ -65,9 +65,9 @@ def test_dynamic_sampling_filters_on_correctness_not_on_the_shaped_reward(tmp_pa
         reward_fn = make_reward_fn(cfg, device)
 
         def recorded(examples, completions):
-            rewards, correct = reward_fn(examples, completions)
+            rewards, correct, stats = reward_fn(examples, completions)
             returned.append((rewards.clone(), correct.clone()))
-            return rewards, correct
+            return rewards, correct, stats
         return recorded
 
     def recording_filter(values, group_size):

@@ -105,7 +105,7 @@ def test_reward_model_score_is_combined_with_the_rule_reward(tmp_path):
     cfg = config.TrainConfig(reward_model=rm_path, rule_reward_weight=0.5, reward_model_weight=2.0)
     reward_fn = tasks.make_reward_fn(cfg, CPU)
     examples = [{"prompt": "12+3=", "answer": "15", "family": "add_2x1"}] * 2
-    rewards, correct = reward_fn(examples, ["15", "16"])
+    rewards, correct, _ = reward_fn(examples, ["15", "16"])
     reward_model = tasks.RewardModel(rm_path, "float32", CPU)
     scores = reward_model(["12+3="] * 2, ["15", "16"])
     assert torch.allclose(rewards, 0.5 * torch.tensor([1.0, 0.0]) + 2.0 * scores)
