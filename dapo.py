@@ -23,12 +23,9 @@ import sys
 from dataclasses import dataclass
 
 import torch
-from accelerate.utils import set_seed
-from tqdm.auto import tqdm
 
 import common
-from grpo import grpo_advantages
-from support import config, models, run, tasks
+from support import config, engine, tasks
 from support.config import arg
 
 
@@ -64,6 +61,19 @@ class Config(config.GroupConfig):
         if not 0 <= self.overlong_cache_len <= self.max_new_tokens:
             raise ValueError(f"--overlong_cache_len must be in [0, --max_new_tokens = {self.max_new_tokens}] "
                              f"(got {self.overlong_cache_len}).")
+
+
+def grpo_advantages(rewards, group_size, eps=1e-6):
+    """GRPO's advantage, as in grpo.py (there with the other scalings): A_i = (r_i - mean(r_group)) /
+    (std + eps) for (B,) rewards, each group's G samples adjacent, std with Bessel's correction; a group
+    whose rewards are all equal gets exactly 0. Returns (B,)."""
+    # BEGIN SOLUTION
+    grouped = rewards.view(-1, group_size)  # (B / G, G)
+    adv = grouped - grouped.mean(dim=1, keepdim=True)
+    adv[(grouped == grouped[:, :1]).all(dim=1)] = 0.0  # the mean of equal floats may round
+    adv = adv / (grouped.std(dim=1, keepdim=True) + eps)
+    return adv.view(-1)
+    # END SOLUTION
 
 
 def dynamic_sampling_filter(correct, group_size):
@@ -133,185 +143,97 @@ def dapo_loss(logp, old_logp, adv, mask, epsilon_low, epsilon_high, dual_clip_c=
 
 def main():
     cfg = config.parse_config(Config)
-    # ---- setup: accelerator, seed, policy, data (no reference model: no KL term) ----
+    # ---- setup: accelerator, data, policy; no reference: no KL term (PLUMBING: skip on a first read) ----
     accelerator = config.make_accelerator(cfg)
-    set_seed(cfg.seed)  # identical initial weights on every rank
-    with accelerator.main_process_first():  # the main process downloads tokenizer and data, the others read its cache
-        tokenizer = models.load_tokenizer(cfg)
-        train_data, eval_data = tasks.load_task(cfg, tokenizer)  # data errors surface before models load
+    tokenizer, train_data, eval_data = engine.load_data(cfg, accelerator)
     reward_fn = tasks.make_reward_fn(cfg, accelerator)
-    policy = models.load_model(cfg)
-    rollout_model = models.load_rollout_model(cfg, policy)  # None unless --rollout_dtype differs
-    optimizer, scheduler = models.make_optimizer(policy, cfg)
-    policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
-    if rollout_model is not None:
-        rollout_model = rollout_model.to(accelerator.device)
+    policy, optimizer, scheduler, _, rollout_model = engine.load_models(cfg, accelerator, reference=False)
     group_size = cfg.num_generations
     sampler = tasks.PromptSampler(train_data, cfg.batch_size // group_size, cfg.seed, accelerator.process_index,
                                   accelerator.num_processes)
-    set_seed(cfg.seed + accelerator.process_index)  # each rank samples different completions
-    ckpt = run.Checkpointer(cfg, accelerator, sampler)
-    start_step = ckpt.resume()
-    logger = run.MetricLogger(cfg, accelerator, start_step)
-    if start_step == 0:
-        logger.log(0, tasks.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
+    trainer = engine.Trainer(cfg, accelerator, tokenizer, sampler, eval_data, policy, optimizer, scheduler,
+                             rollout_model=rollout_model)
 
-    timer = run.StepTimer()
-    for step in tqdm(range(start_step + 1, cfg.num_steps + 1), disable=not accelerator.is_main_process, desc="dapo"):
-        # ---- rollout: dynamic sampling, rounds of groups until batch_size completions in mixed groups ----
-        kept_examples, kept_completion_ids, kept_rewards, kept_correct = [], [], [], []
-        round_rewards, rounds, groups_dropped = [], 0, 0  # every round's rewards, kept or dropped (logged only)
+    for step in trainer.steps():
+        # ---- rollout: a group of G sampled responses per prompt, with dynamic sampling: rounds of groups, the
+        # groups whose answers are all right or all wrong dropped, until the batch is full ----
+        kept, kept_rewards, kept_correct, sampled_rewards, groups_dropped = [], [], [], [], 0
         # every rank samples as many rounds (under ZeRO-3 each generate is a collective): until all are full
-        while rounds < cfg.max_sampling_rounds and accelerator.reduce(
-                torch.tensor(float(len(kept_examples) < cfg.batch_size), device=accelerator.device), "sum") > 0:
-            rounds += 1
-            batch = sampler.next()
-            prompt_ids, prompt_mask = tasks.tokenize_prompts(tokenizer, [ex["prompt"] for ex in batch],
-                                                              accelerator.device)
-            with timer("generation"):
-                unwrapped = accelerator.unwrap_model(policy)
-                if rollout_model is not None:  # the sampler gets this step's weights, in its own dtype
-                    unwrapped = models.sync_rollout_model(rollout_model, unwrapped)
-                completion_ids = common.generate(unwrapped, tokenizer, prompt_ids, prompt_mask, cfg,
-                                                 num_samples=group_size)
-            with timer("scoring"):
-                examples = [ex for ex in batch for _ in range(group_size)]  # each prompt's samples adjacent
-                mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
-                completions = tasks.decode_completions(tokenizer, completion_ids, mask)
-                rewards, correct, reward_stats = reward_fn(examples, completions)
-                round_rewards.append(rewards)
-                keep = dynamic_sampling_filter(correct if cfg.dynamic_sampling_metric == "correct" else rewards,
-                                               group_size)
-                groups_dropped += int((~keep).sum())
-                keep = keep.repeat_interleave(group_size)
-                kept_examples += [ex for ex, k in zip(examples, keep.tolist()) if k]
-                kept_completion_ids += list(completion_ids[keep])
-                kept_rewards.append(rewards[keep])
-                kept_correct.append(correct[keep])
-        sampled_rewards = torch.cat(round_rewards)
+        while len(sampled_rewards) < cfg.max_sampling_rounds and engine.any_process(
+                accelerator, sum(map(len, kept)) < cfg.batch_size):
+            rollout = trainer.generate(sampler.next(), num_samples=group_size)  # each prompt's G samples adjacent
+            rewards, correct, reward_stats = reward_fn(rollout.examples, rollout.completions)
+            keep = dynamic_sampling_filter(correct if cfg.dynamic_sampling_metric == "correct" else rewards,
+                                           group_size)
+            groups_dropped += int((~keep).sum())
+            keep = keep.repeat_interleave(group_size)
+            kept.append(rollout.select(keep))
+            kept_rewards.append(rewards[keep])
+            kept_correct.append(correct[keep])
+            sampled_rewards.append(rewards)
         # every process trains on as many completions, the fewest kept (under ZeRO-3 each forward is a collective);
         # a process with no mixed group has nothing to learn from: then every process skips (DDP steps together)
-        n = min(accelerator.gather(torch.tensor([min(len(kept_examples), cfg.batch_size)],
-                                                device=accelerator.device)).tolist())
-        nothing_kept = n == 0
-        if len(kept_examples) < cfg.batch_size:
+        n = engine.fewest(accelerator, min(sum(map(len, kept)), cfg.batch_size))
+        if sum(map(len, kept)) < cfg.batch_size:
             print(f"warning: step {step} (rank {accelerator.process_index}): --max_sampling_rounds "
-                  f"{cfg.max_sampling_rounds} reached with {len(kept_examples) // group_size} of "
+                  f"{cfg.max_sampling_rounds} reached with {sum(map(len, kept)) // group_size} of "
                   f"{cfg.batch_size // group_size} groups with mixed {cfg.dynamic_sampling_metric}; "
-                  + ("skipping the step (a process kept no group)" if nothing_kept else "training on those")
+                  + ("skipping the step (a process kept no group)" if n == 0 else "training on those")
                   + ". Raise --max_sampling_rounds to fill the batch.", file=sys.stderr, flush=True)
-        metrics, samples = {}, []
-        if not nothing_kept:
-            with timer("scoring"):
-                examples, rewards, correct = kept_examples[:n], torch.cat(kept_rewards)[:n], torch.cat(kept_correct)[:n]
-                completion_ids = torch.nn.utils.rnn.pad_sequence(kept_completion_ids[:n], batch_first=True,
-                                                                 padding_value=tokenizer.pad_token_id)
-                prompts = [ex["prompt"] for ex in examples]
-                prompt_ids, prompt_mask = tasks.tokenize_prompts(tokenizer, prompts, accelerator.device)
-                mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
-                penalty = overlong_penalty(mask.sum(1), cfg.max_new_tokens, cfg.overlong_cache_len)
-                rewards = rewards + penalty  # overlong shaping, after the filter
-                input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-                attention_mask = torch.cat([prompt_mask, mask], dim=1)
-                T = completion_ids.shape[1]
-                sampling = {"top_k": cfg.top_k, "top_p": cfg.top_p}  # score on the distribution that was sampled
-                micro_batches = common.micro_batches(len(input_ids), cfg.micro_batch_size)
-                old_logp, rollout_logp = None, None
-                with torch.no_grad():
-                    if cfg.num_epochs > 1:  # log-probs at sampling time; with mu = 1 they are logp.detach()
-                        old_logp = torch.cat([common.token_logprobs(policy, input_ids[mb], attention_mask[mb], T,
-                                                                    cfg.temperature, **sampling)
-                                              for mb in micro_batches])
-                    if rollout_model is not None:  # what an inference engine returns with its samples
-                        rollout_logp = torch.cat([common.token_logprobs(rollout_model, input_ids[mb],
-                                                                        attention_mask[mb], T, cfg.temperature,
-                                                                        **sampling) for mb in micro_batches])
-                adv = grpo_advantages(rewards, group_size)
+        metrics = {"train/skipped_step": float(n == 0), "train/sampling_rounds": len(sampled_rewards),
+                   "train/groups_dropped": groups_dropped, "train/reward_sampled": torch.cat(sampled_rewards).mean()}
+        if n == 0:
+            if trainer.end_step(step, metrics):  # a skipped step logs only what dynamic sampling did
+                break
+            continue
+        rollout = engine.Rollout.cat(kept, tokenizer.pad_token_id, limit=n)
+        rewards, correct = torch.cat(kept_rewards)[:n], torch.cat(kept_correct)[:n]
 
-            num_tokens = accelerator.reduce(mask.sum().float(), reduction="mean")  # token-mean over every process
-            for _ in range(cfg.num_epochs):  # stats below are those of the last (most off-policy) update
-                with timer("forward_backward"):
-                    # ---- log-probs, ratio, clip-higher surrogate, token-mean, rollout correction, in
-                    # micro-batches whose gradients add up to the batch's ----
-                    logp, entropy = [], []
-                    for mb in micro_batches:
-                        mb_logp, mb_entropy = common.token_logprobs(policy, input_ids[mb], attention_mask[mb], T,
-                                                                    cfg.temperature, with_entropy=True, **sampling)
-                        mb_old_logp = old_logp[mb] if cfg.num_epochs > 1 else mb_logp.detach()
-                        mb_rollout_logp = rollout_logp[mb] if rollout_model is not None else None
-                        pg_weight, _ = common.rollout_correction(mb_logp, mb_old_logp, mb_rollout_logp, adv[mb],
-                                                                 mask[mb], cfg.tis_cap, cfg.geo_mask_delta)
-                        mb_loss, _ = dapo_loss(mb_logp, mb_old_logp, adv[mb], mask[mb], cfg.epsilon_low,
-                                               cfg.epsilon_high, cfg.dual_clip_c, pg_weight)
-                        weight = common.micro_batch_weight(mask[mb], "token-mean", num_tokens, len(input_ids))
-                        run.backward(accelerator, policy, weight * mb_loss, sync=mb.stop == len(input_ids))
-                        logp.append(mb_logp.detach())
-                        entropy.append(mb_entropy)
-                    # the whole batch's loss and stats, for the log
-                    logp, entropy = torch.cat(logp), torch.cat(entropy)
-                    if cfg.num_epochs == 1:
-                        old_logp = logp
-                    pg_weight, correction = common.rollout_correction(logp, old_logp, rollout_logp, adv, mask,
-                                                                      cfg.tis_cap, cfg.geo_mask_delta)
-                    loss, stats = dapo_loss(logp, old_logp, adv, mask, cfg.epsilon_low, cfg.epsilon_high,
-                                            cfg.dual_clip_c, pg_weight)
+        # ---- reward: overlong shaping, after the filter; the log-probs the loss compares with ----
+        penalty = overlong_penalty(rollout.mask.sum(1), cfg.max_new_tokens, cfg.overlong_cache_len)
+        rewards = rewards + penalty
+        old_logp = trainer.logprobs(policy, rollout) if cfg.num_epochs > 1 else None  # pi_old; mu = 1: logp
+        rollout_logp = trainer.logprobs(rollout_model, rollout)  # the sampler's, when it is a copy
 
-                with timer("optimizer"):
-                    # ---- mu steps on the same batch ----
-                    max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-                    grad_norm = accelerator.clip_grad_norm_(policy.parameters(), max_norm)
-                    ckpt.check_finite(step, loss, grad_norm, policy, tokenizer)
-                    optimizer.step()
-                    optimizer.zero_grad()
-            scheduler.step()  # once per rollout batch, so --warmup_steps counts steps as in every script
+        # ---- advantages: each reward standardised within its group (GRPO's) ----
+        adv = grpo_advantages(rewards, group_size)
 
-            lengths = mask.sum(1).float()
-            grouped = rewards.view(-1, group_size)
-            metrics = {
-                "train/reward": rewards.mean(),
-                "train/reward_std": rewards.std(),
-                "train/correct": correct.mean(),
-                "train/frac_zero_std_groups": (grouped == grouped[:, :1]).all(1).float().mean(),
-                "train/groups_kept": len(examples) // group_size,
-                "train/overlong_penalty": penalty.mean(),
-                "train/adv_mean": adv.mean(),
-                "train/adv_std": adv.std(),
-                "train/adv_abs_max": adv.abs().max(),
-                "train/clip_frac_low": stats["clip_frac_low"],
-                "train/clip_frac_high": stats["clip_frac_high"],
-                "train/approx_kl": stats["approx_kl"],
-                "train/entropy": common.masked_mean(entropy, mask),
-                "train/loss": loss.detach(),
-                "train/grad_norm": grad_norm,
-                "train/completion_len": lengths.mean(),
-                **{f"train/{key}": value for key, value in correction.items()},
-                **timer.metrics(),
-            }
-            metrics["time/tokens_per_s"] = lengths.sum() / metrics["time/step_s"]
-            samples = zip(prompts, tasks.decode_completions(tokenizer, completion_ids, mask), rewards.tolist())
+        # ---- loss: the clip-higher surrogate, token-mean over the whole batch ----
+        def loss_fn(logp, old_logp, rollout_logp, adv, mask):
+            old_logp = logp.detach() if old_logp is None else old_logp  # with mu = 1, pi_old = pi_theta in value
+            # optional corrections for a sampler that is not the trainer (docs/stability.md): TIS, geometric mask
+            pg_weight, correction = common.rollout_correction(logp, old_logp, rollout_logp, adv, mask, cfg.tis_cap,
+                                                              cfg.geo_mask_delta)
+            loss, stats = dapo_loss(logp, old_logp, adv, mask, cfg.epsilon_low, cfg.epsilon_high,
+                                    dual_clip_c=cfg.dual_clip_c, pg_weight=pg_weight)
+            return loss, {**stats, **correction}
 
-        # ---- log (a skipped step logs only what dynamic sampling did) ----
-        metrics.update({
-            "train/skipped_step": float(nothing_kept),
-            "train/sampling_rounds": rounds,
-            "train/groups_dropped": groups_dropped,
-            "train/generated": len(sampled_rewards),
-            "train/reward_sampled": sampled_rewards.mean(),
-        })
-        metrics = run.reduce_metrics(accelerator, metrics)
-        if step % cfg.eval_every == 0 or step == cfg.num_steps:
-            metrics.update(tasks.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
-        logger.log(step, metrics, samples=samples)
-        if ckpt.step_end(step, policy, tokenizer):
+        # ---- update: mu optimizer steps on the same batch (the engine runs micro-batches, sync, clip, step) ----
+        for _ in range(cfg.num_epochs):  # the stats are those of the last (most off-policy) update
+            stats, logp = trainer.update(loss_fn, rollout, "token-mean", old_logp=old_logp, rollout_logp=rollout_logp,
+                                         adv=adv, mask=rollout.mask)
+
+        # ---- log ----
+        grouped = rewards.view(-1, group_size)
+        metrics = {
+            **metrics,
+            "train/reward": rewards.mean(),
+            "train/reward_std": rewards.std(),
+            "train/correct": correct.mean(),
+            "train/frac_zero_std_groups": (grouped == grouped[:, :1]).all(1).float().mean(),
+            "train/groups_kept": n // group_size,
+            "train/overlong_penalty": penalty.mean(),
+            "train/adv_mean": adv.mean(),
+            "train/adv_std": adv.std(),
+            "train/adv_abs_max": adv.abs().max(),
+            **{f"train/{key}": value for key, value in stats.items()},
+            **reward_stats,
+        }
+        if trainer.end_step(step, metrics, rollout, rewards):
             break
 
     # ---- end: save, plot ----
-    logger.finish(policy)
-    if cfg.save_model:
-        models.save_model(accelerator, policy, tokenizer, f"{cfg.output_dir}/final", cfg.merge_lora)
-
-    accelerator.wait_for_everyone()
-    accelerator.end_training()  # close the process group on every rank before the interpreter exits
+    trainer.finish()
 
 
 if __name__ == "__main__":

@@ -22,11 +22,9 @@ G generations per prompt.
 from dataclasses import dataclass
 
 import torch
-from accelerate.utils import set_seed
-from tqdm.auto import tqdm
 
 import common
-from support import config, models, run, tasks
+from support import config, engine, tasks
 from support.config import arg
 
 
@@ -35,7 +33,12 @@ class Config(config.GroupConfig):
     beta: float = arg(0.04, "Coefficient of the KL-to-reference term in the per-token loss (0 = no reference).")
     kl_estimator: str = arg("k3", "Estimator of that KL term: k3 (GRPO) | k2 | k1 (docs/algorithms.md).")
     kl_is_weight: bool = arg(False, "Multiply the KL term by the ratio pi_theta / pi_old (DeepSeek-V3.2).")
-    epsilon: float = arg(0.2, "Clip the ratio pi_theta / pi_old to [1 - epsilon, 1 + epsilon].")
+    importance_sampling_level: str = arg("token", "The ratio pi_theta / pi_old: token (GRPO) | sequence (GSPO: the "
+                                         "geometric mean over the completion, one clipped term per sequence).")
+    epsilon: float = arg(None, "Clip the ratio below at 1 - epsilon, at token level also above at 1 + epsilon "
+                         "(default: 0.2 at token level, GSPO's 3e-4 at sequence level).")
+    epsilon_high: float = arg(None, "Sequence level only: clip the ratio above at 1 + epsilon_high (default: "
+                              "--epsilon if given, else GSPO's 4e-4).")
     dual_clip_c: float = arg(0.0, "Dual clip: a token with A < 0 loses at most c |A|, whatever its ratio (0 = off).")
     num_epochs: int = arg(1, "mu: optimizer updates per rollout batch (1 = on-policy, the clip is inert).")
     scale_rewards: str = arg("group", "Divide the centred reward by the std of: group | batch | none (Dr. GRPO).")
@@ -50,8 +53,25 @@ class Config(config.GroupConfig):
             raise ValueError(f"--kl_estimator must be k1, k2 or k3 (got {self.kl_estimator!r}).")
         if self.dual_clip_c < 0 or 0 < self.dual_clip_c <= 1:
             raise ValueError(f"--dual_clip_c must be 0 (off) or > 1 (got {self.dual_clip_c}).")
+        if self.importance_sampling_level not in ("token", "sequence"):
+            raise ValueError("--importance_sampling_level must be 'token' or 'sequence' "
+                             f"(got {self.importance_sampling_level!r}).")
+        sequence = self.importance_sampling_level == "sequence"
+        if self.epsilon_high is not None and not sequence:
+            raise ValueError("--epsilon_high needs --importance_sampling_level sequence: at token level the clip is "
+                             "symmetric, [1 - epsilon, 1 + epsilon] (clip-higher is dapo.py's).")
+        if self.epsilon_high is None and sequence:  # Zheng et al. (2025), v2 section 5.1: 3e-4 and 4e-4
+            self.epsilon_high = 4e-4 if self.epsilon is None else self.epsilon
+        if self.epsilon is None:
+            self.epsilon = 3e-4 if sequence else 0.2
         if not 0 < self.epsilon < 1:
             raise ValueError(f"--epsilon must be in (0, 1) (got {self.epsilon}).")
+        if sequence and not self.epsilon_high > 0:
+            raise ValueError(f"--epsilon_high must be > 0 (got {self.epsilon_high}).")
+        if sequence and self.loss_agg == "token-mean":
+            raise ValueError("--importance_sampling_level sequence averages one policy term per sequence, and "
+                             "--loss_agg token-mean would weigh the micro-batches by their tokens: give "
+                             "seq-mean-token-mean or seq-mean-token-sum-norm (the per-token KL term's aggregation).")
         if self.num_epochs < 1:
             raise ValueError(f"--num_epochs must be >= 1 (got {self.num_epochs}).")
         if self.scale_rewards not in ("group", "batch", "none"):
@@ -86,8 +106,10 @@ def grpo_advantages(rewards, group_size, scale_rewards="group", eps=1e-6):
 
 
 def grpo_loss(logp, old_logp, ref_logp, adv, mask, epsilon, beta, loss_agg="seq-mean-token-mean", max_len=None,
-              kl_estimator="k3", kl_is_weight=False, dual_clip_c=0.0, pg_weight=None):
-    """Clipped surrogate plus beta * KL to the reference, per token (DeepSeekMath eq. 3).
+              kl_estimator="k3", kl_is_weight=False, dual_clip_c=0.0, pg_weight=None, *, epsilon_high=None,
+              importance_sampling_level="token"):
+    """Clipped surrogate plus beta * KL to the reference, per token (DeepSeekMath eq. 3), or with one
+    sequence-level ratio per completion (GSPO).
 
     logp: (B, T) log-probs under the policy being trained (with grad); old_logp: (B, T) at
     sampling time (detached); ref_logp: (B, T) under the reference, or None when beta == 0;
@@ -96,10 +118,20 @@ def grpo_loss(logp, old_logp, ref_logp, adv, mask, epsilon, beta, loss_agg="seq-
     forward KL(pi_ref || pi_theta); k2's, or k3's with kl_is_weight, that of the reverse KL; none
     is the sequence KL's (docs/algorithms.md). dual_clip_c > 1 bounds the loss of a token with
     A < 0 by c |A|; pg_weight (B, T), detached, multiplies the surrogate (TIS, masks).
-    Returns (loss, stats): clip_frac_low / clip_frac_high, the fraction of tokens clipped below
-    (rho < 1 - eps with A < 0) and above (rho > 1 + eps with A > 0); approx_kl, KL(pi_old ||
-    pi_theta) estimated by k3 of the ratio; kl_k3, the mean per-token k3 to the reference;
-    kl_term, the mean of the term beta multiplies.
+
+    importance_sampling_level "sequence" (GSPO, Zheng et al., 2025): the ratio of sequence i is
+    s_i = exp(mean over its valid tokens of logp - old_logp), the geometric mean of the token
+    ratios; the surrogate min(s_i A_i, clip(s_i, 1 - epsilon, 1 + epsilon_high) A_i) (epsilon_high
+    None: epsilon) is one term per sequence, averaged over the B sequences whatever loss_agg says;
+    dual clip acts on it as on a token's, and pg_weight enters as its mean over the sequence's valid
+    tokens. The KL term stays per token (its ratio with kl_is_weight too), aggregated by loss_agg.
+    Example: log-ratios (log 2, log 8) give s = 4, A = 1 a loss of -4 and d loss / d logp = -2 on
+    each of the two tokens.
+
+    Returns (loss, stats): clip_frac_low / clip_frac_high, the fraction of tokens (at sequence
+    level: of sequences) clipped below (ratio < 1 - eps with A < 0) and above (ratio > 1 + eps
+    with A > 0); approx_kl, KL(pi_old || pi_theta) estimated by k3 of the token ratio; kl_k3,
+    the mean per-token k3 to the reference; kl_term, the mean of the term beta multiplies.
     """
     # BEGIN SOLUTION
     # HINT: ratio = exp(logp - old_logp), (B, T); A = adv[:, None];
@@ -107,24 +139,49 @@ def grpo_loss(logp, old_logp, ref_logp, adv, mask, epsilon, beta, loss_agg="seq-
     # HINT: where A < 0, max(surrogate, dual_clip_c * A)), times pg_weight if given;
     # HINT: per_token_loss = -surrogate + beta * kl_penalty(logp, ref_logp, kl_estimator, old_logp if
     # HINT: kl_is_weight); loss = aggregate_loss(per_token_loss, mask, loss_agg, max_len); stats: docstring
+    # HINT: sequence level: s = exp(masked_mean(logp - old_logp, mask, dim=1)), (B,); the same surrogate on
+    # HINT: s and adv with clamp(s, 1 - epsilon, 1 + epsilon_high), times masked_mean(pg_weight, mask, dim=1);
+    # HINT: loss = -mean over sequences + aggregate_loss(beta * kl, ...); clip fractions over sequences
+    if importance_sampling_level not in ("token", "sequence"):
+        raise ValueError(f"unknown importance_sampling_level {importance_sampling_level!r}: token or sequence")
+    if epsilon_high is not None and importance_sampling_level == "token":
+        raise ValueError("epsilon_high is the sequence level's upper clip; the token-level clip is symmetric")
     log_ratio = logp - old_logp
     ratio = torch.exp(log_ratio)  # rho = pi_theta / pi_old
-    adv = adv[:, None]
-    surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - epsilon, 1 + epsilon) * adv)
-    if dual_clip_c > 0:  # dual clip (Ye et al., 2020): with A < 0 the min above is unbounded in rho
-        surrogate = torch.where(adv < 0, torch.max(surrogate, dual_clip_c * adv), surrogate)
-    if pg_weight is not None:
-        surrogate = pg_weight * surrogate
     if ref_logp is not None:
         kl = common.kl_penalty(logp, ref_logp, kl_estimator, old_logp if kl_is_weight else None)
     else:
         kl = torch.zeros_like(logp)
-    per_token_loss = -surrogate + beta * kl
-    loss = common.aggregate_loss(per_token_loss, mask, loss_agg, max_len)
+    if importance_sampling_level == "sequence":
+        # GSPO (Zheng et al., 2025, eqs. 5 and 7): s_i = (pi_theta(y_i|x) / pi_old(y_i|x))^(1 / |y_i|)
+        seq_ratio = torch.exp(common.masked_mean(log_ratio, mask, dim=1))  # (B,)
+        epsilon_high = epsilon if epsilon_high is None else epsilon_high
+        seq_surrogate = torch.min(seq_ratio * adv, torch.clamp(seq_ratio, 1 - epsilon, 1 + epsilon_high) * adv)
+        if dual_clip_c > 0:
+            seq_surrogate = torch.where(adv < 0, torch.max(seq_surrogate, dual_clip_c * adv), seq_surrogate)
+        if pg_weight is not None:
+            seq_surrogate = common.masked_mean(pg_weight, mask, dim=1) * seq_surrogate
+        # (1/B) sum_i, one term per sequence; the KL term per token, as at token level
+        loss = -seq_surrogate.mean() + common.aggregate_loss(beta * kl, mask, mode=loss_agg, max_len=max_len)
+    else:
+        adv = adv[:, None]
+        surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - epsilon, 1 + epsilon) * adv)
+        if dual_clip_c > 0:  # dual clip (Ye et al., 2020): with A < 0 the min above is unbounded in rho
+            surrogate = torch.where(adv < 0, torch.max(surrogate, dual_clip_c * adv), surrogate)
+        if pg_weight is not None:
+            surrogate = pg_weight * surrogate
+        per_token_loss = -surrogate + beta * kl
+        loss = common.aggregate_loss(per_token_loss, mask, loss_agg, max_len)
     with torch.no_grad():
+        if importance_sampling_level == "sequence":  # per sequence, whatever its length
+            clip_low = ((seq_ratio < 1 - epsilon) & (adv < 0)).float().mean()
+            clip_high = ((seq_ratio > 1 + epsilon_high) & (adv > 0)).float().mean()
+        else:
+            clip_low = common.masked_mean(((ratio < 1 - epsilon) & (adv < 0)).float(), mask)
+            clip_high = common.masked_mean(((ratio > 1 + epsilon) & (adv > 0)).float(), mask)
         stats = {
-            "clip_frac_low": common.masked_mean(((ratio < 1 - epsilon) & (adv < 0)).float(), mask),
-            "clip_frac_high": common.masked_mean(((ratio > 1 + epsilon) & (adv > 0)).float(), mask),
+            "clip_frac_low": clip_low,
+            "clip_frac_high": clip_high,
             "approx_kl": common.masked_mean(ratio - 1 - log_ratio, mask),
             "kl_k3": common.masked_mean(common.kl_k3(logp, ref_logp) if ref_logp is not None else kl, mask),
             "kl_term": common.masked_mean(kl, mask),
@@ -135,152 +192,68 @@ def grpo_loss(logp, old_logp, ref_logp, adv, mask, epsilon, beta, loss_agg="seq-
 
 def main():
     cfg = config.parse_config(Config)
-    # ---- setup: accelerator, seed, policy, reference, data ----
+    # ---- setup: accelerator, data, policy, reference (PLUMBING: skip on a first read) ----
     accelerator = config.make_accelerator(cfg)
-    set_seed(cfg.seed)  # identical initial weights on every rank
-    with accelerator.main_process_first():  # the main process downloads tokenizer and data, the others read its cache
-        tokenizer = models.load_tokenizer(cfg)
-        train_data, eval_data = tasks.load_task(cfg, tokenizer)  # data errors surface before models load
+    tokenizer, train_data, eval_data = engine.load_data(cfg, accelerator)
     reward_fn = tasks.make_reward_fn(cfg, accelerator)
-    policy = models.load_model(cfg)
-    ref_model = models.load_reference(cfg, policy) if cfg.beta > 0 else None
-    rollout_model = models.load_rollout_model(cfg, policy)  # None unless --rollout_dtype differs
-    optimizer, scheduler = models.make_optimizer(policy, cfg)
-    policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
-    if ref_model is not None:
-        ref_model = models.prepare_frozen(accelerator, ref_model)
-    if rollout_model is not None:
-        rollout_model = rollout_model.to(accelerator.device)
+    policy, optimizer, scheduler, ref_model, rollout_model = engine.load_models(cfg, accelerator, reference=cfg.beta > 0)
     group_size = cfg.num_generations
     sampler = tasks.PromptSampler(train_data, cfg.batch_size // group_size, cfg.seed, accelerator.process_index,
                                   accelerator.num_processes)
-    set_seed(cfg.seed + accelerator.process_index)  # each rank samples different completions
-    ckpt = run.Checkpointer(cfg, accelerator, sampler)
-    start_step = ckpt.resume()
-    logger = run.MetricLogger(cfg, accelerator, start_step)
-    if start_step == 0:
-        logger.log(0, tasks.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
+    trainer = engine.Trainer(cfg, accelerator, tokenizer, sampler, eval_data, policy, optimizer, scheduler,
+                             rollout_model=rollout_model)
 
-    timer = run.StepTimer()
-    for step in tqdm(range(start_step + 1, cfg.num_steps + 1), disable=not accelerator.is_main_process, desc="grpo"):
-        # ---- rollout: a group of sampled responses per prompt ----
-        batch = sampler.next()
-        prompt_ids, prompt_mask = tasks.tokenize_prompts(tokenizer, [ex["prompt"] for ex in batch], accelerator.device)
-        with timer("generation"):
-            unwrapped = accelerator.unwrap_model(policy)
-            if rollout_model is not None:  # the sampler gets this step's weights, in its own dtype
-                unwrapped = models.sync_rollout_model(rollout_model, unwrapped)
-            completion_ids = common.generate(unwrapped, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=group_size)
-        with timer("scoring"):
-            examples = [ex for ex in batch for _ in range(group_size)]  # each prompt's samples adjacent, as generate
-            prompts = [ex["prompt"] for ex in examples]
-            prompt_ids = prompt_ids.repeat_interleave(group_size, dim=0)
-            prompt_mask = prompt_mask.repeat_interleave(group_size, dim=0)
-            mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
-            completions = tasks.decode_completions(tokenizer, completion_ids, mask)
-            rewards, correct, reward_stats = reward_fn(examples, completions)
-            input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-            attention_mask = torch.cat([prompt_mask, mask], dim=1)
-            T = completion_ids.shape[1]
-            sampling = {"top_k": cfg.top_k, "top_p": cfg.top_p}  # score on the distribution that was sampled
-            micro_batches = common.micro_batches(len(input_ids), cfg.micro_batch_size)
-            old_logp, ref_logp, rollout_logp = None, None, None
-            with torch.no_grad():
-                if cfg.num_epochs > 1:  # log-probs at sampling time; with mu = 1 they are logp.detach()
-                    old_logp = torch.cat([common.token_logprobs(policy, input_ids[mb], attention_mask[mb], T,
-                                                                cfg.temperature, **sampling) for mb in micro_batches])
-                if ref_model is not None:
-                    ref_logp = torch.cat([common.token_logprobs(ref_model, input_ids[mb], attention_mask[mb], T,
-                                                                cfg.temperature) for mb in micro_batches])
-                if rollout_model is not None:  # what an inference engine returns with its samples
-                    rollout_logp = torch.cat([common.token_logprobs(rollout_model, input_ids[mb], attention_mask[mb],
-                                                                    T, cfg.temperature, **sampling)
-                                              for mb in micro_batches])
-            # over the global batch: --scale_rewards batch divides by the std of every process's rewards
-            adv = grpo_advantages(accelerator.gather(rewards), group_size, cfg.scale_rewards)
-            adv = adv.chunk(accelerator.num_processes)[accelerator.process_index]
+    for step in trainer.steps():
+        # ---- rollout: a group of G sampled responses per prompt ----
+        rollout = trainer.generate(sampler.next(), num_samples=group_size)  # each prompt's G samples adjacent
 
-        num_tokens = accelerator.reduce(mask.sum().float(), reduction="mean")  # token-mean over every process
-        for _ in range(cfg.num_epochs):  # stats below are those of the last (most off-policy) update
-            with timer("forward_backward"):
-                # ---- log-probs, ratio, clipped surrogate + KL, rollout correction, in micro-batches whose
-                # gradients add up to the batch's ----
-                logp, entropy = [], []
-                for mb in micro_batches:
-                    mb_logp, mb_entropy = common.token_logprobs(policy, input_ids[mb], attention_mask[mb], T,
-                                                                cfg.temperature, with_entropy=True, **sampling)
-                    mb_old_logp = old_logp[mb] if cfg.num_epochs > 1 else mb_logp.detach()
-                    mb_ref_logp = ref_logp[mb] if ref_model is not None else None
-                    mb_rollout_logp = rollout_logp[mb] if rollout_model is not None else None
-                    pg_weight, _ = common.rollout_correction(mb_logp, mb_old_logp, mb_rollout_logp, adv[mb], mask[mb],
-                                                             cfg.tis_cap, cfg.geo_mask_delta)
-                    mb_loss, _ = grpo_loss(mb_logp, mb_old_logp, mb_ref_logp, adv[mb], mask[mb], cfg.epsilon, cfg.beta,
-                                           cfg.loss_agg, cfg.max_new_tokens, cfg.kl_estimator, cfg.kl_is_weight,
-                                           cfg.dual_clip_c, pg_weight)
-                    weight = common.micro_batch_weight(mask[mb], cfg.loss_agg, num_tokens, len(input_ids))
-                    run.backward(accelerator, policy, weight * mb_loss, sync=mb.stop == len(input_ids))
-                    logp.append(mb_logp.detach())
-                    entropy.append(mb_entropy)
-                # the whole batch's loss and stats, for the log
-                logp, entropy = torch.cat(logp), torch.cat(entropy)
-                if cfg.num_epochs == 1:
-                    old_logp = logp
-                pg_weight, correction = common.rollout_correction(logp, old_logp, rollout_logp, adv, mask,
-                                                                  cfg.tis_cap, cfg.geo_mask_delta)
-                loss, stats = grpo_loss(logp, old_logp, ref_logp, adv, mask, cfg.epsilon, cfg.beta, cfg.loss_agg,
-                                        cfg.max_new_tokens, cfg.kl_estimator, cfg.kl_is_weight, cfg.dual_clip_c,
-                                        pg_weight)
+        # ---- reward, and the log-probs the loss compares with ----
+        rewards, correct, reward_stats = reward_fn(rollout.examples, rollout.completions)
+        ref_logp = trainer.logprobs(ref_model, rollout, sampling_mask=False)  # pi_ref (None when beta = 0)
+        old_logp = trainer.logprobs(policy, rollout) if cfg.num_epochs > 1 else None  # pi_old; mu = 1: logp
+        rollout_logp = trainer.logprobs(rollout_model, rollout)  # the sampler's, when it is a copy
 
-            with timer("optimizer"):
-                # ---- mu steps on the same batch ----
-                max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-                grad_norm = accelerator.clip_grad_norm_(policy.parameters(), max_norm)
-                ckpt.check_finite(step, loss, grad_norm, policy, tokenizer)
-                optimizer.step()
-                optimizer.zero_grad()
-        scheduler.step()  # once per rollout batch, so --warmup_steps counts steps as in every script
+        # ---- advantages: each reward standardised within its group ----
+        # over the global batch: --scale_rewards batch divides by the std of every process's rewards
+        adv = grpo_advantages(accelerator.gather(rewards), group_size, cfg.scale_rewards)
+        adv = adv.chunk(accelerator.num_processes)[accelerator.process_index]
+
+        # ---- loss: the clipped surrogate plus beta * KL to the reference, per token ----
+        def loss_fn(logp, old_logp, ref_logp, rollout_logp, adv, mask):
+            old_logp = logp.detach() if old_logp is None else old_logp  # with mu = 1, pi_old = pi_theta in value
+            # optional corrections for a sampler that is not the trainer (docs/stability.md): TIS, geometric mask
+            pg_weight, correction = common.rollout_correction(logp, old_logp, rollout_logp, adv, mask, cfg.tis_cap,
+                                                              cfg.geo_mask_delta)
+            loss, stats = grpo_loss(logp, old_logp, ref_logp, adv, mask, cfg.epsilon, cfg.beta, loss_agg=cfg.loss_agg,
+                                    max_len=cfg.max_new_tokens, kl_estimator=cfg.kl_estimator,
+                                    kl_is_weight=cfg.kl_is_weight, dual_clip_c=cfg.dual_clip_c, pg_weight=pg_weight)
+            return loss, {**stats, **correction}
+
+        # ---- update: mu optimizer steps on the same batch (the engine runs micro-batches, sync, clip, step) ----
+        for _ in range(cfg.num_epochs):  # the stats are those of the last (most off-policy) update
+            stats, logp = trainer.update(loss_fn, rollout, cfg.loss_agg, old_logp=old_logp, ref_logp=ref_logp,
+                                         rollout_logp=rollout_logp, adv=adv, mask=rollout.mask)
 
         # ---- log ----
-        lengths = mask.sum(1).float()
         grouped = rewards.view(-1, group_size)
-        kl = common.kl_k1(logp.detach(), ref_logp) if ref_model is not None else torch.zeros_like(logp)
+        kl = common.kl_k1(logp, ref_logp) if ref_logp is not None else torch.zeros_like(logp)
         metrics = {
             "train/reward": rewards.mean(),
             "train/reward_std": rewards.std(),
             "train/correct": correct.mean(),
-            "train/generated": len(completion_ids),
             "train/frac_zero_std_groups": (grouped == grouped[:, :1]).all(1).float().mean(),
             "train/adv_mean": adv.mean(),
             "train/adv_std": adv.std(),
             "train/adv_abs_max": adv.abs().max(),
-            "train/clip_frac_low": stats["clip_frac_low"],
-            "train/clip_frac_high": stats["clip_frac_high"],
-            "train/approx_kl": stats["approx_kl"],
-            "train/kl_k3": stats["kl_k3"],
-            "train/kl_term": stats["kl_term"],
-            "train/kl_seq": common.masked_sum(kl, mask) / len(examples),
-            "train/entropy": common.masked_mean(entropy, mask),
-            "train/loss": loss.detach(),
-            "train/grad_norm": grad_norm,
-            "train/completion_len": lengths.mean(),
-            **{f"train/{key}": value for key, value in correction.items()},
-            **timer.metrics(),
+            "train/kl_seq": common.masked_sum(kl, rollout.mask) / len(rollout),
+            **{f"train/{key}": value for key, value in stats.items()},
+            **reward_stats,
         }
-        metrics["time/tokens_per_s"] = lengths.sum() / metrics["time/step_s"]
-        metrics = run.reduce_metrics(accelerator, metrics)
-        if step % cfg.eval_every == 0 or step == cfg.num_steps:
-            metrics.update(tasks.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
-        logger.log(step, metrics, samples=zip(prompts, completions, rewards.tolist()))
-        if ckpt.step_end(step, policy, tokenizer):
+        if trainer.end_step(step, metrics, rollout, rewards):
             break
 
     # ---- end: save, plot ----
-    logger.finish(policy)
-    if cfg.save_model:
-        models.save_model(accelerator, policy, tokenizer, f"{cfg.output_dir}/final", cfg.merge_lora)
-
-    accelerator.wait_for_everyone()
-    accelerator.end_training()  # close the process group on every rank before the interpreter exits
+    trainer.finish()
 
 
 if __name__ == "__main__":

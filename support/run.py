@@ -1,5 +1,6 @@
 """The run around the loop: phase timer, metric reduction and logging, checkpoints and resume,
 plots."""
+import hashlib
 import json
 import math
 import os
@@ -7,13 +8,14 @@ import shutil
 import signal
 import sys
 import time
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import asdict
 
 import torch
+from accelerate.utils import broadcast_object_list
 from tqdm.auto import tqdm
 
-from support import models
+from support import config, models
 from support.models import save_model
 
 
@@ -40,20 +42,6 @@ class StepTimer:
         return out
 
 
-def backward(accelerator, models, loss, sync):
-    """accelerator.backward for one micro-batch of an update. Gradients of micro-batches add up locally;
-    only the last one (sync=True) synchronises them across processes: DDP all-reduces, and DeepSpeed
-    reduces and steps its optimizer inside this call. `models`: the model, or a tuple of the models the
-    loss reaches."""
-    models = models if isinstance(models, tuple) else (models,)
-    accelerator.sync_gradients = sync
-    with ExitStack() as stack:
-        if not sync:
-            for model in models:
-                stack.enter_context(accelerator.no_sync(model))
-        accelerator.backward(loss)
-
-
 def reduce_metrics(accelerator, metrics):
     """Mean of every scalar metric across ranks. The values stay on the device until one
     `tolist()`: a float() per metric would wait for the GPU once per metric."""
@@ -69,6 +57,15 @@ CHECKPOINT_PREFIX, PARTIAL_PREFIX = "checkpoint-", "tmp-checkpoint-"
 # every overflow, skipping that step: a few skips are routine, this many in a row is a diverging run.
 MAX_SKIPPED_STEPS = 20
 PROBE_PROMPTS = 1  # training prompts whose logits are checked after every update (one finds an overflow)
+
+
+def stop_if_any(accelerator, error):
+    """Stop every rank when one has an error (`error`: its "error: ..." line, None where there is none),
+    agreed by one all-reduce: a rank that stopped alone would leave the others waiting in their next
+    collective. The ranks with an error print it; the others exit with code 1 and print nothing."""
+    failed = accelerator.reduce(torch.tensor(float(error is not None), device=accelerator.device), reduction="sum")
+    if failed.item():
+        raise SystemExit(error or 1)
 
 
 def list_checkpoints(output_dir):
@@ -92,18 +89,119 @@ def checkpoint_step(path):
     return int(os.path.basename(os.path.normpath(path)).rsplit("-", 1)[1])
 
 
-def trainer_state(cfg, step, world_size, script=None):
-    """What trainer_state.json records: the step, and what made the checkpoint (the script, the
-    world size and every flag, the model among them), which a resume is checked against."""
+def trainer_state(cfg, step, world_size, script=None, files=None):
+    """What trainer_state.json records: the step, what made the checkpoint (the script, the world size
+    and every flag, the model among them), which a resume is checked against, and the size and SHA-256
+    of every other file of the checkpoint (`files`, from file_records), which a resume verifies."""
     script = script or os.path.basename(sys.argv[0])
-    return {"step": step, "script": script, "world_size": world_size, "config": asdict(cfg)}
+    return {"step": step, "script": script, "world_size": world_size, "config": asdict(cfg), "files": files or {}}
+
+
+def sha256(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def file_records(folder):
+    """{relative path: {"bytes", "sha256"}} of every file under folder but trainer_state.json."""
+    records = {}
+    for parent, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(parent, name)
+            relative = os.path.relpath(path, folder).replace(os.sep, "/")
+            if relative != "trainer_state.json":
+                records[relative] = {"bytes": os.path.getsize(path), "sha256": sha256(path)}
+    return dict(sorted(records.items()))
+
+
+def verify_checkpoint(path):
+    """None when every file that trainer_state.json recorded when the checkpoint was written is there
+    with its size and SHA-256; else what is wrong, naming the first damaged file. Sizes first: a missing
+    or truncated file is found without reading the others."""
+    state_file = os.path.join(path, "trainer_state.json")
+    state = config.read_json(state_file)
+    if "files" not in state:
+        return f"{state_file} is unreadable or lists no files to verify"
+    for relative, record in state["files"].items():
+        file = os.path.join(path, relative)
+        if not os.path.isfile(file):
+            return f"{file} is missing"
+        if os.path.getsize(file) != record["bytes"]:
+            return f"{file} has {os.path.getsize(file)} bytes, {record['bytes']} were written"
+    for relative, record in state["files"].items():
+        if sha256(os.path.join(path, relative)) != record["sha256"]:
+            return f"{os.path.join(path, relative)} differs from the file written (SHA-256 mismatch)"
+    return None
+
+
+def find_checkpoint(cfg, world_size, script=None):
+    """(path, error) for --resume_from: the checkpoint to load ('' for none) once its files verify and it
+    suits this run, or the error line that says why not. --resume_from latest is the newest checkpoint in
+    --output_dir that verifies: damaged ones are skipped with a warning. Without --resume_from an
+    --output_dir holding checkpoints is refused: this run's first save would delete them. Warnings and
+    notes go to stderr."""
+    script = script or os.path.basename(sys.argv[0])
+    complete, partial = list_checkpoints(cfg.output_dir)
+    if not cfg.resume_from:
+        if complete:
+            return "", (f"error: --output_dir {cfg.output_dir!r} holds checkpoints of an earlier run (newest "
+                        f"{os.path.basename(complete[-1])}): continue it with --resume_from latest, or give another "
+                        "--output_dir.")
+        return "", None
+    if cfg.resume_from == "latest":
+        if partial:
+            config.say(f"warning: ignoring partial checkpoints {[os.path.basename(p) for p in partial]} in "
+                 f"{cfg.output_dir} (a run stopped while writing them); the next save deletes them.")
+        path = ""
+        for candidate in reversed(complete):
+            problem = verify_checkpoint(candidate)
+            if problem is None:
+                path = candidate
+                break
+            config.say(f"warning: --resume_from latest: skipping the damaged {os.path.basename(candidate)}: {problem}.")
+        if not path and complete:
+            return "", (f"error: --resume_from latest: no checkpoint in {cfg.output_dir} verifies (each is damaged, "
+                        "see the warnings above): start a new run with another --output_dir.")
+        if not path:
+            config.say(f"note: --resume_from latest: no complete checkpoint in {cfg.output_dir}, starting at step 0.")
+            return "", None
+    else:
+        path = cfg.resume_from
+        problem = verify_checkpoint(path)
+        if problem:
+            return "", (f"error: --resume_from {path!r} is damaged: {problem}. Give another checkpoint "
+                        "(--resume_from latest skips damaged ones).")
+    state = config.read_json(os.path.join(path, "trainer_state.json"))
+    if state["script"] != script:
+        return "", (f"error: --resume_from {path!r} was written by {state['script']}, not {script}: resume it "
+                    f"with {state['script']}, or start a new run from its weights with --model_name_or_path "
+                    f"{os.path.join(path, 'model')}.")
+    if state["world_size"] != world_size:
+        return "", (f"error: --resume_from {path!r} was written by {state['world_size']} processes and this run "
+                    f"has {world_size}: launch it with --num_processes {state['world_size']} (every rank's sampler "
+                    "and random state is in the checkpoint, and --batch_size is per process).")
+    saved, now = state["config"], json.loads(json.dumps(asdict(cfg)))
+    changed = [k for k in now if k in saved and saved[k] != now[k]]
+    refused = [f"--{k} ({saved[k]!r} there, {now[k]!r} here)" for k in changed if k not in config.RESUMABLE_CHANGES]
+    if refused:
+        return "", (f"error: --resume_from {path!r}: this run differs from the checkpoint in {', '.join(refused)}; "
+                    "give the checkpoint's values, or start a new run from its weights with --model_name_or_path "
+                    f"{os.path.join(path, 'model')}.")
+    notes = [f"--{k} {saved[k]!r} -> {now[k]!r}" for k in changed if k not in ("resume_from", "output_dir")]
+    if notes:
+        config.say(f"note: resuming {path} with {', '.join(notes)}.")
+    return path, None
 
 
 class Checkpointer:
     """Resumable checkpoints: output_dir/checkpoint-N holds accelerate's state (every prepared
     model, optimizer and scheduler, and every rank's RNG states), each rank's prompt-sampler
     state, the policy as save_pretrained (+ tokenizer) so that `from_pretrained(checkpoint-N/model)`
-    loads it, and trainer_state.json (the step and what made the checkpoint), written last.
+    loads it, and trainer_state.json (the step, what made the checkpoint, and every other file's size
+    and SHA-256, which a resume verifies first), written last.
     A checkpoint is written as tmp-checkpoint-N and renamed once every rank has finished, so a
     killed run never leaves a checkpoint-N that is half-written; only the newest
     --save_total_limit are kept. Ctrl-C or SIGTERM saves, then stops.
@@ -133,7 +231,18 @@ class Checkpointer:
         print(f"\nsignal {signum}: saving a checkpoint at the end of this step (Ctrl-C again to quit now)", flush=True)
 
     def resume(self):
-        if not self.cfg.resume_from:
+        """The step to start after: 0, or the step of the checkpoint find_checkpoint picks for
+        --resume_from, whose state is then loaded. The main process verifies the checkpoint (and sets
+        cfg.resume_from to it); an error stops every rank."""
+        found = [find_checkpoint(self.cfg, self.accelerator.num_processes) if self.accelerator.is_main_process
+                 else None]
+        if self.accelerator.num_processes > 1:
+            broadcast_object_list(found)
+        path, error = found[0]
+        if error:
+            raise SystemExit(error if self.accelerator.is_main_process else 1)
+        self.cfg.resume_from = path
+        if not path:
             return 0
         self.accelerator.load_state(self.cfg.resume_from)
         with open(os.path.join(self.cfg.resume_from, f"sampler_rank{self.accelerator.process_index}.json")) as f:
@@ -158,9 +267,10 @@ class Checkpointer:
             json.dump(self.sampler.state_dict(), f)
         save_model(self.accelerator, policy, tokenizer, os.path.join(tmp, "model"))
         self.accelerator.wait_for_everyone()  # every rank's files are on disk
-        if main:
+        if main:  # trainer_state.json, last, records the size and checksum of every other file
+            state = trainer_state(self.cfg, step, self.accelerator.num_processes, files=file_records(tmp))
             with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-                json.dump(trainer_state(self.cfg, step, self.accelerator.num_processes), f, indent=2)
+                json.dump(state, f, indent=2)
             if os.path.exists(path):
                 shutil.rmtree(path)
             os.rename(tmp, path)
@@ -211,12 +321,14 @@ class Checkpointer:
         path = os.path.join(self.cfg.output_dir, f"{CHECKPOINT_PREFIX}{step}")
         return path if self.last_saved == step and os.path.isdir(path) else None
 
-    def step_end(self, step, policy, tokenizer):
+    def step_end(self, step, policy, tokenizer, finite=None):
         """After the update, before the next sampling: stop if the weights or the logits are no longer
-        finite (the newest checkpoint is then the last good state); save when due or when a signal
-        arrived (on any rank). True means stop now."""
-        prompts = [ex["prompt"] for ex in self.sampler.examples[:PROBE_PROMPTS]]
-        finite = finite_weights_and_logits(self.accelerator.unwrap_model(policy), tokenizer, prompts)
+        finite (`finite`: finite_weights_and_logits's verdict, computed here if not given; the newest
+        checkpoint is then the last good state); save when due or when a signal arrived (on any rank).
+        True means stop now."""
+        if finite is None:
+            prompts = [ex["prompt"] for ex in self.sampler.examples[:PROBE_PROMPTS]]
+            finite = finite_weights_and_logits(self.accelerator.unwrap_model(policy), tokenizer, prompts)
         flags = torch.tensor([float(self.stop_requested), float(not finite)], device=self.accelerator.device)
         stop, broken = (self.accelerator.reduce(flags, reduction="sum") > 0).tolist()
         if broken:
