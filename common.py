@@ -2,13 +2,12 @@
 
 KL estimators, masking, loss aggregation and reward-to-go are pure functions: tensors in,
 tensors out. `token_logprobs` scores completions under a model and `generate` samples them;
-what is sampled is what is scored (same temperature, same masks). The plumbing (config, tasks
-and rewards, model loading, logging, checkpoints) lives in support/. Equations and sign
+what is sampled is what is scored (same temperature, same masks). Both are written plainly, as the
+definition; the loops run support/fast.py's versions, tested equal to them. The plumbing (config,
+tasks and rewards, model loading, logging, checkpoints) lives in support/. Equations and sign
 conventions: docs/algorithms.md.
 """
 import torch
-
-from support import models
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -258,82 +257,34 @@ def sampling_mask(logits, top_k=0, top_p=1.0):
     return logits
 
 
-def shared_prompt_cache(model, prompt_ids, prompt_mask, rows):
-    """The keys and values of each prompt's tokens but its last, computed once per prompt, then copied
-    to every row that continues it: row i of the cache is prompt rows[i]'s. The last prompt token and
-    what follows it then run row by row. Scoring a group's rows and sampling a prompt's K completions
-    both share their prompt this way."""
-    position_ids = position_ids_from_mask(prompt_mask)
-    cache = model(input_ids=prompt_ids[:, :-1], attention_mask=prompt_mask[:, :-1],
-                  position_ids=position_ids[:, :-1], logits_to_keep=1, use_cache=True).past_key_values
-    cache.reorder_cache(rows)
-    return cache
-
-
-def completion_logits(model, input_ids, attention_mask, num_completion_tokens):
-    """The (B, C, V) logits that predict the last C tokens of each row (position t predicts t + 1).
-
-    Adjacent rows with the same prompt (a group of samples) share the prompt's forward pass: it runs
-    once per group and keeps its keys and values, each row gets its group's copy of them, and only
-    the last prompt token and the completion run row by row. Values and gradients are those of one pass
-    over every full row (the copies' gradients add up in the prompt's pass), for about 1 / G of the
-    prompts' work. Rows that share nothing take the same two passes at no extra cost, so the number of
-    forward calls never depends on the data (under ZeRO-3 each is a collective every rank must make).
-    Gradient checkpointing keeps no cache: then it is the one pass.
-    """
-    c = num_completion_tokens
-    position_ids = position_ids_from_mask(attention_mask)
-    prompts = torch.cat([input_ids[:, :-c], attention_mask[:, :-c]], dim=1)
-    _, group, counts = torch.unique_consecutive(prompts, dim=0, return_inverse=True, return_counts=True)
-    checkpointing = any(getattr(module, "gradient_checkpointing", False) for module in model.modules())
-    if input_ids.shape[1] < c + 2 or checkpointing:
-        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                    logits_to_keep=c + 1, use_cache=False)
-        return out.logits[:, -(c + 1):-1, :]
-    first = counts.cumsum(0) - counts  # the first row of each group
-    cache = shared_prompt_cache(model, input_ids[first, :-c], attention_mask[first, :-c], group)
-    out = model(input_ids=input_ids[:, -c - 1:-1], attention_mask=attention_mask[:, :-1],
-                position_ids=position_ids[:, -c - 1:-1], past_key_values=cache, logits_to_keep=c, use_cache=True)
-    return out.logits
-
-
-# Rows of (C, V) fp32 logits that token_logprobs takes at once: 2**24 floats (64 MiB) bound the
-# temporary copies whatever the vocabulary; the embedded model's whole batch fits in one chunk.
-LOGPROB_CHUNK_ELEMENTS = 2 ** 24
-
-
 def token_logprobs(model, input_ids, attention_mask, num_completion_tokens, temperature=1.0, with_entropy=False,
                    top_k=0, top_p=1.0):
-    """Log-probs of the last `num_completion_tokens` tokens of `input_ids` under `model`,
-    at the sampling temperature, computed in fp32. Returns (B, C) log-probs (and entropies).
-    With top_k / top_p they are those of the truncated, renormalised distribution the sampler
-    drew from (DeepSeek-V3.2's "keep sampling mask"); pass the defaults for the reference.
+    """Log-probs of the last `num_completion_tokens` tokens of `input_ids` under `model`, at the
+    sampling temperature, in fp32: log softmax(logits / T) at each sampled token. Returns (B, C)
+    log-probs, and with `with_entropy` the (B, C) entropies of the same distribution (no gradient).
+    With top_k / top_p they are those of the truncated, renormalised distribution the sampler drew
+    from (DeepSeek-V3.2's "keep sampling mask"); pass the defaults for the reference. With
+    --num_epochs > 1 or a rollout copy, that mask is recomputed from the model being scored, not
+    taken from the sampler's.
 
-    Only the completion's logits are computed (`completion_logits`: a group's prompt once), and
-    the log-softmax is taken a chunk of rows at a time as gather - logsumexp, so no full (B, T, V)
-    log-softmax copy is ever materialised (LOGPROB_CHUNK_ELEMENTS bounds each chunk).
+    This is the definition; the loops run support/fast.py's, equal to it (tests/test_fast.py).
     """
     c = num_completion_tokens
-    logits = completion_logits(model, input_ids, attention_mask, c)  # (B, C, V)
-    targets = input_ids[:, -c:]
-    rows = max(1, LOGPROB_CHUNK_ELEMENTS // (c * logits.shape[-1]))
-    logps, entropies = [], []
-    for start in range(0, len(logits), rows):
-        chunk = logits[start:start + rows].float() / temperature  # (rows, C, V)
-        chunk_targets = targets[start:start + rows, :, None]
-        if top_k > 0 or top_p < 1.0:
-            # the sampled token stays in: a rounding difference from generate() must not give log 0
-            kept = sampling_mask(chunk.detach(), top_k, top_p).isfinite()
-            kept.scatter_(-1, chunk_targets, True)
-            chunk = chunk.masked_fill(~kept, float("-inf"))
-        lse = torch.logsumexp(chunk, dim=-1)
-        logps.append(chunk.gather(-1, chunk_targets).squeeze(-1) - lse)
-        if with_entropy:
-            with torch.no_grad():
-                probs = torch.softmax(chunk, -1)
-                entropies.append(lse - (probs * chunk.masked_fill(probs == 0, 0)).sum(-1))
-    logps = torch.cat(logps)
-    return (logps, torch.cat(entropies)) if with_entropy else logps
+    logits = model(input_ids=input_ids, attention_mask=attention_mask,
+                   position_ids=position_ids_from_mask(attention_mask), use_cache=False).logits  # (B, T, V)
+    logits = logits[:, -c - 1:-1].float() / temperature  # (B, C, V): position t predicts token t + 1
+    targets = input_ids[:, -c:, None]  # (B, C, 1)
+    if top_k > 0 or top_p < 1.0:
+        # the sampled token stays in: a rounding difference from generate() must not give log 0
+        kept = sampling_mask(logits.detach(), top_k, top_p).isfinite().scatter(-1, targets, True)  # (B, C, V)
+        logits = logits.masked_fill(~kept, float("-inf"))
+    logprobs = torch.log_softmax(logits, -1)  # (B, C, V)
+    logp = logprobs.gather(-1, targets).squeeze(-1)  # (B, C)
+    if not with_entropy:
+        return logp
+    with torch.no_grad():
+        entropy = torch.special.entr(logprobs.exp()).sum(-1)  # (B, C): sum of -p log p, 0 where p = 0
+    return logp, entropy
 
 
 @torch.no_grad()
@@ -345,9 +296,8 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=1, gree
     The sampler is exactly temperature, top-k and top-p, as token_logprobs scores it: the generation
     config is built whole (the library's defaults plus these), and the checkpoint's
     generation_config.json, whose repetition penalty or min_p would change the distribution, is set aside
-    for the call. Each prompt runs once for its samples (`shared_prompt_cache`), which then continue it
-    from copies of its keys and values: the same draws as generate's own num_return_sequences, without
-    K passes over the prompt. Works for a bare, DDP-unwrapped (accelerator.unwrap_model) or peft model.
+    for the call. Works for a bare, DDP-unwrapped (accelerator.unwrap_model) or peft model. This is the
+    definition; the loops run support/fast.py's, equal to it (tests/test_fast.py).
     """
     from transformers import GenerationConfig
 
@@ -356,7 +306,7 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=1, gree
         num_samples = 1
     else:
         gen = GenerationConfig(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                               max_new_tokens=cfg.max_new_tokens)
+                               max_new_tokens=cfg.max_new_tokens, num_return_sequences=num_samples)
     gen.pad_token_id, gen.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
     n = max(1, cfg.generation_batch_size // num_samples) if cfg.generation_batch_size else len(prompt_ids)
     hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model  # under a peft wrapper
@@ -364,15 +314,9 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=1, gree
     was_training = model.training
     model.eval()
     try:
-        with models.gathered_parameters(model):
-            chunks = []
-            for i in range(0, len(prompt_ids), n):
-                ids, mask = prompt_ids[i:i + n], prompt_mask[i:i + n]
-                rows = torch.arange(len(ids), device=ids.device).repeat_interleave(num_samples)  # K adjacent
-                cache = shared_prompt_cache(model, ids, mask, rows) if ids.shape[1] > 1 else None
-                out = model.generate(input_ids=ids[rows], attention_mask=mask[rows], past_key_values=cache,
-                                     generation_config=gen)
-                chunks.append(out[:, ids.shape[1]:])
+        chunks = [model.generate(input_ids=prompt_ids[i:i + n], attention_mask=prompt_mask[i:i + n],
+                                 generation_config=gen)[:, prompt_ids.shape[1]:]  # (n * K, C), K adjacent
+                  for i in range(0, len(prompt_ids), n)]
     finally:
         hf_model.generation_config = checkpoint_config
         model.train(was_training)

@@ -10,6 +10,7 @@ import re
 import torch
 
 import common
+from support import fast
 from support.config import DTYPES
 from support.models import check_model_path, prepare_frozen
 
@@ -257,7 +258,7 @@ def evaluate(model, tokenizer, examples, cfg, accelerator, batch_size=256):
     num_calls = math.ceil(math.ceil(len(examples) / accelerator.num_processes) / batch_size)
     for batch in (shard[i::num_calls] for i in range(num_calls)):
         prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [ex["prompt"] for ex in batch], accelerator.device)
-        completion_ids = common.generate(unwrapped, tokenizer, prompt_ids, prompt_mask, cfg, greedy=True)
+        completion_ids = fast.generate(unwrapped, tokenizer, prompt_ids, prompt_mask, cfg, greedy=True)
         mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
         texts = decode_completions(tokenizer, completion_ids, mask)
         for text, ex in zip(texts, batch):

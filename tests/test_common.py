@@ -4,7 +4,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import common
-from support import config, tasks
+from support import config, fast, tasks
 from common import aggregate_loss, completion_mask, masked_mean, masked_sum, masked_whiten, reward_to_go
 
 EOS = 1
@@ -100,58 +100,6 @@ def test_token_logprobs_equals_naive_full_log_softmax():
     assert torch.allclose(entropy, -(full.exp() * full).sum(-1), atol=1e-5)
 
 
-def test_token_logprobs_in_row_chunks_equal_full_log_softmax_with_gradients(monkeypatch):
-    """Chunks of 2 rows (2, 2, 1 for B = 5) give the values and the gradient of the whole batch's log-softmax."""
-    model, c, temperature = tiny_model(), 4, 0.7
-    input_ids = torch.randint(2, 23, (5, 9), generator=torch.Generator().manual_seed(2))
-    attention_mask = torch.ones_like(input_ids)
-    attention_mask[0, :3] = 0
-    attention_mask[3, :2] = 0
-    weights = torch.randn(5, c, generator=torch.Generator().manual_seed(3))
-    monkeypatch.setattr(common, "LOGPROB_CHUNK_ELEMENTS", 2 * c * model.config.vocab_size)
-    logp, entropy = common.token_logprobs(model, input_ids, attention_mask, c, temperature, with_entropy=True)
-    chunked_grads = torch.autograd.grad((weights * logp).sum(), list(model.parameters()))
-    logits = model(input_ids=input_ids, attention_mask=attention_mask,
-                   position_ids=common.position_ids_from_mask(attention_mask)).logits / temperature
-    full = torch.log_softmax(logits, -1)[:, -c - 1:-1]
-    naive = full.gather(-1, input_ids[:, -c:, None]).squeeze(-1)
-    naive_grads = torch.autograd.grad((weights * naive).sum(), list(model.parameters()))
-    torch.testing.assert_close(logp, naive, atol=1e-5, rtol=0)
-    torch.testing.assert_close(entropy, -(full.exp() * full).sum(-1), atol=1e-5, rtol=0)
-    for chunked, expected in zip(chunked_grads, naive_grads):
-        torch.testing.assert_close(chunked, expected, atol=1e-5, rtol=1e-4)
-
-
-def test_token_logprobs_of_groups_sharing_a_prompt_equal_one_pass_over_every_row():
-    """Groups of 3, 1 and 2 rows with one prompt each (left-padded): the prompts run once per group,
-    and the log-probs, entropies and gradients equal the full log-softmax of one pass over every row."""
-    model, c = tiny_model(), 4
-    prompts = torch.tensor([[0, 0, 5, 6, 7], [0, 8, 9, 10, 11], [12, 13, 14, 15, 16]])
-    prompt_mask = (prompts != 0).long()
-    group = torch.tensor([0, 0, 0, 1, 2, 2])
-    completions = torch.randint(2, 23, (6, c), generator=torch.Generator().manual_seed(4))
-    completions[1, 2:] = 0  # ended early: padding after it, masked
-    input_ids = torch.cat([prompts[group], completions], 1)
-    attention_mask = torch.cat([prompt_mask[group], (completions != 0).long()], 1)
-    rows_per_pass = []
-    model.register_forward_pre_hook(lambda module, args, kwargs: rows_per_pass.append(len(kwargs["input_ids"])),
-                                    with_kwargs=True)
-    logp, entropy = common.token_logprobs(model, input_ids, attention_mask, c, 0.7, with_entropy=True)
-    assert rows_per_pass == [3, 6]  # one prompt pass per group, then the completions
-    weights = torch.randn(6, c, generator=torch.Generator().manual_seed(5)) * attention_mask[:, -c:]
-    shared_grads = torch.autograd.grad((weights * logp).sum(), list(model.parameters()))
-    logits = model(input_ids=input_ids, attention_mask=attention_mask,
-                   position_ids=common.position_ids_from_mask(attention_mask)).logits / 0.7
-    full = torch.log_softmax(logits, -1)[:, -c - 1:-1]
-    naive = full.gather(-1, input_ids[:, -c:, None]).squeeze(-1)
-    naive_grads = torch.autograd.grad((weights * naive).sum(), list(model.parameters()))
-    real = attention_mask[:, -c:].bool()
-    torch.testing.assert_close(logp[real], naive[real], atol=1e-5, rtol=0)
-    torch.testing.assert_close(entropy[real], -(full.exp() * full).sum(-1)[real], atol=1e-5, rtol=0)
-    for shared, expected in zip(shared_grads, naive_grads):
-        torch.testing.assert_close(shared, expected, atol=1e-5, rtol=1e-4)
-
-
 def test_sampling_logprobs_match_training_logprobs_with_left_padding():
     """The log-probs the loop trains on are those common.generate sampled from: its temperature,
     top-k and top-p (from cfg), and positions that skip the left padding. The sampler's own
@@ -244,7 +192,7 @@ def test_evaluate_counts_greedy_answers_per_family(monkeypatch):
                 {"prompt": "3+2=", "answer": "5", "family": "add"}, {"prompt": "3*2=", "answer": "6", "family": "mul"}]
     answers = ["3", "4", "6", "7"]  # add: 2 of 3 right, mul: 0 of 1
     greedy = torch.tensor([tok(a + "<eos>", add_special_tokens=False)["input_ids"] for a in answers])
-    monkeypatch.setattr(common, "generate", lambda *args, **kwargs: greedy)
+    monkeypatch.setattr(fast, "generate", lambda *args, **kwargs: greedy)
     metrics = tasks.evaluate(None, tok, examples, config.TrainConfig(), OneProcess())
     assert metrics == {"eval/accuracy": 0.5, "eval/acc_add": 2 / 3, "eval/acc_mul": 0.0}
 

@@ -1,0 +1,123 @@
+"""The fast log-probs and generation the loops run: the same signatures and results as their spec,
+`common.token_logprobs` and `common.generate`, proven equal to them (values and gradients, the same
+draws from the same seed) by tests/test_fast.py. Read the spec; this is how it is made cheap:
+
+- a group's prompt runs once, and each of its rows continues it from a copy of its keys and values
+  (`shared_prompt_cache`), for about 1 / G of the prompts' work in scoring and in sampling;
+- only the completion's logits are computed, and the log-softmax is taken a chunk of rows at a time
+  as gather - logsumexp, so no (B, T, V) log-softmax copy is ever materialised;
+- under DeepSpeed ZeRO-3 the weights are gathered once for a whole generate call, not once per token
+  (`models.gathered_parameters`).
+"""
+import torch
+from transformers import GenerationConfig
+
+import common
+from support import models
+
+# Rows of (C, V) fp32 logits that token_logprobs takes at once: 2**24 floats (64 MiB) bound the
+# temporary copies whatever the vocabulary; the embedded model's whole batch fits in one chunk.
+LOGPROB_CHUNK_ELEMENTS = 2 ** 24
+
+
+def shared_prompt_cache(model, prompt_ids, prompt_mask, rows):
+    """The keys and values of each prompt's tokens but its last, computed once per prompt, then copied
+    to every row that continues it: row i of the cache is prompt rows[i]'s. The last prompt token and
+    what follows it then run row by row. Scoring a group's rows and sampling a prompt's K completions
+    both share their prompt this way."""
+    position_ids = common.position_ids_from_mask(prompt_mask)
+    cache = model(input_ids=prompt_ids[:, :-1], attention_mask=prompt_mask[:, :-1],
+                  position_ids=position_ids[:, :-1], logits_to_keep=1, use_cache=True).cache
+    cache.reorder_cache(rows)
+    return cache
+
+
+def completion_logits(model, input_ids, attention_mask, num_completion_tokens):
+    """The (B, C, V) logits that predict the last C tokens of each row (position t predicts t + 1).
+
+    Adjacent rows with the same prompt (a group of samples) share the prompt's forward pass: it runs
+    once per group and keeps its keys and values, each row gets its group's copy of them, and only
+    the last prompt token and the completion run row by row. Values and gradients are those of one pass
+    over every full row (the copies' gradients add up in the prompt's pass), for about 1 / G of the
+    prompts' work. Rows that share nothing take the same two passes at no extra cost, so the number of
+    forward calls never depends on the data (under ZeRO-3 each is a collective every rank must make).
+    Gradient checkpointing keeps no cache: then it is the one pass.
+    """
+    c = num_completion_tokens
+    position_ids = common.position_ids_from_mask(attention_mask)
+    prompts = torch.cat([input_ids[:, :-c], attention_mask[:, :-c]], dim=1)
+    _, group, counts = torch.unique_consecutive(prompts, dim=0, return_inverse=True, return_counts=True)
+    checkpointing = any(getattr(module, "gradient_checkpointing", False) for module in model.modules())
+    if input_ids.shape[1] < c + 2 or checkpointing:
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                    logits_to_keep=c + 1, use_cache=False)
+        return out.logits[:, -(c + 1):-1, :]
+    first = counts.cumsum(0) - counts  # the first row of each group
+    cache = shared_prompt_cache(model, input_ids[first, :-c], attention_mask[first, :-c], group)
+    out = model(input_ids=input_ids[:, -c - 1:-1], attention_mask=attention_mask[:, :-1],
+                position_ids=position_ids[:, -c - 1:-1], cache=cache, logits_to_keep=c, use_cache=True)
+    return out.logits
+
+
+def token_logprobs(model, input_ids, attention_mask, num_completion_tokens, temperature=1.0, with_entropy=False,
+                   top_k=0, top_p=1.0):
+    """common.token_logprobs, computed from `completion_logits` (a group's prompt once) a chunk of rows
+    at a time (LOGPROB_CHUNK_ELEMENTS bounds each chunk). Returns (B, C) fp32 log-probs (and entropies)."""
+    c = num_completion_tokens
+    logits = completion_logits(model, input_ids, attention_mask, c)  # (B, C, V)
+    targets = input_ids[:, -c:]
+    rows = max(1, LOGPROB_CHUNK_ELEMENTS // (c * logits.shape[-1]))
+    logps, entropies = [], []
+    for start in range(0, len(logits), rows):
+        chunk = logits[start:start + rows].float() / temperature  # (rows, C, V)
+        chunk_targets = targets[start:start + rows, :, None]
+        if top_k > 0 or top_p < 1.0:
+            # the sampled token stays in: a rounding difference from generate() must not give log 0
+            kept = common.sampling_mask(chunk.detach(), top_k, top_p).isfinite()
+            kept.scatter_(-1, chunk_targets, True)
+            chunk = chunk.masked_fill(~kept, float("-inf"))
+        lse = torch.logsumexp(chunk, dim=-1)
+        logps.append(chunk.gather(-1, chunk_targets).squeeze(-1) - lse)
+        if with_entropy:
+            with torch.no_grad():
+                probs = torch.softmax(chunk, -1)
+                entropies.append(lse - (probs * chunk.masked_fill(probs == 0, 0)).sum(-1))
+    logps = torch.cat(logps)
+    return (logps, torch.cat(entropies)) if with_entropy else logps
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=1, greedy=False):
+    """common.generate, with each prompt run once for its samples (`shared_prompt_cache`), which then
+    continue it from copies of its keys and values: the same draws as generate's own
+    num_return_sequences, without K passes over the prompt. Under ZeRO-3 the weights are gathered once
+    for the whole call. Returns completion ids (B * num_samples, C), each prompt's samples adjacent."""
+    if greedy:
+        gen = GenerationConfig(do_sample=False, max_new_tokens=cfg.max_new_tokens)
+        num_samples = 1
+    else:
+        gen = GenerationConfig(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
+                               max_new_tokens=cfg.max_new_tokens)
+    gen.pad_token_id, gen.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    n = max(1, cfg.generation_batch_size // num_samples) if cfg.generation_batch_size else len(prompt_ids)
+    hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model  # under a peft wrapper
+    checkpoint_config, hf_model.generation_config = hf_model.generation_config, GenerationConfig()
+    was_training = model.training
+    model.eval()
+    try:
+        with models.gathered_parameters(model):
+            chunks = []
+            for i in range(0, len(prompt_ids), n):
+                ids, mask = prompt_ids[i:i + n], prompt_mask[i:i + n]
+                rows = torch.arange(len(ids), device=ids.device).repeat_interleave(num_samples)  # K adjacent
+                cache = shared_prompt_cache(model, ids, mask, rows) if ids.shape[1] > 1 else None
+                out = model.generate(input_ids=ids[rows], attention_mask=mask[rows], cache=cache,
+                                     generation_config=gen)
+                chunks.append(out[:, ids.shape[1]:])
+    finally:
+        hf_model.generation_config = checkpoint_config
+        model.train(was_training)
+    # a call whose every completion ended early is shorter: pad after its EOS, which the completion mask drops
+    width = max(chunk.shape[1] for chunk in chunks)
+    return torch.cat([torch.nn.functional.pad(chunk, (0, width - chunk.shape[1]), value=tokenizer.pad_token_id)
+                      for chunk in chunks])

@@ -1,0 +1,220 @@
+"""The fast paths (support/fast.py) equal their definitions (common.py): fast.token_logprobs gives
+common.token_logprobs' log-probs, entropies and parameter gradients, and fast.generate gives
+common.generate's draws and the sampler's processed scores from the same seed.
+
+Tolerances, fp32 throughout, where the two paths add the same terms in another order: log-probs and
+entropies to 1e-5 absolute (observed: at most 2.1e-6, on log-probs as large as 20, about 1e-7
+relative); each weight's gradient to 1e-5 of its largest element (observed: at most 1.6e-6); the
+sampler's processed scores to 1e-5; the draws exactly. A bug in the sharing (cache rows tiled instead
+of interleaved, positions that do not skip the left padding, the prompt's keys and values detached)
+moves log-probs or gradients by far more, or changes the draws.
+"""
+import logging
+import warnings
+from dataclasses import dataclass
+
+import pytest
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig, Qwen2Config
+
+import common
+from support import config, fast, tasks
+
+VOCAB = 18  # the embedded model's; the tiny random models use the same ids
+C = 4  # completion tokens
+
+
+def tiny_model(arch):
+    """A 2-layer model from a config, random weights (no download)."""
+    torch.manual_seed(0)
+    shape = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=64, pad_token_id=0, eos_token_id=1)
+    cfg = Qwen2Config(**shape) if arch == "qwen2" else LlamaConfig(**shape)
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+def load_model(name):
+    if name == "embedded":
+        return AutoModelForCausalLM.from_pretrained(config.EMBEDDED_MODEL).eval()
+    return tiny_model(name)
+
+
+def batch(shared):
+    """7 rows of left-padded prompts (widths 5, 4, 3) and C completion tokens. shared: adjacent rows in
+    groups of 3, 1, 2 and 1 with one prompt each (two groups with the same prompt, apart); else no two rows
+    share a prompt. Row 1's completion ends early: padding after it."""
+    g = torch.Generator().manual_seed(4)
+    if shared:
+        prompts = torch.tensor([[0, 0, 5, 6, 7], [0, 8, 9, 10, 11], [12, 13, 14, 15, 16], [0, 0, 5, 6, 7]])
+        prompts = prompts[torch.tensor([0, 0, 0, 1, 2, 2, 3])]
+    else:
+        prompts = torch.randint(2, VOCAB, (7, 5), generator=g)
+        prompts[[0, 3], :2] = 0
+        prompts[[1, 5], :1] = 0
+    completions = torch.randint(2, VOCAB, (7, C), generator=g)
+    completions[1, 2:] = 0
+    input_ids = torch.cat([prompts, completions], 1)
+    return input_ids, (input_ids != 0).long()
+
+
+def logprobs_and_gradients(token_logprobs, model, input_ids, attention_mask, **kwargs):
+    logp, entropy = token_logprobs(model, input_ids, attention_mask, C, 0.7, with_entropy=True, **kwargs)
+    weights = torch.randn(logp.shape, generator=torch.Generator().manual_seed(5))
+    grads = torch.autograd.grad((weights * logp).sum(), list(model.parameters()))
+    return logp, entropy, grads
+
+
+def assert_fast_equals_definition(model, input_ids, attention_mask, **kwargs):
+    logp, entropy, grads = logprobs_and_gradients(fast.token_logprobs, model, input_ids, attention_mask, **kwargs)
+    spec_logp, spec_entropy, spec_grads = logprobs_and_gradients(common.token_logprobs, model, input_ids,
+                                                                 attention_mask, **kwargs)
+    assert logp.dtype == entropy.dtype == torch.float32 and logp.shape == (len(input_ids), C)
+    torch.testing.assert_close(logp, spec_logp, rtol=0, atol=1e-5)
+    torch.testing.assert_close(entropy, spec_entropy, rtol=0, atol=1e-5)
+    for fast_grad, spec_grad in zip(grads, spec_grads):  # to 1e-5 of each weight's largest gradient
+        torch.testing.assert_close(fast_grad, spec_grad, rtol=0, atol=1e-5 * spec_grad.abs().max().item())
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (5, 1.0), (0, 0.8), (6, 0.9)])
+@pytest.mark.parametrize("shared", [True, False], ids=["groups", "no_sharing"])
+@pytest.mark.parametrize("name", ["embedded", "qwen2", "llama"])
+def test_fast_logprobs_equal_the_definition_in_values_and_gradients(name, shared, top_k, top_p):
+    model = load_model(name)
+    assert_fast_equals_definition(model, *batch(shared), top_k=top_k, top_p=top_p)
+
+
+@pytest.mark.parametrize("name", ["embedded", "qwen2"])
+def test_fast_logprobs_in_row_chunks_equal_the_definition(name, monkeypatch):
+    """Chunks of 2 rows (2, 2, 2, 1 for B = 7) give the whole batch's values and gradients."""
+    model = load_model(name)
+    monkeypatch.setattr(fast, "LOGPROB_CHUNK_ELEMENTS", 2 * C * VOCAB)
+    rows_per_mask, sampling_mask = [], common.sampling_mask
+
+    def counting_sampling_mask(logits, top_k, top_p):
+        rows_per_mask.append(len(logits))
+        return sampling_mask(logits, top_k, top_p)
+
+    monkeypatch.setattr(common, "sampling_mask", counting_sampling_mask)
+    assert_fast_equals_definition(model, *batch(shared=True), top_k=6, top_p=0.9)
+    assert rows_per_mask == [2, 2, 2, 1, 7]  # fast, by chunks, then the definition
+
+
+@pytest.mark.parametrize("name", ["embedded", "llama"])
+def test_fast_logprobs_under_gradient_checkpointing_equal_the_definition(name):
+    """Gradient checkpointing keeps no keys and values: the fast path is then one pass over every row."""
+    model = load_model(name)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.train()  # checkpointing acts in training mode; these models have no dropout
+    rows_per_pass = []
+    model.register_forward_pre_hook(lambda module, args, kwargs: rows_per_pass.append(kwargs["input_ids"].shape),
+                                    with_kwargs=True)
+    input_ids, attention_mask = batch(shared=True)
+    assert_fast_equals_definition(model, input_ids, attention_mask, top_k=5)
+    assert rows_per_pass == [input_ids.shape, input_ids.shape]  # fast, then the definition
+
+
+def test_a_groups_prompt_runs_once_then_every_row_continues_it():
+    """Groups of 3, 1, 2 and 1 rows: one pass over 4 prompts (all tokens but the last), then one over the
+    7 rows' last prompt token and completion but its last token."""
+    model = load_model("qwen2")
+    rows_per_pass = []
+    model.register_forward_pre_hook(lambda module, args, kwargs: rows_per_pass.append(kwargs["input_ids"].shape),
+                                    with_kwargs=True)
+    input_ids, attention_mask = batch(shared=True)
+    fast.token_logprobs(model, input_ids, attention_mask, C)
+    assert rows_per_pass == [(4, 4), (7, C)]
+
+
+# ----------------------------------------------------------------------------------------
+# Generation
+# ----------------------------------------------------------------------------------------
+@dataclass
+class Sampling:
+    temperature: float = 0.7
+    top_k: int = 6
+    top_p: float = 0.9
+    max_new_tokens: int = 6
+    generation_batch_size: int = 0
+
+
+PROMPTS = ["12+3=", "5*7=", "99-45=", "123+456="]
+
+
+def load():
+    tokenizer = AutoTokenizer.from_pretrained(config.EMBEDDED_MODEL, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(config.EMBEDDED_MODEL).eval()
+    prompt_ids, prompt_mask = tasks.tokenize_prompts(tokenizer, PROMPTS, "cpu")
+    return model, tokenizer, prompt_ids, prompt_mask
+
+
+def capture_scores(model):
+    """Make model.generate also keep the sampler's processed scores (after temperature, top-k, top-p)."""
+    captured, hf_generate = [], model.generate
+
+    def generate_with_scores(**kwargs):
+        kwargs["generation_config"].output_scores = True
+        kwargs["generation_config"].return_dict_in_generate = True
+        out = hf_generate(**kwargs)
+        captured.append(torch.stack(out.scores, dim=1))  # (B, C, V)
+        return out.sequences
+
+    model.generate = generate_with_scores
+    return captured
+
+
+@pytest.mark.parametrize("cfg", [Sampling(), Sampling(generation_batch_size=8), Sampling(top_k=0, top_p=1.0)],
+                         ids=["one_call", "calls_of_8", "untruncated"])
+def test_fast_generate_draws_what_the_definition_draws(cfg):
+    """From the same seed, fast.generate (each prompt once, its K samples continuing copies of its keys and
+    values) gives common.generate's draws (num_return_sequences: the prompt K times) exactly, and the same
+    processed scores to 1e-5: row i continues prompt i // K, at its positions."""
+    model, tokenizer, prompt_ids, prompt_mask = load()
+    assert prompt_mask.sum(1).unique().numel() > 1  # left padding of more than one width
+    captured = capture_scores(model)
+    torch.manual_seed(0)
+    drawn = fast.generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=4)
+    fast_scores = list(captured)  # one (rows, C, V) per generate call
+    captured.clear()
+    torch.manual_seed(0)
+    spec = common.generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=4)
+    assert drawn.shape[0] == 16 and len(set(map(tuple, drawn.tolist()))) > 4  # samples differ within groups
+    assert torch.equal(drawn, spec)
+    assert len(fast_scores) == len(captured) == (2 if cfg.generation_batch_size else 1)
+    for scores, spec_scores in zip(fast_scores, captured):
+        torch.testing.assert_close(scores, spec_scores, rtol=0, atol=1e-5)
+
+
+def test_fast_generate_greedy_and_one_token_prompts_equal_the_definition():
+    """Greedy decoding, and prompts of one token (nothing before the last token to share)."""
+    model, tokenizer, prompt_ids, prompt_mask = load()
+    for ids, mask in ((prompt_ids, prompt_mask), (prompt_ids[:, -1:], prompt_mask[:, -1:])):
+        greedy = fast.generate(model, tokenizer, ids, mask, Sampling(), greedy=True)
+        assert torch.equal(greedy, common.generate(model, tokenizer, ids, mask, Sampling(), greedy=True))
+        torch.manual_seed(0)
+        drawn = fast.generate(model, tokenizer, ids, mask, Sampling(), num_samples=3)
+        torch.manual_seed(0)
+        assert torch.equal(drawn, common.generate(model, tokenizer, ids, mask, Sampling(), num_samples=3))
+
+
+def test_fast_paths_print_no_deprecation_warning():
+    """Both fast calls use the library's current names (a cache passed as `cache`, read as `.cache`):
+    no Python warning and no transformers log warning."""
+    model, tokenizer, prompt_ids, prompt_mask = load()
+    logging.Logger.warning_once.cache_clear()  # a warning logged once before this test would hide
+    records = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    logger = transformers.utils.logging.get_logger("transformers")
+    logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            completion_ids = fast.generate(model, tokenizer, prompt_ids, prompt_mask, Sampling(), num_samples=2)
+            mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
+            input_ids = torch.cat([prompt_ids.repeat_interleave(2, 0), completion_ids], 1)
+            attention_mask = torch.cat([prompt_mask.repeat_interleave(2, 0), mask], 1)
+            fast.token_logprobs(model, input_ids, attention_mask, completion_ids.shape[1], 0.7, with_entropy=True)
+    finally:
+        logger.removeHandler(handler)
+    assert [record.getMessage() for record in records] == []
