@@ -147,7 +147,7 @@ def main():
     accelerator = config.make_accelerator(cfg)
     tokenizer, train_data, eval_data = engine.load_data(cfg, accelerator)
     reward_fn = tasks.make_reward_fn(cfg, accelerator)
-    policy, optimizer, scheduler, _, rollout_model = engine.load_models(cfg, accelerator, reference=False)
+    policy, optimizer, scheduler, _, rollout_model = engine.load_models(cfg, accelerator)
     group_size = cfg.num_generations
     sampler = tasks.PromptSampler(train_data, cfg.batch_size // group_size, cfg.seed, accelerator.process_index,
                                   accelerator.num_processes)
@@ -162,7 +162,8 @@ def main():
         while len(sampled_rewards) < cfg.max_sampling_rounds and engine.any_process(
                 accelerator, sum(map(len, kept)) < cfg.batch_size):
             rollout = trainer.generate(sampler.next(), num_samples=group_size)  # each prompt's G samples adjacent
-            rewards, correct, reward_stats = reward_fn(rollout.examples, rollout.completions)
+            with trainer.timer("reward"):
+                rewards, correct, reward_stats = reward_fn(rollout.examples, rollout.completions)
             keep = dynamic_sampling_filter(correct if cfg.dynamic_sampling_metric == "correct" else rewards,
                                            group_size)
             groups_dropped += int((~keep).sum())

@@ -24,12 +24,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from accelerate.utils import set_seed
-from tqdm.auto import tqdm
 from transformers import AutoModelForSequenceClassification
 
 import common
-from support import config, models, run, tasks
+from support import config, engine, models, run, tasks
 from support.config import arg
 
 
@@ -251,73 +249,46 @@ CRITIC_PLOT_KEYS = ("train/value_loss", "train/explained_variance", "train/value
 
 def main():
     cfg = config.parse_config(Config)
-    # ---- setup: accelerator, seed, policy, critic, reference, data ----
+    # ---- setup: accelerator, data, policy, critic, reference (PLUMBING: skip on a first read) ----
     accelerator = config.make_accelerator(cfg)
     if accelerator.state.deepspeed_plugin is not None:
         raise SystemExit("error: ppo.py trains two models (policy and critic) and accelerate's DeepSpeed integration "
                          "prepares one model per Accelerator: launch it with DDP (e.g. configs/ddp_8gpu.yaml).")
-    set_seed(cfg.seed)  # identical initial weights on every rank
-    with accelerator.main_process_first():  # the main process downloads tokenizer and data, the others read its cache
-        tokenizer = models.load_tokenizer(cfg)
-        train_data, eval_data = tasks.load_task(cfg, tokenizer)  # data errors surface before models load
+    tokenizer, train_data, eval_data = engine.load_data(cfg, accelerator)
     reward_fn = tasks.make_reward_fn(cfg, accelerator)
-    policy = models.load_model(cfg)
+    policy, optimizer, scheduler, ref_model, _ = engine.load_models(cfg, accelerator)
     if cfg.reward_model_path:
         models.check_model_path(cfg.reward_model_path, flag="--reward_model_path")
     critic = ValueModel(cfg.reward_model_path or cfg.model_name_or_path, cfg.torch_dtype, cfg.gradient_checkpointing,
                         lora=models.lora_config(cfg, "SEQ_CLS") if cfg.lora_r > 0 else None)
-    ref_model = models.load_reference(cfg, policy) if cfg.beta > 0 else None
-    optimizer, scheduler = models.make_optimizer(policy, cfg)
     critic_optimizer, critic_scheduler = models.make_optimizer(critic, cfg, cfg.critic_learning_rate)
-    policy, critic, optimizer, critic_optimizer, scheduler, critic_scheduler = accelerator.prepare(
-        policy, critic, optimizer, critic_optimizer, scheduler, critic_scheduler)
-    if ref_model is not None:
-        ref_model = models.prepare_frozen(accelerator, ref_model)
+    critic, critic_optimizer, critic_scheduler = accelerator.prepare(critic, critic_optimizer, critic_scheduler)
     kl_ctl = AdaptiveKLController(cfg.beta, cfg.kl_target, cfg.kl_horizon)
     accelerator.register_for_checkpointing(kl_ctl)
     sampler = tasks.PromptSampler(train_data, cfg.batch_size, cfg.seed, accelerator.process_index,
                                   accelerator.num_processes)
-    set_seed(cfg.seed + accelerator.process_index)  # each rank samples different completions
-    ckpt = run.Checkpointer(cfg, accelerator, sampler)
-    start_step = ckpt.resume()
-    logger = run.MetricLogger(cfg, accelerator, start_step)
-    if start_step == 0:
-        logger.log(0, tasks.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
+    trainer = engine.Trainer(cfg, accelerator, tokenizer, sampler, eval_data, policy, optimizer, scheduler,
+                             critic=critic, critic_optimizer=critic_optimizer, critic_scheduler=critic_scheduler)
 
-    timer = run.StepTimer()
-    for step in tqdm(range(start_step + 1, cfg.num_steps + 1), disable=not accelerator.is_main_process, desc="ppo"):
+    for step in trainer.steps():
         # ---- rollout: one sampled response per prompt ----
-        batch = sampler.next()
-        prompts = [ex["prompt"] for ex in batch]
-        prompt_ids, prompt_mask = tasks.tokenize_prompts(tokenizer, prompts, accelerator.device)
-        with timer("generation"):
-            unwrapped = accelerator.unwrap_model(policy)
-            completion_ids = common.generate(unwrapped, tokenizer, prompt_ids, prompt_mask, cfg)
-        with timer("scoring"):
-            mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
-            completions = tasks.decode_completions(tokenizer, completion_ids, mask)
-            rewards, correct, reward_stats = reward_fn(batch, completions)
-            input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-            attention_mask = torch.cat([prompt_mask, mask], dim=1)
-            T = completion_ids.shape[1]
-            micro_batches = common.micro_batches(len(input_ids), cfg.micro_batch_size)
-            sampling = {"top_k": cfg.top_k, "top_p": cfg.top_p}  # score on the distribution that was sampled
-            with torch.no_grad():
-                # log-probs and values at rollout time: pi_old and V_old for every update below
-                scored = [common.token_logprobs(policy, input_ids[mb], attention_mask[mb], T, cfg.temperature,
-                                                with_entropy=True, **sampling) for mb in micro_batches]
-                old_logp, entropy = torch.cat([logp for logp, _ in scored]), torch.cat([ent for _, ent in scored])
-                old_values = torch.cat([critic(input_ids[mb], attention_mask[mb], T) for mb in micro_batches])
-                if ref_model is not None:
-                    ref_logp = torch.cat([common.token_logprobs(ref_model, input_ids[mb], attention_mask[mb], T,
-                                                                cfg.temperature) for mb in micro_batches])
+        rollout = trainer.generate(sampler.next())
+        input_ids, attention_mask, mask = rollout.input_ids, rollout.attention_mask, rollout.mask
+        T = mask.shape[1]
 
-        with timer("gae"):
-            # ---- per-token reward, GAE advantages (the critic is the baseline), whitened ----
-            kl = common.kl_k1(old_logp, ref_logp) if ref_model is not None else torch.zeros_like(old_logp)
+        # ---- reward, and pi_old, V_old and pi_ref at rollout time, for every update below ----
+        with trainer.timer("reward"):
+            rewards, correct, reward_stats = reward_fn(rollout.examples, rollout.completions)
+        old_logp = trainer.logprobs(policy, rollout)
+        old_values = trainer.values(critic, rollout)
+        ref_logp = trainer.logprobs(ref_model, rollout, sampling_mask=False)  # pi_ref (None when beta = 0)
+
+        # ---- advantages: per-token reward, GAE (the critic is the baseline), whitened ----
+        with trainer.timer("gae"):
+            kl = common.kl_k1(old_logp, ref_logp) if ref_logp is not None else torch.zeros_like(old_logp)
             last = mask.sum(1) - 1  # index of the EOS, or of the last token when cut at max length
             token_rewards = -kl_ctl.value * kl
-            token_rewards[torch.arange(len(batch)), last] += rewards
+            token_rewards[torch.arange(len(rollout)), last] += rewards
             lam = length_adaptive_lam(mask.sum(1), cfg.lam_alpha) if cfg.lam_alpha > 0 else cfg.lam
             lam_critic = cfg.lam if cfg.lam_critic is None else cfg.lam_critic
             adv, returns = decoupled_gae(token_rewards, old_values, mask, cfg.gamma, lam, lam_critic)
@@ -326,91 +297,47 @@ def main():
             adv = common.masked_whiten(all_adv, all_mask).chunk(accelerator.num_processes)[accelerator.process_index]
             adv = adv[:, :T]
 
-        # ---- num_epochs passes over num_mini_batches minibatches, one step each ----
+        # ---- loss: the clipped policy loss plus vf_coef times the clipped value loss ----
+        def loss_fn(logp, input_ids, attention_mask, old_logp, old_values, adv, returns, mask):
+            pg_loss, pg_stats = ppo_policy_loss(logp, old_logp, adv, mask, cfg.epsilon, cfg.dual_clip_c)
+            values = critic(input_ids, attention_mask, T)
+            vf_loss, vf_stats = ppo_value_loss(values, old_values, returns, mask, cfg.epsilon_value)
+            return pg_loss + cfg.vf_coef * vf_loss, {"policy_loss": pg_loss.detach(), "value_loss": vf_loss.detach(),
+                                                     "value_clip_frac": vf_stats["clip_frac"], **pg_stats}
+
+        # ---- update: num_epochs passes over num_mini_batches minibatches, one optimizer step each ----
         updates = []
-        mb_size = cfg.batch_size // cfg.num_mini_batches
         for _ in range(cfg.num_epochs):
-            for idx in torch.randperm(cfg.batch_size, device=accelerator.device).split(mb_size):
-                with timer("forward_backward"):
-                    # micro-batches of the minibatch, whose gradients add up to the minibatch's
-                    num_tokens = accelerator.reduce(mask[idx].sum().float(), reduction="mean")  # over every process
-                    logp, values = [], []
-                    for mb in common.micro_batches(len(idx), cfg.micro_batch_size):
-                        rows = idx[mb]
-                        mb_logp = common.token_logprobs(policy, input_ids[rows], attention_mask[rows], T,
-                                                        cfg.temperature, **sampling)
-                        mb_pg_loss, _ = ppo_policy_loss(mb_logp, old_logp[rows], adv[rows], mask[rows], cfg.epsilon,
-                                                        cfg.dual_clip_c)
-                        mb_values = critic(input_ids[rows], attention_mask[rows], T)
-                        mb_vf_loss, _ = ppo_value_loss(mb_values, old_values[rows], returns[rows], mask[rows],
-                                                       cfg.epsilon_value)
-                        weight = common.micro_batch_weight(mask[rows], "token-mean", num_tokens, len(idx))
-                        run.backward(accelerator, (policy, critic), weight * (mb_pg_loss + cfg.vf_coef * mb_vf_loss),
-                                     sync=mb.stop == len(idx))
-                        logp.append(mb_logp.detach())
-                        values.append(mb_values.detach())
-                    # the minibatch's losses and stats, for the log
-                    logp, values = torch.cat(logp), torch.cat(values)
-                    pg_loss, pg_stats = ppo_policy_loss(logp, old_logp[idx], adv[idx], mask[idx], cfg.epsilon,
-                                                        cfg.dual_clip_c)
-                    vf_loss, vf_stats = ppo_value_loss(values, old_values[idx], returns[idx], mask[idx],
-                                                       cfg.epsilon_value)
-                    loss = pg_loss + cfg.vf_coef * vf_loss
-                with timer("optimizer"):
-                    max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-                    grad_norm = accelerator.clip_grad_norm_(policy.parameters(), max_norm)
-                    critic_grad_norm = accelerator.clip_grad_norm_(critic.parameters(), max_norm)
-                    # a NaN stops here; earlier minibatches of this step are already in the saved weights
-                    ckpt.check_finite(step, loss, torch.stack([grad_norm, critic_grad_norm]), policy, tokenizer)
-                    optimizer.step()
-                    critic_optimizer.step()
-                    optimizer.zero_grad()
-                    critic_optimizer.zero_grad()
-                updates.append({"loss": loss.detach(), "policy_loss": pg_loss.detach(), "value_loss": vf_loss.detach(),
-                                "value_clip_frac": vf_stats["clip_frac"], "grad_norm": grad_norm,
-                                "critic_grad_norm": critic_grad_norm, **pg_stats})
-        scheduler.step()  # once per rollout batch, so --warmup_steps counts steps as in every script
-        critic_scheduler.step()
-        stats = {key: torch.stack([u[key] for u in updates]).mean() for key in updates[0]}  # mean over updates
+            for rows in torch.randperm(cfg.batch_size, device=accelerator.device).chunk(cfg.num_mini_batches):
+                stats, _ = trainer.update(loss_fn, rollout, "token-mean", rows=rows, input_ids=input_ids,
+                                          attention_mask=attention_mask, old_logp=old_logp, old_values=old_values,
+                                          adv=adv, returns=returns, mask=mask)
+                updates.append(stats)
+        stats = {key: torch.stack([torch.as_tensor(u[key]) for u in updates]).mean() for key in updates[0]}
 
         # ---- log ----
-        lengths = mask.sum(1).float()
         metrics = {
             "train/reward": rewards.mean(),
             "train/reward_std": rewards.std(),
             "train/correct": correct.mean(),
-            "train/generated": len(completion_ids),
             "train/value_mean": common.masked_mean(old_values, mask),
             "train/return_mean": common.masked_mean(returns, mask),
             "train/explained_variance": explained_variance(old_values, returns, mask),
-            "train/kl_seq": common.masked_sum(kl, mask) / len(batch),
+            "train/kl_seq": common.masked_sum(kl, mask) / len(rollout),
             "train/beta": kl_ctl.value,
-            "train/entropy": common.masked_mean(entropy, mask),
-            **{f"train/{key}": value for key, value in stats.items()},
-            "train/completion_len": lengths.mean(),
-            **timer.metrics(),
+            **{f"train/{key}": value for key, value in stats.items()},  # means over the updates
+            **reward_stats,
         }
-        metrics["time/tokens_per_s"] = lengths.sum() / metrics["time/step_s"]
-        metrics = run.reduce_metrics(accelerator, metrics)
-        if cfg.adaptive_kl:
-            kl_ctl.update(metrics["train/kl_seq"], cfg.batch_size * accelerator.num_processes)
-        if step % cfg.eval_every == 0 or step == cfg.num_steps:
-            metrics.update(tasks.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
-        logger.log(step, metrics, samples=zip(prompts, completions, rewards.tolist()))
-        if ckpt.step_end(step, policy, tokenizer):
+        if cfg.adaptive_kl:  # Ziegler et al.'s controller, on the KL averaged over every process
+            kl_ctl.update(engine.mean_over_processes(accelerator, metrics["train/kl_seq"]),
+                          cfg.batch_size * accelerator.num_processes)
+        if trainer.end_step(step, metrics, rollout, rewards):
             break
 
     # ---- end: save, plot ----
-    logger.finish(policy)
     if accelerator.is_main_process:
-        run.plot_metrics(logger.path, f"{cfg.output_dir}/critic_curves.png", CRITIC_PLOT_KEYS)
-    if cfg.save_model:
-        models.save_model(accelerator, policy, tokenizer, f"{cfg.output_dir}/final", cfg.merge_lora)
-        critic_model = accelerator.unwrap_model(critic).model  # under LoRA merged: a whole critic either way
-        models.save_model(accelerator, critic_model, tokenizer, f"{cfg.output_dir}/final/critic", merge_lora=True)
-
-    accelerator.wait_for_everyone()
-    accelerator.end_training()  # close the process group on every rank before the interpreter exits
+        run.plot_metrics(trainer.logger.path, f"{cfg.output_dir}/critic_curves.png", CRITIC_PLOT_KEYS)
+    trainer.finish()
 
 
 if __name__ == "__main__":

@@ -74,7 +74,7 @@ def main():
     accelerator = config.make_accelerator(cfg)
     tokenizer, train_data, eval_data = engine.load_data(cfg, accelerator)
     reward_fn = tasks.make_reward_fn(cfg, accelerator)
-    policy, optimizer, scheduler, ref_model, _ = engine.load_models(cfg, accelerator, reference=cfg.beta > 0)
+    policy, optimizer, scheduler, ref_model, _ = engine.load_models(cfg, accelerator)
     sampler = tasks.PromptSampler(train_data, cfg.batch_size, cfg.seed, accelerator.process_index,
                                   accelerator.num_processes)
     trainer = engine.Trainer(cfg, accelerator, tokenizer, sampler, eval_data, policy, optimizer, scheduler)
@@ -85,13 +85,15 @@ def main():
         rollout = trainer.generate(batch)
 
         # ---- reward, and the log-probs the loss compares with ----
-        rewards, correct, reward_stats = reward_fn(rollout.examples, rollout.completions)
+        with trainer.timer("reward"):
+            rewards, correct, reward_stats = reward_fn(rollout.examples, rollout.completions)
         ref_logp = trainer.logprobs(ref_model, rollout, sampling_mask=False)  # pi_ref (None when beta = 0)
 
         # ---- advantages: the reward of the greedy response is the baseline (ReMax), or none (REINFORCE) ----
         if cfg.baseline == "greedy":
             greedy = trainer.generate(batch, greedy=True)
-            greedy_rewards, _, _ = reward_fn(greedy.examples, greedy.completions)
+            with trainer.timer("reward"):
+                greedy_rewards, _, _ = reward_fn(greedy.examples, greedy.completions)
         else:
             greedy_rewards = torch.zeros_like(rewards)
         adv = remax_advantages(rewards, greedy_rewards)

@@ -72,7 +72,7 @@ def main():
     accelerator = config.make_accelerator(cfg)
     tokenizer, train_data, eval_data = engine.load_data(cfg, accelerator)
     reward_fn = tasks.make_reward_fn(cfg, accelerator)
-    policy, optimizer, scheduler, ref_model, rollout_model = engine.load_models(cfg, accelerator, reference=cfg.beta > 0)
+    policy, optimizer, scheduler, ref_model, rollout_model = engine.load_models(cfg, accelerator)
     group_size = cfg.num_generations
     sampler = tasks.PromptSampler(train_data, cfg.batch_size // group_size, cfg.seed, accelerator.process_index,
                                   accelerator.num_processes)
@@ -84,7 +84,8 @@ def main():
         rollout = trainer.generate(sampler.next(), num_samples=group_size)  # each prompt's K samples adjacent
 
         # ---- reward, and the log-probs the loss compares with ----
-        rewards, correct, reward_stats = reward_fn(rollout.examples, rollout.completions)
+        with trainer.timer("reward"):
+            rewards, correct, reward_stats = reward_fn(rollout.examples, rollout.completions)
         ref_logp = trainer.logprobs(ref_model, rollout, sampling_mask=False)  # pi_ref (None when beta = 0)
         rollout_logp = trainer.logprobs(rollout_model, rollout)  # the sampler's, when it is a copy
 

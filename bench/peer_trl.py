@@ -76,7 +76,8 @@ def run_ours(spec):
         if step > 0:
             steps.append({"t": time.perf_counter(), "cpu": time.process_time(),
                           "completion_len": metrics["train/completion_len"],
-                          **{p: metrics.get(f"time/{p}_s", 0.0) for p in PHASES[:-1]}})
+                          **{p: metrics.get(f"time/{p}_s", 0.0) for p in PHASES[:-1]},
+                          "scoring": metrics.get("time/reward_s", 0.0) + metrics.get("time/scoring_s", 0.0)})
         return log(self, step, metrics, samples)
 
     run.MetricLogger.log = clocked_log
@@ -246,7 +247,8 @@ def table(setting, summaries, with_accuracy):
         for side in s:
             x = s[side]
             ratio = {key: "" if side != "ours" or "trl" not in s else
-                     f"**{x[key] / s['trl'][key]:.2f}** ({', '.join(f'{r:.2f}' for r in x['seed_ratios'][key])})"
+                     f"**{statistics.median(x['seed_ratios'][key]):.2f}** "
+                     f"({', '.join(f'{r:.2f}' for r in x['seed_ratios'][key])})"
                      for key in ("step", "cpu")}
             acc = " ".join(f"{a:.3f}" for a in x["accuracy"])
             acc = f"{statistics.mean(x['accuracy']):.3f} ({acc})" if with_accuracy else "–"
@@ -295,7 +297,8 @@ def main():
               "alternated.",
               f"Command: `{shlex.join(['python', 'bench/peer_trl.py', *sys.argv[1:]])}`",
               f"Times are medians over every timed step of every run (first {args.warmup} and last step of each run "
-              "left out); a ratio is ours / TRL's median, in brackets per seed. CPU s/step is the process's CPU "
+              "left out); per seed (a pair: the two sides back to back on the same prompts) the ratio of ours to "
+              "TRL's median, in brackets; in bold the median of those ratios. CPU s/step is the process's CPU "
               "time per step: with one thread per run it is the work done, which other processes on the machine do "
               "not inflate as they inflate the wall time."]
     sections, raw = [], {}

@@ -15,6 +15,7 @@ finite; one optimizer step. The log-probs it passes are support/fast.py's, prove
 common.token_logprobs. Around it: loading, sampling (`generate`), scoring (`logprobs`), and the end of a step
 (`end_step`: metrics, evaluation, learning-rate schedules, checkpoints).
 """
+import collections
 import os
 import sys
 from contextlib import ExitStack
@@ -37,13 +38,13 @@ def load_data(cfg, accelerator):
     return tokenizer, train_data, eval_data
 
 
-def load_models(cfg, accelerator, reference):
-    """The policy with its optimizer and schedule, prepared (DDP or DeepSpeed); the frozen reference (if
-    `reference`); the sampler's low-precision copy (--rollout_dtype, for the group methods; else None).
-    Every rank starts from the same weights."""
+def load_models(cfg, accelerator):
+    """The policy with its optimizer and schedule, prepared (DDP or DeepSpeed); the frozen reference when
+    there is a KL term to it (--beta > 0; else None); the sampler's low-precision copy (--rollout_dtype, in
+    the group methods; else None). Every rank starts from the same weights."""
     set_seed(cfg.seed)
     policy = models.load_model(cfg)
-    ref_model = models.load_reference(cfg, policy) if reference else None
+    ref_model = models.load_reference(cfg, policy) if getattr(cfg, "beta", 0) > 0 else None
     rollout_model = models.load_rollout_model(cfg, policy) if hasattr(cfg, "rollout_dtype") else None
     optimizer, scheduler = models.make_optimizer(policy, cfg)
     policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
@@ -113,6 +114,11 @@ def any_process(accelerator, flag):
     return bool(accelerator.reduce(torch.tensor(float(flag), device=accelerator.device), "sum") > 0)
 
 
+def mean_over_processes(accelerator, value):
+    """The mean of a scalar over the processes."""
+    return accelerator.reduce(torch.as_tensor(value, dtype=torch.float32, device=accelerator.device), "mean").item()
+
+
 def fewest(accelerator, n):
     """The smallest of the processes' values of the integer n."""
     return min(accelerator.gather(torch.tensor([n], device=accelerator.device)).tolist())
@@ -166,6 +172,8 @@ class Trainer:
         if self.start_step == 0:
             self.logger.log(0, tasks.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
         self.timer, self.generated, self.step = run.StepTimer(), 0, self.start_step + 1
+        # --rollout_lag k: (step, trainable weights) at the start of the last k + 1 steps; the oldest samples
+        self.past_weights = collections.deque(maxlen=getattr(cfg, "rollout_lag", 0) + 1)
         self.probe_prompts = [ex["prompt"] for ex in sampler.examples[:run.PROBE_PROMPTS]]
 
     def steps(self):
@@ -177,14 +185,21 @@ class Trainer:
     @torch.no_grad()
     def generate(self, examples, num_samples=1, greedy=False):
         """Sample num_samples completions of each example's prompt (or one greedy completion) with the
-        current policy, or with its --rollout_dtype copy synced to it. Rows: each example's samples adjacent."""
+        current policy, or with its copy (--rollout_dtype, --rollout_lag) synced to it: to the current weights, or
+        with --rollout_lag k to those of k steps ago (fewer in the first k steps, and in the first k after a
+        resume). Rows: each example's samples adjacent."""
         cfg, tokenizer = self.cfg, self.tokenizer
         with self.timer("generation"):
             prompt_ids, prompt_mask = tasks.tokenize_prompts(tokenizer, [ex["prompt"] for ex in examples],
                                                              self.accelerator.device)
             model = self.accelerator.unwrap_model(self.policy)
             if self.rollout_model is not None and not greedy:  # the sampler gets this step's weights, in its dtype
-                model = models.sync_rollout_model(self.rollout_model, model)
+                weights = None
+                if cfg.rollout_lag > 0:  # or those of k steps ago; saved once per step (DAPO samples in rounds)
+                    if not self.past_weights or self.past_weights[-1][0] != self.step:
+                        self.past_weights.append((self.step, models.trainable_weights(model, self.rollout_model.dtype)))
+                    weights = self.past_weights[0][1]
+                model = models.sync_rollout_model(self.rollout_model, model, weights)
             completion_ids = fast.generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=num_samples,
                                            greedy=greedy)
             k = len(completion_ids) // len(examples)
@@ -202,10 +217,18 @@ class Trainer:
             return None
         cfg, input_ids, attention_mask = self.cfg, rollout.input_ids, rollout.attention_mask
         sampling = {"top_k": cfg.top_k, "top_p": cfg.top_p} if sampling_mask else {}
-        with self.timer("logprobs"):
+        with self.timer("scoring"):
             return torch.cat([fast.token_logprobs(model, input_ids[mb], attention_mask[mb], rollout.mask.shape[1],
                                                   cfg.temperature, **sampling)
                               for mb in common.micro_batches(len(rollout), cfg.micro_batch_size)])
+
+    @torch.no_grad()
+    def values(self, critic, rollout):
+        """(B, T) values of the critic (PPO's ValueModel) before each completion token, in micro-batches."""
+        input_ids, attention_mask = rollout.input_ids, rollout.attention_mask
+        with self.timer("scoring"):
+            return torch.cat([critic(input_ids[mb], attention_mask[mb], rollout.mask.shape[1])
+                              for mb in common.micro_batches(len(rollout), self.cfg.micro_batch_size)])
 
     def update(self, loss_fn, rollout, loss_agg, rows=None, **batch):
         """One optimizer step on the loss `loss_fn(logp, **batch) -> (loss, stats)`, written for the whole
@@ -218,7 +241,8 @@ class Trainer:
         statistics (loss_fn's, combined as `combine` says; the weighted loss; entropy; each model's gradient
         norm before clipping) and the (B, T) log-probs, detached."""
         cfg, accelerator = self.cfg, self.accelerator
-        input_ids, attention_mask, mask, T = rollout.input_ids, rollout.attention_mask, rollout.mask, rollout.mask.shape[1]
+        input_ids, attention_mask, mask = rollout.input_ids, rollout.attention_mask, rollout.mask
+        T = mask.shape[1]
         index = torch.arange(len(rollout), device=mask.device) if rows is None else rows
         num_tokens = accelerator.reduce(mask[index].sum().float(), reduction="mean")  # per process, over every one
         micro_batches = common.micro_batches(len(index), cfg.micro_batch_size)
@@ -265,6 +289,8 @@ class Trainer:
             finite = run.finite_weights_and_logits(accelerator.unwrap_model(self.policy), self.tokenizer,
                                                    self.probe_prompts)
         metrics = {**metrics, "train/generated": self.generated, **self.timer.metrics()}
+        if hasattr(cfg, "rollout_lag"):  # the steps between the sampler's weights and the trainer's (group methods)
+            metrics["train/staleness"] = step - self.past_weights[0][0] if self.past_weights else 0
         self.generated = 0
         samples = []
         if rollout is not None:

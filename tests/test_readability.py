@@ -1,0 +1,92 @@
+"""The files read as a tutorial: each loop short and parallel to the others, the diff between two
+algorithm files the idea that separates them (with the counts the README prints), the math in
+common.py apart from the machinery, every file self-contained, one definition per constant."""
+import ast
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+ROOT = Path(ROOT)
+ALGORITHMS = ("remax", "rloo", "grpo", "dapo", "ppo")
+DIFF_BUDGET = {("remax", "rloo"): 120, ("rloo", "grpo"): 120, ("grpo", "dapo"): 180}
+MAIN_BUDGET = {"ppo": 120}  # the others: 100
+
+
+def changed_lines(a, b):
+    out = subprocess.run(["diff", f"{a}.py", f"{b}.py"], cwd=ROOT, capture_output=True, text=True).stdout
+    return sum(1 for line in out.splitlines() if line[:1] in "<>")
+
+
+def main_function(name):
+    tree = ast.parse((ROOT / f"{name}.py").read_text())
+    return next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main"), tree
+
+
+def local_imports(path):
+    """The project modules a file imports, at any depth (function-level imports included)."""
+    modules = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            modules.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            modules.add(node.module)
+            modules.update(f"{node.module}.{alias.name}" for alias in node.names)
+    local = {p.stem for p in ROOT.glob("*.py")} | {f"support.{p.stem}" for p in (ROOT / "support").glob("*.py")}
+    return {m for m in modules if m in local}
+
+
+def test_readme_prints_the_current_diff_counts_and_they_are_within_budget():
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"<!-- diff-counts -->\n```\n(.*?)```\n<!-- /diff-counts -->", readme, re.S).group(1)
+    printed = {tuple(m[:2]): int(m[2]) for m in re.findall(r"(\w+) -> (\w+): (\d+)", block)}
+    measured = {pair: changed_lines(*pair) for pair in DIFF_BUDGET}
+    assert printed == measured
+    for pair, budget in DIFF_BUDGET.items():
+        assert measured[pair] <= budget, f"diff {pair[0]}.py {pair[1]}.py changes {measured[pair]} lines"
+
+
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_main_is_short_and_calls_each_loss_once(name):
+    main, tree = main_function(name)
+    assert main.end_lineno - main.lineno + 1 <= MAIN_BUDGET.get(name, 100)
+    losses = [n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.endswith("_loss")]
+    calls = [n.func.id for n in ast.walk(main) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
+    assert losses and all(calls.count(loss) == 1 for loss in losses), (losses, calls)
+
+
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_an_algorithm_file_imports_no_other_algorithm_file(name):
+    assert not local_imports(ROOT / f"{name}.py") & set(ALGORITHMS)
+
+
+def test_common_is_the_math_alone():
+    source = (ROOT / "common.py").read_text()
+    assert local_imports(ROOT / "common.py") == set()
+    assert len(source.splitlines()) <= 350
+    assert not re.search(r"past_key_values|cache", source)  # the key-value cache lives in support/fast.py
+
+
+def test_support_has_no_import_cycle():
+    graph = {p.stem: {m.split(".")[1] for m in local_imports(p) if m.startswith("support.")}
+             for p in (ROOT / "support").glob("*.py")}
+
+    def reaches(start, target, seen=()):
+        return any(n == target or (n not in seen and reaches(n, target, seen + (n,))) for n in graph.get(start, ()))
+    assert not [module for module in graph if reaches(module, module)]
+
+
+def test_each_constant_is_defined_once():
+    files = [ROOT / "common.py", *(ROOT / "support").glob("*.py"), *(ROOT / f"{a}.py" for a in ALGORITHMS)]
+    where = {}
+    for path in files:
+        for node in ast.parse(path.read_text()).body:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, ast.AnnAssign) else []
+            for target in targets:
+                for name in [t.id for t in ast.walk(target) if isinstance(t, ast.Name) and t.id.isupper()]:
+                    where.setdefault(name, []).append(path.name)
+    assert {name: paths for name, paths in where.items() if len(paths) > 1} == {}
