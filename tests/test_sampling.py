@@ -1,14 +1,15 @@
-"""What is sampled is what is scored: common.generate samples from exactly the distribution that
-common.token_logprobs scores (temperature, top-k, top-p), whatever the checkpoint's own
-generation_config.json says, and in generate calls of any size."""
+"""What is sampled is what is scored: generate samples from exactly the distribution that
+token_logprobs scores (temperature, top-k, top-p), whatever the checkpoint's own
+generation_config.json says, and in generate calls of any size. Each property holds for the
+definitions (common.py) and for the fast paths the loops run (support/fast.py)."""
 from dataclasses import dataclass
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import common
-from support import config, tasks
+from support import config, fast, tasks
 
 
 @dataclass
@@ -30,9 +31,12 @@ def load():
     return model, tokenizer, prompt_ids, prompt_mask
 
 
-def sample(model, tokenizer, prompt_ids, prompt_mask, cfg, seed=0, num_samples=4):
+PATHS = pytest.mark.parametrize("path", [common, fast], ids=["common", "fast"])
+
+
+def sample(path, model, tokenizer, prompt_ids, prompt_mask, cfg, seed=0, num_samples=4):
     torch.manual_seed(seed)
-    return common.generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=num_samples)
+    return path.generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=num_samples)
 
 
 def make_hostile(model):
@@ -44,21 +48,23 @@ def make_hostile(model):
     model.generation_config.temperature = 0.3
 
 
-def test_the_checkpoints_generation_config_does_not_change_the_samples():
+@PATHS
+def test_the_checkpoints_generation_config_does_not_change_the_samples(path):
     model, tokenizer, prompt_ids, prompt_mask = load()
     cfg = Sampling()
-    clean = sample(model, tokenizer, prompt_ids, prompt_mask, cfg)
+    clean = sample(path, model, tokenizer, prompt_ids, prompt_mask, cfg)
     make_hostile(model)
     torch.manual_seed(0)  # the hostile settings do change samples when generate() is left to read them
     leaked = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, do_sample=True, max_new_tokens=6,
                             num_return_sequences=4, pad_token_id=tokenizer.pad_token_id)[:, prompt_ids.shape[1]:]
     assert leaked.shape != clean.shape or not torch.equal(leaked, clean)
-    assert torch.equal(sample(model, tokenizer, prompt_ids, prompt_mask, cfg), clean)
+    assert torch.equal(sample(path, model, tokenizer, prompt_ids, prompt_mask, cfg), clean)
     assert model.generation_config.repetition_penalty == 1.3  # set aside for the call, then restored
 
 
+@PATHS
 @pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (5, 1.0), (0, 0.8), (6, 0.9)])
-def test_the_samplers_processed_scores_are_the_scored_logprobs(top_k, top_p):
+def test_the_samplers_processed_scores_are_the_scored_logprobs(path, top_k, top_p):
     """generate's own processed scores (output_scores: logits after temperature, top-k and top-p), as
     log-probs of the sampled tokens, equal token_logprobs at the sampling temperature with the same
     truncation, to 1e-5 in fp32, with a hostile checkpoint generation config on the model."""
@@ -68,7 +74,7 @@ def test_the_samplers_processed_scores_are_the_scored_logprobs(top_k, top_p):
     captured = {}
     hf_generate = model.generate
 
-    def generate_with_scores(**kwargs):  # the call common.generate makes, asked for its scores too
+    def generate_with_scores(**kwargs):  # the call path.generate makes, asked for its scores too
         kwargs["generation_config"].output_scores = True
         kwargs["generation_config"].return_dict_in_generate = True
         out = hf_generate(**kwargs)
@@ -76,66 +82,38 @@ def test_the_samplers_processed_scores_are_the_scored_logprobs(top_k, top_p):
         return out.sequences
 
     model.generate = generate_with_scores
-    completion_ids = sample(model, tokenizer, prompt_ids, prompt_mask, cfg)
+    completion_ids = sample(path, model, tokenizer, prompt_ids, prompt_mask, cfg)
     mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
     sampler_logp = torch.log_softmax(captured["scores"].float(), -1).gather(-1, completion_ids[..., None])[..., 0]
     prompt_ids, prompt_mask = prompt_ids.repeat_interleave(4, 0), prompt_mask.repeat_interleave(4, 0)
-    scored = common.token_logprobs(model, torch.cat([prompt_ids, completion_ids], 1),
-                                   torch.cat([prompt_mask, mask], 1), completion_ids.shape[1], cfg.temperature,
-                                   top_k=top_k, top_p=top_p)
+    scored = path.token_logprobs(model, torch.cat([prompt_ids, completion_ids], 1),
+                                 torch.cat([prompt_mask, mask], 1), completion_ids.shape[1], cfg.temperature,
+                                 top_k=top_k, top_p=top_p)
     assert mask.sum() > 20
     torch.testing.assert_close(scored[mask.bool()], sampler_logp[mask.bool()], rtol=0, atol=1e-5)
 
 
-def test_samples_continuing_one_pass_over_their_prompt_are_generates_own_num_return_sequences():
-    """common.generate runs each prompt once and gives its K samples copies of its keys and values;
-    transformers' num_return_sequences runs the prompt K times. From the same seed the draws are the same
-    and so are the sampler's processed scores (to 1e-5): row i continues prompt i // K, at its positions."""
-    model, tokenizer, prompt_ids, prompt_mask = load()
-    cfg = Sampling(top_k=6, top_p=0.9)
-    captured = []
-    hf_generate = model.generate
-
-    def generate_with_scores(**kwargs):
-        kwargs["generation_config"].output_scores = True
-        kwargs["generation_config"].return_dict_in_generate = True
-        out = hf_generate(**kwargs)
-        captured.append(torch.stack(out.scores, dim=1))
-        return out.sequences
-
-    model.generate = generate_with_scores
-    shared = sample(model, tokenizer, prompt_ids, prompt_mask, cfg, seed=0, num_samples=4)
-    model.generation_config = GenerationConfig()
-    gen = GenerationConfig(do_sample=True, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p,
-                           max_new_tokens=cfg.max_new_tokens, num_return_sequences=4, output_scores=True,
-                           return_dict_in_generate=True, pad_token_id=tokenizer.pad_token_id,
-                           eos_token_id=tokenizer.eos_token_id)
-    torch.manual_seed(0)
-    plain = hf_generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen)
-    assert prompt_mask.sum(1).unique().numel() > 1  # left padding of more than one width
-    assert torch.equal(shared, plain.sequences[:, prompt_ids.shape[1]:])
-    torch.testing.assert_close(captured[0], torch.stack(plain.scores, dim=1), rtol=0, atol=1e-5)
-
-
-def test_generation_in_calls_of_any_size_returns_the_same_completions():
+@PATHS
+def test_generation_in_calls_of_any_size_returns_the_same_completions(path):
     """Greedy decoding is deterministic, so chunked calls (3 sequences a call here, 2 prompts of 1 sample:
     widths differ where a call's completions all end early) must give exactly the one-call result."""
     model, tokenizer, prompt_ids, prompt_mask = load()
-    whole = common.generate(model, tokenizer, prompt_ids, prompt_mask, Sampling(), greedy=True)
-    chunked = common.generate(model, tokenizer, prompt_ids, prompt_mask, Sampling(generation_batch_size=3),
-                              greedy=True)
+    whole = path.generate(model, tokenizer, prompt_ids, prompt_mask, Sampling(), greedy=True)
+    chunked = path.generate(model, tokenizer, prompt_ids, prompt_mask, Sampling(generation_batch_size=3),
+                            greedy=True)
     mask = common.completion_mask(whole, tokenizer.eos_token_id)
     assert torch.equal(common.completion_mask(chunked, tokenizer.eos_token_id), mask)
     assert torch.equal(chunked[mask.bool()], whole[mask.bool()])
 
 
-def test_sampled_groups_stay_adjacent_in_chunked_generation():
+@PATHS
+def test_sampled_groups_stay_adjacent_in_chunked_generation(path):
     """num_samples per prompt, 2 prompts per call of 8 sequences: each prompt's 4 samples are adjacent
     and drawn for that prompt (an answer to 12+3 never follows 99-45's prompt)."""
     model, tokenizer, prompt_ids, prompt_mask = load()
-    completion_ids = sample(model, tokenizer, prompt_ids, prompt_mask, Sampling(temperature=0.01,
-                                                                               generation_batch_size=8))
-    greedy = common.generate(model, tokenizer, prompt_ids, prompt_mask, Sampling(), greedy=True)
+    completion_ids = sample(path, model, tokenizer, prompt_ids, prompt_mask, Sampling(temperature=0.01,
+                                                                                     generation_batch_size=8))
+    greedy = path.generate(model, tokenizer, prompt_ids, prompt_mask, Sampling(), greedy=True)
     assert completion_ids.shape[0] == 16
     for i in range(len(PROMPTS)):  # at temperature 0.01 every sample of prompt i is its greedy completion
         group = completion_ids[4 * i:4 * (i + 1)]

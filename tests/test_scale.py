@@ -13,7 +13,7 @@ from accelerate import Accelerator
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import common
-from support import config, models, tasks
+from support import config, fast, models, tasks
 from support.run import Checkpointer, read_metrics
 from conftest import ROOT
 
@@ -160,15 +160,17 @@ def test_lora_run_saves_the_adapter_and_merges_on_request(tmp_path):
     assert max((a - b).abs().max().item() for a, b in zip(merged.parameters(), base.parameters())) > 0
 
 
-def test_logprobs_are_fp32_under_bf16_autocast():
+@pytest.mark.parametrize("path", [common, fast], ids=["common", "fast"])
+def test_logprobs_are_fp32_under_bf16_autocast(path):
     """Under bf16 autocast the logits come out in bfloat16; the log-softmax must then be taken in
     float32. A dtype check alone passes for a bf16 log-softmax cast at the end (`.float()` last),
     so compare the values: they match the fp32 log-softmax of the same bf16 logits to 1e-6, while
-    a bf16 log-softmax is off by more than 1e-3 (bf16 keeps 8 bits of mantissa)."""
+    a bf16 log-softmax is off by more than 1e-3 (bf16 keeps 8 bits of mantissa). The definition
+    (common.py) and the fast path (support/fast.py) alike."""
     model = AutoModelForCausalLM.from_pretrained(config.EMBEDDED_MODEL)
     ids, mask = torch.tensor([[4, 5, 13, 6, 16, 7, 9, 12]]), torch.ones(1, 8, dtype=torch.long)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        logp = common.token_logprobs(model, ids, mask, 5, temperature=0.7)
+        logp = path.token_logprobs(model, ids, mask, 5, temperature=0.7)
         logits = model(input_ids=ids, attention_mask=mask).logits[:, -6:-1]
     assert logits.dtype == torch.bfloat16 and logp.dtype == torch.float32
     targets = ids[:, -5:, None]

@@ -13,7 +13,7 @@ import common
 import dapo
 import grpo
 import rloo
-from support import config, models, tasks
+from support import config, fast, models, tasks
 from support.run import read_metrics
 
 F64 = torch.float64
@@ -85,9 +85,11 @@ def test_sampling_mask_matches_the_transformers_warpers(top_k, top_p):
     assert torch.equal(common.sampling_mask(logits, top_k, top_p), expected)
 
 
-def test_token_logprobs_with_top_k_and_top_p_are_the_samplers_processed_scores():
+@pytest.mark.parametrize("path", [common, fast], ids=["common", "fast"])
+def test_token_logprobs_with_top_k_and_top_p_are_the_samplers_processed_scores(path):
     """generate(output_scores=True) returns the scores after temperature, top-k and top-p: the
-    distribution each token was drawn from. token_logprobs must score that one, not the full softmax."""
+    distribution each token was drawn from. token_logprobs (the definition and the fast path) must score
+    that one, not the full softmax."""
     tok = AutoTokenizer.from_pretrained(config.EMBEDDED_MODEL, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(config.EMBEDDED_MODEL).eval()
     prompt_ids, prompt_mask = tasks.tokenize_prompts(tok, ["1+2=", "123+456=", "99*9="], "cpu")
@@ -101,10 +103,10 @@ def test_token_logprobs_with_top_k_and_top_p_are_the_samplers_processed_scores()
     sampled = torch.stack([torch.log_softmax(s.float(), -1) for s in out.scores], 1)
     sampled = sampled.gather(-1, completion[..., None]).squeeze(-1)
     attention_mask = torch.cat([prompt_mask.repeat_interleave(4, 0), mask.long()], 1)
-    logp, entropy = common.token_logprobs(model, out.sequences, attention_mask, completion.shape[1], T,
-                                          with_entropy=True, top_k=top_k, top_p=top_p)
+    logp, entropy = path.token_logprobs(model, out.sequences, attention_mask, completion.shape[1], T,
+                                        with_entropy=True, top_k=top_k, top_p=top_p)
     torch.testing.assert_close(logp[mask], sampled[mask], atol=1e-4, rtol=0)
-    full = common.token_logprobs(model, out.sequences, attention_mask, completion.shape[1], T)
+    full = path.token_logprobs(model, out.sequences, attention_mask, completion.shape[1], T)
     assert (logp[mask] - full[mask]).max() > 0.05  # the mask matters: renormalising raises each log-prob
     assert torch.isfinite(entropy).all() and (entropy[mask] <= torch.log(torch.tensor(top_k)) + 1e-5).all()
 
