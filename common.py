@@ -271,7 +271,7 @@ def token_logprobs(model, input_ids, attention_mask, num_completion_tokens, temp
     """
     c = num_completion_tokens
     logits = model(input_ids=input_ids, attention_mask=attention_mask,
-                   position_ids=position_ids_from_mask(attention_mask), use_cache=False).logits  # (B, T, V)
+                   position_ids=position_ids_from_mask(attention_mask)).logits  # (B, T, V)
     logits = logits[:, -c - 1:-1].float() / temperature  # (B, C, V): position t predicts token t + 1
     targets = input_ids[:, -c:, None]  # (B, C, 1)
     if top_k > 0 or top_p < 1.0:
