@@ -5,11 +5,12 @@
     python classroom/make_student_copy.py --tests      # node ids of the grading tests, for pytest
 
 The reference marks the computing body of each exercise function with two comment lines,
-`# BEGIN SOLUTION` and `# END SOLUTION`. In the copy that region becomes its `# HINT:` lines
-(the equation to implement, in the code's names, and the shapes) followed by
-`raise NotImplementedError("implement <function> ...")`. The files in TEACHER_ONLY (the wrong
-versions of each exercise, which hold pieces of the solutions, and their test) are left out;
-everything else is copied as is.
+`# BEGIN SOLUTION` and `# END SOLUTION`. In the copy that region becomes the first-level hint of
+classroom/hint.py as `# HINT:` lines (what to compute, where the equation is, the shapes, the traps)
+followed by `raise NotImplementedError("implement <function> ...")`. The teacher's files (the
+grader, its hidden tests, the wrong versions of each exercise and their test, the mutation run)
+are left out, and docs/classroom.md stops where its teacher's part begins; everything else is
+copied as is.
 """
 import argparse
 import ast
@@ -20,66 +21,74 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-BEGIN, END, HINT = "# BEGIN SOLUTION", "# END SOLUTION", "# HINT:"
-SKIP_DIRS = {".git", ".venv", "venv", "runs", "__pycache__", ".pytest_cache"}
-TEACHER_ONLY = {"classroom/wrong_answers.py", "tests/test_grading.py"}
+sys.path.insert(0, str(ROOT / "classroom"))
+from hint import HINTS  # noqa: E402
 
-# "file::function" -> (difficulty 1-3, test file, the tests in it that grade the function).
+BEGIN, END, HINT = "# BEGIN SOLUTION", "# END SOLUTION", "# HINT:"
+SKIP_DIRS = {".git", ".venv", "venv", "runs", "__pycache__", ".pytest_cache", "mutants"}
+# The teacher's files: the grader and its hidden tests, the wrong versions of each exercise (pieces
+# of the solutions) and their test, the mutation run. A path ending in "/" is a folder.
+TEACHER_ONLY = {"classroom/wrong_answers.py", "classroom/grade.py", "classroom/mutation.py",
+                "classroom/teacher_tests/", "tests/test_grading.py"}
+TEACHER_PART = "<!-- The student copy ends this page here: below is for teachers. -->"
+TEACHER_PAGE = "docs/classroom.md"
+
+# "file::function" -> (test file, the tests in it that the student sees), before the stars are added.
 # A test also runs whatever the function calls, so the order below is the order to solve them in.
-EXERCISES = {
-    "common.py::kl_k1": (1, "tests/test_kl.py", [
+VISIBLE_TESTS = {
+    "common.py::kl_k1": ("tests/test_kl.py", [
         "test_k1_and_k3_are_unbiased_for_reverse_kl", "test_k3_is_nonnegative_per_sample_and_k1_is_not",
         "test_k1_loss_gradient_is_zero", "test_k1_reward_penalty_gradient_is_reverse_kl",
         "test_estimators_hand_computed_values"]),
-    "common.py::kl_k2": (1, "tests/test_kl.py", [
+    "common.py::kl_k2": ("tests/test_kl.py", [
         "test_k2_is_biased_at_third_order", "test_k2_loss_gradient_is_reverse_kl",
         "test_k2_and_k3_reward_penalties_give_wrong_gradients", "test_estimators_hand_computed_values"]),
-    "common.py::kl_k3": (1, "tests/test_kl.py", [
+    "common.py::kl_k3": ("tests/test_kl.py", [
         "test_k1_and_k3_are_unbiased_for_reverse_kl", "test_k3_is_nonnegative_per_sample_and_k1_is_not",
         "test_k3_loss_gradient_is_forward_kl", "test_k2_and_k3_reward_penalties_give_wrong_gradients",
         "test_estimators_hand_computed_values"]),
-    "common.py::kl_penalty": (2, "tests/test_kl.py", [
+    "common.py::kl_penalty": ("tests/test_kl.py", [
         "test_kl_penalty_with_the_ratio_in_the_graph_gives_the_reverse_kl_gradient_off_policy",
         "test_ratio_weighted_k3_on_a_sequence_is_the_per_state_reverse_kl_over_the_samplers_states",
         "test_kl_is_weight_on_policy_gives_k3_the_gradient_of_k2"]),
-    "common.py::masked_sum": (1, "tests/test_common.py", [
+    "common.py::masked_sum": ("tests/test_common.py", [
         "test_masked_sum_and_mean_ignore_masked_values_even_nan"]),
-    "common.py::masked_mean": (1, "tests/test_common.py", [
+    "common.py::masked_mean": ("tests/test_common.py", [
         "test_masked_sum_and_mean_ignore_masked_values_even_nan", "test_masked_mean_of_empty_row_is_zero"]),
-    "common.py::masked_whiten": (2, "tests/test_common.py", [
+    "common.py::masked_whiten": ("tests/test_common.py", [
         "test_masked_whiten_has_zero_mean_unit_std_on_mask_and_zero_off_it"]),
-    "common.py::completion_mask": (2, "tests/test_common.py", [
+    "common.py::completion_mask": ("tests/test_common.py", [
         "test_completion_mask_keeps_first_eos_and_drops_the_rest"]),
-    "common.py::aggregate_loss": (2, "tests/test_common.py", [
+    "common.py::aggregate_loss": ("tests/test_common.py", [
         "test_aggregate_loss_modes_hand_computed", "test_aggregate_loss_rejects_unknown_mode"]),
-    "common.py::reward_to_go": (2, "tests/test_common.py", ["test_reward_to_go_sums_future_masked_values"]),
-    "common.py::truncated_is_weight": (1, "tests/test_stability.py", [
+    "common.py::reward_to_go": ("tests/test_common.py", ["test_reward_to_go_sums_future_masked_values"]),
+    "common.py::truncated_is_weight": ("tests/test_stability.py", [
         "test_truncated_is_weight_is_the_capped_detached_ratio"]),
-    "common.py::geometric_sequence_mask": (2, "tests/test_stability.py", [
+    "common.py::geometric_sequence_mask": ("tests/test_stability.py", [
         "test_geometric_sequence_mask_uses_the_mean_log_ratio_over_valid_tokens_and_spares_a_positive_advantage",
         "test_geometric_mask_in_rollout_correction_plays_pi_old_with_the_samplers_log_probs"]),
-    "remax.py::remax_advantages": (1, "tests/test_remax.py", [
+    "remax.py::remax_advantages": ("tests/test_remax.py", [
         "test_remax_advantage_subtracts_the_greedy_reward",
         "test_remax_advantage_is_invariant_to_a_per_prompt_reward_offset"]),
-    "remax.py::remax_loss": (2, "tests/test_remax.py", [
+    "remax.py::remax_loss": ("tests/test_remax.py", [
         "test_remax_loss_returns_fold_kl_reward_to_go",
         "test_remax_loss_gradient_is_reinforce_with_baseline",
         "test_remax_loss_does_not_backpropagate_through_the_return",
         "test_remax_loss_seq_mean_token_sum_norm_divides_by_max_len_not_the_batch_width"]),
-    "rloo.py::rloo_advantages": (1, "tests/test_rloo.py", [
+    "rloo.py::rloo_advantages": ("tests/test_rloo.py", [
         "test_rloo_advantage_is_reward_minus_mean_of_the_others",
         "test_rloo_equals_k_over_k_minus_1_times_reward_minus_mean",
         "test_rloo_with_two_samples_is_the_reward_difference", "test_all_equal_group_gives_zero_advantage",
         "test_rloo_advantage_is_invariant_to_a_per_prompt_reward_offset"]),
-    "rloo.py::rloo_loss": (1, "tests/test_rloo.py", [
+    "rloo.py::rloo_loss": ("tests/test_rloo.py", [
         "test_rloo_loss_treats_the_whole_sequence_as_one_action",
         "test_rloo_loss_does_not_backpropagate_into_the_advantage",
         "test_rloo_loss_pg_weight_scales_each_tokens_log_prob"]),
-    "grpo.py::grpo_advantages": (2, "tests/test_grpo.py", [
+    "grpo.py::grpo_advantages": ("tests/test_grpo.py", [
         "test_group_advantage_uses_bessel_std_and_eps", "test_group_advantage_eps_keeps_a_tiny_std_finite",
         "test_all_equal_group_gives_exactly_zero_advantage", "test_scale_rewards_group_batch_none",
         "test_group_std_removes_each_prompts_reward_scale"]),
-    "grpo.py::grpo_loss": (3, "tests/test_grpo.py", [
+    "grpo.py::grpo_loss": ("tests/test_grpo.py", [
         "test_clip_gradient_is_zero_exactly_on_the_clipped_side",
         "test_clip_loss_is_the_pessimistic_bound_of_the_unclipped_surrogate",
         "test_with_one_iteration_ratio_is_one_and_gradient_is_the_policy_gradient",
@@ -87,60 +96,66 @@ EXERCISES = {
         "test_kl_estimator_k2_and_k3_with_the_ratio_weight_give_the_k2_gradient",
         "test_dual_clip_bounds_the_loss_of_a_negative_advantage_token",
         "test_pg_weight_multiplies_the_surrogate_and_not_the_kl_term"]),
-    "dapo.py::dynamic_sampling_filter": (1, "tests/test_dapo.py", [
+    "dapo.py::dynamic_sampling_filter": ("tests/test_dapo.py", [
         "test_dynamic_sampling_keeps_only_groups_with_mixed_correctness",
         "test_dynamic_sampling_drops_uniform_groups_of_any_size"]),
-    "dapo.py::overlong_penalty": (2, "tests/test_dapo.py", [
+    "dapo.py::overlong_penalty": ("tests/test_dapo.py", [
         "test_overlong_penalty_check_values_from_the_paper",
         "test_overlong_penalty_default_spares_every_right_answer",
         "test_overlong_penalty_with_no_cache_only_punishes_past_max_len"]),
-    "dapo.py::dapo_loss": (2, "tests/test_dapo.py", [
+    "dapo.py::dapo_loss": ("tests/test_dapo.py", [
         "test_clip_higher_bounds", "test_clip_higher_is_asymmetric",
         "test_dapo_loss_is_a_token_mean_over_the_batch", "test_dual_clip_and_pg_weight"]),
-    "ppo.py::gae": (3, "tests/test_ppo.py", [
+    "ppo.py::gae": ("tests/test_ppo.py", [
         "test_gae_hand_computed_values", "test_gae_satisfies_its_recursion_on_every_valid_token",
         "test_gae_with_gamma_and_lambda_one_is_reward_to_go_minus_value",
         "test_gae_with_lambda_zero_is_the_one_step_td_error",
         "test_gae_padding_does_not_change_valid_advantages_and_gets_zero",
         "test_gae_last_valid_token_bootstraps_from_zero", "test_gae_takes_one_lambda_per_sequence"]),
-    "ppo.py::decoupled_gae": (1, "tests/test_ppo.py", [
+    "ppo.py::decoupled_gae": ("tests/test_ppo.py", [
         "test_decoupled_gae_takes_advantages_with_the_policy_lambda_and_targets_with_the_critics"]),
-    "ppo.py::length_adaptive_lam": (1, "tests/test_ppo.py", [
+    "ppo.py::length_adaptive_lam": ("tests/test_ppo.py", [
         "test_length_adaptive_lambda_is_one_minus_one_over_alpha_length_clamped_at_zero"]),
-    "ppo.py::ppo_policy_loss": (2, "tests/test_ppo.py", [
+    "ppo.py::ppo_policy_loss": ("tests/test_ppo.py", [
         "test_policy_loss_on_policy_gradient_is_the_policy_gradient",
         "test_policy_loss_gradient_is_zero_exactly_where_clipped",
         "test_policy_loss_is_the_pessimistic_bound_of_the_unclipped_surrogate",
         "test_policy_loss_masks_padding_and_reports_the_ratio_kl",
         "test_dual_clip_caps_the_loss_of_a_negative_advantage_token_with_a_large_ratio"]),
-    "ppo.py::ppo_value_loss": (2, "tests/test_ppo.py", [
+    "ppo.py::ppo_value_loss": ("tests/test_ppo.py", [
         "test_value_loss_inside_the_clip_is_half_squared_error",
         "test_value_clip_stops_a_move_past_the_clip_towards_the_return",
         "test_value_clip_never_stops_a_move_back_towards_the_return",
         "test_value_loss_is_a_token_mean_over_the_mask"]),
-    "toy_bandit.py::gradient_variance": (3, "tests/test_toy_bandit.py", [
+    "toy_bandit.py::gradient_variance": ("tests/test_toy_bandit.py", [
         "test_two_arm_check_values", "test_mean_baseline_is_4x_none_for_symmetric_rewards",
         "test_dayan_mean_baseline_is_worse_than_none_exactly_for_p_above_two_thirds",
         "test_greedy_beats_none_for_rewards_2_1_and_loses_for_rewards_1_0_once_p_above_half",
         "test_two_arm_variance_is_quadratic_around_b_star", "test_optimal_baseline_is_argmin_of_variance",
         "test_closed_form_matches_monte_carlo"]),
-    "toy_bandit.py::optimal_baseline": (2, "tests/test_toy_bandit.py", [
+    "toy_bandit.py::optimal_baseline": ("tests/test_toy_bandit.py", [
         "test_optimal_baseline_is_argmin_of_variance", "test_optimal_baseline_with_zero_mean_reward",
         "test_optimal_baseline_is_shift_and_scale_equivariant"]),
-    "toy_bandit.py::two_arm_baselines": (1, "tests/test_toy_bandit.py", [
+    "toy_bandit.py::two_arm_baselines": ("tests/test_toy_bandit.py", [
         "test_two_arm_check_values", "test_mean_baseline_is_4x_none_for_symmetric_rewards",
         "test_dayan_mean_baseline_is_worse_than_none_exactly_for_p_above_two_thirds",
         "test_greedy_beats_none_for_rewards_2_1_and_loses_for_rewards_1_0_once_p_above_half",
         "test_greedy_tie_break_goes_to_lowest_index"]),
-    "toy_bandit.py::softmax_gradient_variance": (3, "tests/test_toy_bandit.py", [
+    "toy_bandit.py::softmax_gradient_variance": ("tests/test_toy_bandit.py", [
         "test_k_arm_check_values", "test_k_arm_variance_is_quadratic_around_b_star",
         "test_k_arm_optimal_baseline_is_argmin_of_variance", "test_closed_form_matches_monte_carlo"]),
-    "toy_bandit.py::softmax_optimal_baseline": (2, "tests/test_toy_bandit.py", [
+    "toy_bandit.py::softmax_optimal_baseline": ("tests/test_toy_bandit.py", [
         "test_k_arm_optimal_baseline_is_argmin_of_variance", "test_optimal_baseline_with_zero_mean_reward",
         "test_optimal_baseline_is_shift_and_scale_equivariant"]),
-    "toy_bandit.py::softmax_baselines": (1, "tests/test_toy_bandit.py", [
+    "toy_bandit.py::softmax_baselines": ("tests/test_toy_bandit.py", [
         "test_k_arm_check_values", "test_greedy_tie_break_goes_to_lowest_index"]),
 }
+# "file::function" -> (stars 1-3 from classroom/hint.py, test file, tests)
+EXERCISES = {key: (HINTS[key.split("::")[1]].stars, *tests) for key, tests in VISIBLE_TESTS.items()}
+
+
+def teacher_only(rel):
+    return any(rel == t or (t.endswith("/") and rel.startswith(t)) for t in TEACHER_ONLY)
 
 
 def project_files(src):
@@ -183,11 +198,18 @@ def regions(text):
     return result
 
 
+def hint_lines(function, indent):
+    """The first-level hint of classroom/hint.py as `# HINT:` lines."""
+    if function not in HINTS:
+        return []
+    return [f"{indent}{HINT} {line}\n" for line in HINTS[function].first_level(function)]
+
+
 def blank(text, name="<file>"):
     """The student version of a source file: each marked region replaced by its hints and a raise."""
     lines = text.splitlines(keepends=True)
     for start, end, indent, function, _ in reversed(regions(text)):
-        hints = [line for line in lines[start + 1:end] if line.strip().startswith(HINT)]
+        hints = hint_lines(function, indent)
         message = f"implement {function} (the {HINT} lines above)" if hints else f"implement {function}"
         lines[start:end + 1] = hints + [f"{indent}raise NotImplementedError({json.dumps(message)})\n"]
     student = "".join(lines)
@@ -211,7 +233,7 @@ def grading_tests():
 
 
 def table():
-    rows = ["| Exercise | File | Difficulty | Tests that grade it |", "|---|---|---|---|"]
+    rows = ["| Exercise | File | Difficulty | Tests you can run |", "|---|---|---|---|"]
     for key, (difficulty, test_file, names) in EXERCISES.items():
         file, function = key.split("::")
         tests = f"`{Path(test_file).name}`: " + ", ".join(f"`{name}`" for name in names)
@@ -227,12 +249,14 @@ def write_copy(src, out):
     if missing:
         print(f"warning: marked but not in EXERCISES (no tests listed): {', '.join(missing)}", file=sys.stderr)
     for rel in project_files(src):
-        if rel in TEACHER_ONLY:
+        if teacher_only(rel):
             continue
         source, target = src / rel, out / rel
         target.parent.mkdir(parents=True, exist_ok=True)
-        text = source.read_bytes().decode("utf-8") if rel.endswith(".py") else ""
-        if BEGIN in text:
+        text = source.read_bytes().decode("utf-8") if rel.endswith(".py") or rel == TEACHER_PAGE else ""
+        if rel == TEACHER_PAGE and TEACHER_PART in text:
+            target.write_bytes(text[:text.index(TEACHER_PART)].rstrip("\n").encode("utf-8") + b"\n")
+        elif BEGIN in text:
             target.write_bytes(blank(text, rel).encode("utf-8"))
             shutil.copymode(source, target)
         else:
@@ -243,7 +267,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out_dir", nargs="?", help="Where to write the student copy (outside this project).")
     parser.add_argument("--list", action="store_true", help="Print the exercise table (markdown) and exit.")
-    parser.add_argument("--tests", action="store_true", help="Print the node ids of the grading tests and exit.")
+    parser.add_argument("--tests", action="store_true", help="Print the node ids of the visible tests and exit.")
     args = parser.parse_args()
     if args.list or args.tests:
         print(table() if args.list else "\n".join(grading_tests()))
@@ -253,8 +277,9 @@ def main():
     out = Path(args.out_dir).resolve()
     write_copy(ROOT, out)
     print(table())
-    print(f"\nWrote the student copy to {out}. Grade it with:\n"
-          f"  cd {out} && python -m pytest -v --tb=line $(python classroom/make_student_copy.py --tests)")
+    print(f"\nWrote the student copy to {out}. A student checks the work with:\n"
+          f"  cd {out} && python -m pytest -v --tb=line $(python classroom/make_student_copy.py --tests)\n"
+          f"and the teacher grades it, from this repository, with:\n  python classroom/grade.py {out}")
 
 
 if __name__ == "__main__":

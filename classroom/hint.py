@@ -1,0 +1,320 @@
+"""Hints for the exercises, in two levels.
+
+    python classroom/hint.py NAME        # the step-by-step for one exercise (the second level)
+    python classroom/hint.py --list      # every exercise with its stars and first-level hint
+
+The first level is what the student copy shows in place of each solution (`# HINT:` lines): what to
+compute, where docs/algorithms.md gives the equation, the shapes, and the traps to think about,
+never the code. The second level, printed on request, walks through the computation step by step.
+
+The stars are counted from the first level, not guessed: one star for the computation, one more when
+it has a trap (a mask, NaN in the padding, an off-by-one, a detach, a tie), one more when it needs a
+derivation or a loop to get right (`work` below). make_student_copy.py checks that its table agrees.
+"""
+import argparse
+import sys
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Hint:
+    compute: str  # what to compute, in words
+    where: str  # the section of docs/algorithms.md (or the docstring) with the equation
+    shapes: str
+    traps: list = field(default_factory=list)  # what a plausible wrong answer gets wrong
+    work: str = ""  # a derivation or a loop the exercise asks for, if any
+    steps: list = field(default_factory=list)  # the second level: step by step
+
+    @property
+    def stars(self):
+        return 1 + bool(self.traps) + bool(self.work)
+
+    def first_level(self, name):
+        """The `# HINT:` lines of the student copy (without the prefix)."""
+        lines = [f"compute {self.compute}.", f"equation: {self.where}.", f"shapes: {self.shapes}."]
+        lines += [f"think about: {trap}." for trap in self.traps]
+        if self.work:
+            lines.append(f"the work: {self.work}.")
+        lines.append(f"stuck? python classroom/hint.py {name} gives the steps.")
+        return lines
+
+
+KL = "docs/algorithms.md, KL estimators"
+MASKS = "docs/algorithms.md, Notation and sign conventions"
+STATS_TRAP = "the statistics average over the completion's tokens only; padding may hold anything, NaN included"
+
+HINTS = {
+    "kl_k1": Hint(
+        "the k1 estimate of KL(pi || ref) for each token, from the two log-probs", KL,
+        "logp and ref_logp of any one shape; the result has that shape",
+        steps=["k1 is the log of pi / ref evaluated at the sampled token.",
+               "Both arguments are already logs: subtract, elementwise."]),
+    "kl_k2": Hint(
+        "the k2 estimate (half the squared log-ratio) for each token", KL,
+        "logp and ref_logp of any one shape; the result has that shape",
+        steps=["Take the log-ratio of pi to ref, elementwise.", "Square it and halve it."]),
+    "kl_k3": Hint(
+        "Schulman's k3 estimate for each token, from the ratio ref / pi", KL,
+        "logp and ref_logp of any one shape; the result has that shape",
+        traps=["which way round the ratio goes: k3 must be unbiased for KL(pi || ref) under samples of pi"],
+        steps=["Let r = ref / pi at the sampled token; its log is ref_logp - logp.",
+               "k3 = r - log r - 1: non-negative, zero when the two agree.",
+               "Check: E_pi[r] = 1, so E_pi[k3] = E_pi[-log r] = KL(pi || ref)."]),
+    "kl_penalty": Hint(
+        "the per-token KL term of a loss: k1, k2 or k3 by name, optionally times the ratio pi / pi_old",
+        KL + " (the ratio-weighted estimators)",
+        "(B, T) log-probs in, (B, T) out; old_logp None means no ratio",
+        traps=["the ratio must keep its gradient through logp (a detached ratio keeps k3's forward-KL gradient)"],
+        steps=["Pick kl_k1, kl_k2 or kl_k3 by the estimator's name and apply it to (logp, ref_logp).",
+               "Without old_logp, that is the answer.",
+               "With it, multiply by exp(logp - old_logp) and do not detach that factor."]),
+    "masked_sum": Hint(
+        "the sum of x over the entries where mask is 1, over everything or along one dim", MASKS,
+        "x and mask of one shape; a scalar for dim=None, else x's shape without dim",
+        traps=["masked entries may hold NaN or inf, and NaN * 0 is NaN"],
+        steps=["Replace the entries where mask is 0 by zeros with torch.where (not by multiplying).",
+               "Sum everything when dim is None, else along dim."]),
+    "masked_mean": Hint(
+        "the mean of x over the entries where mask is 1", MASKS,
+        "as masked_sum",
+        traps=["a row with no valid entry must give 0, not 0 / 0"],
+        steps=["Divide masked_sum(x, mask, dim) by the number of valid entries along the same dim.",
+               "Count them with masked_sum too, and clamp the count at 1 so an empty row gives 0."]),
+    "masked_whiten": Hint(
+        "x shifted and scaled to mean 0 and standard deviation 1 over the valid entries",
+        "the docstring (TRL's masked_whiten) and docs/algorithms.md, PPO",
+        "x and mask of one shape; the result has that shape",
+        traps=["the mean and the variance are over the valid entries only",
+               "the variance uses Bessel's correction (divide by n - 1)",
+               "with shift_mean=False the mean is added back, yet the padding is still 0"],
+        steps=["mean = masked mean of x; n = number of valid entries.",
+               "var = masked sum of (x - mean)^2 divided by n - 1 (at least 1).",
+               "whitened = (x - mean) / sqrt(var + eps); add the mean back when shift_mean is False.",
+               "Put 0 wherever mask is 0, last, so nothing leaks into the padding."]),
+    "completion_mask": Hint(
+        "which tokens of each completion count: those up to and including its first EOS", MASKS,
+        "(B, T) token ids in, a (B, T) 0/1 long tensor out",
+        traps=["the first EOS itself is kept; later EOS tokens and the padding are not",
+               "a completion without EOS keeps every token; one whose EOS is in the last column too",
+               "each row is its own sequence"],
+        steps=["is_eos = ids == eos_token_id.",
+               "For each position count the EOS tokens strictly before it, along the sequence (dim 1):",
+               "a cumulative sum minus the position's own EOS.",
+               "Keep a token when that count is 0."]),
+    "aggregate_loss": Hint(
+        "one scalar from a (B, T) per-token loss, in three ways", MASKS + " (loss aggregation)",
+        "(B, T) loss and mask in, a scalar out; max_len an int or None",
+        traps=["padding may hold NaN and never counts",
+               "seq-mean-token-sum-norm divides by a constant: max_len, or the batch width T when None, "
+               "never each row's length nor the longest row",
+               "an unknown mode is an error, not a default"],
+        steps=["token-mean: the masked sum of the whole batch over the number of valid tokens.",
+               "seq-mean-token-mean: each row's masked mean, then the mean over rows.",
+               "seq-mean-token-sum-norm: each row's masked sum divided by max_len (T if None), then the mean.",
+               "Otherwise raise ValueError naming LOSS_AGG_MODES."]),
+    "reward_to_go": Hint(
+        "for every token the sum of x over it and the valid tokens after it", KL + " (the k1 penalty as a reward)",
+        "(B, T) in, (B, T) out",
+        traps=["padding may hold NaN", "the sum runs along each row, never into the next row",
+               "the token itself is included"],
+        steps=["Zero x where mask is 0 with torch.where.",
+               "A suffix sum along dim 1: flip the rows, cumulative sum, flip back."]),
+    "truncated_is_weight": Hint(
+        "the truncated importance weight pi_train / pi_rollout of each token",
+        "docs/algorithms.md, Off-policy corrections", "(B, T) in, (B, T) out",
+        traps=["it is a weight, not a path for the gradient", "only large ratios are capped"],
+        steps=["ratio = exp(logp - rollout_logp).", "Cap it from above at cap.", "Detach it."]),
+    "geometric_sequence_mask": Hint(
+        "which sequences off-policy masking keeps (1.0) or drops (0.0)",
+        "docs/algorithms.md, Off-policy corrections", "(B, T) log-probs and mask and (B,) advantages in, (B,) out",
+        traps=["the drift is a mean over the valid tokens, so padding and length must not matter",
+               "only a drift above delta counts (the direction of log(pi_old / pi_theta)), "
+               "and only for a negative advantage"],
+        steps=["drift_i = masked mean over t of (old_logp - logp), detached: one number per row.",
+               "Drop row i (0.0) when adv_i < 0 and drift_i > delta; keep it (1.0) otherwise.",
+               "Return it in logp's dtype."]),
+    "remax_advantages": Hint(
+        "ReMax's advantage: each sampled reward against the greedy completion's reward",
+        "docs/algorithms.md, ReMax", "(B,) and (B,) in, (B,) out",
+        steps=["Subtract the greedy reward from the sampled one."]),
+    "remax_loss": Hint(
+        "REINFORCE with the k1 penalty folded into a per-token return, and its mean return",
+        "docs/algorithms.md, ReMax (G_t), and the docstring",
+        "logp, kl, mask (B, T), adv (B,); a scalar loss and a dict of scalars",
+        traps=["the return of token t counts the penalty of t and of the tokens after it, not before",
+               "the return is a constant of the loss (no gradient through it)",
+               STATS_TRAP + "; return_mean is a mean over tokens, not over rows"],
+        steps=["G = adv[:, None] - beta * reward_to_go(kl, mask), detached.",
+               "loss = aggregate_loss(-G * logp, mask, loss_agg, max_len).",
+               "stats: return_mean = masked mean of G over all valid tokens of the batch."]),
+    "rloo_advantages": Hint(
+        "RLOO's advantage: each reward against the mean of the other rewards of its group",
+        "docs/algorithms.md, RLOO", "(B,) rewards with each group's K samples adjacent in, (B,) out",
+        traps=["the mean leaves the sample itself out (K - 1 others)", "groups are adjacent runs of K"],
+        steps=["View the rewards as (B / K, K): one row per prompt.",
+               "The others' mean is (row sum - r) / (K - 1).",
+               "Subtract it from r and flatten back to (B,)."]),
+    "rloo_loss": Hint(
+        "REINFORCE with the whole completion as one action, and the mean sequence log-prob",
+        "docs/algorithms.md, RLOO, and the docstring", "logp, mask (B, T), adv (B,); a scalar and a dict",
+        traps=["a sequence's log-prob is a sum over its valid tokens (padding may hold -inf or NaN)",
+               "the advantage is a constant of the loss"],
+        steps=["seq_logp = masked sum of logp along dim 1; with pg_weight, the masked sum of pg_weight * logp.",
+               "loss = -mean over rows of adv.detach() * that sum.",
+               "stats: seq_logp_mean = mean of the unweighted seq_logp."]),
+    "grpo_advantages": Hint(
+        "GRPO's group-normalised advantage, with three ways to scale it",
+        "docs/algorithms.md, GRPO, and the docstring", "(B,) rewards with each group's G samples adjacent in, (B,) out",
+        traps=["the std has Bessel's correction (ddof 1) and eps is added to it",
+               "a group whose rewards are all equal gets exactly 0, although its float mean may round",
+               "'batch' divides by the std of the whole batch, 'none' does not divide"],
+        steps=["View the rewards as (B / G, G); adv = r - row mean.",
+               "Set adv to exactly 0 in rows whose rewards are all equal.",
+               "'group': divide by (row std + eps); 'batch': by (std of all B rewards + eps); 'none': leave it;",
+               "anything else: ValueError. Flatten back to (B,)."]),
+    "grpo_loss": Hint(
+        "the clipped surrogate plus beta times the KL term per token, aggregated, and five statistics",
+        "docs/algorithms.md, GRPO (the loss), KL estimators (the KL term), and the docstring",
+        "logp, old_logp, ref_logp, mask (B, T), adv (B,); a scalar loss and a dict of scalars",
+        traps=["the pessimistic bound is a min, and the ratio is pi_theta / pi_old",
+               "dual clip only touches tokens with a negative advantage",
+               "pg_weight multiplies the surrogate, not the KL term",
+               STATS_TRAP],
+        work="five statistics, each with its own condition (clip below needs A < 0, above A > 0)",
+        steps=["ratio = exp(logp - old_logp); A = adv[:, None] (one advantage per row).",
+               "surrogate = min(ratio * A, clamp(ratio, 1 - epsilon, 1 + epsilon) * A).",
+               "dual clip (dual_clip_c > 0): where A < 0, surrogate = max(surrogate, dual_clip_c * A).",
+               "pg_weight: surrogate = pg_weight * surrogate.",
+               "kl = kl_penalty(logp, ref_logp, kl_estimator, old_logp if kl_is_weight else None), 0 without ref.",
+               "loss = aggregate_loss(-surrogate + beta * kl, mask, loss_agg, max_len).",
+               "stats, each a masked mean over the valid tokens, without gradient: clip_frac_low "
+               "(ratio < 1 - eps and A < 0), clip_frac_high (ratio > 1 + eps and A > 0), approx_kl "
+               "(ratio - 1 - log ratio), kl_k3 (kl_k3(logp, ref_logp)), kl_term (kl)."]),
+    "dynamic_sampling_filter": Hint(
+        "which groups DAPO keeps: those whose correctness is mixed", "docs/algorithms.md, DAPO",
+        "(B,) 0/1 correctness with each group's G samples adjacent in, (B / G,) bool out",
+        traps=["an all-right group is dropped as well as an all-wrong one"],
+        steps=["View correct as (B / G, G).", "Keep a row when some entry differs from the row's first."]),
+    "overlong_penalty": Hint(
+        "DAPO's soft overlong punishment of each completion's length", "docs/algorithms.md, DAPO (eq. 13)",
+        "(B,) integer lengths in, (B,) float out",
+        traps=["the ramp starts after max_len - cache_len and reaches -1 at max_len",
+               "cache_len = 0 has no ramp (no division by zero)"],
+        steps=["L = lengths as float; if cache_len == 0: -1 where L > max_len, else 0.",
+               "Otherwise ((max_len - cache_len) - L) / cache_len, clamped to [-1, 0]."]),
+    "dapo_loss": Hint(
+        "DAPO's clipped surrogate with a decoupled clip range, token-mean over the batch, and three statistics",
+        "docs/algorithms.md, DAPO (eq. 8), and the docstring",
+        "logp, old_logp, mask (B, T), adv (B,); a scalar loss and a dict of scalars",
+        traps=["the range is [1 - epsilon_low, 1 + epsilon_high]", "the mean is over every valid token of the batch",
+               STATS_TRAP],
+        steps=["ratio = exp(logp - old_logp); A = adv[:, None].",
+               "surrogate = min(ratio * A, clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * A);",
+               "dual clip and pg_weight as in grpo_loss.",
+               "loss = aggregate_loss(-surrogate, mask, 'token-mean').",
+               "stats (masked means, no gradient): clip_frac_low (ratio < 1 - epsilon_low and A < 0), "
+               "clip_frac_high (ratio > 1 + epsilon_high and A > 0), approx_kl (ratio - 1 - log ratio)."]),
+    "gae": Hint(
+        "generalized advantage estimates and the critic's targets, per token", "docs/algorithms.md, PPO (GAE)",
+        "rewards, values, mask (B, T), lam a number or (B,); two (B, T) tensors out",
+        traps=["after the last valid token the value is 0 (no bootstrap from padding)",
+               "padding may hold NaN and gets 0", "lam may be one number per row"],
+        work="a loop backwards in time with the right recursion",
+        steps=["Zero rewards and values where mask is 0 (torch.where).",
+               "Walk t from T - 1 down to 0, carrying next_value and next_adv (both 0 at the start):",
+               "delta = r_t + gamma * next_value - V_t; next_adv = delta + gamma * lam * next_adv;",
+               "store next_adv at t, then next_value = V_t.",
+               "advantages = 0 where mask is 0; returns = advantages + values."]),
+    "decoupled_gae": Hint(
+        "the policy's advantages with one lambda and the critic's targets with another",
+        "docs/algorithms.md, PPO (decoupled GAE)", "as gae",
+        steps=["Call gae twice: the advantages of lam_policy, the returns of lam_critic."]),
+    "length_adaptive_lam": Hint(
+        "VAPO's lambda for each sequence from its length", "docs/algorithms.md, PPO (length-adaptive GAE)",
+        "(B,) lengths in, (B,) float out",
+        traps=["short sequences would get a negative lambda"],
+        steps=["lam = 1 - 1 / (alpha * length), as float.", "Clamp at 0 from below."]),
+    "ppo_policy_loss": Hint(
+        "PPO's clipped surrogate, token-mean over the valid tokens, and three statistics",
+        "docs/algorithms.md, PPO, and the docstring", "logp, old_logp, adv, mask all (B, T); a scalar and a dict",
+        traps=["the pessimistic bound is a min, the ratio pi_theta / pi_old",
+               "dual clip only touches negative advantages", STATS_TRAP],
+        steps=["ratio = exp(logp - old_logp).",
+               "surrogate = min(ratio * adv, clamp(ratio, 1 - epsilon, 1 + epsilon) * adv); dual clip as in grpo_loss.",
+               "loss = masked mean of -surrogate.",
+               "stats (masked means, no gradient): clip_frac_low, clip_frac_high, approx_kl as in grpo_loss."]),
+    "ppo_value_loss": Hint(
+        "the clipped value loss, token-mean, and the fraction of tokens where the clip wins",
+        "the docstring and docs/algorithms.md, PPO", "values, old_values, returns, mask (B, T); a scalar and a dict",
+        traps=["the clip is around the old value, and the larger error wins (max)", "the factor 1/2",
+               "a tie is not a clipped token; padding may hold NaN"],
+        steps=["clipped values = old_values + clamp(values - old_values, -epsilon_value, epsilon_value).",
+               "loss = 0.5 * masked mean of max((values - returns)^2, (clipped values - returns)^2).",
+               "clip_frac = masked mean of (clipped error > unclipped error)."]),
+    "gradient_variance": Hint(
+        "the exact variance of the one-sample estimator (r_a - b) s(a) on the two-armed bandit",
+        "docs/algorithms.md, Policy gradient and baselines, and The toy bandit",
+        "p and b numbers or arrays (broadcast), r1 and r0 numbers; the result like p",
+        traps=["with Bernoulli rewards each arm adds its own noise q (1 - q)"],
+        work="derive E[g^2] - (E g)^2 by summing over the two actions",
+        steps=["s(1) = 1 - p and s(0) = -p; action 1 has probability p.",
+               "E[g^2] = sum over a of P(a) s(a)^2 E[(r_a - b)^2], and E[(r_a - b)^2] = (r_a - b)^2 + noise_a.",
+               "E[g] = grad J = p (1 - p) (r1 - r0). Return E[g^2] - (E g)^2, with arrays broadcast."]),
+    "optimal_baseline": Hint(
+        "the baseline b* that minimises gradient_variance", "docs/algorithms.md, Policy gradient and baselines",
+        "p a number or an array; the result like p",
+        traps=["b* weighs each reward by the square of the score, so it is not the expected reward"],
+        work="derive E[r s^2] / E[s^2] for two actions and simplify",
+        steps=["E[s^2] = p (1 - p)^2 + (1 - p) p^2; E[r s^2] weighs r1 and r0 the same way.",
+               "Divide and cancel p (1 - p)."]),
+    "two_arm_baselines": Hint(
+        "the four baselines of the two-armed bandit: none, mean, greedy, optimal",
+        "docs/algorithms.md, The toy bandit", "p a number or an array; a dict of values like p",
+        traps=["greedy is the reward of the likelier action, and a tie at p = 1/2 goes to action 0"],
+        steps=["none = zeros like p; mean = expected reward; greedy = r1 where p > 1/2, else r0;",
+               "optimal = optimal_baseline(p, r1, r0)."]),
+    "softmax_gradient_variance": Hint(
+        "the exact trace of the covariance of (r_a - b) s(a) for a softmax policy",
+        "docs/algorithms.md, Policy gradient and baselines, and The toy bandit",
+        "theta and r (K,), baseline a number or an array; the result like the baseline",
+        traps=["the score of a softmax is e_a - pi", "Bernoulli rewards add r_a (1 - r_a) per arm"],
+        work="derive E||g||^2 - ||E g||^2 over the K actions",
+        steps=["pi = softmax(theta); ||s(a)||^2 = ||e_a - pi||^2 = 1 - 2 pi_a + pi . pi.",
+               "E||g||^2 = sum_a pi_a ||s(a)||^2 ((r_a - b)^2 + noise_a).",
+               "E g = sum_a pi_a r_a (e_a - pi) = pi * (r - pi . r); subtract its squared norm.",
+               "Broadcast b with a trailing axis to handle an array of baselines."]),
+    "softmax_optimal_baseline": Hint(
+        "the baseline that minimises softmax_gradient_variance",
+        "docs/algorithms.md, Policy gradient and baselines", "theta and r (K,) in, a float out",
+        traps=["the weights are the squared score norms, not the probabilities alone"],
+        work="derive E[r ||s||^2] / E[||s||^2] for a softmax",
+        steps=["With ||s(a)||^2 as in softmax_gradient_variance: b* = sum_a pi_a r_a ||s(a)||^2 / sum_a pi_a ||s(a)||^2.",
+               "The denominator simplifies to 1 - pi . pi."]),
+    "softmax_baselines": Hint(
+        "the four baselines of the K-armed bandit", "docs/algorithms.md, The toy bandit",
+        "theta and r (K,) in; a dict of floats",
+        traps=["greedy is the reward of the likeliest action, ties to the lowest index"],
+        steps=["pi = softmax(theta); none = 0; mean = pi . r; greedy = r[argmax pi] (np.argmax breaks ties low);",
+               "optimal = softmax_optimal_baseline(theta, r)."]),
+}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("name", nargs="?", help="The exercise (a function name), e.g. gae.")
+    parser.add_argument("--list", action="store_true", help="Every exercise's stars and first-level hint.")
+    args = parser.parse_args()
+    if args.list:
+        for name, hint in HINTS.items():
+            print(f"{name} {'★' * hint.stars}{'☆' * (3 - hint.stars)}\n  " + "\n  ".join(hint.first_level(name)))
+        return
+    if args.name not in HINTS:
+        sys.exit(f"error: no exercise named {args.name!r}; choose one of: {', '.join(HINTS)}")
+    hint = HINTS[args.name]
+    print(f"{args.name}: {hint.compute}\n")
+    for i, step in enumerate(hint.steps, 1):
+        print(f"{i}. {step}")
+
+
+if __name__ == "__main__":
+    main()

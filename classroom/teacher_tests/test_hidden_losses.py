@@ -1,0 +1,158 @@
+"""Hidden tests of the losses: statistics and losses on padded batches of several rows whose padding
+holds NaN, inf or huge ratios (clipped padding tokens), against the same function on each row alone."""
+import pytest
+import torch
+
+import dapo
+import grpo
+import ppo
+import remax
+import rloo
+from teacher_tests.batches import F64, GARBAGE, close, generator, lengths, padded, prefix_mask, token_weighted, widened
+
+B, T = 5, 6
+
+
+def rollout(salt):
+    """log-probs whose ratios fall on both sides of a 0.2 clip, advantages of both signs."""
+    g = generator(salt)
+    n = lengths(B, T, g)
+    mask = prefix_mask(n, T)
+    old_logp = -torch.rand(B, T, dtype=F64, generator=g) * 3
+    logp = old_logp + torch.randn(B, T, dtype=F64, generator=g) * 0.6
+    ref_logp = old_logp + torch.randn(B, T, dtype=F64, generator=g) * 0.3
+    adv = torch.randn(B, dtype=F64, generator=g)
+    adv[0], adv[1] = abs(adv[0]) + 0.1, -abs(adv[1]) - 0.1
+    logp[0, 0], logp[1, 0] = old_logp[0, 0] + 0.5, old_logp[1, 0] - 0.5  # clipped above (A > 0) and below (A < 0)
+    logp[0, 1], logp[1, 1] = old_logp[0, 1] - 0.5, old_logp[1, 1] + 0.5  # past the clip, but not clipped
+    return logp, old_logp, ref_logp, adv, mask, n
+
+
+def spoil(mask, fill, *tensors):
+    """Padding of every tensor set to `fill` (logp to fill + 5: a ratio far past any clip when finite)."""
+    return [padded(t, mask, fill + 5.0 * (i == 0)) for i, t in enumerate(tensors)]
+
+
+def check_stats_and_loss(call, tensors, mask, n, fill, mean_over_rows=False):
+    """call(tensors..., mask) -> (loss, stats). The padding changes nothing, a wider padding neither,
+    and every statistic is the token-weighted mean of the rows' own (the loss too, or the plain
+    mean of the rows' losses for a mean over sequences)."""
+    clean_loss, clean_stats = call(*tensors, mask)
+    loss, stats = call(*spoil(mask, fill, *tensors), mask)
+    assert torch.isfinite(loss) and set(stats) == set(clean_stats)
+    close(loss, clean_loss)
+    for key in stats:  # the fractions are float32 (the reference counts in .float()): tol 1e-6, a token is >= 1/30
+        close(stats[key], clean_stats[key], 1e-6)
+    wide = [widened(t, 2, fill) for t in spoil(mask, fill, *tensors)]
+    wide_loss, wide_stats = call(*wide, widened(mask, 2, 0))
+    for key in stats:
+        close(wide_stats[key], stats[key], 1e-6)
+    rows = [call(*(t[b:b + 1, :int(n[b])] for t in tensors), mask[b:b + 1, :int(n[b])]) for b in range(B)]
+    for key in stats:
+        close(stats[key], token_weighted([r[1][key] for r in rows], n), 1e-6)
+    row_losses = torch.stack([r[0] for r in rows])
+    close(loss, row_losses.mean() if mean_over_rows else token_weighted(row_losses, n))
+    return loss, stats
+
+
+def with_adv_rows(fn, adv):
+    """Call a loss whose advantages are (B,) with row slices of (B, T) tensors: adv rides as a column."""
+    def call(*tensors_and_mask):
+        *tensors, advcol, mask = tensors_and_mask
+        return fn(*tensors, advcol[:, 0], mask)
+    return call
+
+
+@pytest.mark.parametrize("fill", GARBAGE)
+def test_grpo_loss_statistics_ignore_the_padding_and_weigh_every_valid_token(fill):
+    logp, old_logp, ref_logp, adv, mask, n = rollout(11)
+    adv_col = adv[:, None].expand(B, T).clone()
+
+    def call(logp, old_logp, ref_logp, adv_col, mask):
+        return grpo.grpo_loss(logp, old_logp, ref_logp, adv_col[:, 0], mask, epsilon=0.2, beta=0.05,
+                              loss_agg="token-mean")
+    _, stats = check_stats_and_loss(call, [logp, old_logp, ref_logp, adv_col], mask, n, fill)
+    assert 0 < stats["clip_frac_low"] < 1 and 0 < stats["clip_frac_high"] < 1  # both clips bind somewhere
+
+
+@pytest.mark.parametrize("loss_agg", ["seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_grpo_loss_means_over_sequences_ignore_the_padding(loss_agg):
+    logp, old_logp, ref_logp, adv, mask, n = rollout(12)
+    adv_col = adv[:, None].expand(B, T).clone()
+    if loss_agg == "seq-mean-token-sum-norm":  # a row alone has the same max_len
+        def call(logp, old_logp, ref_logp, adv_col, mask):
+            return grpo.grpo_loss(logp, old_logp, ref_logp, adv_col[:, 0], mask, 0.2, 0.05, loss_agg, max_len=8)
+    else:
+        def call(logp, old_logp, ref_logp, adv_col, mask):
+            return grpo.grpo_loss(logp, old_logp, ref_logp, adv_col[:, 0], mask, 0.2, 0.05, loss_agg)
+    check_stats_and_loss(call, [logp, old_logp, ref_logp, adv_col], mask, n, float("nan"), mean_over_rows=True)
+
+
+@pytest.mark.parametrize("fill", GARBAGE)
+def test_dapo_loss_statistics_ignore_the_padding_and_weigh_every_valid_token(fill):
+    logp, old_logp, _, adv, mask, n = rollout(13)
+    adv_col = adv[:, None].expand(B, T).clone()
+
+    def call(logp, old_logp, adv_col, mask):
+        return dapo.dapo_loss(logp, old_logp, adv_col[:, 0], mask, epsilon_low=0.2, epsilon_high=0.28)
+    _, stats = check_stats_and_loss(call, [logp, old_logp, adv_col], mask, n, fill)
+    assert 0 < stats["clip_frac_low"] < 1 and 0 < stats["clip_frac_high"] < 1
+
+
+@pytest.mark.parametrize("fill", GARBAGE)
+def test_ppo_policy_loss_statistics_ignore_the_padding_and_weigh_every_valid_token(fill):
+    logp, old_logp, _, adv, mask, n = rollout(14)
+    adv_tokens = adv[:, None] * torch.rand(B, T, dtype=F64, generator=generator(15)) + 0.0
+
+    def call(logp, old_logp, adv, mask):
+        return ppo.ppo_policy_loss(logp, old_logp, adv, mask, epsilon=0.2)
+    _, stats = check_stats_and_loss(call, [logp, old_logp, adv_tokens], mask, n, fill)
+    assert 0 < stats["clip_frac_low"] < 1 and 0 < stats["clip_frac_high"] < 1
+
+
+@pytest.mark.parametrize("fill", GARBAGE)
+def test_ppo_value_loss_and_clip_fraction_ignore_the_padding(fill):
+    g = generator(16)
+    n = lengths(B, T, g)
+    mask = prefix_mask(n, T)
+    old_values = torch.randn(B, T, dtype=F64, generator=g)
+    values = old_values + torch.randn(B, T, dtype=F64, generator=g) * 0.5
+    returns = torch.randn(B, T, dtype=F64, generator=g)
+
+    def call(values, old_values, returns, mask):
+        return ppo.ppo_value_loss(values, old_values, returns, mask, epsilon_value=0.2)
+    _, stats = check_stats_and_loss(call, [values, old_values, returns], mask, n, fill)
+    assert 0 < stats["clip_frac"] < 1
+
+
+@pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("fill", GARBAGE)
+def test_remax_loss_and_return_mean_of_a_padded_batch_weigh_every_valid_token(fill, loss_agg):
+    logp, _, ref_logp, adv, mask, n = rollout(17)
+    kl = (logp - ref_logp).detach()
+    adv_col = adv[:, None].expand(B, T).clone()
+
+    def call(logp, kl, adv_col, mask):
+        return remax.remax_loss(logp, adv_col[:, 0], kl, mask, beta=0.3, loss_agg=loss_agg)
+    check_stats_and_loss(call, [logp, kl, adv_col], mask, n, fill, mean_over_rows=loss_agg != "token-mean")
+
+
+@pytest.mark.parametrize("fill", GARBAGE)
+def test_rloo_loss_of_a_padded_batch_is_the_mean_of_its_rows(fill):
+    logp, _, _, adv, mask, n = rollout(18)
+    adv_col = adv[:, None].expand(B, T).clone()
+    logp = logp.clone().requires_grad_(True)
+
+    def call(logp, adv_col, mask):
+        loss, stats = rloo.rloo_loss(logp, adv_col[:, 0], mask)
+        return loss, {key: value * mask.sum() / mask.shape[0] for key, value in stats.items()}  # a mean per row
+    clean_loss, _ = rloo.rloo_loss(logp, adv, mask)
+    loss, stats = rloo.rloo_loss(padded(logp, mask, fill), adv, mask)
+    assert torch.isfinite(loss)
+    close(loss, clean_loss)
+    close(rloo.rloo_loss(widened(padded(logp, mask, fill), 2, fill), adv, widened(mask, 2, 0))[0], loss)
+    rows = [rloo.rloo_loss(logp[b:b + 1, :int(n[b])], adv[b:b + 1], mask[b:b + 1, :int(n[b])]) for b in range(B)]
+    close(loss, torch.stack([r[0] for r in rows]).mean())
+    close(stats["seq_logp_mean"], torch.stack([r[1]["seq_logp_mean"] for r in rows]).mean())
+    loss.backward()
+    assert (logp.grad[mask == 0] == 0).all()
