@@ -41,37 +41,43 @@ class Config(config.GroupConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if not 0 < self.epsilon_low < 1:
-            raise ValueError(f"--epsilon_low must be in (0, 1) (got {self.epsilon_low}).")
-        if self.epsilon_high < self.epsilon_low:
-            raise ValueError(f"--epsilon_high ({self.epsilon_high}) must be >= --epsilon_low ({self.epsilon_low}): "
-                             "that is clip-higher.")
-        if self.dual_clip_c < 0 or 0 < self.dual_clip_c <= 1:
-            raise ValueError(f"--dual_clip_c must be 0 (off) or > 1 (got {self.dual_clip_c}).")
-        if self.num_epochs < 1:
-            raise ValueError(f"--num_epochs must be >= 1 (got {self.num_epochs}).")
-        if self.max_sampling_rounds < 1:
-            raise ValueError(f"--max_sampling_rounds must be >= 1 (got {self.max_sampling_rounds}).")
-        if self.dynamic_sampling_metric not in ("correct", "reward"):
-            raise ValueError("--dynamic_sampling_metric must be 'correct' or 'reward' "
-                             f"(got {self.dynamic_sampling_metric!r}).")
-        if self.dynamic_sampling_metric == "correct" and not self.answer_column and self.dataset != "arithmetic":
-            raise ValueError("--answer_column '' gives no correctness to filter on: "
-                             "use --dynamic_sampling_metric reward.")
-        if not 0 <= self.overlong_cache_len <= self.max_new_tokens:
-            raise ValueError(f"--overlong_cache_len must be in [0, --max_new_tokens = {self.max_new_tokens}] "
-                             f"(got {self.overlong_cache_len}).")
+        config.check(0 < self.epsilon_low < 1, f"--epsilon_low must be in (0, 1) (got {self.epsilon_low}).")
+        config.check(self.epsilon_high >= self.epsilon_low,
+                     f"--epsilon_high ({self.epsilon_high}) must be >= --epsilon_low ({self.epsilon_low}).")
+        config.check(self.dual_clip_c == 0 or self.dual_clip_c > 1,
+                     f"--dual_clip_c must be 0 or > 1 (got {self.dual_clip_c}).")
+        config.check(self.num_epochs >= 1, f"--num_epochs must be >= 1 (got {self.num_epochs}).")
+        config.check(self.max_sampling_rounds >= 1,
+                     f"--max_sampling_rounds must be >= 1 (got {self.max_sampling_rounds}).")
+        config.check(self.dynamic_sampling_metric in ("correct", "reward"),
+                     f"--dynamic_sampling_metric must be correct or reward (got {self.dynamic_sampling_metric!r}).")
+        config.check(self.dynamic_sampling_metric == "reward" or self.answer_column or self.dataset == "arithmetic",
+                     "--answer_column '' gives no correctness to filter on: use --dynamic_sampling_metric reward.")
+        config.check(0 <= self.overlong_cache_len <= self.max_new_tokens,
+                     f"--overlong_cache_len must be in [0, --max_new_tokens] (got {self.overlong_cache_len}).")
 
 
-def grpo_advantages(rewards, group_size, eps=1e-6):
-    """GRPO's advantage, as in grpo.py (there with the other scalings): A_i = (r_i - mean(r_group)) /
-    (std + eps) for (B,) rewards, each group's G samples adjacent, std with Bessel's correction; a group
-    whose rewards are all equal gets exactly 0. Returns (B,)."""
+def grpo_advantages(rewards, group_size, scale_rewards="group", eps=1e-6):
+    """A_i = (r_i - mean(r_group)) / (std + eps) for (B,) rewards, each group's G samples adjacent.
+
+    std is torch.std (Bessel's correction, ddof=1, as TRL and verl); eps = 1e-6 as verl (TRL
+    uses 1e-4). scale_rewards: 'group' divides by the group's std (GRPO), 'batch' by the std of
+    all B rewards, 'none' only centres (Dr. GRPO). A group whose rewards are all equal gets
+    exactly 0 for every member. Returns (B,).
+    """
     # BEGIN SOLUTION
+    # HINT: group rewards as (B / G, G) rows of adjacent samples; adv = r - row mean;
+    # HINT: 'group': / (row std + eps), 'batch': / (std of all B + eps), std with ddof 1;
+    # HINT: a row whose rewards are all equal gets exactly 0; back to (B,)
     grouped = rewards.view(-1, group_size)  # (B / G, G)
     adv = grouped - grouped.mean(dim=1, keepdim=True)
     adv[(grouped == grouped[:, :1]).all(dim=1)] = 0.0  # the mean of equal floats may round
-    adv = adv / (grouped.std(dim=1, keepdim=True) + eps)
+    if scale_rewards == "group":
+        adv = adv / (grouped.std(dim=1, keepdim=True) + eps)
+    elif scale_rewards == "batch":
+        adv = adv / (rewards.std() + eps)
+    elif scale_rewards != "none":
+        raise ValueError(f"unknown scale_rewards {scale_rewards!r}")
     return adv.view(-1)
     # END SOLUTION
 
@@ -151,8 +157,8 @@ def main():
     group_size = cfg.num_generations
     sampler = tasks.PromptSampler(train_data, cfg.batch_size // group_size, cfg.seed, accelerator.process_index,
                                   accelerator.num_processes)
-    trainer = engine.Trainer(cfg, accelerator, tokenizer, sampler, eval_data, policy, optimizer, scheduler,
-                             rollout_model=rollout_model)
+    trainer = engine.Trainer(cfg, accelerator, tokenizer, sampler, eval_data, policy=policy, optimizer=optimizer,
+                             scheduler=scheduler, rollout_model=rollout_model)
 
     for step in trainer.steps():
         # ---- rollout: a group of G sampled responses per prompt, with dynamic sampling: rounds of groups, the
@@ -203,10 +209,10 @@ def main():
         def loss_fn(logp, old_logp, rollout_logp, adv, mask):
             old_logp = logp.detach() if old_logp is None else old_logp  # with mu = 1, pi_old = pi_theta in value
             # optional corrections for a sampler that is not the trainer (docs/stability.md): TIS, geometric mask
-            pg_weight, correction = common.rollout_correction(logp, old_logp, rollout_logp, adv, mask, cfg.tis_cap,
-                                                              cfg.geo_mask_delta)
-            loss, stats = dapo_loss(logp, old_logp, adv, mask, cfg.epsilon_low, cfg.epsilon_high,
-                                    dual_clip_c=cfg.dual_clip_c, pg_weight=pg_weight)
+            pg_weight, correction = common.rollout_correction(logp, old_logp, rollout_logp, adv, mask,
+                                                              tis_cap=cfg.tis_cap, geo_mask_delta=cfg.geo_mask_delta)
+            loss, stats = dapo_loss(logp, old_logp, adv, mask, epsilon_low=cfg.epsilon_low,
+                                    epsilon_high=cfg.epsilon_high, dual_clip_c=cfg.dual_clip_c, pg_weight=pg_weight)
             return loss, {**stats, **correction}
 
         # ---- update: mu optimizer steps on the same batch (the engine runs micro-batches, sync, clip, step) ----

@@ -200,8 +200,8 @@ def main():
     group_size = cfg.num_generations
     sampler = tasks.PromptSampler(train_data, cfg.batch_size // group_size, cfg.seed, accelerator.process_index,
                                   accelerator.num_processes)
-    trainer = engine.Trainer(cfg, accelerator, tokenizer, sampler, eval_data, policy, optimizer, scheduler,
-                             rollout_model=rollout_model)
+    trainer = engine.Trainer(cfg, accelerator, tokenizer, sampler, eval_data, policy=policy, optimizer=optimizer,
+                             scheduler=scheduler, rollout_model=rollout_model)
 
     for step in trainer.steps():
         # ---- rollout: a group of G sampled responses per prompt ----
@@ -223,10 +223,10 @@ def main():
         def loss_fn(logp, old_logp, ref_logp, rollout_logp, adv, mask):
             old_logp = logp.detach() if old_logp is None else old_logp  # with mu = 1, pi_old = pi_theta in value
             # optional corrections for a sampler that is not the trainer (docs/stability.md): TIS, geometric mask
-            pg_weight, correction = common.rollout_correction(logp, old_logp, rollout_logp, adv, mask, cfg.tis_cap,
-                                                              cfg.geo_mask_delta)
-            loss, stats = grpo_loss(logp, old_logp, ref_logp, adv, mask, cfg.epsilon, cfg.beta, loss_agg=cfg.loss_agg,
-                                    max_len=cfg.max_new_tokens, kl_estimator=cfg.kl_estimator,
+            pg_weight, correction = common.rollout_correction(logp, old_logp, rollout_logp, adv, mask,
+                                                              tis_cap=cfg.tis_cap, geo_mask_delta=cfg.geo_mask_delta)
+            loss, stats = grpo_loss(logp, old_logp, ref_logp, adv, mask, epsilon=cfg.epsilon, beta=cfg.beta,
+                                    loss_agg=cfg.loss_agg, max_len=cfg.max_new_tokens, kl_estimator=cfg.kl_estimator,
                                     kl_is_weight=cfg.kl_is_weight, dual_clip_c=cfg.dual_clip_c, pg_weight=pg_weight)
             return loss, {**stats, **correction}
 

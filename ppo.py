@@ -63,23 +63,17 @@ class Config(config.TrainConfig):
                      "kl_target", "kl_horizon"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name} must be > 0 (got {getattr(self, name)}).")
-        if self.beta < 0:
-            raise ValueError(f"--beta must be >= 0 (got {self.beta}).")
-        if self.adaptive_kl and self.beta == 0:
-            raise ValueError("--adaptive_kl needs --beta > 0 (it scales beta multiplicatively).")
-        if not 0 <= self.gamma <= 1:
-            raise ValueError(f"--gamma must be in [0, 1] (got {self.gamma}).")
-        if not 0 <= self.lam <= 1:
-            raise ValueError(f"--lam must be in [0, 1] (got {self.lam}).")
-        if self.lam_critic is not None and not 0 <= self.lam_critic <= 1:
-            raise ValueError(f"--lam_critic must be in [0, 1] (got {self.lam_critic}).")
-        if self.lam_alpha < 0:
-            raise ValueError(f"--lam_alpha must be >= 0 (got {self.lam_alpha}).")
-        if self.dual_clip_c < 0 or 0 < self.dual_clip_c <= 1:
-            raise ValueError(f"--dual_clip_c must be 0 (off) or > 1 (got {self.dual_clip_c}).")
-        if self.batch_size % self.num_mini_batches != 0:
-            raise ValueError(f"--num_mini_batches ({self.num_mini_batches}) must divide "
-                             f"--batch_size ({self.batch_size}).")
+        config.check(self.beta >= 0, f"--beta must be >= 0 (got {self.beta}).")
+        config.check(not self.adaptive_kl or self.beta > 0, "--adaptive_kl needs --beta > 0 (it scales beta).")
+        config.check(0 <= self.gamma <= 1, f"--gamma must be in [0, 1] (got {self.gamma}).")
+        config.check(0 <= self.lam <= 1, f"--lam must be in [0, 1] (got {self.lam}).")
+        config.check(self.lam_critic is None or 0 <= self.lam_critic <= 1,
+                     f"--lam_critic must be in [0, 1] (got {self.lam_critic}).")
+        config.check(self.lam_alpha >= 0, f"--lam_alpha must be >= 0 (got {self.lam_alpha}).")
+        config.check(self.dual_clip_c == 0 or self.dual_clip_c > 1,
+                     f"--dual_clip_c must be 0 or > 1 (got {self.dual_clip_c}).")
+        config.check(self.batch_size % self.num_mini_batches == 0,
+                     f"--num_mini_batches ({self.num_mini_batches}) must divide --batch_size ({self.batch_size}).")
 
 
 def gae(rewards, values, mask, gamma, lam):
@@ -267,8 +261,9 @@ def main():
     accelerator.register_for_checkpointing(kl_ctl)
     sampler = tasks.PromptSampler(train_data, cfg.batch_size, cfg.seed, accelerator.process_index,
                                   accelerator.num_processes)
-    trainer = engine.Trainer(cfg, accelerator, tokenizer, sampler, eval_data, policy, optimizer, scheduler,
-                             critic=critic, critic_optimizer=critic_optimizer, critic_scheduler=critic_scheduler)
+    trainer = engine.Trainer(cfg, accelerator, tokenizer, sampler, eval_data, policy=policy, optimizer=optimizer,
+                             scheduler=scheduler, critic=critic, critic_optimizer=critic_optimizer,
+                             critic_scheduler=critic_scheduler)
 
     for step in trainer.steps():
         # ---- rollout: one sampled response per prompt ----
@@ -291,7 +286,8 @@ def main():
             token_rewards[torch.arange(len(rollout)), last] += rewards
             lam = length_adaptive_lam(mask.sum(1), cfg.lam_alpha) if cfg.lam_alpha > 0 else cfg.lam
             lam_critic = cfg.lam if cfg.lam_critic is None else cfg.lam_critic
-            adv, returns = decoupled_gae(token_rewards, old_values, mask, cfg.gamma, lam, lam_critic)
+            adv, returns = decoupled_gae(token_rewards, old_values, mask, gamma=cfg.gamma, lam_policy=lam,
+                                         lam_critic=lam_critic)
             # whitened over the global batch: every process's tokens (completions padded to one length)
             all_adv, all_mask = (accelerator.gather(accelerator.pad_across_processes(x, dim=1)) for x in (adv, mask))
             adv = common.masked_whiten(all_adv, all_mask).chunk(accelerator.num_processes)[accelerator.process_index]
@@ -299,9 +295,10 @@ def main():
 
         # ---- loss: the clipped policy loss plus vf_coef times the clipped value loss ----
         def loss_fn(logp, input_ids, attention_mask, old_logp, old_values, adv, returns, mask):
-            pg_loss, pg_stats = ppo_policy_loss(logp, old_logp, adv, mask, cfg.epsilon, cfg.dual_clip_c)
+            pg_loss, pg_stats = ppo_policy_loss(logp, old_logp, adv, mask, epsilon=cfg.epsilon,
+                                                dual_clip_c=cfg.dual_clip_c)
             values = critic(input_ids, attention_mask, T)
-            vf_loss, vf_stats = ppo_value_loss(values, old_values, returns, mask, cfg.epsilon_value)
+            vf_loss, vf_stats = ppo_value_loss(values, old_values, returns, mask, epsilon_value=cfg.epsilon_value)
             return pg_loss + cfg.vf_coef * vf_loss, {"policy_loss": pg_loss.detach(), "value_loss": vf_loss.detach(),
                                                      "value_clip_frac": vf_stats["clip_frac"], **pg_stats}
 

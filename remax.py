@@ -31,14 +31,11 @@ class Config(config.TrainConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.baseline not in ("greedy", "none"):
-            raise ValueError(f"--baseline must be 'greedy' or 'none' (got {self.baseline!r}).")
-        if self.beta < 0:
-            raise ValueError(f"--beta must be >= 0 (got {self.beta}).")
-        if self.adv_clip < 0:
-            raise ValueError(f"--adv_clip must be >= 0 (got {self.adv_clip}).")
-        if self.loss_agg not in config.LOSS_AGG_MODES:
-            raise ValueError(f"--loss_agg must be one of {config.LOSS_AGG_MODES} (got {self.loss_agg!r}).")
+        config.check(self.baseline in ("greedy", "none"), f"--baseline must be greedy or none (got {self.baseline!r}).")
+        config.check(self.beta >= 0, f"--beta must be >= 0 (got {self.beta}).")
+        config.check(self.adv_clip >= 0, f"--adv_clip must be >= 0 (got {self.adv_clip}).")
+        config.check(self.loss_agg in common.LOSS_AGG_MODES,
+                     f"--loss_agg must be one of {common.LOSS_AGG_MODES} (got {self.loss_agg!r}).")
 
 
 def remax_advantages(rewards, greedy_rewards):
@@ -77,7 +74,8 @@ def main():
     policy, optimizer, scheduler, ref_model, _ = engine.load_models(cfg, accelerator)
     sampler = tasks.PromptSampler(train_data, cfg.batch_size, cfg.seed, accelerator.process_index,
                                   accelerator.num_processes)
-    trainer = engine.Trainer(cfg, accelerator, tokenizer, sampler, eval_data, policy, optimizer, scheduler)
+    trainer = engine.Trainer(cfg, accelerator, tokenizer, sampler, eval_data, policy=policy, optimizer=optimizer,
+                             scheduler=scheduler)
 
     for step in trainer.steps():
         # ---- rollout: one sampled response per prompt ----
@@ -103,7 +101,7 @@ def main():
         # ---- loss: REINFORCE, with the per-token k1 penalty to the reference folded into the return ----
         def loss_fn(logp, ref_logp, adv, mask):
             kl = common.kl_k1(logp.detach(), ref_logp) if ref_logp is not None else torch.zeros_like(logp)
-            return remax_loss(logp, adv, kl, mask, cfg.beta, cfg.loss_agg, max_len=cfg.max_new_tokens)
+            return remax_loss(logp, adv, kl, mask, beta=cfg.beta, loss_agg=cfg.loss_agg, max_len=cfg.max_new_tokens)
 
         # ---- update: one on-policy optimizer step (the engine runs micro-batches, sync, clip, step) ----
         stats, logp = trainer.update(loss_fn, rollout, cfg.loss_agg, ref_logp=ref_logp, adv=adv, mask=rollout.mask)

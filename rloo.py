@@ -30,12 +30,11 @@ class Config(config.GroupConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.beta < 0:
-            raise ValueError(f"--beta must be >= 0 (got {self.beta}).")
-        if self.micro_batch_size % self.num_generations:
-            raise ValueError(f"--micro_batch_size ({self.micro_batch_size}) must be a multiple of --num_generations "
-                             f"({self.num_generations}): a sample's leave-one-out baseline needs its group's KL "
-                             "penalties, so a micro-batch holds whole groups.")
+        config.check(self.beta >= 0, f"--beta must be >= 0 (got {self.beta}).")
+        config.check(self.micro_batch_size % self.num_generations == 0,
+                     f"--micro_batch_size ({self.micro_batch_size}) must be a multiple of --num_generations "
+                     f"({self.num_generations}): a sample's leave-one-out baseline needs its group's KL penalties, "
+                     "so a micro-batch holds whole groups.")
 
 
 def rloo_advantages(rewards, group_size):
@@ -76,8 +75,8 @@ def main():
     group_size = cfg.num_generations
     sampler = tasks.PromptSampler(train_data, cfg.batch_size // group_size, cfg.seed, accelerator.process_index,
                                   accelerator.num_processes)
-    trainer = engine.Trainer(cfg, accelerator, tokenizer, sampler, eval_data, policy, optimizer, scheduler,
-                             rollout_model=rollout_model)
+    trainer = engine.Trainer(cfg, accelerator, tokenizer, sampler, eval_data, policy=policy, optimizer=optimizer,
+                             scheduler=scheduler, rollout_model=rollout_model)
 
     for step in trainer.steps():
         # ---- rollout: a group of K sampled responses per prompt ----
@@ -95,8 +94,8 @@ def main():
             rewards_kl = rewards - cfg.beta * common.masked_sum(kl, mask, dim=1)  # r~ = r - beta sum_t k1_t
             adv = rloo_advantages(rewards_kl, group_size)  # whole groups: --micro_batch_size is a multiple of K
             # optional corrections for a sampler that is not the trainer (docs/stability.md): TIS, geometric mask
-            pg_weight, correction = common.rollout_correction(logp, logp.detach(), rollout_logp, adv, mask, cfg.tis_cap,
-                                                              cfg.geo_mask_delta)
+            pg_weight, correction = common.rollout_correction(logp, logp.detach(), rollout_logp, adv, mask,
+                                                              tis_cap=cfg.tis_cap, geo_mask_delta=cfg.geo_mask_delta)
             loss, stats = rloo_loss(logp, adv, mask, pg_weight)
             return loss, {**stats, **correction, "adv": adv, "reward_with_kl": rewards_kl}  # (B,) for the log
 

@@ -1,17 +1,21 @@
 """Configuration every script shares: TrainConfig (each algorithm file subclasses it with
 what it adds), GroupConfig (the group methods' shared fields and defaults), parsing and the
 Accelerator."""
+import atexit
+import functools
+import importlib.util
 import json
 import os
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import torch
+
+from common import LOSS_AGG_MODES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EMBEDDED_MODEL = os.path.join(ROOT, "embedded_model")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 # Flags a resumed run may change: they decide how long to run, what to write and how much memory a step
 # takes (the steps stay the same up to rounding), not the steps themselves. Any other difference from the
 # checkpoint's flags is refused (the optimizer state would also silently restore its --learning_rate).
@@ -31,7 +35,12 @@ class TrainConfig:
     model_name_or_path: str = arg(EMBEDDED_MODEL, "Causal LM: Hub name or local folder (default: the embedded model).")
     dataset: str = arg("arithmetic", "'arithmetic' (built-in), 'gsm8k' (Hub) or a local .json/.jsonl/.parquet file.")
     prompt_column: str = arg("question", "Prompt column of --dataset gsm8k or a local file.")
-    answer_column: str = arg("answer", "Answer column ('' for prompts without answers, scored by a reward model).")
+    answer_column: str = arg("answer", "Answer column ('' for prompts without answers, scored by --reward_fn or "
+                             "--reward_model).")
+    answer_check: str = arg("number", "How the rule reward checks a completion of gsm8k or a file against its answer: "
+                            "'number' (equal final numbers) or 'exact' (equal text once stripped).")
+    system_prompt: str = arg("", "System message for each prompt of gsm8k or a file (its own turn in the chat "
+                             "template; without one, text and a blank line before the prompt).")
     eval_size: int = arg(200, "Held-out prompts of a real dataset (its test split, else the file's last rows).")
     use_chat_template: bool = arg(True, "Wrap prompts in the tokenizer's chat template when it has one.")
     max_prompt_length: int = arg(512, "Prompts longer than this many tokens are dropped (with a warning).")
@@ -41,6 +50,12 @@ class TrainConfig:
     reward_model_dtype: str = arg("float32", "dtype of the reward model (float32, bfloat16, float16).")
     reward_model_weight: float = arg(1.0, "Weight of the reward-model score in the reward.")
     rule_reward_weight: float = arg(1.0, "Weight of the rule (correctness) reward; 0 with --reward_model for RLHF.")
+    # action "extend": the flag can be repeated, each time with one or more values
+    reward_fn: list[str] = field(default_factory=list, metadata={"action": "extend", "help": (
+        "A reward function FILE.py:NAME, f(prompts, completions, **columns) -> list of float or None, "
+        "added to the reward (repeatable).")})
+    reward_weights: list[float] = field(default_factory=list, metadata={"action": "extend", "help": (
+        "One weight per --reward_fn, in order (default: 1 each).")})
     reward_scales: str = arg("uniform", "'uniform' (1/0 for right/wrong) or 'hetero' (each family on its own offset).")
     lora_r: int = arg(0, "LoRA rank (0 = full fine-tuning); the reference is then the policy with its adapter off.")
     lora_alpha: int = arg(16, "LoRA alpha.")
@@ -68,7 +83,7 @@ class TrainConfig:
     save_total_limit: int = arg(2, "Keep the newest N complete checkpoints in --output_dir, delete older ones "
                                 "(0 = keep all).")
     resume_from: str = arg("", "A checkpoint folder (output_dir/checkpoint-N) to continue from, or 'latest': "
-                           "the newest complete checkpoint in --output_dir (none: start at step 0).")
+                           "the newest checkpoint in --output_dir whose files verify (none: start at step 0).")
     save_model: bool = arg(True, "Save the final policy with save_pretrained (+ tokenizer) in output_dir/final.")
 
     def __post_init__(self):
@@ -102,17 +117,32 @@ class TrainConfig:
             if not os.path.isfile(os.path.join(self.resume_from, "trainer_state.json")):
                 raise ValueError(f"--resume_from {self.resume_from!r} is not a complete checkpoint (no "
                                  "trainer_state.json: a run stopped while writing it, or it is not a checkpoint); "
-                                 "--resume_from latest picks the newest complete one.")
+                                 "--resume_from latest picks the newest one whose files verify.")
         if self.torch_dtype != "float32" and self.lora_r == 0:
-            print(f"warning: --torch_dtype {self.torch_dtype} without --lora_r trains the weights in "
-                  f"{self.torch_dtype} itself, where an update below about 0.3% (bfloat16) or 0.05% (float16) of "
-                  "a weight rounds away, as most do at --learning_rate 1e-6. Keep float32 weights with "
-                  "`accelerate launch --mixed_precision bf16`, or train a LoRA adapter (--lora_r).",
-                  file=sys.stderr, flush=True)
-        if self.rule_reward_weight == 0 and not self.reward_model:
-            raise ValueError("--rule_reward_weight 0 leaves no reward: give --reward_model too.")
-        if not self.answer_column and not self.reward_model and self.dataset != "arithmetic":
-            raise ValueError("--answer_column '' (no answers) needs a --reward_model to score completions.")
+            say(f"warning: --torch_dtype {self.torch_dtype} without --lora_r trains the weights in "
+                f"{self.torch_dtype} itself, where an update below about 0.3% (bfloat16) or 0.05% (float16) of "
+                "a weight rounds away, as most do at --learning_rate 1e-6. Keep float32 weights with "
+                "`accelerate launch --mixed_precision bf16`, or train a LoRA adapter (--lora_r).")
+        if self.answer_check not in ("number", "exact"):
+            raise ValueError(f"--answer_check must be 'number' or 'exact' (got {self.answer_check!r}).")
+        if self.system_prompt and self.dataset == "arithmetic":
+            raise ValueError("--system_prompt is for instruct models on --dataset gsm8k or a file; the arithmetic "
+                             "task's prompts are bare sums.")
+        for spec in self.reward_fn:
+            reward_function(spec)  # runs its file: a missing file or name is an error before any model loads
+        names = [spec.rpartition(":")[2] for spec in self.reward_fn]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise ValueError(f"--reward_fn: two functions named {twice[0]!r}; their metric train/reward/{twice[0]} "
+                             "would mix them: rename one.")
+        if self.reward_weights and len(self.reward_weights) != len(self.reward_fn):
+            raise ValueError(f"--reward_weights has {len(self.reward_weights)} values for {len(self.reward_fn)} "
+                             "--reward_fn: give one weight per function, in order.")
+        if self.rule_reward_weight == 0 and not (self.reward_model or self.reward_fn):
+            raise ValueError("--rule_reward_weight 0 leaves no reward: give --reward_fn or --reward_model too.")
+        if not self.answer_column and not (self.reward_model or self.reward_fn) and self.dataset != "arithmetic":
+            raise ValueError("--answer_column '' (no answers) needs a --reward_fn or --reward_model to score "
+                             "completions.")
 
 
 @dataclass
@@ -126,6 +156,8 @@ class GroupConfig(TrainConfig):
     # train-inference mismatch and its corrections (docs/stability.md)
     rollout_dtype: str = arg("float32", "Sample with a copy of the policy in this dtype, synced every step "
                              "(the same as --torch_dtype: no copy, the trainer samples).")
+    rollout_lag: int = arg(0, "Sample with the policy of k optimizer steps ago, as an asynchronous trainer does "
+                           "(0 = this step's weights).")
     tis_cap: float = arg(0.0, "Truncated importance sampling: weigh each token by min(pi_train / pi_rollout, C) "
                          "(0 = off; 2 is common).")
     geo_mask_delta: float = arg(0.0, "Mask a sequence with A < 0 whose mean log(pi_old / pi_theta) exceeds delta "
@@ -137,14 +169,18 @@ class GroupConfig(TrainConfig):
             raise ValueError(f"--rollout_dtype must be one of {sorted(DTYPES)} (got {self.rollout_dtype!r}).")
         if self.tis_cap < 0 or 0 < self.tis_cap < 1:
             raise ValueError(f"--tis_cap must be 0 (off) or >= 1 (got {self.tis_cap}).")
-        if self.tis_cap > 0 and self.rollout_dtype == self.torch_dtype:
+        if self.rollout_lag < 0:
+            raise ValueError(f"--rollout_lag must be >= 0 (got {self.rollout_lag}).")
+        same_sampler = self.rollout_dtype == self.torch_dtype and self.rollout_lag == 0
+        if self.tis_cap > 0 and same_sampler:
             raise ValueError("--tis_cap corrects a sampler that differs from the trainer: give --rollout_dtype "
-                             f"other than --torch_dtype ({self.torch_dtype}); with the same the weight is 1.")
+                             f"other than --torch_dtype ({self.torch_dtype}) or --rollout_lag > 0; with the same "
+                             "the weight is 1.")
         if self.geo_mask_delta < 0:
             raise ValueError(f"--geo_mask_delta must be >= 0 (got {self.geo_mask_delta}).")
-        if self.geo_mask_delta > 0 and self.rollout_dtype == self.torch_dtype and getattr(self, "num_epochs", 1) == 1:
+        if self.geo_mask_delta > 0 and same_sampler and getattr(self, "num_epochs", 1) == 1:
             raise ValueError("--geo_mask_delta masks off-policy samples, and these are on-policy: give --rollout_dtype "
-                             "other than --torch_dtype, or --num_epochs > 1.")
+                             "other than --torch_dtype, --rollout_lag > 0 or --num_epochs > 1.")
         if self.num_generations < 2:
             raise ValueError(f"--num_generations must be >= 2: the group is the baseline (got {self.num_generations}).")
         if self.batch_size % self.num_generations:
@@ -154,7 +190,8 @@ class GroupConfig(TrainConfig):
 
 
 def parse_config(config_class, args=None):
-    """Parse the command line into `config_class`; a bad value exits with one clear line."""
+    """Parse the command line into `config_class`; a bad value exits with one clear line. (What needs a
+    checkpoint's files, --resume_from latest among them, is checked by run.Checkpointer.resume.)"""
     from transformers import HfArgumentParser
 
     script = os.path.basename(sys.argv[0])
@@ -163,7 +200,6 @@ def parse_config(config_class, args=None):
         if not cfg.output_dir:
             cfg.output_dir = os.path.join("runs", os.path.splitext(script)[0])
         check_output_dir(cfg, script)
-        check_resume(cfg, script)
     except ValueError as e:
         sys.exit(f"error: {e}")
     return cfg
@@ -176,10 +212,7 @@ def say(message):
 
 
 def check_output_dir(cfg, script):
-    """--output_dir must be (or become) a writable folder that holds no run this one would overwrite:
-    another script's run, or an earlier run's checkpoints that --resume_from does not continue."""
-    from support.run import list_checkpoints
-
+    """--output_dir must be (or become) a writable folder that holds no other script's run."""
     existing = os.path.abspath(cfg.output_dir)
     while not os.path.exists(existing):
         existing = os.path.dirname(existing)
@@ -187,51 +220,32 @@ def check_output_dir(cfg, script):
         raise ValueError(f"--output_dir {cfg.output_dir!r}: {existing} is a file, not a folder.")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ValueError(f"--output_dir {cfg.output_dir!r}: {existing} is not writable.")
-    complete = list_checkpoints(cfg.output_dir)[0]
     earlier = read_json(os.path.join(cfg.output_dir, "config.json")).get("script")
-    if complete:
-        earlier = earlier or read_json(os.path.join(complete[-1], "trainer_state.json")).get("script")
     if earlier and earlier != script:
         raise ValueError(f"--output_dir {cfg.output_dir!r} holds a run of {earlier}: give {script} another "
                          "--output_dir.")
-    if complete and not cfg.resume_from:
-        raise ValueError(f"--output_dir {cfg.output_dir!r} holds checkpoints of an earlier run (newest "
-                         f"{os.path.basename(complete[-1])}): continue it with --resume_from latest, or give "
-                         "another --output_dir.")
 
 
-def check_resume(cfg, script):
-    """Resolve --resume_from latest, then refuse a checkpoint that another script, or a run with other
-    step-changing flags, wrote. Harmless changes (RESUMABLE_CHANGES) get a note."""
-    from support.run import list_checkpoints
-
-    if cfg.resume_from == "latest":
-        complete, partial = list_checkpoints(cfg.output_dir)
-        if partial:
-            say(f"warning: ignoring partial checkpoints {[os.path.basename(p) for p in partial]} in "
-                f"{cfg.output_dir} (a run stopped while writing them); the next save deletes them.")
-        if not complete:
-            say(f"note: --resume_from latest: no complete checkpoint in {cfg.output_dir}, starting at step 0.")
-            cfg.resume_from = ""
-            return
-        cfg.resume_from = complete[-1]
-    if not cfg.resume_from:
-        return
-    state = read_json(os.path.join(cfg.resume_from, "trainer_state.json"))
-    if state.get("script", script) != script:
-        raise ValueError(f"--resume_from {cfg.resume_from!r} was written by {state['script']}, not {script}: resume "
-                         f"it with {state['script']}, or start a new run from its weights with "
-                         f"--model_name_or_path {os.path.join(cfg.resume_from, 'model')}.")
-    saved, now = state.get("config", {}), json.loads(json.dumps(asdict(cfg)))
-    changed = [k for k in now if k in saved and saved[k] != now[k]]
-    refused = [f"--{k} ({saved[k]!r} there, {now[k]!r} here)" for k in changed if k not in RESUMABLE_CHANGES]
-    if refused:
-        raise ValueError(f"--resume_from {cfg.resume_from!r}: this run differs from the checkpoint in "
-                         f"{', '.join(refused)}; give the checkpoint's values, or start a new run from its weights "
-                         f"with --model_name_or_path {os.path.join(cfg.resume_from, 'model')}.")
-    notes = [f"--{k} {saved[k]!r} -> {now[k]!r}" for k in changed if k not in ("resume_from", "output_dir")]
-    if notes:
-        say(f"note: resuming {cfg.resume_from} with {', '.join(notes)}.")
+@functools.cache
+def reward_function(spec):
+    """The callable of --reward_fn FILE.py:NAME; its file is run once per process. A missing file or
+    name, or a file that fails to import, is a ValueError naming the flag."""
+    path, _, name = spec.rpartition(":")
+    if not path.endswith(".py") or not name.isidentifier():
+        raise ValueError(f"--reward_fn {spec!r}: give FILE.py:NAME, e.g. examples/rewards.py:format_reward.")
+    if not os.path.isfile(path):
+        raise ValueError(f"--reward_fn {spec!r}: no such file {path!r}.")
+    found = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
+    module = importlib.util.module_from_spec(found)
+    try:
+        found.loader.exec_module(module)
+    except Exception as e:
+        raise ValueError(f"--reward_fn {spec!r}: importing {path} raised {type(e).__name__}: {e}") from e
+    function = getattr(module, name, None)
+    if not callable(function):
+        defined = [k for k, v in vars(module).items() if callable(v) and getattr(v, "__module__", "") == found.name]
+        raise ValueError(f"--reward_fn {spec!r}: {path} defines no function {name!r} (it defines {defined}).")
+    return function
 
 
 def read_json(path):
@@ -263,15 +277,18 @@ def make_accelerator(cfg):
     cpu = (not torch.cuda.is_available() or use_cpu) and not deepspeed
     accelerator = Accelerator(cpu=cpu, log_with=None if cfg.report_to == "none" else cfg.report_to,
                               project_dir=cfg.output_dir)
-    state = read_json(os.path.join(cfg.resume_from, "trainer_state.json")) if cfg.resume_from else {}
-    saved = state.get("world_size")
-    if saved and saved != accelerator.num_processes:
-        sys.exit(f"error: --resume_from {cfg.resume_from!r} was written by {saved} processes and this run has "
-                 f"{accelerator.num_processes}: launch it with --num_processes {saved} (every rank's sampler and "
-                 "random state is in the checkpoint, and --batch_size is per process).")
+    atexit.register(close_process_group)
     if accelerator.state.deepspeed_plugin is not None:
         deepspeed_settings(accelerator.state.deepspeed_plugin.deepspeed_config, cfg, accelerator.num_processes)
     return accelerator
+
+
+def close_process_group():
+    """Run at exit on every rank, the error path (SystemExit "error: ...") included: a rank that leaves the
+    interpreter with its process group open can abort (SIGABRT) instead of exiting with its own code. After
+    accelerator.end_training (the end of a run) there is no group left to close."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def deepspeed_settings(ds_config, cfg, num_processes):
@@ -288,3 +305,10 @@ def deepspeed_settings(ds_config, cfg, num_processes):
     ds_config["train_batch_size"] = ds_config["train_micro_batch_size_per_gpu"] * num_processes
     ds_config["gradient_clipping"] = cfg.max_grad_norm  # 0 = off, as the flag
     return ds_config
+
+
+def check(ok, message):
+    """One check of a Config's flags: unless ok, the message (which names the flag to change) as a
+    ValueError, which parse_config prints as one line."""
+    if not ok:
+        raise ValueError(message)

@@ -89,9 +89,14 @@ def test_dynamic_sampling_filters_on_correctness_not_on_the_shaped_reward(tmp_pa
 # ---------------------------------------------------------------- advantage and loss
 
 def test_advantage_is_grpos_group_advantage():
-    """dapo.py imports GRPO's advantage (one exercise, graded in tests/test_grpo.py); its default,
-    scale_rewards='group', is DAPO's: std with ddof 1, eps 1e-6, all-equal groups exactly 0."""
-    assert grpo_advantages is grpo.grpo_advantages
+    """dapo.py carries its own copy of GRPO's advantage (a file imports no other algorithm file); its default,
+    scale_rewards='group', is DAPO's: std with ddof 1, eps 1e-6, all-equal groups exactly 0. The copy agrees
+    with grpo.py's for every scaling, on groups with ties and all-equal groups."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        rewards = torch.randint(0, 3, (24,), generator=g).to(F64) + 0.5 * torch.randn(24, generator=g, dtype=F64).round()
+        for scale in ("group", "batch", "none"):
+            assert torch.equal(grpo_advantages(rewards, 4, scale), grpo.grpo_advantages(rewards, 4, scale))
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 4.0, 4.0, 2.0, 0.7, 0.7, 0.7, 0.7], dtype=F64)
     s2 = math.sqrt(4 / 3)  # group 1: mean 1/4, std 1/2; group 2: mean 3, std sqrt(4/3); group 3: all equal
     expected = ([0.75 / (0.5 + 1e-6)] + [-0.25 / (0.5 + 1e-6)] * 3 + [x / (s2 + 1e-6) for x in (-1, 1, 1, -1)]
