@@ -1,16 +1,17 @@
 """Tasks and rewards: the built-in arithmetic task, real data (GSM8K or a local file) with its
-math reward, an optional reward model, the prompt sampler, held-out evaluation, and prompts to
-token ids and completions back to text."""
+rule reward, an optional reward model, reward functions (--reward_fn), the prompt sampler, held-out
+evaluation, and prompts to token ids and completions back to text."""
 import ast
 import hashlib
 import math
+import numbers
 import random
 import re
 
 import torch
 
 import common
-from support import fast
+from support import config, fast, run
 from support.config import DTYPES
 from support.models import check_model_path, prepare_frozen
 
@@ -84,8 +85,9 @@ def extract_final_number(text):
 
 
 def load_task(cfg, tokenizer=None):
-    """(train examples, held-out eval examples). Every example: prompt (as fed to the policy),
-    raw_prompt, answer, family, check ('exact' for arithmetic, 'number' for math data)."""
+    """(train examples, held-out eval examples). Every example: prompt (as fed to the policy), answer,
+    family and, for real data, raw_prompt (the dataset's text), check (--answer_check) and row (the
+    dataset row, whose columns reward functions receive). An arithmetic example is its own row."""
     if cfg.dataset == "arithmetic":
         train = arithmetic_examples(20_000, seed=cfg.seed, held_out=False)
         return train, arithmetic_examples(250, seed=1234, held_out=True)
@@ -114,33 +116,62 @@ def load_task(cfg, tokenizer=None):
         flags = " / ".join(f"--{'prompt' if c == cfg.prompt_column else 'answer'}_column {c!r}" for c in missing)
         raise SystemExit(f"error: --dataset {cfg.dataset!r} has no column {flags}; "
                          f"its columns are {train_rows.column_names}.")
-    return [math_examples(rows, cfg, tokenizer, split) for rows, split in ((train_rows, "train"), (eval_rows, "eval"))]
+    first_eval_row = 1 if cfg.dataset == "gsm8k" else len(train_rows) + 1  # a file's held-out rows are its last
+    return [math_examples(train_rows, cfg, tokenizer, "train"),
+            math_examples(eval_rows, cfg, tokenizer, "test" if cfg.dataset == "gsm8k" else "eval", first_eval_row)]
 
 
-def math_examples(rows, cfg, tokenizer, split):
+def math_examples(rows, cfg, tokenizer, split, first_row=1):
+    """The examples of a real dataset's rows, each checked first: its prompt is text that is not empty, and
+    its answer one that --answer_check can read. A row that fails is an error naming it (`first_row`: the
+    number of rows[0] in the file or split, counting from 1)."""
     examples, too_long = [], 0
-    for row in rows:
-        question = str(row[cfg.prompt_column] or "").strip()
-        if not question:
-            continue
+    for number, row in enumerate(rows, first_row):
+        where = f"--dataset {cfg.dataset!r}" + (f" ({split} split)" if cfg.dataset == "gsm8k" else "") + \
+            f" row {number}"
+        question = row[cfg.prompt_column]
+        if not isinstance(question, str) or not question.strip():
+            held = "empty text" if isinstance(question, str) else f"{question!r:.100}"
+            raise SystemExit(f"error: {where}: --prompt_column {cfg.prompt_column!r} holds {held}; every prompt must "
+                             "be text.")
+        question = question.strip()
+        answer = read_answer(row[cfg.answer_column], cfg.answer_check, where, cfg) if cfg.answer_column else None
         prompt = question
         if cfg.use_chat_template and tokenizer is not None and tokenizer.chat_template:
-            messages = [{"role": "user", "content": question}]
+            messages = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
+            messages.append({"role": "user", "content": question})
             prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        elif cfg.system_prompt:
+            prompt = f"{cfg.system_prompt}\n\n{question}"
         n_tokens = len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) if tokenizer is not None else 0
         if n_tokens > cfg.max_prompt_length:
             too_long += 1
             continue
-        answer = extract_final_number(str(row[cfg.answer_column])) if cfg.answer_column else None
         examples.append({"prompt": prompt, "raw_prompt": question, "answer": answer, "family": "all",
-                         "check": "number"})
+                         "check": cfg.answer_check, "row": dict(row)})
     if too_long:
         print(f"warning: dropped {too_long} {split} prompts longer than --max_prompt_length "
               f"{cfg.max_prompt_length} tokens", flush=True)
     if not examples:
         raise SystemExit(f"error: no usable {split} prompts in --dataset {cfg.dataset!r} "
-                         "(empty prompts, or all longer than --max_prompt_length).")
+                         "(all longer than --max_prompt_length).")
     return examples
+
+
+def read_answer(value, check, where, cfg):
+    """A row's answer as the check compares it: the final number ('number', e.g. '#### 1,234' -> '1234') or the
+    stripped text ('exact'). An answer the check cannot read is an error naming the row."""
+    if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+        problem = f"holds {value!r:.100}, not text or a number"
+    else:
+        answer = extract_final_number(str(value)) if check == "number" else str(value).strip()
+        if answer:
+            return answer
+        problem = f"holds {str(value)[:100]!r}, in which --answer_check {check} finds " + \
+            ("no number" if check == "number" else "no text")
+    raise SystemExit(f"error: {where}: --answer_column {cfg.answer_column!r} {problem}. Give --answer_check exact "
+                     "(the completion must equal the answer), or --answer_column '' (no answers: a --reward_fn or "
+                     "--reward_model scores the completions).")
 
 
 def is_correct(completion, answer, check="exact"):
@@ -195,32 +226,89 @@ class RewardModel:
 
 
 def make_reward_fn(cfg, accelerator):
-    """reward_fn(examples, completions) -> (rewards, correct, stats) on the accelerator's device. Rule reward, a
-    reward model, or a weighted sum of both. A non-finite reward stops before any update."""
+    """reward_fn(examples, completions) -> (rewards, correct, stats) on the accelerator's device: the weighted
+    sum of the rule reward, the reward model's score and each --reward_fn function's values (None counts 0);
+    stats holds each function's mean over the rows it scored, as train/reward/<name>. A reward that raises,
+    or a value that is not a finite number, stops every rank before any update, naming what and where."""
     reward_model = RewardModel(cfg.reward_model, cfg.reward_model_dtype, accelerator, cfg.micro_batch_size) \
         if cfg.reward_model else None
+    functions = [(spec.rpartition(":")[2], config.reward_function(spec)) for spec in cfg.reward_fn]
+    weights = cfg.reward_weights or [1.0] * len(functions)
     device = accelerator.device
 
     def reward_fn(examples, completions):
+        prompts = [ex.get("raw_prompt", ex["prompt"]) for ex in examples]
+        stats, error = {}, None
         try:
             rewards, correct = compute_rewards(examples, completions, cfg.reward_scales)
             rewards, correct = cfg.rule_reward_weight * rewards.to(device), correct.to(device)
             if reward_model is not None:
-                scores = reward_model([ex.get("raw_prompt", ex["prompt"]) for ex in examples], completions)
-                rewards = rewards + cfg.reward_model_weight * scores
+                rewards = rewards + cfg.reward_model_weight * reward_model(prompts, completions)
         except Exception as e:  # a reward that raises: say on what, and apply nothing
-            raise SystemExit(f"error: the reward raised {type(e).__name__}: {e} "
-                             f"(first prompt {examples[0]['prompt'][:200]!r}, "
-                             f"completion {completions[0][:200]!r}); step not applied.") from e
+            rewards = correct = torch.zeros(len(completions), device=device)
+            error = (f"error: the reward raised {type(e).__name__}: {e} (first prompt {examples[0]['prompt'][:200]!r}, "
+                     f"completion {completions[0][:200]!r}); step not applied.")
+        for (name, function), weight in zip(functions, weights):
+            if error is None:
+                values, error = call_reward_function(name, function, prompts, completions, examples)
+            if error is None:
+                scored = [v for v in values if v is not None]
+                rewards = rewards + weight * torch.tensor([0.0 if v is None else v for v in values], device=device)
+                stats[f"train/reward/{name}"] = sum(scored) / len(scored) if scored else float("nan")
         bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
-        if bad:
+        if bad and error is None:
             i = bad[0]
-            raise SystemExit(f"error: non-finite reward {rewards[i].item()} for prompt {examples[i]['prompt'][:200]!r} "
-                             f"and completion {completions[i][:200]!r}; step not applied. Check the reward function "
-                             "/ --reward_model.")
-        return rewards, correct, {}
+            error = (f"error: non-finite reward {rewards[i].item()} for prompt {examples[i]['prompt'][:200]!r} and "
+                     f"completion {completions[i][:200]!r}; step not applied. Check --reward_model and the rule "
+                     "reward's weight.")
+        run.stop_if_any(accelerator, error)
+        return rewards, correct, stats
 
     return reward_fn
+
+
+def call_reward_function(name, function, prompts, completions, examples):
+    """(values, error): the function's values on the batch, f(prompts, completions, **columns) with each
+    column of the dataset as a list, one value per completion: a finite number, or None where it does not
+    apply. Else values is None and error the line that names the function and the rows (0-based in this
+    process's batch) at fault."""
+    columns = {key: [ex.get("row", ex)[key] for ex in examples] for key in examples[0].get("row", examples[0])}
+    what = f"--reward_fn {name}"
+    try:
+        values = function(prompts, completions, **columns)
+    except Exception as e:
+        def raises(i):
+            try:
+                function(prompts[i:i + 1], completions[i:i + 1], **{k: v[i:i + 1] for k, v in columns.items()})
+            except Exception:
+                return True
+            return False
+
+        rows = [i for i in range(len(completions)) if raises(i)]
+        where = f"rows {show(rows, completions)}" if rows else f"the batch of {len(completions)} (no row alone)"
+        return None, f"error: {what} raised {type(e).__name__}: {e} on {where}; step not applied."
+    if isinstance(values, torch.Tensor):
+        values = values.tolist()
+    if not isinstance(values, (list, tuple)) or len(values) != len(completions):
+        got = f"{len(values)} values" if isinstance(values, (list, tuple)) else f"a {type(values).__name__}"
+        return None, (f"error: {what} returned {got} for {len(completions)} completions: it must return a list of "
+                      "one float (or None) per completion; step not applied.")
+    not_numbers = [i for i, v in enumerate(values) if v is not None and not isinstance(v, numbers.Real)]
+    if not_numbers:
+        return None, (f"error: {what} returned {type(values[not_numbers[0]]).__name__} "
+                      f"{str(values[not_numbers[0]])[:100]!r}, not a number, at rows {show(not_numbers, completions)}; "
+                      "step not applied.")
+    non_finite = [i for i, v in enumerate(values) if v is not None and not math.isfinite(v)]
+    if non_finite:
+        return None, (f"error: {what} returned {values[non_finite[0]]} at rows {show(non_finite, completions)}; "
+                      "step not applied.")
+    return [None if v is None else float(v) for v in values], None
+
+
+def show(rows, completions):
+    """'3, 7 (first completion '...')' for an error line: up to 5 row numbers and the first row's completion."""
+    listed = ", ".join(map(str, rows[:5])) + (f" and {len(rows) - 5} more" if len(rows) > 5 else "")
+    return f"{listed} (completion {rows[0]}: {completions[rows[0]][:100]!r})"
 
 
 class PromptSampler:

@@ -1,6 +1,6 @@
 """Checkpoints: atomic writes that survive kill -9, retention (--save_total_limit), --resume_from
-latest, what a checkpoint records and the resumes it refuses, non-finite weights and logits, and
-fp16 loss-scale overflows."""
+latest, what a checkpoint records and the resumes it refuses, files damaged after they were written,
+non-finite weights and logits, and fp16 loss-scale overflows."""
 import importlib
 import json
 import os
@@ -143,9 +143,9 @@ def test_retention_keeps_the_newest_complete_checkpoints_and_latest_skips_partia
         ckpt.save(step, policy, tokenizer)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2", "checkpoint-3"]
     (tmp_path / "tmp-checkpoint-4").mkdir()  # killed while writing step 4
-    (tmp_path / "checkpoint-5").mkdir()  # an older version's half-written folder: no trainer_state.json
+    (tmp_path / "checkpoint-5").mkdir()  # killed while replacing checkpoint-5: no trainer_state.json
     cfg = config.parse_config(config_class("remax"), ["--output_dir", str(tmp_path), "--resume_from", "latest"])
-    assert cfg.resume_from == str(tmp_path / "checkpoint-3")
+    assert run.find_checkpoint(cfg, world_size=1) == (str(tmp_path / "checkpoint-3"), None)
     err = capsys.readouterr().err
     assert "warning: ignoring partial checkpoints" in err and "tmp-checkpoint-4" in err and "checkpoint-5" in err
     ckpt.save(4, policy, tokenizer)  # deletes the partial folders and checkpoint-2
@@ -158,12 +158,13 @@ def test_retention_keeps_the_newest_complete_checkpoints_and_latest_skips_partia
 
 def test_resume_latest_without_a_checkpoint_starts_at_step_zero(tmp_path, capsys):
     cfg = config.parse_config(config_class("remax"), ["--output_dir", str(tmp_path), "--resume_from", "latest"])
-    assert cfg.resume_from == "" and "starting at step 0" in capsys.readouterr().err
+    assert run.find_checkpoint(cfg, world_size=1, script="remax.py") == ("", None)
+    assert "starting at step 0" in capsys.readouterr().err
 
 
 def write_checkpoint(out_dir, script, cfg, world_size=1, step=3):
-    """A checkpoint folder with the trainer_state.json Checkpointer.save writes (the rest is not read
-    before the run loads its models)."""
+    """A checkpoint folder with only the trainer_state.json Checkpointer.save writes (which records no
+    other file): enough for the checks of find_checkpoint."""
     path = out_dir / f"checkpoint-{step}"
     path.mkdir(parents=True)
     (path / "trainer_state.json").write_text(json.dumps(run.trainer_state(cfg, step, world_size, script)))
@@ -174,23 +175,23 @@ def test_resume_refuses_another_scripts_checkpoint(tmp_path, monkeypatch):
     grpo_cfg = config.parse_config(config_class("grpo"), ["--output_dir", str(tmp_path / "g")])
     path = write_checkpoint(tmp_path / "g", "grpo.py", grpo_cfg)
     monkeypatch.setattr(sys, "argv", ["ppo.py"])
-    with pytest.raises(SystemExit) as e:
-        config.parse_config(config_class("ppo"), ["--output_dir", str(tmp_path / "p"), "--resume_from", str(path)])
-    assert str(e.value).startswith("error: --resume_from") and "written by grpo.py, not ppo.py" in str(e.value)
+    cfg = config.parse_config(config_class("ppo"), ["--output_dir", str(tmp_path / "p"), "--resume_from", str(path)])
+    _, error = run.find_checkpoint(cfg, world_size=1)
+    assert error.startswith("error: --resume_from") and "written by grpo.py, not ppo.py" in error
 
 
 def test_resume_refuses_step_changing_flags_and_notes_harmless_ones(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["grpo.py"])
     Config = config_class("grpo")
     path = write_checkpoint(tmp_path, "grpo.py", config.parse_config(Config, ["--output_dir", str(tmp_path)]))
-    with pytest.raises(SystemExit) as e:
-        config.parse_config(Config, ["--output_dir", str(tmp_path / "new"), "--resume_from", str(path),
-                                     "--num_generations", "4", "--learning_rate", "1e-5"])
-    assert "--num_generations (8 there, 4 here)" in str(e.value) and "--learning_rate" in str(e.value)
-    assert "--num_steps" not in str(e.value)
+    cfg = config.parse_config(Config, ["--output_dir", str(tmp_path / "new"), "--resume_from", str(path),
+                                       "--num_generations", "4", "--learning_rate", "1e-5"])
+    _, error = run.find_checkpoint(cfg, world_size=1)
+    assert "--num_generations (8 there, 4 here)" in error and "--learning_rate" in error
+    assert "--num_steps" not in error
     cfg = config.parse_config(Config, ["--output_dir", str(tmp_path), "--resume_from", "latest", "--num_steps", "900",
                                        "--save_steps", "10"])
-    assert cfg.resume_from == str(path)
+    assert run.find_checkpoint(cfg, world_size=1) == (str(path), None)
     assert "note: resuming" in capsys.readouterr().err
 
 
@@ -200,19 +201,20 @@ def test_resume_with_another_world_size_is_refused(tmp_path, monkeypatch):
     path = write_checkpoint(tmp_path, "remax.py", config.parse_config(Config, ["--output_dir", str(tmp_path)]),
                             world_size=2)
     cfg = config.parse_config(Config, ["--output_dir", str(tmp_path), "--resume_from", str(path)])
-    with pytest.raises(SystemExit, match="written by 2 processes and this run has 1: launch it with --num_processes 2"):
-        config.make_accelerator(cfg)
+    _, error = run.find_checkpoint(cfg, world_size=1)
+    assert "written by 2 processes and this run has 1: launch it with --num_processes 2" in error
 
 
 def test_output_dir_with_checkpoints_or_another_scripts_run_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(sys, "argv", ["remax.py"])
     Config = config_class("remax")
     write_checkpoint(tmp_path, "remax.py", config.parse_config(Config, ["--output_dir", str(tmp_path)]))
-    with pytest.raises(SystemExit, match="error: --output_dir .* holds checkpoints of an earlier run"):
-        config.parse_config(Config, ["--output_dir", str(tmp_path)])
+    _, error = run.find_checkpoint(config.parse_config(Config, ["--output_dir", str(tmp_path)]), world_size=1)
+    assert error.startswith("error: --output_dir")
+    assert "holds checkpoints of an earlier run (newest checkpoint-3)" in error
     monkeypatch.setattr(sys, "argv", ["rloo.py"])
-    with pytest.raises(SystemExit, match="error: --output_dir .* holds a run of remax.py"):
-        config.parse_config(config_class("rloo"), ["--output_dir", str(tmp_path), "--resume_from", "latest"])
+    cfg = config.parse_config(config_class("rloo"), ["--output_dir", str(tmp_path), "--resume_from", "latest"])
+    assert "written by remax.py, not rloo.py" in run.find_checkpoint(cfg, world_size=1)[1]
 
 
 def test_a_run_without_checkpoints_is_written_over_by_its_script_only(parts, tmp_path, monkeypatch):
@@ -287,3 +289,61 @@ def test_a_non_finite_weight_is_found_even_where_the_probe_logits_stay_finite(pa
     finally:
         with torch.no_grad():
             weight.copy_(saved)
+
+
+def test_a_checkpoint_records_the_size_and_checksum_of_every_file(parts, tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["remax.py"])
+    path = checkpointer(parts, tmp_path).save(1, parts[1], parts[2])
+    files = json.loads((tmp_path / "checkpoint-1" / "trainer_state.json").read_text())["files"]
+    on_disk = sorted(str(p.relative_to(path)) for p in (tmp_path / "checkpoint-1").rglob("*") if p.is_file())
+    assert sorted(files) == [name for name in on_disk if name != "trainer_state.json"]
+    assert {"model.safetensors", "model/model.safetensors", "sampler_rank0.json"} <= set(files)
+    record = files["model/model.safetensors"]
+    assert record["bytes"] == os.path.getsize(os.path.join(path, "model", "model.safetensors"))
+    assert record["sha256"] == run.sha256(os.path.join(path, "model", "model.safetensors"))
+    assert run.verify_checkpoint(path) is None
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda f: f.write_bytes(f.read_bytes()[:100]), "has 100 bytes, {size} were written"),
+    (lambda f: f.unlink(), "is missing"),
+    (lambda f: f.write_bytes(bytes([f.read_bytes()[0] ^ 1]) + f.read_bytes()[1:]), "differs from the file written "
+                                                                                  "(SHA-256 mismatch)"),
+], ids=["truncated", "missing", "one bit flipped"])
+def test_a_damaged_file_is_named(parts, tmp_path, monkeypatch, damage, message):
+    monkeypatch.setattr(sys, "argv", ["remax.py"])
+    path = checkpointer(parts, tmp_path).save(1, parts[1], parts[2])
+    file = tmp_path / "checkpoint-1" / "model" / "model.safetensors"
+    size = file.stat().st_size
+    damage(file)
+    assert run.verify_checkpoint(path) == f"{file} {message.format(size=size)}"
+    cfg = config.parse_config(config_class("remax"), ["--output_dir", str(tmp_path), "--resume_from", path])
+    _, error = run.find_checkpoint(cfg, world_size=1)
+    assert error == f"error: --resume_from {path!r} is damaged: {file} {message.format(size=size)}. Give another " \
+                    "checkpoint (--resume_from latest skips damaged ones)."
+
+
+def test_damaged_checkpoints_are_an_error_by_path_and_skipped_by_latest(tmp_path):
+    """A real run's checkpoints: a missing optimizer.bin given by path is one error line naming it, not a
+    FileNotFoundError; a truncated model.safetensors (accelerate's copy of the weights, a SafetensorError
+    when loaded) in the newest checkpoint makes --resume_from latest resume from the one before."""
+    out_dir = tmp_path / "run"
+    cmd = [sys.executable, "remax.py", *CHAOS_ARGS, "--num_steps", "2", "--output_dir", str(out_dir)]
+    first = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr[-3000:]
+    newest = out_dir / "checkpoint-2"
+    (newest / "optimizer.bin").rename(tmp_path / "optimizer.bin")
+    out = subprocess.run(cmd + ["--resume_from", str(newest)], cwd=ROOT, env=ENV, capture_output=True, text=True)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert out.stderr.strip().splitlines()[-1] == f"error: --resume_from {str(newest)!r} is damaged: " \
+        f"{newest / 'optimizer.bin'} is missing. Give another checkpoint (--resume_from latest skips damaged ones)."
+    (tmp_path / "optimizer.bin").rename(newest / "optimizer.bin")
+    weights = newest / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:4])
+    out = subprocess.run(cmd[:-4] + ["--num_steps", "3", "--output_dir", str(out_dir), "--resume_from", "latest"],
+                         cwd=ROOT, env=ENV, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"warning: --resume_from latest: skipping the damaged checkpoint-2: {weights} has 4 bytes" in out.stderr
+    assert f"resumed from {out_dir / 'checkpoint-1'} at step 1" in out.stdout
+    assert [r["step"] for r in run.read_metrics(out_dir / "metrics.jsonl")] == [0, 1, 2, 3]
+    assert run.verify_checkpoint(newest) is None  # written again by the resumed run

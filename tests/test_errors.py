@@ -48,6 +48,11 @@ BAD_INPUTS = [  # (script, arguments, what the message must name)
     ("remax", ["--micro_batch_size", "-1"], "--micro_batch_size"),
     ("grpo", ["--generation_batch_size", "-2"], "--generation_batch_size"),
     ("rloo", ["--micro_batch_size", "4", "--num_generations", "8"], "--micro_batch_size"),
+    ("remax", ["--answer_check", "regex"], "--answer_check"),
+    ("grpo", ["--system_prompt", "Be brief."], "--system_prompt"),
+    ("remax", ["--reward_fn", "no_such_file.py:f"], "--reward_fn"),
+    ("dapo", ["--reward_fn", "examples/rewards.py:no_such_function"], "--reward_fn"),
+    ("ppo", ["--reward_weights", "0.5"], "--reward_weights"),
 ]
 
 
@@ -80,17 +85,21 @@ def test_folder_that_is_not_a_model_is_refused(tmp_path):
     assert out.returncode != 0 and "config.json" in out.stderr and "Traceback" not in out.stderr
 
 
-def test_empty_prompts_are_an_error_naming_the_dataset(tmp_path):
+def test_an_empty_prompt_is_an_error_naming_the_dataset_and_the_row(tmp_path):
     path = tmp_path / "empty.jsonl"
-    path.write_text("".join(json.dumps({"question": "  ", "answer": "#### 1"}) + "\n" for _ in range(4)))
-    out = run(["--dataset", str(path)], tmp_path)
-    assert out.returncode != 0 and "no usable train prompts" in out.stderr and "Traceback" not in out.stderr
+    rows = [{"question": "1+1=", "answer": "#### 2"}, {"question": "  ", "answer": "#### 1"}, {"question": "2+2=",
+                                                                                                 "answer": "4"}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = run(["--dataset", str(path), "--eval_size", "1"], tmp_path)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert out.stderr.strip().splitlines()[-1] == f"error: --dataset {str(path)!r} row 2: --prompt_column " \
+                                                  "'question' holds empty text; every prompt must be text."
 
 
 def test_no_answers_without_reward_model_is_refused(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps({"question": "1+1="}) + "\n")
-    with pytest.raises(SystemExit, match="--answer_column"):
+    with pytest.raises(SystemExit, match="--answer_column '' .* needs a --reward_fn or --reward_model"):
         config.parse_config(importlib.import_module("remax").Config, ["--dataset", str(path), "--answer_column", ""])
 
 
