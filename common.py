@@ -72,13 +72,22 @@ def kl_penalty(logp, ref_logp, estimator="k3", old_logp=None):
     With old_logp (the tokens were sampled by pi_old) the term is multiplied by the ratio
     pi_theta / pi_old WITH its gradient (DeepSeek-V3.2): E_old[ratio * k] = E_theta[k] as a
     function of theta, so k1 and k3 give the per-state reverse-KL gradient (grad(ratio * k3)
-    = ratio * k1 * score). A detached ratio would keep k3's forward-KL gradient.
+    = ratio * k1 * score). A detached ratio would keep k3's forward-KL gradient. ratio * k3 is
+    computed as exp(ref_logp - old_logp) - ratio * (ref_logp - logp + 1), the same value: written
+    as ratio * k3, autograd would get ratio * k1 as the difference of two terms of size ref / pi_old,
+    which in fp32 cancel to nothing once log(ref / pi) passes about 20.
     """
     # BEGIN SOLUTION
-    # HINT: kl = kl_k1 | kl_k2 | kl_k3 (by estimator) of (logp, ref_logp); with old_logp:
-    # HINT: kl * exp(logp - old_logp), the ratio NOT detached; (B, T) in, (B, T) out
-    kl = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}[estimator](logp, ref_logp)
-    return kl if old_logp is None else torch.exp(logp - old_logp) * kl
+    # HINT: kl = kl_k1 | kl_k2 | kl_k3 (by estimator) of (logp, ref_logp); with old_logp: ratio * kl,
+    # HINT: ratio = exp(logp - old_logp) NOT detached; for k3 the equal exp(ref_logp - old_logp) - ratio *
+    # HINT: (ref_logp - logp + 1), whose first term is free of theta; (B, T) in, (B, T) out
+    kl = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}[estimator]
+    if old_logp is None:
+        return kl(logp, ref_logp)
+    ratio = torch.exp(logp - old_logp)
+    if estimator == "k3":  # ratio * (ref/pi - log(ref/pi) - 1) with ratio * ref/pi = ref/pi_old: d/dlogp = ratio * k1
+        return torch.exp(ref_logp - old_logp) - ratio * (ref_logp - logp + 1)
+    return ratio * kl(logp, ref_logp)
     # END SOLUTION
 
 

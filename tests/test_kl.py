@@ -113,6 +113,22 @@ def test_estimators_hand_computed_values():
     assert torch.allclose(kl_k3(logp, ref_logp), torch.exp(torch.tensor([-1.0], dtype=D)))
 
 
+def test_k3_of_a_truncated_policy_underestimates_the_kl_by_the_reference_mass_outside_the_kept_set():
+    """--top_k / --top_p: q is softmax(theta) kept on its top 3 of 6 outcomes and renormalised, the
+    reference p is not truncated. E_q[p/q] = p(kept) < 1, so E_q[k3] = KL(q || p) - p(not kept), while
+    E_q[k1] stays KL(q || p)."""
+    theta, ref_logp = setup()
+    kept = torch.zeros(6, dtype=torch.bool)
+    kept[torch.topk(theta.detach(), 3).indices] = True
+    logq = torch.log_softmax(theta.detach().masked_fill(~kept, float("-inf")), 0)
+    q = logq.exp()[kept]  # the expectations run over the kept outcomes: q = 0 elsewhere
+    true = (q * (logq - ref_logp)[kept]).sum()  # KL(q || p)
+    outside = ref_logp.exp()[~kept].sum()
+    assert outside > 0.1  # 0.333 here
+    assert torch.allclose((q * kl_k1(logq, ref_logp)[kept]).sum(), true)
+    assert torch.allclose((q * kl_k3(logq, ref_logp)[kept]).sum(), true - outside)
+
+
 def test_k3_is_not_clamped():
     """No clamp on the log-ratio or on k3 (verl clamps to 20 and 10): the value stays exact."""
     logp, ref_logp = torch.tensor([0.0], dtype=D), torch.tensor([30.0], dtype=D)
@@ -281,3 +297,24 @@ def test_kl_is_weight_on_policy_gives_k3_the_gradient_of_k2():
     assert close(weighted, kl_k3(logp, ref_logp))
     assert close(grad(weighted.sum(), logp), grad(kl_k2(logp, ref_logp).sum(), logp))
     assert close(grad(kl_penalty(logp, ref_logp, "k3").sum(), logp), 1 - torch.exp(ref_logp - logp))
+
+
+def test_ratio_weighted_k3_gradient_is_exact_in_fp32_where_the_reference_is_far_more_likely():
+    """d(ratio * k3)/dlogp = ratio * k1. At log(ref / pi) = 18 .. 40, in fp32, kl_penalty's gradient agrees
+    with that fp64 closed form to 1e-6, and its value with ratio * k3 in fp64. Written as ratio * k3,
+    autograd forms ratio * k3 + ratio * (1 - ref / pi), two terms of size ref / pi_old whose sum is
+    ratio * k1: in fp32 that sum is off by more than 10% at 18 and is exactly 0 from about 20 on."""
+    log_ref_over_pi = torch.tensor([18.0, 19.0, 20.5, 25.0, 40.0])
+    ref_logp = torch.full((5,), -0.5)
+    logp = (ref_logp - log_ref_over_pi).requires_grad_()
+    old_logp = logp.detach() + torch.tensor([0.3, -0.2, 0.0, 0.1, -0.4])  # off-policy, and on it (0.0)
+    kl = kl_penalty(logp, ref_logp, "k3", old_logp=old_logp)
+    (g,) = torch.autograd.grad(kl.sum(), logp)
+    logp64, ref64, old64 = logp.detach().double(), ref_logp.double(), old_logp.double()
+    ratio64 = torch.exp(logp64 - old64)
+    torch.testing.assert_close(g.double(), ratio64 * (logp64 - ref64), rtol=1e-6, atol=0)
+    torch.testing.assert_close(kl.double(), ratio64 * kl_k3(logp64, ref64), rtol=1e-6, atol=0)
+    naive = torch.exp(logp - old_logp) * kl_k3(logp, ref_logp)
+    (g_naive,) = torch.autograd.grad(naive.sum(), logp)
+    error = (g_naive.double() / (ratio64 * (logp64 - ref64)) - 1).abs()
+    assert error.min() > 0.1 and (g_naive[2:] == 0).all()
