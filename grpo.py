@@ -47,37 +47,32 @@ class Config(config.GroupConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        if self.beta < 0:
-            raise ValueError(f"--beta must be >= 0 (got {self.beta}).")
-        if self.kl_estimator not in ("k1", "k2", "k3"):
-            raise ValueError(f"--kl_estimator must be k1, k2 or k3 (got {self.kl_estimator!r}).")
-        if self.dual_clip_c < 0 or 0 < self.dual_clip_c <= 1:
-            raise ValueError(f"--dual_clip_c must be 0 (off) or > 1 (got {self.dual_clip_c}).")
-        if self.importance_sampling_level not in ("token", "sequence"):
-            raise ValueError("--importance_sampling_level must be 'token' or 'sequence' "
-                             f"(got {self.importance_sampling_level!r}).")
+        config.check(self.beta >= 0, f"--beta must be >= 0 (got {self.beta}).")
+        config.check(self.kl_estimator in ("k1", "k2", "k3"),
+                     f"--kl_estimator must be k1, k2 or k3 (got {self.kl_estimator!r}).")
+        config.check(self.dual_clip_c == 0 or self.dual_clip_c > 1,
+                     f"--dual_clip_c must be 0 (off) or > 1 (got {self.dual_clip_c}).")
+        config.check(self.importance_sampling_level in ("token", "sequence"),
+                     f"--importance_sampling_level must be token or sequence (got {self.importance_sampling_level!r}).")
         sequence = self.importance_sampling_level == "sequence"
-        if self.epsilon_high is not None and not sequence:
-            raise ValueError("--epsilon_high needs --importance_sampling_level sequence: at token level the clip is "
-                             "symmetric, [1 - epsilon, 1 + epsilon] (clip-higher is dapo.py's).")
-        if self.epsilon_high is None and sequence:  # Zheng et al. (2025), v2 section 5.1: 3e-4 and 4e-4
+        config.check(sequence or self.epsilon_high is None,
+                     "--epsilon_high needs --importance_sampling_level sequence: at token level the clip is "
+                     "symmetric, [1 - epsilon, 1 + epsilon] (clip-higher is dapo.py's).")
+        if sequence and self.epsilon_high is None:  # Zheng et al. (2025), v2 section 5.1: 3e-4 and 4e-4
             self.epsilon_high = 4e-4 if self.epsilon is None else self.epsilon
         if self.epsilon is None:
             self.epsilon = 3e-4 if sequence else 0.2
-        if not 0 < self.epsilon < 1:
-            raise ValueError(f"--epsilon must be in (0, 1) (got {self.epsilon}).")
-        if sequence and not self.epsilon_high > 0:
-            raise ValueError(f"--epsilon_high must be > 0 (got {self.epsilon_high}).")
-        if sequence and self.loss_agg == "token-mean":
-            raise ValueError("--importance_sampling_level sequence averages one policy term per sequence, and "
-                             "--loss_agg token-mean would weigh the micro-batches by their tokens: give "
-                             "seq-mean-token-mean or seq-mean-token-sum-norm (the per-token KL term's aggregation).")
-        if self.num_epochs < 1:
-            raise ValueError(f"--num_epochs must be >= 1 (got {self.num_epochs}).")
-        if self.scale_rewards not in ("group", "batch", "none"):
-            raise ValueError(f"--scale_rewards must be 'group', 'batch' or 'none' (got {self.scale_rewards!r}).")
-        if self.loss_agg not in config.LOSS_AGG_MODES:
-            raise ValueError(f"--loss_agg must be one of {config.LOSS_AGG_MODES} (got {self.loss_agg!r}).")
+        config.check(0 < self.epsilon < 1, f"--epsilon must be in (0, 1) (got {self.epsilon}).")
+        config.check(not sequence or self.epsilon_high > 0, f"--epsilon_high must be > 0 (got {self.epsilon_high}).")
+        config.check(not sequence or self.loss_agg != "token-mean",
+                     "--importance_sampling_level sequence averages one policy term per sequence, and --loss_agg "
+                     "token-mean would weigh the micro-batches by their tokens: give seq-mean-token-mean or "
+                     "seq-mean-token-sum-norm (the per-token KL term's aggregation).")
+        config.check(self.num_epochs >= 1, f"--num_epochs must be >= 1 (got {self.num_epochs}).")
+        config.check(self.scale_rewards in ("group", "batch", "none"),
+                     f"--scale_rewards must be group, batch or none (got {self.scale_rewards!r}).")
+        config.check(self.loss_agg in config.LOSS_AGG_MODES,
+                     f"--loss_agg must be one of {config.LOSS_AGG_MODES} (got {self.loss_agg!r}).")
 
 
 def grpo_advantages(rewards, group_size, scale_rewards="group", eps=1e-6):
@@ -119,14 +114,12 @@ def grpo_loss(logp, old_logp, ref_logp, adv, mask, epsilon, beta, loss_agg="seq-
     is the sequence KL's (docs/algorithms.md). dual_clip_c > 1 bounds the loss of a token with
     A < 0 by c |A|; pg_weight (B, T), detached, multiplies the surrogate (TIS, masks).
 
-    importance_sampling_level "sequence" (GSPO, Zheng et al., 2025): the ratio of sequence i is
-    s_i = exp(mean over its valid tokens of logp - old_logp), the geometric mean of the token
-    ratios; the surrogate min(s_i A_i, clip(s_i, 1 - epsilon, 1 + epsilon_high) A_i) (epsilon_high
-    None: epsilon) is one term per sequence, averaged over the B sequences whatever loss_agg says;
-    dual clip acts on it as on a token's, and pg_weight enters as its mean over the sequence's valid
-    tokens. The KL term stays per token (its ratio with kl_is_weight too), aggregated by loss_agg.
-    Example: log-ratios (log 2, log 8) give s = 4, A = 1 a loss of -4 and d loss / d logp = -2 on
-    each of the two tokens.
+    importance_sampling_level "sequence" (GSPO, Zheng et al., 2025): s_i = exp(mean of logp - old_logp
+    over the valid tokens of sequence i), the geometric mean of its token ratios, and one term per
+    sequence, min(s_i A_i, clip(s_i, 1 - epsilon, 1 + epsilon_high) A_i) (epsilon_high None: epsilon),
+    averaged over the B sequences; dual clip acts on it, pg_weight enters as its mean over the valid
+    tokens; the KL term stays per token, aggregated by loss_agg. Example: log-ratios (log 2, log 8),
+    A = 1: s = 4, loss -4, d loss / d logp = -2 on each token.
 
     Returns (loss, stats): clip_frac_low / clip_frac_high, the fraction of tokens (at sequence
     level: of sequences) clipped below (ratio < 1 - eps with A < 0) and above (ratio > 1 + eps

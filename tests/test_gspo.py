@@ -196,7 +196,8 @@ def test_clip_defaults_are_grpos_at_token_level_and_gspos_at_sequence_level():
     ({"epsilon_high": 0.28}, ["--epsilon_high", "--importance_sampling_level"]),
     ({"importance_sampling_level": "sequence", "epsilon_high": 0.0}, ["--epsilon_high"]),
     ({"importance_sampling_level": "sequence", "epsilon": 1.0}, ["--epsilon"]),
-    ({"importance_sampling_level": "sequence", "loss_agg": "token-mean"}, ["--importance_sampling_level", "--loss_agg"]),
+    ({"importance_sampling_level": "sequence", "loss_agg": "token-mean"},
+     ["--importance_sampling_level", "--loss_agg"]),
 ])
 def test_bad_config_raises_a_value_error_naming_the_flag(kwargs, flags):
     with pytest.raises(ValueError) as e:
