@@ -39,7 +39,7 @@ def gradient_variance(p, r1, r0, baseline, bernoulli=False):
     """Exact variance of g = (r_a - b) s(a) for the two-armed bandit (p, b may be arrays).
 
     r1, r0 are the mean rewards. bernoulli=True: rewards are 0/1 with success probabilities
-    q1 = r1, q0 = r0. Equals p(1-p)(b - b*)^2 + p(1-p)[(1-p) q1(1-q1) + p q0(1-q0)].
+    q1 = r1, q0 = r0. Variance means E[g^2] - (E[g])^2 over the action (and the Bernoulli reward).
     """
     # BEGIN SOLUTION
     # HINT: Var = E[(r - b)^2 s^2] - (grad J)^2 with grad J = p (1-p) (r1 - r0):
@@ -55,10 +55,9 @@ def gradient_variance(p, r1, r0, baseline, bernoulli=False):
 
 
 def optimal_baseline(p, r1, r0):
-    """Minimum-variance baseline b* = E[r s^2] / E[s^2] = (1-p) r1 + p r0.
+    """Minimum-variance baseline b* = E[r s^2] / E[s^2] of the two-armed bandit, simplified.
 
-    Each reward is weighted by the probability of the OTHER action, so b* is not the expected
-    reward p r1 + (1-p) r0 (except at p = 1/2). With Bernoulli rewards pass q1, q0.
+    It is not the expected reward (except at p = 1/2). With Bernoulli rewards pass q1, q0.
     """
     # BEGIN SOLUTION
     # HINT: b* = E[r s^2] / E[s^2], with s(1) = 1 - p, s(0) = -p; simplify
@@ -100,7 +99,6 @@ def softmax_gradient_variance(theta, r, baseline, bernoulli=False):
     """Exact tr Cov of g = (r_a - b) s(a) for pi = softmax(theta); r: (K,) mean rewards.
 
     bernoulli=True: rewards are 0/1 with success probabilities r. baseline may be an array.
-    Equals Var(b*) + W (b - b*)^2 with W = E||s||^2 = 1 - ||pi||^2.
     """
     # BEGIN SOLUTION
     # HINT: pi = softmax(theta); sq_norm_a = ||e_a - pi||^2 = 1 - 2 pi_a + pi . pi;
@@ -116,7 +114,7 @@ def softmax_gradient_variance(theta, r, baseline, bernoulli=False):
 
 
 def softmax_optimal_baseline(theta, r):
-    """b* = E[r ||s||^2] / E[||s||^2] = sum_a pi_a r_a ||s(a)||^2 / W, W = 1 - ||pi||^2."""
+    """The minimum-variance baseline b* = E[r ||s||^2] / E[||s||^2] of the softmax bandit, a float."""
     # BEGIN SOLUTION
     # HINT: b* = sum_a pi_a r_a sq_norm_a / W, W = 1 - pi . pi (a float)
     pi, r = softmax(theta), np.asarray(r, float)
@@ -171,32 +169,32 @@ def mc_variance(g):
 # Group estimators: K samples per prompt, g = (1/K) sum_i A_i s(a_i). rewards: (..., K).
 
 
-def rloo_advantages(rewards):
-    """RLOO: A_i = r_i - mean_{j != i} r_j = K/(K-1) (r_i - mean r).
+def over_groups(advantages, rewards, **kwargs):
+    """Apply a torch advantage function of (B,) rewards in adjacent groups (an exercise of rloo.py or
+    grpo.py) to numpy rewards grouped along the last axis."""
+    import torch  # imported here so that importing this file does no work
 
-    Not an exercise: rloo.rloo_advantages is, in torch over adjacent groups; this numpy copy over
-    the last axis lets the bandit enumerate every group without torch."""
     rewards = np.asarray(rewards, float)
-    K = rewards.shape[-1]
-    return K / (K - 1) * (rewards - rewards.mean(-1, keepdims=True))
+    flat = torch.as_tensor(rewards.reshape(-1), dtype=torch.float64)
+    return advantages(flat, rewards.shape[-1], **kwargs).numpy().reshape(rewards.shape)
+
+
+def rloo_advantages(rewards):
+    """RLOO: A_i = r_i - mean_{j != i} r_j (rloo.rloo_advantages over the last axis)."""
+    import rloo
+    return over_groups(rloo.rloo_advantages, rewards)
 
 
 def mean_advantages(rewards):
-    """Mean including self (Dr. GRPO): A_i = r_i - mean r.
-
-    Not an exercise: grpo.grpo_advantages with scale_rewards='none' is; a numpy copy."""
-    rewards = np.asarray(rewards, float)
-    return rewards - rewards.mean(-1, keepdims=True)
+    """Mean including self (Dr. GRPO): A_i = r_i - mean r (grpo.grpo_advantages, scale_rewards='none')."""
+    import grpo
+    return over_groups(grpo.grpo_advantages, rewards, scale_rewards="none")
 
 
 def grpo_advantages(rewards, eps=GRPO_EPS):
-    """GRPO: A_i = (r_i - mean r) / (std r + eps), std with ddof=1; all-equal group -> 0.
-
-    Not an exercise: grpo.grpo_advantages is; a numpy copy."""
-    rewards = np.asarray(rewards, float)
-    adv = (rewards - rewards.mean(-1, keepdims=True)) / (rewards.std(-1, ddof=1, keepdims=True) + eps)
-    all_equal = (rewards == rewards[..., :1]).all(-1, keepdims=True)
-    return np.where(all_equal, 0.0, adv)
+    """GRPO: A_i = (r_i - mean r) / (std r + eps), std with ddof=1; all-equal group -> 0 (grpo.grpo_advantages)."""
+    import grpo
+    return over_groups(grpo.grpo_advantages, rewards, scale_rewards="group", eps=eps)
 
 
 def group_gradient_moments(p, r1, r0, advantages, K, bernoulli=False):

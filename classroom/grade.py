@@ -211,7 +211,7 @@ def check_body(body, rules):
         elif isinstance(node, ast.Global):
             problems.append(f"line {node.lineno}: a global statement")
         elif isinstance(node, ast.Name):
-            if node.id.startswith("_") or node.id in DENIED_NAMES:
+            if node.id.startswith("__") or node.id in DENIED_NAMES:
                 problems.append(f"line {node.lineno}: uses {node.id}")
             elif node.id in rules.module_level and node.id not in rules.allowed and node.id not in modules:
                 problems.append(f"line {node.lineno}: uses {node.id} of {rules.module_name}.py, which this "

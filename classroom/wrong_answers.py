@@ -24,6 +24,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import make_student_copy as msc  # noqa: E402
+from grade import grading_tests  # noqa: E402
 
 ROOT = msc.ROOT
 
@@ -49,12 +50,13 @@ WRONG_ANSWERS = {
          "test_k3_is_nonnegative_per_sample_and_k1_is_not"),
     ],
     "common.py::kl_penalty": [
-        ("the ratio detached (k3 keeps its forward-KL gradient)", "torch.exp(logp - old_logp) * kl",
-         "torch.exp(logp - old_logp).detach() * kl",
+        ("the ratio detached (k3 keeps its forward-KL gradient)", "ratio = torch.exp(logp - old_logp)",
+         "ratio = torch.exp(logp - old_logp).detach()",
          "test_kl_penalty_with_the_ratio_in_the_graph_gives_the_reverse_kl_gradient_off_policy"),
-        ("ratio upside down: pi_old / pi_theta", "torch.exp(logp - old_logp) * kl", "torch.exp(old_logp - logp) * kl",
+        ("ratio upside down: pi_old / pi_theta", "ratio = torch.exp(logp - old_logp)",
+         "ratio = torch.exp(old_logp - logp)",
          "test_kl_penalty_with_the_ratio_in_the_graph_gives_the_reverse_kl_gradient_off_policy"),
-        ("old_logp ignored", "return kl if old_logp is None else torch.exp(logp - old_logp) * kl", "return kl",
+        ("old_logp ignored", "if old_logp is None:", "if True:",
          "test_ratio_weighted_k3_on_a_sequence_is_the_per_state_reverse_kl_over_the_samplers_states"),
         ("k1 and k3 swapped", '{"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}', '{"k1": kl_k3, "k2": kl_k2, "k3": kl_k1}',
          "test_kl_is_weight_on_policy_gives_k3_the_gradient_of_k2"),
@@ -81,6 +83,11 @@ WRONG_ANSWERS = {
          "test_masked_whiten_has_zero_mean_unit_std_on_mask_and_zero_off_it"),
         ("padding not zeroed", "return torch.where(mask.bool(), whitened, torch.zeros_like(whitened))",
          "return whitened", "test_masked_whiten_has_zero_mean_unit_std_on_mask_and_zero_off_it"),
+        ("shift_mean=False puts the mean back on the padding too",
+         "        whitened = whitened + mean\n    return torch.where(mask.bool(), whitened, torch.zeros_like(whitened))",
+         "        return torch.where(mask.bool(), whitened, torch.zeros_like(whitened)) + mean\n"
+         "    return torch.where(mask.bool(), whitened, torch.zeros_like(whitened))",
+         "test_masked_whiten_of_a_padded_batch_ignores_the_padding_and_leaves_it_zero"),
     ],
     "common.py::completion_mask": [
         ("the EOS itself dropped", "torch.cumsum(is_eos.long(), dim=1) - is_eos.long()",
@@ -89,6 +96,9 @@ WRONG_ANSWERS = {
          "test_completion_mask_keeps_first_eos_and_drops_the_rest"),
         ("cumulative sum over the batch, not the sequence", "torch.cumsum(is_eos.long(), dim=1)",
          "torch.cumsum(is_eos.long(), dim=0)", "test_completion_mask_keeps_first_eos_and_drops_the_rest"),
+        ("shifted with torch.roll: an EOS in the last column wraps to the front",
+         "torch.cumsum(is_eos.long(), dim=1) - is_eos.long()", "torch.cumsum(torch.roll(is_eos.long(), 1, 1), dim=1)",
+         "test_completion_mask_of_random_ids_keeps_each_rows_prefix_through_its_first_eos"),
     ],
     "common.py::aggregate_loss": [
         ("token-mean over padding too", "masked_sum(per_token_loss, mask) / mask.sum().clamp(min=1)",
@@ -100,6 +110,10 @@ WRONG_ANSWERS = {
          "masked_mean(per_token_loss, mask, dim=1).mean()", "test_aggregate_loss_modes_hand_computed"),
         ("max_len ignored (the batch width)", "max_len = per_token_loss.shape[1] if max_len is None else max_len",
          "max_len = per_token_loss.shape[1]", "test_aggregate_loss_modes_hand_computed"),
+        ("max_len defaults to the longest completion, not the batch width",
+         "max_len = per_token_loss.shape[1] if max_len is None else max_len",
+         "max_len = mask.sum(1).max() if max_len is None else max_len",
+         "test_seq_mean_token_sum_norm_divides_by_the_batch_width_even_when_every_row_is_shorter"),
         ("an unknown mode falls back to token-mean", 'raise ValueError(f"unknown loss aggregation',
          'return masked_mean(per_token_loss, mask)  # (f"unknown loss aggregation',
          "test_aggregate_loss_rejects_unknown_mode"),
@@ -111,6 +125,13 @@ WRONG_ANSWERS = {
          "torch.flip(torch.cumsum(torch.flip(x, [1]), 1), [1]) - x", "test_reward_to_go_sums_future_masked_values"),
         ("mask forgotten", "x = torch.where(mask.bool(), x, torch.zeros_like(x))", "x = x",
          "test_reward_to_go_sums_future_masked_values"),
+        ("masked by multiplying: a NaN in the padding leaks into its row",
+         "x = torch.where(mask.bool(), x, torch.zeros_like(x))", "x = x * mask",
+         "test_reward_to_go_of_a_padded_batch_runs_along_each_row_alone"),
+        ("summed over the whole batch: the sum runs on into the next rows",
+         "torch.flip(torch.cumsum(torch.flip(x, [1]), 1), [1])",
+         "torch.flip(torch.cumsum(torch.flip(x.flatten(), [0]), 0), [0]).view_as(x)",
+         "test_reward_to_go_of_a_padded_batch_runs_along_each_row_alone"),
     ],
     "common.py::truncated_is_weight": [
         ("not detached", ".clamp(max=cap).detach()", ".clamp(max=cap)",
@@ -130,6 +151,8 @@ WRONG_ANSWERS = {
          "test_geometric_sequence_mask_uses_the_mean_log_ratio_over_valid_tokens_and_spares_a_positive_advantage"),
         ("log-ratio the wrong way round", "(old_logp - logp).detach()", "(logp - old_logp).detach()",
          "test_geometric_sequence_mask_uses_the_mean_log_ratio_over_valid_tokens_and_spares_a_positive_advantage"),
+        ("two-sided: a drift below -delta masks too", "(drift > delta)", "(drift.abs() > delta)",
+         "test_geometric_mask_sees_drifts_of_both_signs_through_the_mean_over_valid_tokens"),
     ],
     "remax.py::remax_advantages": [
         ("sign flipped", "return rewards - greedy_rewards", "return greedy_rewards - rewards",
@@ -150,6 +173,9 @@ WRONG_ANSWERS = {
          "test_remax_loss_does_not_backpropagate_through_the_return"),
         ("return_mean over padding too", "common.masked_mean(returns, mask)", "returns.mean()",
          "test_remax_loss_returns_fold_kl_reward_to_go"),
+        ("return_mean as the mean of the rows' means", "common.masked_mean(returns, mask)",
+         "common.masked_mean(returns, mask, dim=1).mean()",
+         "test_remax_loss_and_return_mean_of_a_padded_batch_weigh_every_valid_token"),
     ],
     "rloo.py::rloo_advantages": [
         ("mean including self (Dr. GRPO's baseline)",
@@ -221,6 +247,15 @@ WRONG_ANSWERS = {
          "test_clip_gradient_is_zero_exactly_on_the_clipped_side"),
         ("approx_kl as the mean log-ratio (k1)", "common.masked_mean(ratio - 1 - log_ratio, mask)",
          "common.masked_mean(-log_ratio, mask)", "test_clip_gradient_is_zero_exactly_on_the_clipped_side"),
+        ("clip_frac_low over the padding too", "common.masked_mean(((ratio < 1 - epsilon) & (adv < 0)).float(), mask)",
+         "((ratio < 1 - epsilon) & (adv < 0)).float().mean()", "test_grpo_loss_statistics_ignore_the_padding_and_weigh_every_valid_token"),
+        ("clip_frac_high over the padding too", "common.masked_mean(((ratio > 1 + epsilon) & (adv > 0)).float(), mask)",
+         "((ratio > 1 + epsilon) & (adv > 0)).float().mean()", "test_grpo_loss_statistics_ignore_the_padding_and_weigh_every_valid_token"),
+        ("approx_kl over the padding too", "common.masked_mean(ratio - 1 - log_ratio, mask)",
+         "(ratio - 1 - log_ratio).mean()", "test_grpo_loss_statistics_ignore_the_padding_and_weigh_every_valid_token"),
+        ("kl_term over the padding too", '"kl_term": common.masked_mean(kl, mask)', '"kl_term": kl.mean()', "test_grpo_loss_statistics_ignore_the_padding_and_weigh_every_valid_token"),
+        ("kl_k3 as the mean of the rows' means", "ref_logp is not None else kl, mask)",
+         "ref_logp is not None else kl, mask, dim=1).mean()", "test_grpo_loss_statistics_ignore_the_padding_and_weigh_every_valid_token"),
     ],
     "dapo.py::dynamic_sampling_filter": [
         ("drops only all-wrong groups", "(grouped != grouped[:, :1]).any(dim=1)", "grouped.sum(dim=1) > 0",
@@ -255,6 +290,14 @@ WRONG_ANSWERS = {
          "test_dual_clip_and_pg_weight"),
         ("clip_frac_high counted at epsilon_low", "(ratio > 1 + epsilon_high) & (adv > 0)",
          "(ratio > 1 + epsilon_low) & (adv > 0)", "test_clip_higher_bounds"),
+        ("clip_frac_high over the padding too",
+         "common.masked_mean(((ratio > 1 + epsilon_high) & (adv > 0)).float(), mask)",
+         "((ratio > 1 + epsilon_high) & (adv > 0)).float().mean()", "test_dapo_loss_statistics_ignore_the_padding_and_weigh_every_valid_token"),
+        ("clip_frac_low as the mean of the rows' means",
+         "common.masked_mean(((ratio < 1 - epsilon_low) & (adv < 0)).float(), mask)",
+         "common.masked_mean(((ratio < 1 - epsilon_low) & (adv < 0)).float(), mask, dim=1).mean()", "test_dapo_loss_statistics_ignore_the_padding_and_weigh_every_valid_token"),
+        ("approx_kl over the padding too", "common.masked_mean(ratio - 1 - log_ratio, mask)",
+         "(ratio - 1 - log_ratio).mean()", "test_dapo_loss_statistics_ignore_the_padding_and_weigh_every_valid_token"),
     ],
     "ppo.py::gae": [
         ("no (1 - done) cut: bootstraps from the value after EOS",
@@ -262,6 +305,9 @@ WRONG_ANSWERS = {
          "test_gae_last_valid_token_bootstraps_from_zero"),
         ("rewards after EOS not masked", "rewards = torch.where(mask.bool(), rewards, torch.zeros_like(rewards))",
          "rewards = rewards", "test_gae_padding_does_not_change_valid_advantages_and_gets_zero"),
+        ("masked by multiplying: a NaN in the padding leaks",
+         "values = torch.where(mask.bool(), values, torch.zeros_like(values))", "values = values * mask",
+         "test_gae_of_a_padded_batch_with_one_lambda_per_row_treats_each_row_alone"),
         ("off by one: delta_t = r_t + gamma V_t - V_t",
          "        delta = rewards[:, t] + gamma * next_value - values[:, t]\n",
          "        next_value = values[:, t]\n        delta = rewards[:, t] + gamma * next_value - values[:, t]\n",
@@ -310,6 +356,11 @@ WRONG_ANSWERS = {
          "test_policy_loss_gradient_is_zero_exactly_where_clipped"),
         ("approx_kl as the mean log-ratio (k1)", "common.masked_mean(ratio - 1 - log_ratio, mask)",
          "common.masked_mean(-log_ratio, mask)", "test_policy_loss_masks_padding_and_reports_the_ratio_kl"),
+        ("clip_frac_low over the padding too", "common.masked_mean(((ratio < 1 - epsilon) & (adv < 0)).float(), mask)",
+         "((ratio < 1 - epsilon) & (adv < 0)).float().mean()", "test_ppo_policy_loss_statistics_ignore_the_padding_and_weigh_every_valid_token"),
+        ("clip_frac_high as the mean of the rows' means",
+         "common.masked_mean(((ratio > 1 + epsilon) & (adv > 0)).float(), mask)",
+         "common.masked_mean(((ratio > 1 + epsilon) & (adv > 0)).float(), mask, dim=1).mean()", "test_ppo_policy_loss_statistics_ignore_the_padding_and_weigh_every_valid_token"),
     ],
     "ppo.py::ppo_value_loss": [
         ("min instead of max", "torch.max(unclipped, clipped)", "torch.min(unclipped, clipped)",
@@ -324,6 +375,8 @@ WRONG_ANSWERS = {
          "torch.max(unclipped, clipped).mean()", "test_value_loss_is_a_token_mean_over_the_mask"),
         ("clip_frac counts ties", "(clipped > unclipped)", "(clipped >= unclipped)",
          "test_value_loss_inside_the_clip_is_half_squared_error"),
+        ("clip_frac over the padding too", "common.masked_mean((clipped > unclipped).float(), mask)",
+         "(clipped > unclipped).float().mean()", "test_ppo_value_loss_and_clip_fraction_ignore_the_padding"),
     ],
     "toy_bandit.py::gradient_variance": [
         ("second moment: (grad J)^2 not subtracted", "return second_moment - (p * (1 - p) * (r1 - r0)) ** 2",
@@ -331,9 +384,9 @@ WRONG_ANSWERS = {
         ("score not squared", "p * (1 - p) ** 2 * ((r1 - b) ** 2 + noise1)", "p * (1 - p) * ((r1 - b) ** 2 + noise1)",
          "test_two_arm_check_values"),
         ("Bernoulli noise left out", "if bernoulli else (0.0, 0.0)", "if False else (0.0, 0.0)",
-         "test_two_arm_variance_is_quadratic_around_b_star"),
+         "test_two_arm_variance_is_a_parabola_in_b_around_b_star"),
         ("each arm's noise on the other arm", "(r1 * (1 - r1), r0 * (1 - r0))", "(r0 * (1 - r0), r1 * (1 - r1))",
-         "test_two_arm_variance_is_quadratic_around_b_star"),
+         "test_two_arm_variance_is_a_parabola_in_b_around_b_star"),
     ],
     "toy_bandit.py::optimal_baseline": [
         ("the expected reward (Sutton's baseline)", "return (1 - p) * r1 + p * r0", "return p * r1 + (1 - p) * r0",
@@ -414,9 +467,9 @@ class WrongAnswerRunner:
     def __init__(self, root):
         self.root = root
         self.grades = {}  # test node id (no parameters) -> the exercises it grades
-        for key, (_, test_file, names) in msc.EXERCISES.items():
-            for name in names:
-                self.grades.setdefault(f"{test_file}::{name}", []).append(key)
+        for key in msc.EXERCISES:
+            for node in grading_tests(key):
+                self.grades.setdefault(node, []).append(key)
         self.caught = {(key, i): set() for key, wrong in WRONG_ANSWERS.items() for i in range(len(wrong))}
         self.codes = {}  # (key, i) -> the wrong version's code object, compiled once
         self.reference_failed = []
@@ -443,7 +496,7 @@ def check(root=ROOT):
     """Run the grading tests with every wrong version; returns (rows, reference failures)."""
     runner = WrongAnswerRunner(root)
     code = pytest.main(["-q", "-p", "no:cacheprovider", "--rootdir", str(root),
-                        *(str(root / node) for node in msc.grading_tests())], plugins=[runner])
+                        *(str(root / node) for node in all_grading_tests())], plugins=[runner])
     rows = []
     for key, wrong in WRONG_ANSWERS.items():
         for i, (description, _, _, catcher) in enumerate(wrong):
@@ -453,14 +506,24 @@ def check(root=ROOT):
     return rows, runner.reference_failed or ([] if code == 0 else [f"pytest exit status {int(code)}"])
 
 
+def all_grading_tests():
+    """The node ids of every exercise's grading tests (visible and hidden), each once."""
+    return list(dict.fromkeys(node for key in msc.EXERCISES for node in grading_tests(key)))
+
+
+def catcher_node(key, catcher):
+    """The grading test of `key` named `catcher`, as file::name."""
+    (node,) = [n for n in grading_tests(key) if n.split("::")[1] == catcher]
+    return f"{Path(node.split('::')[0]).name}::{catcher}"
+
+
 def table():
     rows = ["| Exercise | Wrong version | Caught by |", "|---|---|---|"]
     for key, wrong in WRONG_ANSWERS.items():
         file, function = key.split("::")
-        test_file = Path(msc.EXERCISES[key][1]).name
         for i, (description, _, _, catcher) in enumerate(wrong):
             exercise = f"`{function}` (`{file}`)" if i == 0 else ""
-            rows.append(f"| {exercise} | {description.replace('|', chr(92) + '|')} | `{test_file}::{catcher}` |")
+            rows.append(f"| {exercise} | {description.replace('|', chr(92) + '|')} | `{catcher_node(key, catcher)}` |")
     return "\n".join(rows)
 
 

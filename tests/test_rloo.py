@@ -25,12 +25,23 @@ def test_rloo_advantage_is_reward_minus_mean_of_the_others():
     torch.testing.assert_close(rloo_advantages(rewards, group_size=4), expected)
 
 
+def test_rloo_hand_computed_values_for_groups_of_three_and_five():
+    # K = 3, rewards (3, 0, 6): the others' means are 3, 4.5, 1.5
+    assert rloo_advantages(torch.tensor([3.0, 0.0, 6.0], dtype=F64), 3).tolist() == [0.0, -4.5, 4.5]
+    # K = 5, one success: it is compared with 0, each failure with 1/4
+    assert rloo_advantages(torch.tensor([1.0, 0.0, 0.0, 0.0, 0.0]), 5).tolist() == [1.0] + [-0.25] * 4
+
+
 @pytest.mark.parametrize("K", [2, 3, 5])
-def test_rloo_equals_k_over_k_minus_1_times_reward_minus_mean(K):
+def test_rloo_advantages_of_a_group_sum_to_zero_and_a_samples_baseline_ignores_its_own_reward(K):
     rewards = torch.randn(4 * K, dtype=F64, generator=torch.Generator().manual_seed(K))
-    grouped = rewards.view(-1, K)
-    expected = K / (K - 1) * (grouped - grouped.mean(1, keepdim=True))
-    torch.testing.assert_close(rloo_advantages(rewards, K), expected.view(-1))
+    adv = rloo_advantages(rewards, K)
+    torch.testing.assert_close(adv.view(-1, K).sum(1), torch.zeros(4, dtype=F64))
+    moved = rewards.clone()
+    moved[K + 1] += 2.0  # sample 1 of the second group
+    delta = rloo_advantages(moved, K) - adv
+    torch.testing.assert_close(delta[K + 1], torch.tensor(2.0, dtype=F64))
+    assert delta[:K].abs().max() == 0 and delta[2 * K:].abs().max() == 0
 
 
 def test_rloo_with_two_samples_is_the_reward_difference():

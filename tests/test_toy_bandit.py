@@ -73,25 +73,37 @@ def test_greedy_tie_break_goes_to_lowest_index():
 
 # ---------------------------------------------------------------- the optimal baseline
 
-@pytest.mark.parametrize("bernoulli", [False, True])
-def test_two_arm_variance_is_quadratic_around_b_star(bernoulli):
-    rng = np.random.default_rng(1)
-    p, b = rng.uniform(0.01, 0.99, 50), rng.uniform(-2, 2, 50)
-    r1, r0 = (0.8, 0.3) if bernoulli else (2.5, -0.7)
-    noise = p * (1 - p) * ((1 - p) * r1 * (1 - r1) + p * r0 * (1 - r0)) if bernoulli else 0.0
-    b_star = (1 - p) * r1 + p * r0
+@pytest.mark.parametrize("p, r1, r0, bernoulli, b_star, curvature, floor", [
+    # p (1-p) = 0.09; b* = 0.1 * 1 + 0.9 * 0; deterministic rewards: b* removes all the variance
+    (0.9, 1.0, 0.0, False, 0.1, 0.09, 0.0),
+    # p (1-p) = 0.25; b* = 0.5 * 0.8 + 0.5 * 0.3; the Bernoulli noise stays: 0.25 (0.5 * 0.16 + 0.5 * 0.21)
+    (0.5, 0.8, 0.3, True, 0.55, 0.25, 0.04625),
+    # p (1-p) = 0.21; b* = 0.7 * 2.5 + 0.3 * -0.7 = 1.54
+    (0.3, 2.5, -0.7, False, 1.54, 0.21, 0.0),
+])
+def test_two_arm_variance_is_a_parabola_in_b_around_b_star(p, r1, r0, bernoulli, b_star, curvature, floor):
+    b = np.linspace(-2, 2, 41)
     np.testing.assert_allclose(tb.gradient_variance(p, r1, r0, b, bernoulli),
-                               p * (1 - p) * (b - b_star) ** 2 + noise, rtol=1e-10, atol=1e-14)
+                               floor + curvature * (b - b_star) ** 2, rtol=1e-10, atol=1e-14)
+    rng = np.random.default_rng(1)  # any p: a parabola in b (constant second differences)
+    p = rng.uniform(0.01, 0.99, (50, 1))
+    second = np.diff(tb.gradient_variance(p, r1, r0, np.linspace(-2, 2, 9), bernoulli), 2, axis=-1)
+    np.testing.assert_allclose(second, np.broadcast_to(second[:, :1], second.shape), rtol=1e-9, atol=1e-14)
 
 
-@pytest.mark.parametrize("bernoulli", [False, True])
-def test_k_arm_variance_is_quadratic_around_b_star(bernoulli):
-    theta, r = [0.3, -1.0, 0.8, 0.1], [0.9, 0.2, 0.5, 0.6]
-    pi = tb.softmax(theta)
-    b_star, b = tb.softmax_optimal_baseline(theta, r), np.linspace(-2, 2, 41)
-    np.testing.assert_allclose(tb.softmax_gradient_variance(theta, r, b, bernoulli),
-                               tb.softmax_gradient_variance(theta, r, b_star, bernoulli)
-                               + (1 - pi @ pi) * (b - b_star) ** 2, rtol=1e-10)
+@pytest.mark.parametrize("r, bernoulli, floor", [
+    # uniform pi over 4 arms: ||s(a)||^2 = 3/4 for every arm, W = 3/4, b* = E[r] = 0.375;
+    # E||g||^2 = 0.75 * 0.25 * sum_a (r_a - 0.375)^2 = 0.12890625, ||grad J||^2 = 0.04296875
+    ([1.0, 0.5, 0.0, 0.0], False, 0.0859375),
+    # Bernoulli: arm 1 adds 0.25 * 0.75 * 0.5 * 0.5 = 0.046875
+    ([1.0, 0.5, 0.0, 0.0], True, 0.1328125),
+])
+def test_k_arm_variance_is_a_parabola_in_b_around_b_star(r, bernoulli, floor):
+    b = np.linspace(-2, 2, 41)
+    np.testing.assert_allclose(tb.softmax_gradient_variance(np.zeros(4), r, b, bernoulli),
+                               floor + 0.75 * (b - 0.375) ** 2, rtol=1e-10)
+    second = np.diff(tb.softmax_gradient_variance([0.3, -1.0, 0.8, 0.1], r, np.linspace(-2, 2, 9), bernoulli), 2)
+    np.testing.assert_allclose(second, second[0], rtol=1e-9)
 
 
 @pytest.mark.parametrize("p, r1, r0, bernoulli", [
@@ -161,11 +173,12 @@ def test_closed_form_matches_monte_carlo():
 
 # ---------------------------------------------------------------- group estimators
 
-def test_group_advantages_match_their_definitions():
-    rewards = np.array([[1.0, 0.0, 0.5, 2.0], [0.3, 0.3, 0.9, -1.0]])
-    loo = np.array([[row[i] - np.delete(row, i).mean() for i in range(4)] for row in rewards])
-    np.testing.assert_allclose(tb.rloo_advantages(rewards), loo, rtol=1e-12)
-    np.testing.assert_allclose(tb.mean_advantages(rewards), rewards - rewards.mean(1, keepdims=True))
+def test_group_advantages_hand_computed_values():
+    rewards = np.array([[1.0, 0.0, 0.0, 0.0], [2.0, 4.0, 4.0, 2.0]])
+    # RLOO: 1 - 0, 0 - 1/3; 2 - 10/3, 4 - 8/3. Mean incl. self: 1 - 1/4, 0 - 1/4; 2 - 3, 4 - 3
+    np.testing.assert_allclose(tb.rloo_advantages(rewards),
+                               [[1.0, -1 / 3, -1 / 3, -1 / 3], [-4 / 3, 4 / 3, 4 / 3, -4 / 3]], rtol=1e-12)
+    np.testing.assert_allclose(tb.mean_advantages(rewards), [[0.75, -0.25, -0.25, -0.25], [-1.0, 1.0, 1.0, -1.0]])
     # GRPO, by hand: [1, 0, 0, 0] has mean 1/4 and std (ddof 1) 1/2; [2, 4, 4, 2] mean 3, std sqrt(4/3)
     s2 = np.sqrt(4 / 3)
     expected = np.array([[0.75, -0.25, -0.25, -0.25], [-1.0, 1.0, 1.0, -1.0]]) / np.array([[0.5 + 1e-6], [s2 + 1e-6]])
