@@ -5,7 +5,7 @@ import itertools
 
 import torch
 
-from common import kl_k1, kl_k2, kl_k3, kl_penalty, reward_to_go
+from common import aggregate_loss, kl_k1, kl_k2, kl_k3, kl_penalty, reward_to_go
 
 D = torch.float64
 
@@ -199,6 +199,45 @@ def test_k1_summed_over_the_sequence_gives_the_same_gradient_in_expectation():
     seq_k1 = kl_k1(logp.detach(), ref_logp).sum(1, keepdim=True)
     g = grad((P[:, None] * seq_k1 * logp).sum(), m.theta)
     assert close(g, grad(m.sequence_kl(), m.theta))
+
+
+def test_k1_reward_to_go_in_a_loss_gives_the_sequence_kl_gradient_only_with_a_constant_normaliser():
+    """Completions of 1 or 2 tokens (token 0 is the EOS), every batch of B = 2 enumerated; the loss is
+    remax_loss's KL part, aggregate(reward_to_go(k1) * logp). Its expected gradient is grad KL_seq / L_max
+    with seq-mean-token-sum-norm. seq-mean-token-mean weighs each sequence's term by 1 / |y|, token-mean
+    divides the batch's sum by its token count (a ratio estimator, biased at this batch size): neither
+    expectation is a multiple of grad KL_seq, nor token-mean's that of the infinite batch, grad KL_seq / E|y|."""
+    g = torch.Generator().manual_seed(0)
+    rows = {(): 0, (1,): 1, (2,): 2}  # the prefixes that continue; (0,) has ended
+    theta = torch.randn(3, 3, generator=g, dtype=D).requires_grad_()
+    ref = torch.log_softmax(torch.randn(3, 3, generator=g, dtype=D), -1)
+    seqs = [(0,)] + [(a, b) for a in (1, 2) for b in (0, 1, 2)]
+    logq = torch.log_softmax(theta, -1)
+
+    def per_token(table, y):  # (2,) log-probs of y's tokens, 0 on the padding
+        padding = [torch.zeros((), dtype=D)] * (2 - len(y))
+        return torch.stack([table[rows[y[:t]], y[t]] for t in range(len(y))] + padding)
+
+    logp = torch.stack([per_token(logq, y) for y in seqs])  # (7, 2)
+    ref_logp = torch.stack([per_token(ref, y) for y in seqs])
+    mask = torch.tensor([[1, 1 if len(y) == 2 else 0] for y in seqs])
+    P = logp.sum(1).exp().detach()
+    target = grad((logp.sum(1).exp() * (logp - ref_logp).sum(1)).sum(), theta)  # grad KL_seq(pi || ref)
+    to_go = reward_to_go(kl_k1(logp.detach(), ref_logp), mask)
+
+    def expected_gradient(mode):
+        loss = sum(P[i] * P[j] * aggregate_loss((to_go * logp)[[i, j]], mask[[i, j]], mode, max_len=2)
+                   for i in range(7) for j in range(7))
+        return grad(loss, theta)
+
+    def off_every_multiple(g, direction):  # the distance from g to the nearest multiple of direction
+        return (g - (g * direction).sum() / (direction * direction).sum() * direction).norm()
+
+    assert close(expected_gradient("seq-mean-token-sum-norm"), target / 2)
+    assert off_every_multiple(expected_gradient("seq-mean-token-mean"), target) > 0.03  # 0.069; |target| 0.173
+    token_mean = expected_gradient("token-mean")
+    assert off_every_multiple(token_mean, target) > 0.02  # 0.042
+    assert (token_mean - target / (P * mask.sum(1)).sum()).norm() > 0.02  # 0.042; E|y| = 1.155
 
 
 def test_per_token_k2_in_the_loss_is_the_per_state_reverse_kl_not_the_sequence_kl():
