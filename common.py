@@ -29,6 +29,9 @@ def kl_k1(logp, ref_logp):
     As a detached penalty in the reward: E[k1 * score] = grad KL(q||p); for a sequence, the
     reward-to-go of the per-token k1 gives the sequence-KL gradient (ReMax; PPO at gamma = lam
     = 1), and so does the whole-sequence sum times the sequence score, in expectation (RLOO).
+    Exactly so when the loss divides by a constant (seq-mean-token-sum-norm; RLOO's sum over
+    tokens): a token-mean divides by the batch's token count, a ratio estimator biased at small
+    batches, and seq-mean-token-mean weighs each sequence by 1/|y|.
     """
     # BEGIN SOLUTION
     # HINT: k1 = logp - ref_logp, elementwise; any shape in, the same shape out
@@ -53,7 +56,8 @@ def kl_k2(logp, ref_logp):
 def kl_k3(logp, ref_logp):
     """k3 = p/q - log(p/q) - 1, per token ("low_var_kl"; Schulman's estimator).
 
-    Value: unbiased for KL(q||p), >= 0, low variance.
+    Value: unbiased for KL(q||p), >= 0, low variance. With q truncated by top-k / top-p and p
+    not, E_q[k3] = KL(q||p) - p(outside the kept set): an underestimate (E_q[p/q] < 1).
     As a loss term on one categorical: E[grad k3] = grad KL(p||q), the FORWARD-KL gradient
     (GRPO's loss term; per token on a sequence it is the per-state forward KL, states fixed).
     As a detached penalty in the reward: a wrong gradient. Not clamped (verl clamps the log-ratio

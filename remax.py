@@ -53,7 +53,11 @@ def remax_loss(logp, adv, kl, mask, beta, loss_agg="token-mean", max_len=None):
     adv: (B,) sequence advantage. Per-token return G_t = A - beta * sum_{t'>=t} k1_t'
     (reward-to-go: the penalty on earlier tokens does not depend on later actions).
     Loss = aggregate(-G_t * logp_t); max_len is the seq-mean-token-sum-norm constant
-    (--max_new_tokens). Returns (loss, stats) with stats: return_mean (mean G_t over tokens).
+    (--max_new_tokens). Only with that constant normaliser is the expected gradient of the KL part
+    that of beta * KL_seq(pi || ref) (divided by max_len); token-mean (the default, as the official
+    code) divides by the batch's token count, a ratio estimator biased at small batches, and
+    seq-mean-token-mean weighs each sequence by 1/|y| (docs/algorithms.md). Returns (loss, stats)
+    with stats: return_mean (mean G_t over tokens).
     """
     # BEGIN SOLUTION
     # HINT: returns = adv[:, None] - beta * reward_to_go(kl, mask), detached, (B, T);
