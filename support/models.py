@@ -1,5 +1,5 @@
-"""Models: the tokenizer, the policy (full or LoRA), the frozen reference, the low-precision
-sampler, the optimizer, saving with save_pretrained, and the ZeRO-3 weights gathered for generation."""
+"""Models: the tokenizer, the policy (full or LoRA), the frozen reference, the sampler's copy (low-precision
+or stale), the optimizer, saving with save_pretrained, and the ZeRO-3 weights gathered for generation."""
 import copy
 import os
 from contextlib import contextmanager
@@ -39,7 +39,7 @@ def load_model(cfg, trainable=True):
     if not trainable:
         return model.eval().requires_grad_(False)
     if cfg.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     if cfg.lora_r > 0:
         from peft import get_peft_model
@@ -77,14 +77,18 @@ def load_reference(cfg, policy):
 
 
 def load_rollout_model(cfg, policy):
-    """With --rollout_dtype other than --torch_dtype, a frozen copy of the policy in that dtype
-    that does the sampling, as an inference engine beside the trainer would; else None.
+    """With --rollout_dtype other than --torch_dtype, or --rollout_lag > 0, a frozen copy of the policy in
+    --rollout_dtype that does the sampling, as an inference engine beside the trainer would; else None.
     Call before accelerator.prepare(policy) and sync it before each rollout."""
-    if cfg.rollout_dtype == cfg.torch_dtype:
+    if cfg.rollout_dtype == cfg.torch_dtype and cfg.rollout_lag == 0:
         return None
     if any(hasattr(p, "ds_id") for p in policy.parameters()):
-        raise SystemExit("error: --rollout_dtype copies the whole policy, which ZeRO-3 shards: use ZeRO-2 or DDP.")
+        raise SystemExit(ZERO3_ERROR)
     return copy.deepcopy(policy).to(DTYPES[cfg.rollout_dtype]).eval().requires_grad_(False)
+
+
+ZERO3_ERROR = ("error: --rollout_dtype and --rollout_lag copy the whole policy, which ZeRO-3 shards: use ZeRO-2 "
+               "or DDP.")
 
 
 def prepare_frozen(accelerator, model):
@@ -114,12 +118,21 @@ def prepare_frozen(accelerator, model):
 
 
 @torch.no_grad()
-def sync_rollout_model(rollout_model, policy):
-    """Copy the trainer's current weights into the sampler, cast to its dtype; returns it."""
+def trainable_weights(model, dtype):
+    """A copy of the model's trainable weights (all, or the LoRA adapter's) in `dtype`: the state a
+    --rollout_lag sampler is synced to k steps later."""
+    return [p.detach().to(dtype, copy=True) for p in model.parameters() if p.requires_grad]
+
+
+@torch.no_grad()
+def sync_rollout_model(rollout_model, policy, weights=None):
+    """Copy the trainer's current weights into the sampler, cast to its dtype; with `weights` (the
+    trainable_weights of an earlier step, --rollout_lag) the trainable ones come from there. Returns it."""
+    saved = None if weights is None else iter(weights)
     for target, source in zip(rollout_model.parameters(), policy.parameters(), strict=True):
         if hasattr(source, "ds_id"):
-            raise SystemExit("error: --rollout_dtype copies the whole policy, which ZeRO-3 shards: use ZeRO-2 or DDP.")
-        target.copy_(source)
+            raise SystemExit(ZERO3_ERROR)
+        target.copy_(next(saved) if saved is not None and source.requires_grad else source)
     return rollout_model
 
 
