@@ -1,0 +1,144 @@
+"""Mutation score of the grading tests: mutmut over the exercise functions, each with its own tests.
+
+    python classroom/mutation.py                      # every exercise (tens of minutes on 2 CPUs)
+    python classroom/mutation.py --only gae,masked_sum --json mutation.json
+
+For each exercise: a fresh copy of this repository in a temporary folder in which every other
+function of the exercise's file carries mutmut's `# pragma: no mutate block`, so mutmut (3.x)
+mutates that one function (every operator, constant, comparison, argument...) and runs only that
+exercise's grading tests (classroom/grade.py's: the visible ones and the hidden ones) on each mutant,
+with mutmut's own time limit per mutant. A mutant is killed when a test fails (or times out); the
+score is killed / (killed + survived). Prints each survivor's diff, for the teacher's docs to
+show it is equivalent to the solution or to list it as a gap.
+"""
+import argparse
+import ast
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import tokenize
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import make_student_copy as msc  # noqa: E402
+from grade import grading_tests, make_base  # noqa: E402
+
+PRAGMA = "  # pragma: no mutate block"
+
+
+def header_end_lines(text, keep):
+    """1-based line of the colon that ends the header of every top-level def/class other than `keep`."""
+    tree = ast.parse(text)
+    tokens = list(tokenize.generate_tokens(io.StringIO(text).readline))
+    lines = []
+    for node in tree.body:
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) or node.name == keep:
+            continue
+        depth, started = 0, False
+        for tok in tokens:
+            if tok.start[0] < node.lineno:
+                continue
+            if tok.type == tokenize.NAME and tok.string in ("def", "class"):
+                started = True
+            if not started:
+                continue
+            if tok.string in "([{" and tok.type == tokenize.OP:
+                depth += 1
+            elif tok.string in ")]}" and tok.type == tokenize.OP:
+                depth -= 1
+            elif tok.string == ":" and depth == 0:
+                lines.append(tok.start[0])
+                break
+    return lines
+
+
+def only_this_function(text, name):
+    """The file with every other top-level function and class marked `# pragma: no mutate block`."""
+    lines = text.splitlines()
+    for n in header_end_lines(text, name):
+        if "#" in lines[n - 1].split(":")[-1]:
+            continue  # a header that already ends in a comment
+        lines[n - 1] += PRAGMA
+    return "\n".join(lines) + "\n"
+
+
+def mutate_one(key, base, work, timeout):
+    """Run mutmut on one exercise; returns {"killed", "survived", "other", "survivors": [diff, ...]}."""
+    file, name = key.split("::")
+    sandbox = work / name
+    shutil.copytree(base, sandbox)
+    target = sandbox / file
+    target.write_text(only_this_function(target.read_text(encoding="utf-8"), name), encoding="utf-8")
+    tests = grading_tests(key)
+    also_copy = sorted({p.split("/")[0] for p in msc.project_files(base)} - {file, "tests"})
+    (sandbox / "pyproject.toml").write_text(
+        "[tool.mutmut]\n"
+        f"source_paths = [{json.dumps(file)}]\n"
+        f"also_copy = {json.dumps(also_copy)}\n"
+        f"pytest_add_cli_args_test_selection = {json.dumps(tests)}\n"
+        f"pytest_add_cli_args = [\"-p\", \"no:cacheprovider\", \"-q\"]\n"
+        f"timeout_constant = {timeout}\n"
+        "use_git_change_detection = false\n", encoding="utf-8")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "PYTHONDONTWRITEBYTECODE": "1"}
+    mutmut = [sys.executable, "-m", "mutmut"]
+    run = subprocess.run([*mutmut, "run", "--max-children", "1"], cwd=sandbox, env=env, capture_output=True,
+                         text=True)
+    results = subprocess.run([*mutmut, "results", "--all", "true"], cwd=sandbox, env=env, capture_output=True,
+                             text=True)
+    status = {}
+    for line in results.stdout.splitlines():
+        m = re.match(r"\s*(\S+__mutmut_\d+): (.+)$", line)
+        if m and f"x_{name}__mutmut_" in m.group(1):
+            status[m.group(1)] = m.group(2).strip()
+    killed = [m for m, s in status.items() if s in ("killed", "timeout")]
+    survived = [m for m, s in status.items() if s == "survived"]
+    other = {m: s for m, s in status.items() if m not in killed and m not in survived}
+    survivors = []
+    for mutant in survived:
+        diff = subprocess.run([*mutmut, "show", mutant], cwd=sandbox, env=env, capture_output=True, text=True)
+        survivors.append("\n".join(l for l in diff.stdout.splitlines() if l.startswith(("+", "-"))
+                                   and not l.startswith(("+++", "---"))))
+    shutil.rmtree(sandbox, ignore_errors=True)
+    if not status:
+        other = {"mutmut": (run.stdout + run.stderr)[-2000:]}
+    return {"exercise": key, "killed": len(killed), "survived": len(survived), "other": other,
+            "survivors": survivors}
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--only", help="Only these exercises: NAME[,NAME].")
+    parser.add_argument("--timeout", type=float, default=60.0, help="mutmut's time limit per mutant (constant part), s.")
+    parser.add_argument("--json", help="Write the results here.")
+    args = parser.parse_args()
+    only = set(args.only.split(",")) if args.only else None
+    keys = [k for k in msc.EXERCISES if only is None or k.split("::")[1] in only]
+    rows, t0 = [], time.time()
+    with tempfile.TemporaryDirectory(prefix="mutation-") as tmp:
+        work = Path(tmp)
+        base = make_base(work)
+        for key in keys:
+            row = mutate_one(key, base, work, args.timeout)
+            rows.append(row)
+            total = row["killed"] + row["survived"]
+            print(f"{key}: {row['killed']} of {total} mutants killed" + (f"; other: {row['other']}" if row["other"]
+                                                                          else ""), flush=True)
+            for diff in row["survivors"]:
+                print("  survived:\n    " + diff.replace("\n", "\n    "), flush=True)
+    killed, survived = sum(r["killed"] for r in rows), sum(r["survived"] for r in rows)
+    score = killed / max(1, killed + survived)
+    print(f"\nmutation score: {killed} of {killed + survived} mutants killed ({100 * score:.1f}%) "
+          f"in {len(rows)} exercises, {time.time() - t0:.0f} s")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"killed": killed, "survived": survived, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
