@@ -85,10 +85,6 @@ def gae(rewards, values, mask, gamma, lam):
     number or a (B,) tensor, one lambda per sequence. Returns (advantages, returns).
     """
     # BEGIN SOLUTION
-    # HINT: set r and V to 0 where mask == 0 (torch.where: padding may hold NaN), so V after the end is 0;
-    # HINT: walk t from T-1 down to 0:
-    # HINT: delta_t = r_t + gamma V_{t+1} - V_t, A_t = delta_t + gamma lam A_{t+1};
-    # HINT: advantages = A * mask, returns = advantages + V; (B, T) in, two (B, T) out
     rewards = torch.where(mask.bool(), rewards, torch.zeros_like(rewards))
     values = torch.where(mask.bool(), values, torch.zeros_like(values))
     next_adv = torch.zeros_like(rewards[:, 0])
@@ -110,7 +106,6 @@ def decoupled_gae(rewards, values, mask, gamma, lam_policy, lam_critic):
     the critic's targets R_t = A_t + V_t with lam_critic (1: the Monte Carlo return, which an
     untrained V cannot bias). (B, T) in; returns (advantages, returns)."""
     # BEGIN SOLUTION
-    # HINT: advantages from gae(..., lam_policy), returns from gae(..., lam_critic)
     advantages, _ = gae(rewards, values, mask, gamma, lam_policy)
     _, returns = gae(rewards, values, mask, gamma, lam_critic)
     return advantages, returns
@@ -122,7 +117,6 @@ def length_adaptive_lam(lengths, alpha):
     total weight of the TD errors, 1/(1 - lam) = alpha |y|, grows with the length. Clamped at 0
     (one-step TD) for |y| <= 1/alpha. (B,) lengths in, (B,) lambdas out."""
     # BEGIN SOLUTION
-    # HINT: lam = max(0, 1 - 1 / (alpha * lengths)); (B,) in, (B,) float out
     return (1 - 1 / (alpha * lengths.float())).clamp(min=0.0)
     # END SOLUTION
 
@@ -139,9 +133,6 @@ def ppo_policy_loss(logp, old_logp, adv, mask, epsilon, dual_clip_c=0.0):
     estimate of KL(pi_old || pi_theta) from the ratio.
     """
     # BEGIN SOLUTION
-    # HINT: ratio = exp(logp - old_logp), (B, T);
-    # HINT: surrogate = min(ratio * adv, clamp(ratio, 1 - epsilon, 1 + epsilon) * adv) (dual clip:
-    # HINT: where adv < 0, max(surrogate, dual_clip_c * adv)); loss = masked_mean(-surrogate, mask)
     log_ratio = logp - old_logp
     ratio = torch.exp(log_ratio)
     surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - epsilon, 1 + epsilon) * adv)
@@ -166,9 +157,6 @@ def ppo_value_loss(values, old_values, returns, mask, epsilon_value):
     Returns (loss, stats) with stats: clip_frac (fraction of tokens where the clipped term wins).
     """
     # BEGIN SOLUTION
-    # HINT: values_clipped = old_values + clamp(values - old_values, -epsilon_value, epsilon_value);
-    # HINT: loss = 0.5 * masked_mean(max((values - returns)^2, (values_clipped - returns)^2), mask);
-    # HINT: stats = {'clip_frac': masked mean of (clipped error > unclipped error)}
     values_clipped = old_values + torch.clamp(values - old_values, -epsilon_value, epsilon_value)
     unclipped = (values - returns) ** 2
     clipped = (values_clipped - returns) ** 2
