@@ -34,7 +34,6 @@ def kl_k1(logp, ref_logp):
     batches, and seq-mean-token-mean weighs each sequence by 1/|y|.
     """
     # BEGIN SOLUTION
-    # HINT: k1 = logp - ref_logp, elementwise; any shape in, the same shape out
     return logp - ref_logp
     # END SOLUTION
 
@@ -48,7 +47,6 @@ def kl_k2(logp, ref_logp):
     As a detached penalty in the reward: a wrong gradient.
     """
     # BEGIN SOLUTION
-    # HINT: k2 = 0.5 * (logp - ref_logp)^2, elementwise; any shape in, the same shape out
     return 0.5 * (logp - ref_logp) ** 2
     # END SOLUTION
 
@@ -64,7 +62,6 @@ def kl_k3(logp, ref_logp):
     to +-20 and k3 to 10): where a clamp binds the gradient is 0 and the blow-up is hidden.
     """
     # BEGIN SOLUTION
-    # HINT: with log_ratio = ref_logp - logp (log p/q): k3 = exp(log_ratio) - log_ratio - 1, elementwise
     log_ratio = ref_logp - logp
     return torch.exp(log_ratio) - log_ratio - 1
     # END SOLUTION
@@ -82,9 +79,6 @@ def kl_penalty(logp, ref_logp, estimator="k3", old_logp=None):
     which in fp32 cancel to nothing once log(ref / pi) passes about 20.
     """
     # BEGIN SOLUTION
-    # HINT: kl = kl_k1 | kl_k2 | kl_k3 (by estimator) of (logp, ref_logp); with old_logp: ratio * kl,
-    # HINT: ratio = exp(logp - old_logp) NOT detached; for k3 the equal exp(ref_logp - old_logp) - ratio *
-    # HINT: (ref_logp - logp + 1), whose first term is free of theta; (B, T) in, (B, T) out
     kl = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}[estimator]
     if old_logp is None:
         return kl(logp, ref_logp)
@@ -101,8 +95,6 @@ def kl_penalty(logp, ref_logp, estimator="k3", old_logp=None):
 def masked_sum(x, mask, dim=None):
     """Sum of x where mask is 1 (masked entries may hold anything, even NaN)."""
     # BEGIN SOLUTION
-    # HINT: sum of x where mask == 1, picking with torch.where (x * mask keeps a NaN);
-    # HINT: dim=None: a scalar, else summed over dim
     x = torch.where(mask.bool(), x, torch.zeros_like(x))
     return x.sum() if dim is None else x.sum(dim)
     # END SOLUTION
@@ -111,7 +103,6 @@ def masked_sum(x, mask, dim=None):
 def masked_mean(x, mask, dim=None):
     """Mean of x where mask is 1; an all-masked slice gives 0."""
     # BEGIN SOLUTION
-    # HINT: masked_sum(x, mask, dim) / (number of mask == 1 entries, at least 1)
     return masked_sum(x, mask, dim) / masked_sum(torch.ones_like(x), mask, dim).clamp(min=1)
     # END SOLUTION
 
@@ -120,8 +111,6 @@ def masked_whiten(x, mask, shift_mean=True, eps=1e-8):
     """(x - mean) / std over the masked entries (std with Bessel's correction, as TRL).
     With shift_mean=False the mean is added back (only the scale changes)."""
     # BEGIN SOLUTION
-    # HINT: mean and var over mask == 1 only, var = sum (x - mean)^2 / (n - 1) (Bessel);
-    # HINT: (x - mean) / sqrt(var + eps), + mean back if not shift_mean, 0 where mask == 0
     mean = masked_mean(x, mask)
     n = mask.sum()
     var = masked_sum((x - mean) ** 2, mask) / (n - 1).clamp(min=1)
@@ -136,8 +125,6 @@ def completion_mask(completion_ids, eos_token_id):
     """1 up to and including the first EOS, 0 after it (padding after EOS included).
     A completion with no EOS (cut at max length) keeps every token."""
     # BEGIN SOLUTION
-    # HINT: mask[b, t] = 1 iff no EOS in completion_ids[b, :t] (strictly before t);
-    # HINT: (B, T) ids in, (B, T) 0/1 long out
     is_eos = completion_ids == eos_token_id
     eos_before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()  # EOS strictly before t
     return (eos_before == 0).long()
@@ -153,10 +140,6 @@ def aggregate_loss(per_token_loss, mask, mode, max_len=None):
                               (Dr. GRPO: no per-sequence length normalisation). Default T.
     """
     # BEGIN SOLUTION
-    # HINT: token-mean: masked_sum(loss, mask) / mask.sum();
-    # HINT: seq-mean-token-mean: mean over rows b of masked_mean(loss[b], mask[b]);
-    # HINT: seq-mean-token-sum-norm: mean over rows b of masked_sum(loss[b], mask[b]) / max_len
-    # HINT: (max_len None: T); any other mode: ValueError naming LOSS_AGG_MODES
     if mode == "token-mean":
         return masked_sum(per_token_loss, mask) / mask.sum().clamp(min=1)
     if mode == "seq-mean-token-mean":
@@ -192,8 +175,6 @@ def micro_batch_weight(mask, loss_agg, num_tokens, num_sequences):
 def reward_to_go(x, mask):
     """Per-token sum over t' >= t of x[t'] (masked), i.e. the return with gamma = 1."""
     # BEGIN SOLUTION
-    # HINT: out[b, t] = sum over t' >= t of x[b, t'] where mask[b, t'] == 1 (torch.where: x may be NaN elsewhere);
-    # HINT: (B, T) in, (B, T) out
     x = torch.where(mask.bool(), x, torch.zeros_like(x))
     return torch.flip(torch.cumsum(torch.flip(x, [1]), 1), [1])
     # END SOLUTION
@@ -207,7 +188,6 @@ def truncated_is_weight(logp, rollout_logp, cap):
     """Truncated importance sampling, per token: min(pi_train / pi_rollout, cap), detached.
     It reweights each token's policy-gradient term towards the trainer's distribution."""
     # BEGIN SOLUTION
-    # HINT: min(exp(logp - rollout_logp), cap), detached; (B, T) in, (B, T) out
     return torch.exp(logp - rollout_logp).clamp(max=cap).detach()
     # END SOLUTION
 
@@ -217,8 +197,6 @@ def geometric_sequence_mask(logp, old_logp, adv, mask, delta):
     (1/|y_i|) sum_t log(pi_old / pi_theta) > delta, else 1. The mean log-ratio is the log of
     the geometric mean ratio, so the test does not grow with the length. (B,) detached."""
     # BEGIN SOLUTION
-    # HINT: drift_i = masked mean over t of (old_logp - logp) (detached), (B,);
-    # HINT: keep_i = 0.0 if adv_i < 0 and drift_i > delta else 1.0, (B,) in logp's dtype
     drift = masked_mean((old_logp - logp).detach(), mask, dim=1)
     return 1.0 - ((adv < 0) & (drift > delta)).to(logp.dtype)
     # END SOLUTION

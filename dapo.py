@@ -66,9 +66,6 @@ def grpo_advantages(rewards, group_size, scale_rewards="group", eps=1e-6):
     exactly 0 for every member. Returns (B,).
     """
     # BEGIN SOLUTION
-    # HINT: group rewards as (B / G, G) rows of adjacent samples; adv = r - row mean;
-    # HINT: 'group': / (row std + eps), 'batch': / (std of all B + eps), std with ddof 1;
-    # HINT: a row whose rewards are all equal gets exactly 0; back to (B,)
     grouped = rewards.view(-1, group_size)  # (B / G, G)
     adv = grouped - grouped.mean(dim=1, keepdim=True)
     adv[(grouped == grouped[:, :1]).all(dim=1)] = 0.0  # the mean of equal floats may round
@@ -87,8 +84,6 @@ def dynamic_sampling_filter(correct, group_size):
     some wrong), False when all are right or all are wrong. Filters on correctness, not on the
     shaped reward (an all-wrong group with different lengths is still dropped)."""
     # BEGIN SOLUTION
-    # HINT: group correct as (B / G, G) rows of adjacent samples;
-    # HINT: keep a row iff its values are not all equal; (B,) in, (B / G,) bool out
     grouped = correct.view(-1, group_size)
     return (grouped != grouped[:, :1]).any(dim=1)
     # END SOLUTION
@@ -102,8 +97,6 @@ def overlong_penalty(lengths, max_len, cache_len):
         -1                                  if L > max_len
     """
     # BEGIN SOLUTION
-    # HINT: with L = lengths: 0 if L <= max_len - cache_len, -1 if L > max_len, else
-    # HINT: ((max_len - cache_len) - L) / cache_len; cache_len == 0: only L > max_len gets -1; (B,) float out
     lengths = lengths.float()
     expected_max = max_len - cache_len
     if cache_len == 0:
@@ -124,9 +117,6 @@ def dapo_loss(logp, old_logp, adv, mask, epsilon_low, epsilon_high, dual_clip_c=
     the k3 estimate of KL(pi_old || pi_theta) from the ratio.
     """
     # BEGIN SOLUTION
-    # HINT: ratio = exp(logp - old_logp), A = adv[:, None];
-    # HINT: surrogate = min(ratio * A, clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * A) (dual clip
-    # HINT: and pg_weight as in grpo_loss); loss = token-mean of -surrogate over mask; stats: docstring
     log_ratio = logp - old_logp
     ratio = torch.exp(log_ratio)  # rho = pi_theta / pi_old
     adv = adv[:, None]

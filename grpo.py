@@ -84,9 +84,6 @@ def grpo_advantages(rewards, group_size, scale_rewards="group", eps=1e-6):
     exactly 0 for every member. Returns (B,).
     """
     # BEGIN SOLUTION
-    # HINT: group rewards as (B / G, G) rows of adjacent samples; adv = r - row mean;
-    # HINT: 'group': / (row std + eps), 'batch': / (std of all B + eps), std with ddof 1;
-    # HINT: a row whose rewards are all equal gets exactly 0; back to (B,)
     grouped = rewards.view(-1, group_size)  # (B / G, G)
     adv = grouped - grouped.mean(dim=1, keepdim=True)
     adv[(grouped == grouped[:, :1]).all(dim=1)] = 0.0  # the mean of equal floats may round
@@ -127,14 +124,6 @@ def grpo_loss(logp, old_logp, ref_logp, adv, mask, epsilon, beta, loss_agg="seq-
     the mean per-token k3 to the reference; kl_term, the mean of the term beta multiplies.
     """
     # BEGIN SOLUTION
-    # HINT: ratio = exp(logp - old_logp), (B, T); A = adv[:, None];
-    # HINT: surrogate = min(ratio * A, clamp(ratio, 1 - epsilon, 1 + epsilon) * A) (dual clip:
-    # HINT: where A < 0, max(surrogate, dual_clip_c * A)), times pg_weight if given;
-    # HINT: per_token_loss = -surrogate + beta * kl_penalty(logp, ref_logp, kl_estimator, old_logp if
-    # HINT: kl_is_weight); loss = aggregate_loss(per_token_loss, mask, loss_agg, max_len); stats: docstring
-    # HINT: sequence level: s = exp(masked_mean(logp - old_logp, mask, dim=1)), (B,); the same surrogate on
-    # HINT: s and adv with clamp(s, 1 - epsilon, 1 + epsilon_high), times masked_mean(pg_weight, mask, dim=1);
-    # HINT: loss = -mean over sequences + aggregate_loss(beta * kl, ...); clip fractions over sequences
     if importance_sampling_level not in ("token", "sequence"):
         raise ValueError(f"unknown importance_sampling_level {importance_sampling_level!r}: token or sequence")
     if epsilon_high is not None and importance_sampling_level == "token":

@@ -41,7 +41,6 @@ class Config(config.TrainConfig):
 def remax_advantages(rewards, greedy_rewards):
     """A_i = r(x_i, y_i) - r(x_i, y_greedy_i): the greedy response's reward as baseline. (B,)"""
     # BEGIN SOLUTION
-    # HINT: adv = rewards - greedy_rewards; (B,) in, (B,) out
     return rewards - greedy_rewards
     # END SOLUTION
 
@@ -60,9 +59,6 @@ def remax_loss(logp, adv, kl, mask, beta, loss_agg="token-mean", max_len=None):
     with stats: return_mean (mean G_t over tokens).
     """
     # BEGIN SOLUTION
-    # HINT: returns = adv[:, None] - beta * reward_to_go(kl, mask), detached, (B, T);
-    # HINT: loss = aggregate_loss(-returns * logp, mask, loss_agg, max_len);
-    # HINT: stats = {'return_mean': masked_mean(returns, mask)}
     returns = (adv[:, None] - beta * common.reward_to_go(kl, mask)).detach()
     loss = common.aggregate_loss(-returns * logp, mask, loss_agg, max_len)
     return loss, {"return_mean": common.masked_mean(returns, mask)}

@@ -39,10 +39,8 @@ class Config(config.GroupConfig):
 
 def rloo_advantages(rewards, group_size):
     """A_i = r_i - mean_{j != i} r_j within each group, for (B,) rewards with each group's K
-    samples adjacent. Equals K/(K-1) * (r_i - mean(r)). Returns (B,)."""
+    samples adjacent. Returns (B,)."""
     # BEGIN SOLUTION
-    # HINT: group rewards as (B / K, K) rows of adjacent samples;
-    # HINT: adv = r - (row sum - r) / (K - 1), back to (B,)
     grouped = rewards.view(-1, group_size)  # (B / K, K)
     baseline = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)
     return (grouped - baseline).view(-1)
@@ -56,8 +54,6 @@ def rloo_loss(logp, adv, mask, pg_weight=None):
     (B, T), detached, multiplies each token's log-prob (TIS, masks).
     Returns (loss, stats) with stats: seq_logp_mean, the mean sequence log-prob log pi(y_i|x)."""
     # BEGIN SOLUTION
-    # HINT: seq_logp = masked_sum(logp, mask, dim=1), (B,) (pg_weight: masked_sum of pg_weight * logp);
-    # HINT: loss = -mean(adv.detach() * seq_logp); stats = {'seq_logp_mean': mean of the unweighted seq_logp}
     seq_logp = common.masked_sum(logp, mask, dim=1)  # log pi(y_i | x)
     weighted = seq_logp if pg_weight is None else common.masked_sum(pg_weight * logp, mask, dim=1)
     loss = -(adv.detach() * weighted).mean()

@@ -42,9 +42,6 @@ def gradient_variance(p, r1, r0, baseline, bernoulli=False):
     q1 = r1, q0 = r0. Variance means E[g^2] - (E[g])^2 over the action (and the Bernoulli reward).
     """
     # BEGIN SOLUTION
-    # HINT: Var = E[(r - b)^2 s^2] - (grad J)^2 with grad J = p (1-p) (r1 - r0):
-    # HINT: E[...] = p (1-p)^2 ((r1 - b)^2 + n1) + (1-p) p^2 ((r0 - b)^2 + n0),
-    # HINT: n_a = q_a (1 - q_a) if bernoulli else 0; p and b may be arrays (broadcast)
     p, b = np.asarray(p, float), np.asarray(baseline, float)
     noise1, noise0 = (r1 * (1 - r1), r0 * (1 - r0)) if bernoulli else (0.0, 0.0)
     # Var(b) = E[(r - b)^2 s^2] - (grad J)^2; given a, E[(r - b)^2] = (r_a - b)^2 + noise_a
@@ -60,7 +57,6 @@ def optimal_baseline(p, r1, r0):
     It is not the expected reward (except at p = 1/2). With Bernoulli rewards pass q1, q0.
     """
     # BEGIN SOLUTION
-    # HINT: b* = E[r s^2] / E[s^2], with s(1) = 1 - p, s(0) = -p; simplify
     p = np.asarray(p, float)
     # E[r s^2] / E[s^2] = [p(1-p)^2 r1 + (1-p)p^2 r0] / [p(1-p)^2 + (1-p)p^2], and the
     # denominator is p(1-p)
@@ -74,8 +70,6 @@ def two_arm_baselines(p, r1, r0):
     greedy = reward of the argmax action; at p = 1/2 the tie goes to action 0 (lowest index).
     """
     # BEGIN SOLUTION
-    # HINT: {'none': 0, 'mean': p r1 + (1-p) r0, 'greedy': r of the argmax action
-    # HINT: (p > 1/2 -> r1, ties -> r0), 'optimal': optimal_baseline(...)}, arrays like p
     p = np.asarray(p, float)
     return {
         "none": np.zeros_like(p),
@@ -101,9 +95,6 @@ def softmax_gradient_variance(theta, r, baseline, bernoulli=False):
     bernoulli=True: rewards are 0/1 with success probabilities r. baseline may be an array.
     """
     # BEGIN SOLUTION
-    # HINT: pi = softmax(theta); sq_norm_a = ||e_a - pi||^2 = 1 - 2 pi_a + pi . pi;
-    # HINT: grad J = pi * (r - pi . r); Var = sum_a pi_a sq_norm_a ((r_a - b)^2 + n_a)
-    # HINT: - grad J . grad J, n_a = r_a (1 - r_a) if bernoulli; b: scalar or array
     pi, r = softmax(theta), np.asarray(r, float)
     sq_norm = 1 - 2 * pi + pi @ pi  # ||s(a)||^2, (K,)
     grad_J = pi * (r - pi @ r)  # E[r s(a)] = sum_a pi_a r_a (e_a - pi)
@@ -116,7 +107,6 @@ def softmax_gradient_variance(theta, r, baseline, bernoulli=False):
 def softmax_optimal_baseline(theta, r):
     """The minimum-variance baseline b* = E[r ||s||^2] / E[||s||^2] of the softmax bandit, a float."""
     # BEGIN SOLUTION
-    # HINT: b* = sum_a pi_a r_a sq_norm_a / W, W = 1 - pi . pi (a float)
     pi, r = softmax(theta), np.asarray(r, float)
     sq_norm = 1 - 2 * pi + pi @ pi
     return (pi * r * sq_norm).sum() / (1 - pi @ pi)
@@ -126,8 +116,6 @@ def softmax_optimal_baseline(theta, r):
 def softmax_baselines(theta, r):
     """none, mean, greedy (reward of argmax pi, ties to the lowest index), optimal."""
     # BEGIN SOLUTION
-    # HINT: {'none': 0, 'mean': pi . r, 'greedy': r[argmax pi] (ties -> lowest index),
-    # HINT: 'optimal': softmax_optimal_baseline(theta, r)}
     pi, r = softmax(theta), np.asarray(r, float)
     return {"none": 0.0, "mean": pi @ r, "greedy": r[np.argmax(pi)],
             "optimal": softmax_optimal_baseline(theta, r)}

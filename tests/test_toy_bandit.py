@@ -76,8 +76,8 @@ def test_greedy_tie_break_goes_to_lowest_index():
 @pytest.mark.parametrize("p, r1, r0, bernoulli, b_star, curvature, floor", [
     # p (1-p) = 0.09; b* = 0.1 * 1 + 0.9 * 0; deterministic rewards: b* removes all the variance
     (0.9, 1.0, 0.0, False, 0.1, 0.09, 0.0),
-    # p (1-p) = 0.25; b* = 0.5 * 0.8 + 0.5 * 0.3; the Bernoulli noise stays: 0.25 (0.5 * 0.16 + 0.5 * 0.21)
-    (0.5, 0.8, 0.3, True, 0.55, 0.25, 0.04625),
+    # p (1-p) = 0.21; b* = 0.3 * 0.8 + 0.7 * 0.3; the Bernoulli noise stays: 0.21 (0.3 * 0.16 + 0.7 * 0.21)
+    (0.7, 0.8, 0.3, True, 0.45, 0.21, 0.04095),
     # p (1-p) = 0.21; b* = 0.7 * 2.5 + 0.3 * -0.7 = 1.54
     (0.3, 2.5, -0.7, False, 1.54, 0.21, 0.0),
 ])
