@@ -91,7 +91,7 @@ class Result:
 
     @property
     def name(self):
-        return self.key.split("::")[1]
+        return msc.exercise_name(self.key)
 
 
 def grading_tests(key):
@@ -324,11 +324,11 @@ def grade_one(key, student, base, work, seed, timeout):
     except SyntaxError as e:
         result.status = f"does not compile in the reference: {e}"
         return result
-    copy = work / name
+    copy = work / msc.exercise_name(key)
     shutil.copytree(base, copy, copy_function=os.link)
     (copy / file).unlink()
     (copy / file).write_text(spliced, encoding="utf-8")
-    outcomes, status = run_tests(copy, key, first, last, seed, timeout, work / f"{name}.xml")
+    outcomes, status = run_tests(copy, key, first, last, seed, timeout, work / f"{msc.exercise_name(key)}.xml")
     shutil.rmtree(copy, ignore_errors=True)
     expected = len(grading_tests(key))
     failed = [(test, message) for test, ok, message in outcomes if not ok]
@@ -362,7 +362,7 @@ def make_base(work):
 def grade(student, only=None, seed=None, timeout=120.0, jobs=None, progress=None):
     """Grade every exercise (or those named in `only`); returns a list of Result in table order."""
     student = Path(student).resolve()
-    keys = [k for k in msc.EXERCISES if only is None or k.split("::")[1] in only]
+    keys = [k for k in msc.EXERCISES if only is None or msc.exercise_name(k) in only]
     seed = random.randrange(2**31) if seed is None else seed
     jobs = jobs or max(1, min(4, os.cpu_count() or 1))
     with tempfile.TemporaryDirectory(prefix="grade-") as tmp:
@@ -398,10 +398,10 @@ def main():
     only = None
     if args.only:
         only = {n.strip() for n in args.only.split(",") if n.strip()}
-        unknown = only - {k.split("::")[1] for k in msc.EXERCISES}
+        unknown = only - {msc.exercise_name(k) for k in msc.EXERCISES}
         if unknown:
             parser.error(f"no exercise named {', '.join(sorted(unknown))}; the exercises are "
-                         + ", ".join(k.split("::")[1] for k in msc.EXERCISES))
+                         + ", ".join(msc.exercise_name(k) for k in msc.EXERCISES))
     if not Path(args.student_dir).is_dir():
         parser.error(f"{args.student_dir} is not a folder")
     print(f"| Exercise | File | Score | Result |\n|---|---|---|---|", flush=True)

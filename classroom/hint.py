@@ -128,7 +128,7 @@ HINTS = {
         "which sequences off-policy masking keeps (1.0) or drops (0.0)",
         "docs/algorithms.md, Off-policy corrections", "(B, T) log-probs and mask and (B,) advantages in, (B,) out",
         traps=["the drift is a mean over the valid tokens, so padding and length must not matter",
-               "only a drift above delta counts (the direction of log(pi_old / pi_theta)), "
+               "only a drift above delta counts (the docstring says which way round the log-ratio goes), "
                "and only for a negative advantage"],
         steps=["drift_i = masked mean over t of (old_logp - logp), detached: one number per row.",
                "Drop row i (0.0) when adv_i < 0 and drift_i > delta; keep it (1.0) otherwise.",

@@ -97,6 +97,8 @@ VISIBLE_TESTS = {
         "test_kl_estimator_k2_and_k3_with_the_ratio_weight_give_the_k2_gradient",
         "test_dual_clip_bounds_the_loss_of_a_negative_advantage_token",
         "test_pg_weight_multiplies_the_surrogate_and_not_the_kl_term"]),
+    # dapo.py's verbatim copy of GRPO's advantage (a file imports no other algorithm file): graded again
+    "dapo.py::grpo_advantages": ("tests/test_dapo.py", ["test_advantage_is_grpos_group_advantage"]),
     "dapo.py::dynamic_sampling_filter": ("tests/test_dapo.py", [
         "test_dynamic_sampling_keeps_only_groups_with_mixed_correctness",
         "test_dynamic_sampling_drops_uniform_groups_of_any_size"]),
@@ -153,6 +155,13 @@ VISIBLE_TESTS = {
 }
 # "file::function" -> (stars 1-3 from classroom/hint.py, test file, tests)
 EXERCISES = {key: (HINTS[key.split("::")[1]].stars, *tests) for key, tests in VISIBLE_TESTS.items()}
+
+
+def exercise_name(key):
+    """The function's name; module.function for a later exercise of the same name (dapo.grpo_advantages)."""
+    file, name = key.split("::")
+    first = next(k for k in EXERCISES if k.split("::")[1] == name)
+    return name if first == key else f"{Path(file).stem}.{name}"
 
 
 def teacher_only(rel):
@@ -236,9 +245,9 @@ def grading_tests():
 def table():
     rows = ["| Exercise | File | Difficulty | Tests you can run |", "|---|---|---|---|"]
     for key, (difficulty, test_file, names) in EXERCISES.items():
-        file, function = key.split("::")
+        file = key.split("::")[0]
         tests = f"`{Path(test_file).name}`: " + ", ".join(f"`{name}`" for name in names)
-        rows.append(f"| `{function}` | `{file}` | {'★' * difficulty}{'☆' * (3 - difficulty)} | {tests} |")
+        rows.append(f"| `{exercise_name(key)}` | `{file}` | {'★' * difficulty}{'☆' * (3 - difficulty)} | {tests} |")
     return "\n".join(rows)
 
 
@@ -257,7 +266,7 @@ def write_copy(src, out):
         text = source.read_bytes().decode("utf-8") if rel.endswith(".py") or rel == TEACHER_PAGE else ""
         if rel == TEACHER_PAGE and TEACHER_PART in text:
             target.write_bytes(text[:text.index(TEACHER_PART)].rstrip("\n").encode("utf-8") + b"\n")
-        elif BEGIN in text:
+        elif rel.endswith(".py") and BEGIN in text:
             target.write_bytes(blank(text, rel).encode("utf-8"))
             shutil.copymode(source, target)
         else:

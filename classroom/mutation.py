@@ -30,15 +30,16 @@ import make_student_copy as msc  # noqa: E402
 from grade import grading_tests, make_base  # noqa: E402
 
 PRAGMA = "  # pragma: no mutate block"
+SIGNATURE = "  # signature: not the exercise"  # do_not_mutate_patterns: the body is the exercise, not its defaults
 
 
-def header_end_lines(text, keep):
-    """1-based line of the colon that ends the header of every top-level def/class other than `keep`."""
+def header_end_lines(text):
+    """{name: (first line, line of the colon that ends its header)} of every top-level def/class, 1-based."""
     tree = ast.parse(text)
     tokens = list(tokenize.generate_tokens(io.StringIO(text).readline))
-    lines = []
+    lines = {}
     for node in tree.body:
-        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) or node.name == keep:
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             continue
         depth, started = 0, False
         for tok in tokens:
@@ -53,25 +54,28 @@ def header_end_lines(text, keep):
             elif tok.string in ")]}" and tok.type == tokenize.OP:
                 depth -= 1
             elif tok.string == ":" and depth == 0:
-                lines.append(tok.start[0])
+                lines[node.name] = (node.lineno, tok.start[0])
                 break
     return lines
 
 
 def only_this_function(text, name):
-    """The file with every other top-level function and class marked `# pragma: no mutate block`."""
+    """The file with every other top-level function and class marked `# pragma: no mutate block`, and the
+    signature of `name` (its default values) marked for do_not_mutate_patterns."""
     lines = text.splitlines()
-    for n in header_end_lines(text, name):
-        if "#" in lines[n - 1].split(":")[-1]:
-            continue  # a header that already ends in a comment
-        lines[n - 1] += PRAGMA
+    for function, (first, colon) in header_end_lines(text).items():
+        if function == name:
+            for n in range(first, colon + 1):
+                lines[n - 1] += SIGNATURE
+        elif "#" not in lines[colon - 1].split(":")[-1]:  # (a header that ends in a comment is left alone)
+            lines[colon - 1] += PRAGMA
     return "\n".join(lines) + "\n"
 
 
 def mutate_one(key, base, work, timeout):
     """Run mutmut on one exercise; returns {"killed", "survived", "other", "survivors": [diff, ...]}."""
     file, name = key.split("::")
-    sandbox = work / name
+    sandbox = work / msc.exercise_name(key)
     shutil.copytree(base, sandbox)
     target = sandbox / file
     target.write_text(only_this_function(target.read_text(encoding="utf-8"), name), encoding="utf-8")
@@ -84,6 +88,7 @@ def mutate_one(key, base, work, timeout):
         f"pytest_add_cli_args_test_selection = {json.dumps(tests)}\n"
         f"pytest_add_cli_args = [\"-p\", \"no:cacheprovider\", \"-q\"]\n"
         f"timeout_constant = {timeout}\n"
+        f"do_not_mutate_patterns = [{json.dumps(SIGNATURE.strip())}]\n"
         "use_git_change_detection = false\n", encoding="utf-8")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
            "PYTHONDONTWRITEBYTECODE": "1"}
@@ -119,7 +124,7 @@ def main():
     parser.add_argument("--json", help="Write the results here.")
     args = parser.parse_args()
     only = set(args.only.split(",")) if args.only else None
-    keys = [k for k in msc.EXERCISES if only is None or k.split("::")[1] in only]
+    keys = [k for k in msc.EXERCISES if only is None or msc.exercise_name(k) in only]
     rows, t0 = [], time.time()
     with tempfile.TemporaryDirectory(prefix="mutation-") as tmp:
         work = Path(tmp)

@@ -60,6 +60,9 @@ WRONG_ANSWERS = {
          "test_ratio_weighted_k3_on_a_sequence_is_the_per_state_reverse_kl_over_the_samplers_states"),
         ("k1 and k3 swapped", '{"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}', '{"k1": kl_k3, "k2": kl_k2, "k3": kl_k1}',
          "test_kl_is_weight_on_policy_gives_k3_the_gradient_of_k2"),
+        ("ratio * k3 as a plain product: float32 loses its gradient far from the reference",
+         'if estimator == "k3":', "if False:",
+         "test_ratio_weighted_k3_keeps_its_gradient_in_float32_far_from_the_reference"),
     ],
     "common.py::masked_sum": [
         ("mask by multiplying (NaN * 0 is NaN)", "x = torch.where(mask.bool(), x, torch.zeros_like(x))",
@@ -256,6 +259,14 @@ WRONG_ANSWERS = {
         ("kl_term over the padding too", '"kl_term": common.masked_mean(kl, mask)', '"kl_term": kl.mean()', "test_grpo_loss_statistics_ignore_the_padding_and_weigh_every_valid_token"),
         ("kl_k3 as the mean of the rows' means", "ref_logp is not None else kl, mask)",
          "ref_logp is not None else kl, mask, dim=1).mean()", "test_grpo_loss_statistics_ignore_the_padding_and_weigh_every_valid_token"),
+    ],
+    "dapo.py::grpo_advantages": [
+        ("std without Bessel's correction (ddof 0)", "grouped.std(dim=1, keepdim=True)",
+         "grouped.std(dim=1, keepdim=True, correction=0)", "test_advantage_is_grpos_group_advantage"),
+        ("all-equal group not set to 0 (the float32 mean rounds)", "adv[(grouped == grouped[:, :1]).all(dim=1)] = 0.0",
+         "pass", "test_advantage_is_grpos_group_advantage"),
+        ("'batch' divides by the group's std", "adv = adv / (rewards.std() + eps)",
+         "adv = adv / (grouped.std(dim=1, keepdim=True) + eps)", "test_advantage_is_grpos_group_advantage"),
     ],
     "dapo.py::dynamic_sampling_filter": [
         ("drops only all-wrong groups", "(grouped != grouped[:, :1]).any(dim=1)", "grouped.sum(dim=1) > 0",
@@ -520,9 +531,9 @@ def catcher_node(key, catcher):
 def table():
     rows = ["| Exercise | Wrong version | Caught by |", "|---|---|---|"]
     for key, wrong in WRONG_ANSWERS.items():
-        file, function = key.split("::")
+        file = key.split("::")[0]
         for i, (description, _, _, catcher) in enumerate(wrong):
-            exercise = f"`{function}` (`{file}`)" if i == 0 else ""
+            exercise = f"`{msc.exercise_name(key)}` (`{file}`)" if i == 0 else ""
             rows.append(f"| {exercise} | {description.replace('|', chr(92) + '|')} | `{catcher_node(key, catcher)}` |")
     return "\n".join(rows)
 

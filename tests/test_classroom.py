@@ -4,6 +4,7 @@ idempotent and never touches the reference."""
 import ast
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from conftest import ROOT
 
 sys.path.insert(0, str(ROOT / "classroom"))
 import make_student_copy as msc  # noqa: E402
+from hint import HINTS  # noqa: E402
 
 SCRIPT = "classroom/make_student_copy.py"
 ENV = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -63,6 +65,7 @@ def test_every_marked_function_is_an_exercise_with_tests():
     assert set(msc.marked_functions()) == set(msc.EXERCISES)
     for key, (difficulty, test_file, names) in msc.EXERCISES.items():
         assert difficulty in (1, 2, 3) and names and (ROOT / test_file).is_file(), key
+    assert set(HINTS) == {key.split("::")[1] for key in msc.EXERCISES}
 
 
 def test_student_copy_has_no_solution_left_and_prints_the_table(student):
@@ -70,7 +73,10 @@ def test_student_copy_has_no_solution_left_and_prints_the_table(student):
     assert msc.table() in proc.stdout
     marked = {key.split("::")[0] for key in msc.EXERCISES}
     for rel, data in tree(out).items():
-        if rel in marked:
+        if rel == msc.TEACHER_PAGE:
+            page = (ROOT / rel).read_text(encoding="utf-8")
+            assert data.decode() == page[:page.index(msc.TEACHER_PART)].rstrip("\n") + "\n"
+        elif rel in marked:
             text = data.decode()
             assert msc.BEGIN not in text and msc.END not in text, rel
             assert text.count("raise NotImplementedError(") >= sum(k.startswith(rel + "::") for k in msc.EXERCISES)
@@ -114,7 +120,8 @@ def test_student_copy_leaves_out_the_teachers_files_and_no_test_helper_is_a_solu
     of an exercise (a test once shipped a whole GAE loop as its expected value)."""
     out, _ = student
     for rel in msc.TEACHER_ONLY:
-        assert (ROOT / rel).is_file() and not (out / rel).exists(), rel
+        assert (ROOT / rel).exists() and not (out / rel).exists(), rel
+    assert not (out / "classroom" / "teacher_tests").exists()
     called = {}
     for test_file in {file for _, file, _ in msc.EXERCISES.values()}:
         tree = ast.parse((out / test_file).read_text(encoding="utf-8"))
@@ -150,29 +157,61 @@ HELPERS = {
 }
 
 
-def test_every_exercise_has_hint_lines_and_its_docstring_names_the_stats_its_tests_read():
-    """The hint is the equation in the code's names, not the docstring's first line again; every
-    key of a dict a solution returns, and every stats key a grading test reads, is in a docstring."""
+# a call of a function in the code's names or of an array op, a module, a statement: code, not words
+CODE = (r"\b[a-z][a-z0-9]*_[a-z0-9_]*\(|\b(exp|log|clamp|sum|mean|std|where|cumsum|flip|min|max|abs|softmax)\("
+        r"|torch\.|np\.|\bdef\b|\breturn\b|\[:, ")
+
+
+def test_every_exercise_has_a_two_level_hint_and_its_docstring_names_the_stats_its_tests_read():
+    """The first level (in the copy) says what, where, the shapes and the traps, in words: no call, no
+    torch; the second (hint.py NAME) has steps. Every key of a dict a solution returns, and every
+    stats key a grading test reads, is in the docstring."""
     read = {}  # test file -> the string keys its tests read from a stats dict
     for _, test_file, _ in msc.EXERCISES.values():
         tree = ast.parse((ROOT / test_file).read_text(encoding="utf-8"))
         read[test_file] = {n.slice.value for n in ast.walk(tree) if isinstance(n, ast.Subscript)
                            and isinstance(n.value, ast.Name) and "stats" in n.value.id
                            and isinstance(n.slice, ast.Constant) and isinstance(n.slice.value, str)}
-    for key, (_, test_file, _) in msc.EXERCISES.items():
+    for key, (stars, test_file, _) in msc.EXERCISES.items():
         file, name = key.split("::")
+        hint = HINTS[name]
+        assert hint.steps and hint.compute and hint.where and hint.shapes, key
+        assert stars == 1 + bool(hint.traps) + bool(hint.work), key
+        for line in hint.first_level(name)[:-1]:
+            assert not re.search(CODE, line), (key, line)
         text = (ROOT / file).read_text(encoding="utf-8")
         lines = text.splitlines()
         ((start, end, *_),) = [r for r in msc.regions(text) if r[3] == name]
-        hints = [line.strip() for line in lines[start + 1:end] if line.strip().startswith(msc.HINT)]
         func = next(n for n in ast.parse(text).body if isinstance(n, ast.FunctionDef) and n.name == name)
         doc = ast.get_docstring(func)
-        assert hints and doc.splitlines()[0] not in " ".join(hints), key
         region = "\n".join(lines[start:end + 1])
         returned = {k.value for n in ast.walk(ast.parse(textwrap.dedent(region))) if isinstance(n, ast.Dict)
                     for k in n.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)}
         for stat in returned | {k for k in read[test_file] if f'"{k}"' in region}:
             assert stat in doc, f"{key}: the docstring does not name {stat!r}"
+
+
+def test_the_copy_shows_the_first_level_hint_and_hint_py_prints_the_second(student):
+    out, _ = student
+    text = (out / "ppo.py").read_text(encoding="utf-8")
+    for line in HINTS["gae"].first_level("gae"):
+        assert f"{msc.HINT} {line}" in text
+    proc = subprocess.run([sys.executable, "classroom/hint.py", "gae"], cwd=out, capture_output=True, text=True,
+                          env=ENV, timeout=60)
+    assert proc.returncode == 0 and all(step in proc.stdout for step in HINTS["gae"].steps)
+
+
+def test_the_copy_holds_no_teachers_page_and_no_numpy_copy_of_an_exercise(student):
+    """The student's page stops before the teacher's part, and the bandit's group advantages call
+    the (blank) exercises instead of computing them."""
+    out, _ = student
+    page = (out / msc.TEACHER_PAGE).read_text(encoding="utf-8")
+    assert msc.TEACHER_PART not in page and "wrong_answers" not in page and "grade.py" not in page
+    code = "import toy_bandit\ntry:\n    toy_bandit.{}([[1.0, 0.0]])\nexcept NotImplementedError:\n    print('blank')"
+    for name in ("rloo_advantages", "mean_advantages", "grpo_advantages"):
+        proc = subprocess.run([sys.executable, "-c", code.format(name)], cwd=out, capture_output=True, text=True,
+                              env=ENV, timeout=120)
+        assert proc.stdout.strip() == "blank", (name, proc.stderr[-2000:])
 
 
 def test_script_is_idempotent_and_a_copy_of_the_copy_is_the_same(student, tmp_path):

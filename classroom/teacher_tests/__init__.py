@@ -5,6 +5,8 @@ LOSSES = "classroom/teacher_tests/test_hidden_losses.py"
 ADVANTAGES = "classroom/teacher_tests/test_hidden_advantages.py"
 
 TEACHER_TESTS = {
+    "common.py::kl_penalty": (COMMON, [
+        "test_ratio_weighted_k3_keeps_its_gradient_in_float32_far_from_the_reference"]),
     "common.py::masked_sum": (COMMON, [
         "test_masked_sum_of_a_padded_batch_ignores_the_padding_and_sums_each_row_alone"]),
     "common.py::masked_mean": (COMMON, ["test_masked_mean_of_a_padded_batch_weighs_every_valid_token_once"]),

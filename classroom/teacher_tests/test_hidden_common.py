@@ -138,3 +138,13 @@ def test_geometric_mask_sees_drifts_of_both_signs_through_the_mean_over_valid_to
     assert keep.shape == (B,) and keep.dtype == F64
     expected = [0.0 if (a < 0 and d > delta) else 1.0 for a, d in zip(adv.tolist(), drift.tolist())]
     assert keep.tolist() == expected
+
+
+@pytest.mark.parametrize("log_ref_over_pi", [5.0, 25.0, 40.0])
+def test_ratio_weighted_k3_keeps_its_gradient_in_float32_far_from_the_reference(log_ref_over_pi):
+    """grad of ratio * k3 is ratio * k1 (docs/algorithms.md, KL estimators): on-policy, ratio = 1 and the
+    gradient is log(pi / ref). Written as ratio * k3, float32 loses it once ref / pi passes e^20."""
+    logp = torch.tensor([-1.0, -2.0], requires_grad=True)
+    ref_logp = logp.detach() + log_ref_over_pi
+    common.kl_penalty(logp, ref_logp, "k3", old_logp=logp.detach()).sum().backward()
+    torch.testing.assert_close(logp.grad, torch.full((2,), -log_ref_over_pi), rtol=1e-5, atol=1e-5)
