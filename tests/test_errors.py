@@ -3,6 +3,7 @@ loaded: configs are validated while the command line is parsed (config.parse_con
 import importlib
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -114,3 +115,44 @@ def test_a_learning_rate_that_breaks_the_weights_stops_with_an_error(tmp_path):
                "--save_model", "False"], tmp_path, env={"OMP_NUM_THREADS": "1"})
     assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
     assert "made the policy's weights or logits non-finite" in out.stderr and "--learning_rate" in out.stderr
+
+
+DEEPSPEED_ZERO3 = {  # what `accelerate launch --config_file configs/zero3.yaml` sets, on CPU
+    "DS_ACCELERATOR": "cpu", "ACCELERATE_USE_DEEPSPEED": "true", "ACCELERATE_MIXED_PRECISION": "no",
+    "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3", "ACCELERATE_GRADIENT_ACCUMULATION_STEPS": "1",
+    "ACCELERATE_GRADIENT_CLIPPING": "1.0", "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "none",
+    "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "none", "ACCELERATE_DEEPSPEED_ZERO3_INIT": "true",
+    "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL": "true",
+    "ACCELERATE_CONFIG_DS_FIELDS": "zero_stage,offload_optimizer_device,offload_param_device,"
+                                   "gradient_accumulation_steps,gradient_clipping,zero3_init_flag,zero3_save_16bit_model"}
+
+
+@pytest.mark.parametrize("backend", ["ddp", "zero3"])
+def test_a_non_finite_loss_ends_every_rank_of_a_two_process_run_with_exit_code_1(tmp_path, backend):
+    """Rewards of 3e38 with no baseline and no advantage clip overflow the loss at step 1: every rank stops
+    with the error line and exit code 1. Under ZeRO-3 a rank that left the interpreter with its process
+    group open could end by SIGABRT ("terminate called without an active exception", exit code -6);
+    config.make_accelerator closes it at exit. The two ranks are started as torchrun starts them (its
+    environment variables), not under a launcher: a launcher stops the other ranks (SIGTERM) as soon as
+    one has failed, which hides the exit code each would have had."""
+    if backend == "zero3":
+        pytest.importorskip("deepspeed")
+    rewards = tmp_path / "huge.py"
+    rewards.write_text("def huge(prompts, completions, **columns):\n    return [3e38] * len(completions)\n")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", **(DEEPSPEED_ZERO3 if backend == "zero3" else {})}
+    cmd = [sys.executable, "remax.py", "--reward_fn", f"{rewards}:huge", "--baseline", "none", "--adv_clip", "0",
+           "--num_steps", "3", "--batch_size", "4", "--max_new_tokens", "4", "--eval_every", "100000",
+           "--save_model", "False", "--output_dir", str(tmp_path / "run")]
+    logs = [open(tmp_path / f"rank{rank}.err", "w+") for rank in (0, 1)]
+    ranks = [subprocess.Popen(cmd, cwd=ROOT, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+                              stdout=subprocess.DEVNULL, stderr=logs[rank]) for rank in (0, 1)]
+    codes = [rank.wait(timeout=300) for rank in ranks]
+    errs = [(log.seek(0), log.read())[1] for log in logs]
+    assert codes == [1, 1], [err[-2000:] for err in errs]
+    for err in errs:
+        assert "Traceback" not in err and "terminate called" not in err, err[-3000:]
+        assert err.strip().splitlines()[-1].startswith("error: non-finite loss"), err[-3000:]
