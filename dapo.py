@@ -107,26 +107,25 @@ def overlong_penalty(lengths, max_len, cache_len):
 
 
 def dapo_loss(logp, old_logp, adv, mask, epsilon_low, epsilon_high, dual_clip_c=0.0, pg_weight=None):
-    """Clipped surrogate with decoupled clip range, token-mean over the whole batch (DAPO eq. 8).
+    """Clipped surrogate with the decoupled clip range, token-mean over the whole batch (DAPO eq. 8).
 
-    logp: (B, T) with grad; old_logp: (B, T) at sampling time (detached); adv: (B,).
-    dual_clip_c > 1 bounds the loss of a token with A < 0 by c |A|; pg_weight (B, T), detached,
-    multiplies the surrogate (TIS, masks).
+    logp: (B, T) log-probs under the policy being trained (with grad); old_logp: (B, T) at sampling
+    time (detached); adv: (B,), the same for every token. dual_clip_c > 1 bounds a token's loss with
+    A < 0 by c |A|; pg_weight (B, T), detached, multiplies the surrogate (TIS, masks).
     Returns (loss, stats): clip_frac_low / clip_frac_high, the fraction of tokens clipped below
-    (rho < 1 - epsilon_low with A < 0) and above (rho > 1 + epsilon_high with A > 0); approx_kl,
-    the k3 estimate of KL(pi_old || pi_theta) from the ratio.
+    (ratio < 1 - epsilon_low, A < 0) and above (ratio > 1 + epsilon_high, A > 0); approx_kl, k3 of
+    the token ratio, an estimate of KL(pi_old || pi_theta).
     """
     # BEGIN SOLUTION
-    log_ratio = logp - old_logp
-    ratio = torch.exp(log_ratio)  # rho = pi_theta / pi_old
+    log_ratio = logp - old_logp  # (B, T)
+    ratio = torch.exp(log_ratio)  # rho_t = pi_theta / pi_old
     adv = adv[:, None]
     surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * adv)
     if dual_clip_c > 0:  # dual clip (Ye et al., 2020): with A < 0 the min above is unbounded in rho
         surrogate = torch.where(adv < 0, torch.max(surrogate, dual_clip_c * adv), surrogate)
-    if pg_weight is not None:
-        surrogate = pg_weight * surrogate
-    per_token_loss = -surrogate
-    loss = common.aggregate_loss(per_token_loss, mask, "token-mean")
+    if pg_weight is not None:  # a padding weight may hold anything: keep it out of the gradient
+        surrogate = torch.where(mask.bool(), pg_weight, 0.0) * surrogate
+    loss = common.aggregate_loss(-surrogate, mask, "token-mean")
     with torch.no_grad():
         stats = {
             "clip_frac_low": common.masked_mean(((ratio < 1 - epsilon_low) & (adv < 0)).float(), mask),

@@ -51,28 +51,24 @@ class Config(config.GroupConfig):
         config.check(self.kl_estimator in ("k1", "k2", "k3"),
                      f"--kl_estimator must be k1, k2 or k3 (got {self.kl_estimator!r}).")
         config.check(self.dual_clip_c == 0 or self.dual_clip_c > 1,
-                     f"--dual_clip_c must be 0 (off) or > 1 (got {self.dual_clip_c}).")
-        config.check(self.importance_sampling_level in ("token", "sequence"),
-                     f"--importance_sampling_level must be token or sequence (got {self.importance_sampling_level!r}).")
+                     f"--dual_clip_c must be 0 or > 1 (got {self.dual_clip_c}).")
         sequence = self.importance_sampling_level == "sequence"
-        config.check(sequence or self.epsilon_high is None,
-                     "--epsilon_high needs --importance_sampling_level sequence: at token level the clip is "
-                     "symmetric, [1 - epsilon, 1 + epsilon] (clip-higher is dapo.py's).")
+        config.check(sequence or self.importance_sampling_level == "token",
+                     f"--importance_sampling_level must be token or sequence (got {self.importance_sampling_level!r}).")
+        config.check(sequence or self.epsilon_high is None, "--epsilon_high needs --importance_sampling_level sequence "
+                     "(at token level clip-higher is dapo.py's).")
         if sequence and self.epsilon_high is None:  # Zheng et al. (2025), v2 section 5.1: 3e-4 and 4e-4
             self.epsilon_high = 4e-4 if self.epsilon is None else self.epsilon
-        if self.epsilon is None:
-            self.epsilon = 3e-4 if sequence else 0.2
+        self.epsilon = (3e-4 if sequence else 0.2) if self.epsilon is None else self.epsilon
         config.check(0 < self.epsilon < 1, f"--epsilon must be in (0, 1) (got {self.epsilon}).")
         config.check(not sequence or self.epsilon_high > 0, f"--epsilon_high must be > 0 (got {self.epsilon_high}).")
-        config.check(not sequence or self.loss_agg != "token-mean",
-                     "--importance_sampling_level sequence averages one policy term per sequence, and --loss_agg "
-                     "token-mean would weigh the micro-batches by their tokens: give seq-mean-token-mean or "
-                     "seq-mean-token-sum-norm (the per-token KL term's aggregation).")
+        config.check(not sequence or self.loss_agg != "token-mean", "--importance_sampling_level sequence averages "
+                     "one term per sequence: --loss_agg token-mean would weigh sequences by their tokens.")
         config.check(self.num_epochs >= 1, f"--num_epochs must be >= 1 (got {self.num_epochs}).")
         config.check(self.scale_rewards in ("group", "batch", "none"),
                      f"--scale_rewards must be group, batch or none (got {self.scale_rewards!r}).")
-        config.check(self.loss_agg in config.LOSS_AGG_MODES,
-                     f"--loss_agg must be one of {config.LOSS_AGG_MODES} (got {self.loss_agg!r}).")
+        config.check(self.loss_agg in common.LOSS_AGG_MODES,
+                     f"--loss_agg must be one of {common.LOSS_AGG_MODES} (got {self.loss_agg!r}).")
 
 
 def grpo_advantages(rewards, group_size, scale_rewards="group", eps=1e-6):
@@ -100,71 +96,55 @@ def grpo_advantages(rewards, group_size, scale_rewards="group", eps=1e-6):
 def grpo_loss(logp, old_logp, ref_logp, adv, mask, epsilon, beta, loss_agg="seq-mean-token-mean", max_len=None,
               kl_estimator="k3", kl_is_weight=False, dual_clip_c=0.0, pg_weight=None, *, epsilon_high=None,
               importance_sampling_level="token"):
-    """Clipped surrogate plus beta * KL to the reference, per token (DeepSeekMath eq. 3), or with one
-    sequence-level ratio per completion (GSPO).
+    """Clipped surrogate plus beta * KL to the reference, per token (DeepSeekMath eq. 3).
 
-    logp: (B, T) log-probs under the policy being trained (with grad); old_logp: (B, T) at
-    sampling time (detached); ref_logp: (B, T) under the reference, or None when beta == 0;
-    adv: (B,) sequence advantage, the same for every token. The KL term keeps its gradient
-    through logp (common.kl_penalty): k3's is, per state with the states held fixed, that of the
-    forward KL(pi_ref || pi_theta); k2's, or k3's with kl_is_weight, that of the reverse KL; none
-    is the sequence KL's (docs/algorithms.md). dual_clip_c > 1 bounds the loss of a token with
-    A < 0 by c |A|; pg_weight (B, T), detached, multiplies the surrogate (TIS, masks).
-
-    importance_sampling_level "sequence" (GSPO, Zheng et al., 2025): s_i = exp(mean of logp - old_logp
-    over the valid tokens of sequence i), the geometric mean of its token ratios, and one term per
-    sequence, min(s_i A_i, clip(s_i, 1 - epsilon, 1 + epsilon_high) A_i) (epsilon_high None: epsilon),
-    averaged over the B sequences; dual clip acts on it, pg_weight enters as its mean over the valid
-    tokens; the KL term stays per token, aggregated by loss_agg. Example: log-ratios (log 2, log 8),
-    A = 1: s = 4, loss -4, d loss / d logp = -2 on each token.
-
-    Returns (loss, stats): clip_frac_low / clip_frac_high, the fraction of tokens (at sequence
-    level: of sequences) clipped below (ratio < 1 - eps with A < 0) and above (ratio > 1 + eps
-    with A > 0); approx_kl, KL(pi_old || pi_theta) estimated by k3 of the token ratio; kl_k3,
-    the mean per-token k3 to the reference; kl_term, the mean of the term beta multiplies.
+    logp: (B, T) log-probs under the policy being trained (with grad); old_logp: (B, T) at sampling
+    time (detached); ref_logp: (B, T) under the reference, or None when beta == 0; adv: (B,), the same
+    for every token. The KL term keeps its gradient through logp (common.kl_penalty; which gradient
+    each estimator gives: docs/algorithms.md). dual_clip_c > 1 bounds a token's loss with A < 0 by
+    c |A|; pg_weight (B, T), detached, multiplies the surrogate (TIS, masks).
+    importance_sampling_level "sequence" (GSPO, Zheng et al., 2025): the ratio of sequence i is the
+    geometric mean of its token ratios, s_i = exp(mean_t log rho_t) over its valid tokens, clipped to
+    [1 - epsilon, 1 + epsilon_high], one term per sequence; the KL term stays per token.
+    Returns (loss, stats): clip_frac_low / clip_frac_high, the fraction of tokens (sequence level: of
+    sequences) clipped below (ratio < 1 - epsilon, A < 0) and above (ratio > 1 + epsilon, A > 0);
+    approx_kl, k3 of the token ratio, an estimate of KL(pi_old || pi_theta); kl_k3, the mean per-token
+    k3 to the reference; kl_term, the mean of the term beta multiplies.
     """
     # BEGIN SOLUTION
-    if importance_sampling_level not in ("token", "sequence"):
-        raise ValueError(f"unknown importance_sampling_level {importance_sampling_level!r}: token or sequence")
-    if epsilon_high is not None and importance_sampling_level == "token":
-        raise ValueError("epsilon_high is the sequence level's upper clip; the token-level clip is symmetric")
-    log_ratio = logp - old_logp
-    ratio = torch.exp(log_ratio)  # rho = pi_theta / pi_old
+    sequence = importance_sampling_level == "sequence"
+    if not sequence and (importance_sampling_level != "token" or epsilon_high is not None):
+        raise ValueError(f"importance_sampling_level {importance_sampling_level!r} with epsilon_high "
+                         f"{epsilon_high}: token (symmetric clip) or sequence")
+    log_ratio = logp - old_logp  # (B, T)
+    ratio = torch.exp(log_ratio)  # rho_t = pi_theta / pi_old
+    adv = adv[:, None]
+    if sequence:  # GSPO (Zheng et al., 2025, eq. 7): s_i = exp(mean_t log rho_t) on every token of sequence i
+        ratio = torch.exp(common.masked_mean(log_ratio, mask, dim=1))[:, None].expand_as(logp)
+    epsilon_high = epsilon if epsilon_high is None else epsilon_high
+    surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * adv)
+    if dual_clip_c > 0:  # dual clip (Ye et al., 2020): with A < 0 the min above is unbounded in rho
+        surrogate = torch.where(adv < 0, torch.max(surrogate, dual_clip_c * adv), surrogate)
+    if pg_weight is not None:  # a padding weight may hold anything: keep it out of the gradient
+        surrogate = torch.where(mask.bool(), pg_weight, 0.0) * surrogate
     if ref_logp is not None:
         kl = common.kl_penalty(logp, ref_logp, kl_estimator, old_logp if kl_is_weight else None)
     else:
         kl = torch.zeros_like(logp)
-    if importance_sampling_level == "sequence":
-        # GSPO (Zheng et al., 2025, eqs. 5 and 7): s_i = (pi_theta(y_i|x) / pi_old(y_i|x))^(1 / |y_i|)
-        seq_ratio = torch.exp(common.masked_mean(log_ratio, mask, dim=1))  # (B,)
-        epsilon_high = epsilon if epsilon_high is None else epsilon_high
-        seq_surrogate = torch.min(seq_ratio * adv, torch.clamp(seq_ratio, 1 - epsilon, 1 + epsilon_high) * adv)
-        if dual_clip_c > 0:
-            seq_surrogate = torch.where(adv < 0, torch.max(seq_surrogate, dual_clip_c * adv), seq_surrogate)
-        if pg_weight is not None:
-            seq_surrogate = common.masked_mean(pg_weight, mask, dim=1) * seq_surrogate
-        # (1/B) sum_i, one term per sequence; the KL term per token, as at token level
-        loss = -seq_surrogate.mean() + common.aggregate_loss(beta * kl, mask, mode=loss_agg, max_len=max_len)
+    if sequence:  # the surrogate once per sequence (the mean over its tokens, all equal), the KL per token
+        loss = common.aggregate_loss(-surrogate, mask, "seq-mean-token-mean") + \
+            common.aggregate_loss(beta * kl, mask, loss_agg, max_len)
     else:
-        adv = adv[:, None]
-        surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - epsilon, 1 + epsilon) * adv)
-        if dual_clip_c > 0:  # dual clip (Ye et al., 2020): with A < 0 the min above is unbounded in rho
-            surrogate = torch.where(adv < 0, torch.max(surrogate, dual_clip_c * adv), surrogate)
-        if pg_weight is not None:
-            surrogate = pg_weight * surrogate
-        per_token_loss = -surrogate + beta * kl
-        loss = common.aggregate_loss(per_token_loss, mask, loss_agg, max_len)
+        loss = common.aggregate_loss(-surrogate + beta * kl, mask, loss_agg, max_len)
     with torch.no_grad():
-        if importance_sampling_level == "sequence":  # per sequence, whatever its length
-            clip_low = ((seq_ratio < 1 - epsilon) & (adv < 0)).float().mean()
-            clip_high = ((seq_ratio > 1 + epsilon_high) & (adv > 0)).float().mean()
-        else:
-            clip_low = common.masked_mean(((ratio < 1 - epsilon) & (adv < 0)).float(), mask)
-            clip_high = common.masked_mean(((ratio > 1 + epsilon) & (adv > 0)).float(), mask)
+        # the fraction of tokens (at sequence level, of sequences: each one's tokens agree) clipped low / high
+        def clipped(flag):
+            flag = flag.float()
+            return common.masked_mean(flag, mask, dim=1).mean() if sequence else common.masked_mean(flag, mask)
         stats = {
-            "clip_frac_low": clip_low,
-            "clip_frac_high": clip_high,
-            "approx_kl": common.masked_mean(ratio - 1 - log_ratio, mask),
+            "clip_frac_low": clipped((ratio < 1 - epsilon) & (adv < 0)),
+            "clip_frac_high": clipped((ratio > 1 + epsilon_high) & (adv > 0)),
+            "approx_kl": common.masked_mean(torch.exp(log_ratio) - 1 - log_ratio, mask),
             "kl_k3": common.masked_mean(common.kl_k3(logp, ref_logp) if ref_logp is not None else kl, mask),
             "kl_term": common.masked_mean(kl, mask),
         }
@@ -209,7 +189,9 @@ def main():
                                                               tis_cap=cfg.tis_cap, geo_mask_delta=cfg.geo_mask_delta)
             loss, stats = grpo_loss(logp, old_logp, ref_logp, adv, mask, epsilon=cfg.epsilon, beta=cfg.beta,
                                     loss_agg=cfg.loss_agg, max_len=cfg.max_new_tokens, kl_estimator=cfg.kl_estimator,
-                                    kl_is_weight=cfg.kl_is_weight, dual_clip_c=cfg.dual_clip_c, pg_weight=pg_weight)
+                                    kl_is_weight=cfg.kl_is_weight, dual_clip_c=cfg.dual_clip_c, pg_weight=pg_weight,
+                                    epsilon_high=cfg.epsilon_high,
+                                    importance_sampling_level=cfg.importance_sampling_level)
             return loss, {**stats, **correction}
 
         # ---- update: mu optimizer steps on the same batch (the engine runs micro-batches, sync, clip, step) ----

@@ -188,7 +188,7 @@ class ValueModel(torch.nn.Module):
                                                                         dtype=config.DTYPES[torch_dtype])
         models.disable_dropout(self.model)
         if gradient_checkpointing:
-            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         if lora is not None:
             from peft import get_peft_model
 
