@@ -11,7 +11,8 @@ TEACHER_TESTS = {
         "test_masked_sum_of_a_padded_batch_ignores_the_padding_and_sums_each_row_alone"]),
     "common.py::masked_mean": (COMMON, ["test_masked_mean_of_a_padded_batch_weighs_every_valid_token_once"]),
     "common.py::masked_whiten": (COMMON, [
-        "test_masked_whiten_of_a_padded_batch_ignores_the_padding_and_leaves_it_zero"]),
+        "test_masked_whiten_of_a_padded_batch_ignores_the_padding_and_leaves_it_zero",
+        "test_masked_whiten_of_a_constant_is_zero_not_nan"]),
     "common.py::completion_mask": (COMMON, [
         "test_completion_mask_of_random_ids_keeps_each_rows_prefix_through_its_first_eos"]),
     "common.py::aggregate_loss": (COMMON, [
@@ -19,7 +20,8 @@ TEACHER_TESTS = {
         "test_seq_mean_token_sum_norm_divides_by_the_batch_width_even_when_every_row_is_shorter"]),
     "common.py::reward_to_go": (COMMON, ["test_reward_to_go_of_a_padded_batch_runs_along_each_row_alone"]),
     "common.py::geometric_sequence_mask": (COMMON, [
-        "test_geometric_mask_sees_drifts_of_both_signs_through_the_mean_over_valid_tokens"]),
+        "test_geometric_mask_sees_drifts_of_both_signs_through_the_mean_over_valid_tokens",
+        "test_geometric_mask_keeps_a_drift_of_exactly_delta"]),
     "remax.py::remax_loss": (LOSSES, [
         "test_remax_loss_and_return_mean_of_a_padded_batch_weigh_every_valid_token"]),
     "rloo.py::rloo_advantages": (ADVANTAGES, [

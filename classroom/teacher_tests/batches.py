@@ -15,9 +15,9 @@ def generator(salt):
 
 
 def lengths(B, T, g, low=1):
-    """(B,) lengths in [low, T]: at least one row fills the width and at least one is shorter."""
+    """(B,) lengths in [low, T]: one row fills the width, one has `low` tokens, the others are random."""
     n = torch.randint(low, T + 1, (B,), generator=g)
-    n[0], n[1] = T, torch.randint(low, T, (1,), generator=g)
+    n[0], n[1] = T, low
     return n[torch.randperm(B, generator=g)]
 
 

@@ -41,6 +41,9 @@ def test_masked_mean_of_a_padded_batch_weighs_every_valid_token_once(fill):
     close(common.masked_mean(x, mask), token_weighted(rows, n))
     empty = torch.zeros_like(mask)
     assert common.masked_mean(x, empty, 1).tolist() == [0.0] * 5
+    one = torch.zeros_like(mask)
+    one[2, 0] = 1  # a single valid token: its own value
+    assert common.masked_mean(x, one).item() == x[2, 0].item()
 
 
 @pytest.mark.parametrize("shift_mean", [True, False])
@@ -59,6 +62,16 @@ def test_masked_whiten_of_a_padded_batch_ignores_the_padding_and_leaves_it_zero(
     else:  # only the scale changes: the mean stays where it was
         close(whitened.mean(), valid.mean())
         close(whitened.std(), 1.0, tol=1e-6)
+    two = torch.zeros_like(mask)
+    two[1, 0] = two[3, 2] = 1  # two valid tokens: Bessel's std divides by 1
+    out = common.masked_whiten(padded(x, two, fill), two, shift_mean=shift_mean)[two.bool()]
+    close(out - out.mean(), torch.tensor([1.0, -1.0], dtype=F64) * (x[1, 0] - x[3, 2]).sign() / 2**0.5, 1e-6)
+
+
+def test_masked_whiten_of_a_constant_is_zero_not_nan():
+    x, mask, _ = random_batch(9)
+    out = common.masked_whiten(padded(torch.full_like(x, 2.5), mask, float("nan")), mask)
+    assert (out == 0).all()  # var = 0: eps keeps the scale finite
 
 
 def test_completion_mask_of_random_ids_keeps_each_rows_prefix_through_its_first_eos():
@@ -96,6 +109,9 @@ def test_aggregate_loss_of_a_padded_batch_ignores_the_padding_and_weighs_tokens_
         assert torch.isfinite(value)
         close(common.aggregate_loss(widened(loss, 2, fill), widened(mask, 2, 0), mode, 9), value)
         close(value, token_weighted(rows[mode], n) if mode == "token-mean" else rows[mode].mean())
+    one = torch.zeros_like(mask)
+    one[4, 0] = 1  # a single valid token in the whole batch
+    assert common.aggregate_loss(loss, one, "token-mean").item() == x[4, 0].item()
 
 
 def test_seq_mean_token_sum_norm_divides_by_the_batch_width_even_when_every_row_is_shorter():
@@ -122,10 +138,11 @@ def test_reward_to_go_of_a_padded_batch_runs_along_each_row_alone(fill):
 @pytest.mark.parametrize("fill", GARBAGE)
 def test_geometric_mask_sees_drifts_of_both_signs_through_the_mean_over_valid_tokens(fill):
     """Rows built with a known mean log-ratio log(pi_old / pi_theta): 2 delta, delta / 2 and their
-    negatives, over lengths 1 to 6; only a drift above delta with a negative advantage is dropped."""
+    negatives, over lengths 1 to 6, and advantages of both signs, small and zero; only a drift above
+    delta with a negative advantage is dropped."""
     g, delta, T = generator(8), 0.1, 6
-    drift = torch.tensor([2, 0.5, -2, -0.5] * 4, dtype=F64) * delta
-    adv = torch.tensor([-1.0] * 8 + [1.0] * 8, dtype=F64)
+    drift = torch.tensor([2, 0.5, -2, -0.5] * 6, dtype=F64) * delta
+    adv = torch.tensor([-1.0] * 4 + [-0.01] * 4 + [0.0] * 4 + [0.5] * 4 + [1.0] * 8, dtype=F64)
     B = len(drift)
     n = torch.randint(1, T + 1, (B,), generator=g)
     n[0], n[2] = 6, 6  # a long row whose summed drift would pass delta at either sign
@@ -138,6 +155,17 @@ def test_geometric_mask_sees_drifts_of_both_signs_through_the_mean_over_valid_to
     assert keep.shape == (B,) and keep.dtype == F64
     expected = [0.0 if (a < 0 and d > delta) else 1.0 for a, d in zip(adv.tolist(), drift.tolist())]
     assert keep.tolist() == expected
+
+
+def test_geometric_mask_keeps_a_drift_of_exactly_delta():
+    """The drift must pass delta to drop a sequence: rows of 1, 2 and 4 tokens whose mean log-ratio is delta
+    exactly in binary (0.125)."""
+    delta, n = 0.125, torch.tensor([1, 2, 4])
+    mask = prefix_mask(n, 4)
+    logp = torch.zeros(3, 4, dtype=F64)
+    keep = common.geometric_sequence_mask(logp, padded(logp + delta, mask, 9.0), -torch.ones(3, dtype=F64), mask,
+                                          delta)
+    assert keep.tolist() == [1.0, 1.0, 1.0]
 
 
 @pytest.mark.parametrize("log_ref_over_pi", [5.0, 25.0, 40.0])
