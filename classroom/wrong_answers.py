@@ -201,6 +201,9 @@ WRONG_ANSWERS = {
          "test_rloo_loss_treats_the_whole_sequence_as_one_action"),
         ("pg_weight ignored", "weighted = seq_logp if pg_weight is None else", "weighted = seq_logp if True else",
          "test_rloo_loss_pg_weight_scales_each_tokens_log_prob"),
+        ("pg_weight: the weighted sum over the whole batch", "common.masked_sum(pg_weight * logp, mask, dim=1)",
+         "common.masked_sum(pg_weight * logp, mask)",
+         "test_rloo_loss_with_a_per_token_weight_is_the_mean_of_its_rows_and_weight_one_changes_nothing"),
     ],
     "grpo.py::grpo_advantages": [
         ("std without Bessel's correction (ddof 0)", "grouped.std(dim=1, keepdim=True)",

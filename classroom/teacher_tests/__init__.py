@@ -26,7 +26,9 @@ TEACHER_TESTS = {
         "test_remax_loss_and_return_mean_of_a_padded_batch_weigh_every_valid_token"]),
     "rloo.py::rloo_advantages": (ADVANTAGES, [
         "test_rloo_advantage_of_random_groups_leaves_each_sample_out_of_its_own_baseline"]),
-    "rloo.py::rloo_loss": (LOSSES, ["test_rloo_loss_of_a_padded_batch_is_the_mean_of_its_rows"]),
+    "rloo.py::rloo_loss": (LOSSES, [
+        "test_rloo_loss_of_a_padded_batch_is_the_mean_of_its_rows",
+        "test_rloo_loss_with_a_per_token_weight_is_the_mean_of_its_rows_and_weight_one_changes_nothing"]),
     "grpo.py::grpo_advantages": (ADVANTAGES, [
         "test_grpo_advantage_of_random_groups_treats_each_group_on_its_own"]),
     "grpo.py::grpo_loss": (LOSSES, [

@@ -156,3 +156,14 @@ def test_rloo_loss_of_a_padded_batch_is_the_mean_of_its_rows(fill):
     close(stats["seq_logp_mean"], torch.stack([r[1]["seq_logp_mean"] for r in rows]).mean())
     loss.backward()
     assert (logp.grad[mask == 0] == 0).all()
+
+
+def test_rloo_loss_with_a_per_token_weight_is_the_mean_of_its_rows_and_weight_one_changes_nothing():
+    logp, _, _, adv, mask, n = rollout(19)
+    weight = padded(torch.rand(B, T, dtype=F64, generator=generator(20)) * 2, mask, float("nan"))
+    loss, stats = rloo.rloo_loss(padded(logp, mask, float("nan")), adv, mask, weight)
+    rows = [rloo.rloo_loss(logp[b:b + 1, :int(n[b])], adv[b:b + 1], mask[b:b + 1, :int(n[b])],
+                           weight[b:b + 1, :int(n[b])])[0] for b in range(B)]
+    close(loss, torch.stack(rows).mean())
+    close(rloo.rloo_loss(logp, adv, mask, torch.ones_like(logp))[0], rloo.rloo_loss(logp, adv, mask)[0])
+    close(stats["seq_logp_mean"], rloo.rloo_loss(logp, adv, mask)[1]["seq_logp_mean"])
