@@ -98,7 +98,7 @@ def grading_tests(key):
     """pytest node ids of the tests that grade an exercise: the visible ones, then the hidden ones."""
     _, test_file, names = msc.EXERCISES[key]
     hidden_file, hidden = TEACHER_TESTS.get(key, (None, []))
-    return [f"{test_file}::{n}" for n in names] + [f"{hidden_file}::{n}" for n in hidden]
+    return [msc.node_id(test_file, n) for n in names] + [f"{hidden_file}::{n}" for n in hidden]
 
 
 def function_node(tree, name):

@@ -179,15 +179,21 @@ HINTS = {
         traps=["the pessimistic bound is a min, and the ratio is pi_theta / pi_old",
                "dual clip only touches tokens with a negative advantage",
                "pg_weight multiplies the surrogate, not the KL term",
+               "at importance_sampling_level='sequence' (GSPO) each sequence has one ratio, the geometric mean of "
+               "its tokens' ratios, and its surrogate counts once",
                STATS_TRAP],
-        work="five statistics, each with its own condition (clip below needs A < 0, above A > 0)",
+        work="two levels of ratio and five statistics, each with its own condition (clip below needs A < 0)",
         steps=["ratio = exp(logp - old_logp); A = adv[:, None] (one advantage per row).",
-               "surrogate = min(ratio * A, clamp(ratio, 1 - epsilon, 1 + epsilon) * A).",
+               "At sequence level: ratio = exp(masked mean over the row of logp - old_logp), the same on every "
+               "token of the row; epsilon_high (None: epsilon) is the upper clip.",
+               "surrogate = min(ratio * A, clamp(ratio, 1 - epsilon, 1 + epsilon_high) * A).",
                "dual clip (dual_clip_c > 0): where A < 0, surrogate = max(surrogate, dual_clip_c * A).",
                "pg_weight: surrogate = pg_weight * surrogate.",
                "kl = kl_penalty(logp, ref_logp, kl_estimator, old_logp if kl_is_weight else None), 0 without ref.",
-               "loss = aggregate_loss(-surrogate + beta * kl, mask, loss_agg, max_len).",
-               "stats, each a masked mean over the valid tokens, without gradient: clip_frac_low "
+               "loss = aggregate_loss(-surrogate + beta * kl, mask, loss_agg, max_len); at sequence level the "
+               "surrogate's part with seq-mean-token-mean (once per sequence) and the KL's with loss_agg.",
+               "stats, each a masked mean over the valid tokens (the clip fractions over sequences at sequence "
+               "level), without gradient: clip_frac_low "
                "(ratio < 1 - eps and A < 0), clip_frac_high (ratio > 1 + eps and A > 0), approx_kl "
                "(ratio - 1 - log ratio), kl_k3 (kl_k3(logp, ref_logp)), kl_term (kl)."]),
     "dynamic_sampling_filter": Hint(

@@ -33,7 +33,8 @@ TEACHER_ONLY = {"classroom/wrong_answers.py", "classroom/grade.py", "classroom/m
 TEACHER_PART = "<!-- The student copy ends this page here: below is for teachers. -->"
 TEACHER_PAGE = "docs/classroom.md"
 
-# "file::function" -> (test file, the tests in it that the student sees), before the stars are added.
+# "file::function" -> (test file, the tests in it that the student sees; "other_file::test" for a test
+# of another file), before the stars are added.
 # A test also runs whatever the function calls, so the order below is the order to solve them in.
 VISIBLE_TESTS = {
     "common.py::kl_k1": ("tests/test_kl.py", [
@@ -96,7 +97,16 @@ VISIBLE_TESTS = {
         "test_k3_term_value_and_gradient", "test_loss_ignores_tokens_after_the_mask",
         "test_kl_estimator_k2_and_k3_with_the_ratio_weight_give_the_k2_gradient",
         "test_dual_clip_bounds_the_loss_of_a_negative_advantage_token",
-        "test_pg_weight_multiplies_the_surrogate_and_not_the_kl_term"]),
+        "test_pg_weight_multiplies_the_surrogate_and_not_the_kl_term",
+        "tests/test_gspo.py::test_sequence_ratio_is_the_geometric_mean_of_the_valid_token_ratios",
+        "tests/test_gspo.py::test_sequence_clip_zeroes_the_whole_sequences_gradient_exactly_where_it_binds",
+        "tests/test_gspo.py::test_clip_fractions_count_sequences_not_tokens",
+        "tests/test_gspo.py::test_with_one_update_the_gradient_is_grpos_with_seq_mean_token_mean",
+        "tests/test_gspo.py::test_a_long_sequence_counts_once_not_once_per_token",
+        "tests/test_gspo.py::test_the_kl_term_stays_per_token",
+        "tests/test_gspo.py::test_pg_weight_enters_as_its_mean_over_the_sequences_valid_tokens",
+        "tests/test_gspo.py::test_dual_clip_bounds_a_negative_advantage_sequence",
+        "tests/test_gspo.py::test_clip_defaults_are_grpos_at_token_level_and_gspos_at_sequence_level"]),
     # dapo.py's verbatim copy of GRPO's advantage (a file imports no other algorithm file): graded again
     "dapo.py::grpo_advantages": ("tests/test_dapo.py", ["test_advantage_is_grpos_group_advantage"]),
     "dapo.py::dynamic_sampling_filter": ("tests/test_dapo.py", [
@@ -237,16 +247,23 @@ def marked_functions(src=ROOT):
     return found
 
 
+def node_id(test_file, name):
+    """The pytest node id of a test named in EXERCISES (`name`, or `other_file::name`)."""
+    return name if "::" in name else f"{test_file}::{name}"
+
+
 def grading_tests():
-    """pytest node ids of the tests that grade the exercises, each once, in table order."""
-    return list(dict.fromkeys(f"{file}::{name}" for _, file, names in EXERCISES.values() for name in names))
+    """pytest node ids of the visible tests of the exercises, each once, in table order."""
+    return list(dict.fromkeys(node_id(file, name) for _, file, names in EXERCISES.values() for name in names))
 
 
 def table():
     rows = ["| Exercise | File | Difficulty | Tests you can run |", "|---|---|---|---|"]
     for key, (difficulty, test_file, names) in EXERCISES.items():
         file = key.split("::")[0]
-        tests = f"`{Path(test_file).name}`: " + ", ".join(f"`{name}`" for name in names)
+        tests = f"`{Path(test_file).name}`: " + ", ".join(
+            f"`{Path(name.split('::')[0]).name}::{name.split('::')[1]}`" if "::" in name else f"`{name}`"
+            for name in names)
         rows.append(f"| `{exercise_name(key)}` | `{file}` | {'★' * difficulty}{'☆' * (3 - difficulty)} | {tests} |")
     return "\n".join(rows)
 

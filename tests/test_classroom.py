@@ -65,6 +65,7 @@ def test_every_marked_function_is_an_exercise_with_tests():
     assert set(msc.marked_functions()) == set(msc.EXERCISES)
     for key, (difficulty, test_file, names) in msc.EXERCISES.items():
         assert difficulty in (1, 2, 3) and names and (ROOT / test_file).is_file(), key
+        assert all((ROOT / msc.node_id(test_file, name).split("::")[0]).is_file() for name in names), key
     assert set(HINTS) == {key.split("::")[1] for key in msc.EXERCISES}
 
 
@@ -123,11 +124,11 @@ def test_student_copy_leaves_out_the_teachers_files_and_no_test_helper_is_a_solu
         assert (ROOT / rel).exists() and not (out / rel).exists(), rel
     assert not (out / "classroom" / "teacher_tests").exists()
     called = {}
-    for test_file in {file for _, file, _ in msc.EXERCISES.values()}:
+    for test_file in {node.split("::")[0] for node in msc.grading_tests()}:
         tree = ast.parse((out / test_file).read_text(encoding="utf-8"))
         helpers = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))
                    and not n.name.startswith("test_")}
-        graded = {name for key, (_, file, names) in msc.EXERCISES.items() if file == test_file for name in names}
+        graded = {node.split("::")[1] for node in msc.grading_tests() if node.split("::")[0] == test_file}
         for test in (n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in graded):
             for node in ast.walk(test):
                 if isinstance(node, ast.Name) and node.id in helpers:
@@ -148,6 +149,8 @@ HELPERS = {
     "tests/test_kl.py::close": "allclose with atol 1e-12",
     "tests/test_grpo.py::one_token_loss": "calls grpo_loss on one token",
     "tests/test_grpo.py::seqs": "two completions' log-probs from random logits",
+    "tests/test_gspo.py::sequence_loss": "calls grpo_loss at sequence level",
+    "tests/test_gspo.py::seqs": "completions' log-probs from random logits",
     "tests/test_dapo.py::one_token_grad": "calls dapo_loss on one token",
     "tests/test_ppo.py::random_episodes": "random rewards, values and masks",
     "tests/test_ppo.py::policy_loss_and_grad": "calls ppo_policy_loss",

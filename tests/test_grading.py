@@ -117,7 +117,7 @@ def test_every_reference_body_passes_the_grader_checks_and_evasions_do_not():
         body = ast.parse(textwrap.dedent("        " + text).strip()).body
         assert grade.check_body(body, grade.Rules("rloo.py::rloo_advantages")), text
     for name, text in CHEATS.items():
-        (key,) = [k for k in msc.EXERCISES if k.endswith("::" + name)]
+        key = next(k for k in msc.EXERCISES if msc.exercise_name(k) == name)
         problems = grade.check_body(ast.parse(textwrap.dedent(text).strip()).body, grade.Rules(key))
         assert problems, name
 
