@@ -19,7 +19,6 @@ No KL term and no reference model: the policy is meant to move far from its star
     accelerate launch --multi_gpu --num_processes 2 dapo.py      # data-parallel on CPU
     python dapo.py --epsilon_high 0.2 --overlong_cache_len 0     # symmetric clip, no length shaping
 """
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -41,16 +40,8 @@ class Config(config.GroupConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        config.check(0 < self.epsilon_low < 1, f"--epsilon_low must be in (0, 1) (got {self.epsilon_low}).")
         config.check(self.epsilon_high >= self.epsilon_low,
                      f"--epsilon_high ({self.epsilon_high}) must be >= --epsilon_low ({self.epsilon_low}).")
-        config.check(self.dual_clip_c == 0 or self.dual_clip_c > 1,
-                     f"--dual_clip_c must be 0 or > 1 (got {self.dual_clip_c}).")
-        config.check(self.num_epochs >= 1, f"--num_epochs must be >= 1 (got {self.num_epochs}).")
-        config.check(self.max_sampling_rounds >= 1,
-                     f"--max_sampling_rounds must be >= 1 (got {self.max_sampling_rounds}).")
-        config.check(self.dynamic_sampling_metric in ("correct", "reward"),
-                     f"--dynamic_sampling_metric must be correct or reward (got {self.dynamic_sampling_metric!r}).")
         config.check(self.dynamic_sampling_metric == "reward" or self.answer_column or self.dataset == "arithmetic",
                      "--answer_column '' gives no correctness to filter on: use --dynamic_sampling_metric reward.")
         config.check(0 <= self.overlong_cache_len <= self.max_new_tokens,
@@ -150,40 +141,26 @@ def main():
                              scheduler=scheduler, rollout_model=rollout_model)
 
     for step in trainer.steps():
-        # ---- rollout: a group of G sampled responses per prompt, with dynamic sampling: rounds of groups, the
-        # groups whose answers are all right or all wrong dropped, until the batch is full ----
-        kept, kept_rewards, kept_correct, sampled_rewards, groups_dropped = [], [], [], [], 0
-        # every rank samples as many rounds (under ZeRO-3 each generate is a collective): until all are full
-        while len(sampled_rewards) < cfg.max_sampling_rounds and engine.any_process(
-                accelerator, sum(map(len, kept)) < cfg.batch_size):
+        # ---- rollout: groups of G sampled responses, with dynamic sampling: rounds of groups until the batch is
+        # full of groups whose answers are mixed (all right or all wrong: A = 0, nothing to learn, dropped) ----
+        kept, sampled_rewards = [], []
+        while trainer.keep_sampling(kept, rounds=len(sampled_rewards)):
             rollout = trainer.generate(sampler.next(), num_samples=group_size)  # each prompt's G samples adjacent
             with trainer.timer("reward"):
                 rewards, correct, reward_stats = reward_fn(rollout.examples, rollout.completions)
             keep = dynamic_sampling_filter(correct if cfg.dynamic_sampling_metric == "correct" else rewards,
-                                           group_size)
-            groups_dropped += int((~keep).sum())
-            keep = keep.repeat_interleave(group_size)
-            kept.append(rollout.select(keep))
-            kept_rewards.append(rewards[keep])
-            kept_correct.append(correct[keep])
+                                           group_size).repeat_interleave(group_size)
+            kept.append((rollout.select(keep), rewards[keep], correct[keep]))
             sampled_rewards.append(rewards)
-        # every process trains on as many completions, the fewest kept (under ZeRO-3 each forward is a collective);
-        # a process with no mixed group has nothing to learn from: then every process skips (DDP steps together)
-        n = engine.fewest(accelerator, min(sum(map(len, kept)), cfg.batch_size))
-        if sum(map(len, kept)) < cfg.batch_size:
-            print(f"warning: step {step} (rank {accelerator.process_index}): --max_sampling_rounds "
-                  f"{cfg.max_sampling_rounds} reached with {sum(map(len, kept)) // group_size} of "
-                  f"{cfg.batch_size // group_size} groups with mixed {cfg.dynamic_sampling_metric}; "
-                  + ("skipping the step (a process kept no group)" if n == 0 else "training on those")
-                  + ". Raise --max_sampling_rounds to fill the batch.", file=sys.stderr, flush=True)
-        metrics = {"train/skipped_step": float(n == 0), "train/sampling_rounds": len(sampled_rewards),
-                   "train/groups_dropped": groups_dropped, "train/reward_sampled": torch.cat(sampled_rewards).mean()}
-        if n == 0:
+        rollout, rewards, correct = trainer.kept_batch(kept, step)  # None: a process kept no group, all skip
+        sampled_rewards = torch.cat(sampled_rewards)
+        metrics = {"train/skipped_step": float(rollout is None), "train/sampling_rounds": len(kept),
+                   "train/groups_dropped": (len(sampled_rewards) - sum(len(k[0]) for k in kept)) // group_size,
+                   "train/reward_sampled": sampled_rewards.mean()}
+        if rollout is None:
             if trainer.end_step(step, metrics):  # a skipped step logs only what dynamic sampling did
                 break
             continue
-        rollout = engine.Rollout.cat(kept, tokenizer.pad_token_id, limit=n)
-        rewards, correct = torch.cat(kept_rewards)[:n], torch.cat(kept_correct)[:n]
 
         # ---- reward: overlong shaping, after the filter; the log-probs the loss compares with ----
         penalty = overlong_penalty(rollout.mask.sum(1), cfg.max_new_tokens, cfg.overlong_cache_len)
@@ -217,7 +194,7 @@ def main():
             "train/reward_std": rewards.std(),
             "train/correct": correct.mean(),
             "train/frac_zero_std_groups": (grouped == grouped[:, :1]).all(1).float().mean(),
-            "train/groups_kept": n // group_size,
+            "train/groups_kept": len(rollout) // group_size,
             "train/overlong_penalty": penalty.mean(),
             "train/adv_mean": adv.mean(),
             "train/adv_std": adv.std(),

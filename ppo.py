@@ -59,19 +59,7 @@ class Config(config.TrainConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        for name in ("critic_learning_rate", "num_epochs", "num_mini_batches", "epsilon", "epsilon_value", "vf_coef",
-                     "kl_target", "kl_horizon"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"--{name} must be > 0 (got {getattr(self, name)}).")
-        config.check(self.beta >= 0, f"--beta must be >= 0 (got {self.beta}).")
         config.check(not self.adaptive_kl or self.beta > 0, "--adaptive_kl needs --beta > 0 (it scales beta).")
-        config.check(0 <= self.gamma <= 1, f"--gamma must be in [0, 1] (got {self.gamma}).")
-        config.check(0 <= self.lam <= 1, f"--lam must be in [0, 1] (got {self.lam}).")
-        config.check(self.lam_critic is None or 0 <= self.lam_critic <= 1,
-                     f"--lam_critic must be in [0, 1] (got {self.lam_critic}).")
-        config.check(self.lam_alpha >= 0, f"--lam_alpha must be >= 0 (got {self.lam_alpha}).")
-        config.check(self.dual_clip_c == 0 or self.dual_clip_c > 1,
-                     f"--dual_clip_c must be 0 or > 1 (got {self.dual_clip_c}).")
         config.check(self.batch_size % self.num_mini_batches == 0,
                      f"--num_mini_batches ({self.num_mini_batches}) must divide --batch_size ({self.batch_size}).")
 

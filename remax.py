@@ -29,14 +29,6 @@ class Config(config.TrainConfig):
     adv_clip: float = arg(5.0, "Clip the advantage r - r_greedy to [-adv_clip, adv_clip] (0 = off).")
     loss_agg: str = arg("token-mean", "Loss aggregation: token-mean | seq-mean-token-mean | seq-mean-token-sum-norm.")
 
-    def __post_init__(self):
-        super().__post_init__()
-        config.check(self.baseline in ("greedy", "none"), f"--baseline must be greedy or none (got {self.baseline!r}).")
-        config.check(self.beta >= 0, f"--beta must be >= 0 (got {self.beta}).")
-        config.check(self.adv_clip >= 0, f"--adv_clip must be >= 0 (got {self.adv_clip}).")
-        config.check(self.loss_agg in common.LOSS_AGG_MODES,
-                     f"--loss_agg must be one of {common.LOSS_AGG_MODES} (got {self.loss_agg!r}).")
-
 
 def remax_advantages(rewards, greedy_rewards):
     """A_i = r(x_i, y_i) - r(x_i, y_greedy_i): the greedy response's reward as baseline. (B,)"""

@@ -30,7 +30,6 @@ class Config(config.GroupConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        config.check(self.beta >= 0, f"--beta must be >= 0 (got {self.beta}).")
         config.check(self.micro_batch_size % self.num_generations == 0,
                      f"--micro_batch_size ({self.micro_batch_size}) must be a multiple of --num_generations "
                      f"({self.num_generations}): a sample's leave-one-out baseline needs its group's KL penalties, "
@@ -75,8 +74,8 @@ def main():
                              scheduler=scheduler, rollout_model=rollout_model)
 
     for step in trainer.steps():
-        # ---- rollout: a group of K sampled responses per prompt ----
-        rollout = trainer.generate(sampler.next(), num_samples=group_size)  # each prompt's K samples adjacent
+        # ---- rollout: a group of G sampled responses per prompt ----
+        rollout = trainer.generate(sampler.next(), num_samples=group_size)  # each prompt's G samples adjacent
 
         # ---- reward, and the log-probs the loss compares with ----
         with trainer.timer("reward"):
@@ -88,7 +87,7 @@ def main():
         def loss_fn(logp, ref_logp, rollout_logp, rewards, mask):
             kl = common.kl_k1(logp.detach(), ref_logp) if ref_logp is not None else torch.zeros_like(logp)
             rewards_kl = rewards - cfg.beta * common.masked_sum(kl, mask, dim=1)  # r~ = r - beta sum_t k1_t
-            adv = rloo_advantages(rewards_kl, group_size)  # whole groups: --micro_batch_size is a multiple of K
+            adv = rloo_advantages(rewards_kl, group_size)  # whole groups: --micro_batch_size is a multiple of G
             # optional corrections for a sampler that is not the trainer (docs/stability.md): TIS, geometric mask
             pg_weight, correction = common.rollout_correction(logp, logp.detach(), rollout_logp, adv, mask,
                                                               tis_cap=cfg.tis_cap, geo_mask_delta=cfg.geo_mask_delta)

@@ -29,6 +29,31 @@ def arg(default, help):
     return field(default=default, metadata={"help": help})
 
 
+# What a flag's value must be, in whichever script has the flag: one name, one meaning (checked by
+# TrainConfig.__post_init__; a script checks only what ties its flags together).
+FLAG_RULES = {
+    "beta": (lambda v: v >= 0, ">= 0"),
+    "num_epochs": (lambda v: v >= 1, ">= 1"),
+    "epsilon": (lambda v: v is None or 0 < v < 1, "in (0, 1)"),
+    "epsilon_low": (lambda v: 0 < v < 1, "in (0, 1)"),
+    "dual_clip_c": (lambda v: v == 0 or v > 1, "0 (off) or > 1"),
+    "kl_estimator": (lambda v: v in ("k1", "k2", "k3"), "k1, k2 or k3"),
+    "loss_agg": (lambda v: v in LOSS_AGG_MODES, " or ".join(LOSS_AGG_MODES)),
+    "scale_rewards": (lambda v: v in ("group", "batch", "none"), "group, batch or none"),
+    "importance_sampling_level": (lambda v: v in ("token", "sequence"), "token or sequence"),
+    "baseline": (lambda v: v in ("greedy", "none"), "greedy or none"),
+    "adv_clip": (lambda v: v >= 0, ">= 0"),
+    "max_sampling_rounds": (lambda v: v >= 1, ">= 1"),
+    "dynamic_sampling_metric": (lambda v: v in ("correct", "reward"), "correct or reward"),
+    "gamma": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "lam": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "lam_critic": (lambda v: v is None or 0 <= v <= 1, "in [0, 1]"),
+    "lam_alpha": (lambda v: v >= 0, ">= 0"),
+    **{name: (lambda v: v > 0, "> 0") for name in ("critic_learning_rate", "num_mini_batches", "epsilon_value",
+                                                   "vf_coef", "kl_target", "kl_horizon")},
+}
+
+
 @dataclass
 class TrainConfig:
     # model and data
@@ -87,6 +112,9 @@ class TrainConfig:
     save_model: bool = arg(True, "Save the final policy with save_pretrained (+ tokenizer) in output_dir/final.")
 
     def __post_init__(self):
+        for name, (ok, text) in FLAG_RULES.items():
+            check(not hasattr(self, name) or ok(getattr(self, name)),
+                  f"--{name} must be {text} (got {getattr(self, name, None)!r}).")
         for name in ("num_steps", "batch_size", "learning_rate", "max_new_tokens", "temperature", "eval_every",
                      "log_every", "max_prompt_length", "eval_size"):
             if not getattr(self, name) > 0:

@@ -209,6 +209,31 @@ class Trainer:
         return Rollout([ex for ex in examples for _ in range(k)], prompt_ids.repeat_interleave(k, dim=0),
                        prompt_mask.repeat_interleave(k, dim=0), completion_ids, mask, completions)
 
+    def keep_sampling(self, kept, rounds):
+        """DAPO's dynamic sampling: whether to sample another round, given the (rollout, rewards, correct) kept so
+        far. Until --max_sampling_rounds, while some process holds fewer than --batch_size rows: every process
+        samples as many rounds (under ZeRO-3 each generate is a collective)."""
+        full = sum(len(rollout) for rollout, _, _ in kept) >= self.cfg.batch_size
+        return rounds < self.cfg.max_sampling_rounds and any_process(self.accelerator, not full)
+
+    def kept_batch(self, kept, step):
+        """The kept rows as one (rollout, rewards, correct), the same number on every process (the fewest kept,
+        at most --batch_size: under ZeRO-3 each forward is a collective, and DDP steps together); three Nones
+        when a process kept nothing, so that every process skips the step. A batch left short warns."""
+        cfg, accelerator = self.cfg, self.accelerator
+        held = sum(len(rollout) for rollout, _, _ in kept)
+        n = fewest(accelerator, min(held, cfg.batch_size))
+        if held < cfg.batch_size:
+            print(f"warning: step {step} (rank {accelerator.process_index}): --max_sampling_rounds "
+                  f"{cfg.max_sampling_rounds} reached with {held // cfg.num_generations} of "
+                  f"{cfg.batch_size // cfg.num_generations} groups with mixed {cfg.dynamic_sampling_metric}; "
+                  + ("skipping the step (a process kept no group)" if n == 0 else "training on those")
+                  + ". Raise --max_sampling_rounds to fill the batch.", file=sys.stderr, flush=True)
+        if n == 0:
+            return None, None, None
+        rollout = Rollout.cat([rollout for rollout, _, _ in kept], self.tokenizer.pad_token_id, limit=n)
+        return rollout, torch.cat([r for _, r, _ in kept])[:n], torch.cat([c for _, _, c in kept])[:n]
+
     @torch.no_grad()
     def logprobs(self, model, rollout, sampling_mask=True):
         """(B, T) log-probs of the rollout's completions under `model` (None gives None), in micro-batches,
