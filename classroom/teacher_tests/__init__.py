@@ -33,17 +33,23 @@ TEACHER_TESTS = {
         "test_grpo_advantage_of_random_groups_treats_each_group_on_its_own"]),
     "grpo.py::grpo_loss": (LOSSES, [
         "test_grpo_loss_statistics_ignore_the_padding_and_weigh_every_valid_token",
-        "test_grpo_loss_means_over_sequences_ignore_the_padding"]),
+        "test_grpo_loss_means_over_sequences_ignore_the_padding",
+        "test_clip_statistics_count_only_where_the_clip_binds_hand_values",
+        "test_dual_clip_bounds_a_negative_advantage_by_c_times_it_and_leaves_a_positive_one_hand_values"]),
     "dapo.py::dynamic_sampling_filter": (ADVANTAGES, [
         "test_dynamic_sampling_filter_keeps_exactly_the_mixed_groups_of_random_correctness"]),
     "dapo.py::overlong_penalty": (ADVANTAGES, [
         "test_overlong_penalty_of_every_length_is_zero_then_a_ramp_of_step_one_over_cache_then_minus_one"]),
-    "dapo.py::dapo_loss": (LOSSES, ["test_dapo_loss_statistics_ignore_the_padding_and_weigh_every_valid_token"]),
+    "dapo.py::dapo_loss": (LOSSES, ["test_dapo_loss_statistics_ignore_the_padding_and_weigh_every_valid_token",
+        "test_clip_statistics_count_only_where_the_clip_binds_hand_values",
+        "test_dual_clip_bounds_a_negative_advantage_by_c_times_it_and_leaves_a_positive_one_hand_values"]),
     "ppo.py::gae": (ADVANTAGES, ["test_gae_of_a_padded_batch_with_one_lambda_per_row_treats_each_row_alone"]),
     "ppo.py::decoupled_gae": (ADVANTAGES, ["test_decoupled_gae_is_two_gaes_on_a_random_padded_batch"]),
     "ppo.py::length_adaptive_lam": (ADVANTAGES, [
         "test_length_adaptive_lambda_of_random_lengths_gives_td_weights_alpha_times_length"]),
     "ppo.py::ppo_policy_loss": (LOSSES, [
-        "test_ppo_policy_loss_statistics_ignore_the_padding_and_weigh_every_valid_token"]),
+        "test_ppo_policy_loss_statistics_ignore_the_padding_and_weigh_every_valid_token",
+        "test_clip_statistics_count_only_where_the_clip_binds_hand_values",
+        "test_dual_clip_bounds_a_negative_advantage_by_c_times_it_and_leaves_a_positive_one_hand_values"]),
     "ppo.py::ppo_value_loss": (LOSSES, ["test_ppo_value_loss_and_clip_fraction_ignore_the_padding"]),
 }

@@ -167,3 +167,48 @@ def test_rloo_loss_with_a_per_token_weight_is_the_mean_of_its_rows_and_weight_on
     close(loss, torch.stack(rows).mean())
     close(rloo.rloo_loss(logp, adv, mask, torch.ones_like(logp))[0], rloo.rloo_loss(logp, adv, mask)[0])
     close(stats["seq_logp_mean"], rloo.rloo_loss(logp, adv, mask)[1]["seq_logp_mean"])
+
+
+# The grid of hand values: advantages -0.5, 0, 0.5 by ratios 0.5, 1, 2 with epsilon 0.2 (DAPO: 0.2 and 0.28).
+# Clipped below: only A = -0.5 with rho = 0.5 (1 of 9); above: only A = 0.5 with rho = 2 (1 of 9).
+# approx_kl = mean of rho - 1 - log rho = (0.5 - 1 + log 2 + 2 - 1 - log 2) / 9 = 1/6.
+GRID_ADV = torch.tensor([-0.5, 0.0, 0.5], dtype=F64)
+GRID_LOG_RATIO = torch.log(torch.tensor([0.5, 1.0, 2.0], dtype=F64))
+# Dual clip c = 3: A = -0.5 at rho = 10 has surrogate min(-5, -0.6) = -5, bounded to 3 * -0.5 = -1.5; A = 0.5 at
+# rho = 0.1 has min(0.05, 0.4) = 0.05 and no bound: the token-mean loss is (1.5 - 0.05) / 2 = 0.725.
+DUAL_ADV = torch.tensor([-0.5, 0.5], dtype=F64)
+DUAL_LOG_RATIO = torch.log(torch.tensor([10.0, 0.1], dtype=F64))
+
+
+def clipped_losses():
+    """name -> loss(log_ratio (B, T), adv (B,), epsilon, dual_clip_c), over (B, T) with one advantage per row."""
+    def grpo_call(log_ratio, adv, epsilon, c):
+        old = torch.zeros_like(log_ratio)
+        return grpo.grpo_loss(log_ratio, old, None, adv, torch.ones_like(log_ratio), epsilon, 0.0, "token-mean",
+                              dual_clip_c=c)
+
+    def dapo_call(log_ratio, adv, epsilon, c):
+        old = torch.zeros_like(log_ratio)
+        return dapo.dapo_loss(log_ratio, old, adv, torch.ones_like(log_ratio), epsilon, epsilon + 0.08, c)
+
+    def ppo_call(log_ratio, adv, epsilon, c):
+        old = torch.zeros_like(log_ratio)
+        return ppo.ppo_policy_loss(log_ratio, old, adv[:, None].expand_as(log_ratio), torch.ones_like(log_ratio),
+                                   epsilon, c)
+    return {"grpo_loss": grpo_call, "dapo_loss": dapo_call, "ppo_policy_loss": ppo_call}
+
+
+@pytest.mark.parametrize("name", ["grpo_loss", "dapo_loss", "ppo_policy_loss"])
+def test_clip_statistics_count_only_where_the_clip_binds_hand_values(name):
+    call = clipped_losses()[name]
+    _, stats = call(GRID_LOG_RATIO.expand(3, 3).clone(), GRID_ADV, 0.2, 0.0)
+    assert stats["clip_frac_low"].item() == pytest.approx(1 / 9) and stats["clip_frac_high"].item() == pytest.approx(1 / 9)
+    assert stats["approx_kl"].item() == pytest.approx(1 / 6, rel=1e-12)
+    _, stats = call(torch.zeros(3, 3, dtype=F64), GRID_ADV, 0.0, 0.0)  # on-policy: rho = 1 exactly, epsilon 0
+    assert stats["clip_frac_low"].item() == 0 and stats["clip_frac_high"].item() == 0
+
+
+@pytest.mark.parametrize("name", ["grpo_loss", "dapo_loss", "ppo_policy_loss"])
+def test_dual_clip_bounds_a_negative_advantage_by_c_times_it_and_leaves_a_positive_one_hand_values(name):
+    loss, _ = clipped_losses()[name](DUAL_LOG_RATIO[:, None].clone(), DUAL_ADV, 0.2, 3.0)
+    assert loss.item() == pytest.approx(0.725, rel=1e-12)
