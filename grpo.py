@@ -96,9 +96,6 @@ def grpo_loss(logp, old_logp, ref_logp, adv, mask, epsilon, beta, loss_agg="seq-
     """
     # BEGIN SOLUTION
     sequence = importance_sampling_level == "sequence"
-    if not sequence and (importance_sampling_level != "token" or epsilon_high is not None):
-        raise ValueError(f"importance_sampling_level {importance_sampling_level!r} with epsilon_high "
-                         f"{epsilon_high}: token (symmetric clip) or sequence")
     log_ratio = logp - old_logp  # (B, T)
     ratio = torch.exp(log_ratio)  # rho_t = pi_theta / pi_old
     adv = adv[:, None]
@@ -110,10 +107,8 @@ def grpo_loss(logp, old_logp, ref_logp, adv, mask, epsilon, beta, loss_agg="seq-
         surrogate = torch.where(adv < 0, torch.max(surrogate, dual_clip_c * adv), surrogate)
     if pg_weight is not None:  # a padding weight may hold anything: keep it out of the gradient
         surrogate = torch.where(mask.bool(), pg_weight, 0.0) * surrogate
-    if ref_logp is not None:
-        kl = common.kl_penalty(logp, ref_logp, kl_estimator, old_logp if kl_is_weight else None)
-    else:
-        kl = torch.zeros_like(logp)
+    kl = torch.zeros_like(logp) if ref_logp is None else \
+        common.kl_penalty(logp, ref_logp, kl_estimator, old_logp if kl_is_weight else None)
     if sequence:  # the surrogate once per sequence (the mean over its tokens, all equal), the KL per token
         loss = common.aggregate_loss(-surrogate, mask, "seq-mean-token-mean") + \
             common.aggregate_loss(beta * kl, mask, loss_agg, max_len)
