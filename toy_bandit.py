@@ -65,7 +65,7 @@ def optimal_baseline(p, r1, r0):
 
 
 def two_arm_baselines(p, r1, r0):
-    """The baseline values b: none, mean (expected reward), greedy (ReMax), optimal (b*).
+    """The baseline values b, arrays like p: none, mean (expected reward), greedy (ReMax), optimal (b*).
 
     greedy = reward of the argmax action; at p = 1/2 the tie goes to action 0 (lowest index).
     """

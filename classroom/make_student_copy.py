@@ -153,7 +153,7 @@ VISIBLE_TESTS = {
         "test_two_arm_check_values", "test_mean_baseline_is_4x_none_for_symmetric_rewards",
         "test_dayan_mean_baseline_is_worse_than_none_exactly_for_p_above_two_thirds",
         "test_greedy_beats_none_for_rewards_2_1_and_loses_for_rewards_1_0_once_p_above_half",
-        "test_greedy_tie_break_goes_to_lowest_index"]),
+        "test_greedy_tie_break_goes_to_lowest_index", "test_two_arm_baselines_of_an_array_of_p_are_arrays_like_p"]),
     "toy_bandit.py::softmax_gradient_variance": ("tests/test_toy_bandit.py", [
         "test_k_arm_check_values", "test_k_arm_variance_is_a_parabola_in_b_around_b_star",
         "test_k_arm_optimal_baseline_is_argmin_of_variance", "test_closed_form_matches_monte_carlo"]),

@@ -63,10 +63,18 @@ def test_greedy_beats_none_for_rewards_2_1_and_loses_for_rewards_1_0_once_p_abov
     np.testing.assert_array_equal(var["greedy"] > var["none"] * (1 + 1e-12), p > 0.5)
 
 
+def test_two_arm_baselines_of_an_array_of_p_are_arrays_like_p():
+    p = np.array([[0.2, 0.5], [0.7, 0.9]])
+    baselines = tb.two_arm_baselines(p, 1.0, 0.0)
+    assert all(np.shape(b) == p.shape for b in baselines.values())
+    np.testing.assert_array_equal(baselines["none"], np.zeros((2, 2)))
+
+
 def test_greedy_tie_break_goes_to_lowest_index():
     assert tb.two_arm_baselines(0.5, 1.0, 0.0)["greedy"] == 0.0
     assert tb.two_arm_baselines(0.5 + 1e-9, 1.0, 0.0)["greedy"] == 1.0
     assert tb.softmax_baselines([0.0, 0.0, -1.0], [0.2, 0.7, 0.0])["greedy"] == 0.2
+    assert tb.softmax_baselines([-1.0, 2.0, 0.5], [0.1, 0.9, 0.3])["greedy"] == 0.9  # the likeliest arm is arm 1
     # at the tie both choices give the same variance, so the choice only fixes b
     assert tb.gradient_variance(0.5, 1, 0, 1.0) == pytest.approx(tb.gradient_variance(0.5, 1, 0, 0.0))
 
