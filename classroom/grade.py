@@ -195,19 +195,22 @@ def check_body(body, rules):
                 problems.append(f"line {node.lineno}: a relative import")
                 continue
             for alias in node.names:
-                full = f"{node.module}.{alias.name}" if isinstance(node, ast.ImportFrom) else alias.name
-                target = resolve(full)
-                if isinstance(node, ast.ImportFrom) and not isinstance(target, types.ModuleType):
-                    base = node.module
-                    if base not in IMPORTABLE or target is None or alias.name.startswith("_") \
-                            or alias.name in DENIED_ATTRS:
-                        problems.append(f"line {node.lineno}: imports {full} (only torch, math and numpy)")
-                elif full not in IMPORTABLE:
+                if isinstance(node, ast.Import):  # import torch.nn.functional [as F]
+                    full, ok = alias.name, alias.name in IMPORTABLE
+                    bound = (alias.asname, full) if alias.asname else (full.split(".")[0], full.split(".")[0])
+                else:  # from torch.nn import functional [as F] / from math import log
+                    full = f"{node.module}.{alias.name}"
+                    target = resolve(full)
+                    if isinstance(target, types.ModuleType):
+                        ok, bound = full in IMPORTABLE, (alias.asname or alias.name, full)
+                    else:
+                        ok = node.module in IMPORTABLE and target is not None and not alias.name.startswith("_") \
+                            and alias.name not in DENIED_ATTRS and alias.name not in DENIED_NAMES
+                        bound = None  # a function or a constant
+                if not ok:
                     problems.append(f"line {node.lineno}: imports {full} (only torch, math and numpy)")
-                else:
-                    bound = alias.asname or (full if isinstance(node, ast.ImportFrom) else full.split(".")[0])
-                    modules[bound.split(".")[-1] if isinstance(node, ast.ImportFrom) else bound] = \
-                        full if (alias.asname or isinstance(node, ast.ImportFrom)) else full.split(".")[0]
+                elif bound:
+                    modules[bound[0]] = bound[1]
         elif isinstance(node, ast.Global):
             problems.append(f"line {node.lineno}: a global statement")
         elif isinstance(node, ast.Name):
