@@ -14,7 +14,8 @@ runs its main() and records, per algorithm:
   the same number as getrusage(RUSAGE_SELF).ru_maxrss). It includes the Python/torch runtime
   and every activation, so the runtime baseline (VmRSS after imports, before main()) is
   reported next to it. On a GPU: torch.cuda.max_memory_allocated().
-- wall time per step, split into generation / scoring / forward_backward / optimizer, from
+- wall time per step, split into generation / scoring (with the reward) / forward_backward / optimizer (with the
+  finiteness checks), from
   the time/*_s columns that support.run.StepTimer writes to metrics.jsonl, averaged over the steps
   after --warmup. CPU/wall (process CPU time over wall time of the whole run) shows contention:
   with --threads 1 it is ~1.0 on an idle machine and drops when other processes compete.
@@ -41,6 +42,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 ALGORITHMS = ("remax", "grpo", "rloo", "dapo", "ppo")
 PHASES = ("generation", "scoring", "gae", "forward_backward", "optimizer")
+# the columns that hold more than one of the scripts' timer phases (support/run.py's StepTimer)
+FOLDED = {"scoring": ("reward", "scoring"), "optimizer": ("optimizer", "checks")}
 # a Qwen2 of ~75M parameters with the embedded tokenizer (vocab 18), randomly initialised
 LARGE_CONFIG = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=12,
                     num_key_value_heads=12, max_position_embeddings=64, tie_word_embeddings=True)
@@ -185,7 +188,8 @@ def run_algorithm(name, model_path, args, workdir):
     rows = read_metrics(out_dir / "metrics.jsonl")
     # steps that trained (DAPO skips a step when dynamic sampling keeps no group)
     timed = [r for r in rows if r["step"] > args.warmup and "time/step_s" in r and not r.get("train/skipped_step")]
-    result["time"] = {k: sum(r.get(f"time/{k}_s", 0.0) for r in timed) / len(timed) for k in (*PHASES, "step")} if timed else None
+    result["time"] = {k: sum(r.get(f"time/{phase}_s", 0.0) for r in timed for phase in FOLDED.get(k, (k,))) / len(timed)
+                      for k in (*PHASES, "step")} if timed else None
     result["timed_steps"] = len(timed)
     result["skipped_steps"] = sum(1 for r in rows if r.get("train/skipped_step"))
     rounds = [r["train/sampling_rounds"] for r in rows if r["step"] > 0 and "train/sampling_rounds" in r]

@@ -200,8 +200,13 @@ class Trainer:
                         self.past_weights.append((self.step, models.trainable_weights(model, self.rollout_model.dtype)))
                     weights = self.past_weights[0][1]
                 model = models.sync_rollout_model(self.rollout_model, model, weights)
-            completion_ids = fast.generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=num_samples,
-                                           greedy=greedy)
+            try:
+                completion_ids = fast.generate(model, tokenizer, prompt_ids, prompt_mask, cfg,
+                                               num_samples=num_samples, greedy=greedy)
+            except RuntimeError as e:  # NaN or inf probabilities on prompts the per-step probe did not read
+                if "probability tensor" not in str(e):
+                    raise
+                self.ckpt.stop_broken(self.step - 1)
             k = len(completion_ids) // len(examples)
             mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
             completions = tasks.decode_completions(tokenizer, completion_ids, mask)

@@ -321,6 +321,17 @@ class Checkpointer:
         path = os.path.join(self.cfg.output_dir, f"{CHECKPOINT_PREFIX}{step}")
         return path if self.last_saved == step and os.path.isdir(path) else None
 
+    def stop_broken(self, step):
+        """Stop the run: the update of `step` left the policy's weights or logits non-finite, although its loss
+        and gradient norm were finite. Names the newest checkpoint written before it."""
+        earlier = [p for p in list_checkpoints(self.cfg.output_dir)[0] if checkpoint_step(p) < step]
+        good = earlier[-1] if earlier else self.cfg.resume_from
+        where = (f"the last good state is in {good}" if good else
+                 "no checkpoint was saved before it (--save_steps N keeps one every N steps)")
+        raise SystemExit(f"error: the update of step {step} made the policy's weights or logits non-finite "
+                         f"(its loss and gradient norm were finite); {where}. Lower --learning_rate (or raise "
+                         "--warmup_steps).")
+
     def step_end(self, step, policy, tokenizer, finite=None):
         """After the update, before the next sampling: stop if the weights or the logits are no longer
         finite (`finite`: finite_weights_and_logits's verdict, computed here if not given; the newest
@@ -332,13 +343,7 @@ class Checkpointer:
         flags = torch.tensor([float(self.stop_requested), float(not finite)], device=self.accelerator.device)
         stop, broken = (self.accelerator.reduce(flags, reduction="sum") > 0).tolist()
         if broken:
-            earlier = [p for p in list_checkpoints(self.cfg.output_dir)[0] if checkpoint_step(p) < step]
-            good = earlier[-1] if earlier else self.cfg.resume_from
-            where = (f"the last good state is in {good}" if good else
-                     "no checkpoint was saved before it (--save_steps N keeps one every N steps)")
-            raise SystemExit(f"error: the update of step {step} made the policy's weights or logits non-finite "
-                             f"(its loss and gradient norm were finite); {where}. Lower --learning_rate (or raise "
-                             "--warmup_steps).")
+            self.stop_broken(step)
         if stop or (self.cfg.save_steps and step % self.cfg.save_steps == 0):
             path = self.save(step, policy, tokenizer)
             if self.accelerator.is_main_process:
