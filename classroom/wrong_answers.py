@@ -269,6 +269,8 @@ WRONG_ANSWERS = {
          "grouped.std(dim=1, keepdim=True, correction=0)", "test_advantage_is_grpos_group_advantage"),
         ("no eps", "(grouped.std(dim=1, keepdim=True) + eps)", "grouped.std(dim=1, keepdim=True)",
          "test_advantage_is_grpos_group_advantage"),
+        ("all-equal group not set to 0 (the float32 mean rounds)", "adv[(grouped == grouped[:, :1]).all(dim=1)] = 0.0",
+         "pass", "test_grpo_advantage_of_an_all_equal_float32_group_is_exactly_zero"),
         ("'batch' divides by the group's std", "adv = adv / (rewards.std() + eps)",
          "adv = adv / (grouped.std(dim=1, keepdim=True) + eps)", "test_advantage_is_grpos_group_advantage"),
     ],

@@ -30,7 +30,11 @@ TEACHER_TESTS = {
         "test_rloo_loss_of_a_padded_batch_is_the_mean_of_its_rows",
         "test_rloo_loss_with_a_per_token_weight_is_the_mean_of_its_rows_and_weight_one_changes_nothing"]),
     "grpo.py::grpo_advantages": (ADVANTAGES, [
-        "test_grpo_advantage_of_random_groups_treats_each_group_on_its_own"]),
+        "test_grpo_advantage_of_random_groups_treats_each_group_on_its_own",
+        "test_grpo_advantage_of_an_all_equal_float32_group_is_exactly_zero"]),
+    "dapo.py::grpo_advantages": (ADVANTAGES, [
+        "test_grpo_advantage_of_random_groups_treats_each_group_on_its_own",
+        "test_grpo_advantage_of_an_all_equal_float32_group_is_exactly_zero"]),
     "grpo.py::grpo_loss": (LOSSES, [
         "test_grpo_loss_statistics_ignore_the_padding_and_weigh_every_valid_token",
         "test_grpo_loss_means_over_sequences_ignore_the_padding",

@@ -29,31 +29,45 @@ def test_rloo_advantage_of_random_groups_leaves_each_sample_out_of_its_own_basel
     close(delta[others], torch.full((K - 1,), -1.5 / (K - 1)))  # r_i is one of K - 1 in the others' baselines
 
 
+@pytest.mark.parametrize("module", [grpo, dapo], ids=["grpo", "dapo"])
 @pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
-def test_grpo_advantage_of_random_groups_treats_each_group_on_its_own(scale_rewards):
+def test_grpo_advantage_of_random_groups_treats_each_group_on_its_own(scale_rewards, module):
+    """dapo.py's copy is graded by the same properties."""
+    grpo_advantages = module.grpo_advantages
     g, G = generator(31), 4
     rewards = torch.randn(5 * G, dtype=F64, generator=g)
     rewards[:G] = 0.7  # an all-equal group
-    adv = grpo.grpo_advantages(rewards, G, scale_rewards)
+    adv = grpo_advantages(rewards, G, scale_rewards)
     assert adv.dtype == F64 and adv.shape == rewards.shape
     assert adv[:G].tolist() == [0.0] * G
     close(adv.view(-1, G).sum(1), torch.zeros(5))
     shifted = rewards + torch.arange(5, dtype=F64).repeat_interleave(G) * 3.0  # a reward offset per prompt
     if scale_rewards == "batch":  # the batch std sees the offsets; a common shift and scale it does not
-        close(grpo.grpo_advantages(2.0 * rewards - 1.0, G, scale_rewards), adv, 1e-5)
+        close(grpo_advantages(2.0 * rewards - 1.0, G, scale_rewards), adv, 1e-5)
         assert (adv[G:] / (rewards[G:] - rewards[G:].view(-1, G).mean(1).repeat_interleave(G))).std() < 1e-9
     else:
-        close(grpo.grpo_advantages(shifted, G, scale_rewards), adv, 1e-9)
+        close(grpo_advantages(shifted, G, scale_rewards), adv, 1e-9)
     grouped = adv.view(-1, G)[1:]
     if scale_rewards == "group":
         close(grouped.std(1), torch.ones(4), 1e-5)  # Bessel's std 1 in every group (eps = 1e-6 aside)
         scaled = rewards * torch.tensor([1.0, 0.5, 2.0, 4.0, 10.0], dtype=F64).repeat_interleave(G)
-        close(grpo.grpo_advantages(scaled, G, scale_rewards), adv, 1e-5)
+        close(grpo_advantages(scaled, G, scale_rewards), adv, 1e-5)
     if scale_rewards == "none":
         moved = rewards.clone()
         moved[G + 1] += 1.0
-        close(grpo.grpo_advantages(moved, G, "none")[G:2 * G] - adv[G:2 * G], torch.tensor([-0.25, 0.75, -0.25, -0.25],
+        close(grpo_advantages(moved, G, "none")[G:2 * G] - adv[G:2 * G], torch.tensor([-0.25, 0.75, -0.25, -0.25],
                                                                                           dtype=F64))
+
+
+@pytest.mark.parametrize("module", [grpo, dapo], ids=["grpo", "dapo"])
+@pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
+def test_grpo_advantage_of_an_all_equal_float32_group_is_exactly_zero(scale_rewards, module):
+    """In float32 the mean of seven 0.7s is not 0.7 (r - mean ~ 6e-8, ~0.06 after / (std + eps)): the
+    group must still get exactly 0, in a batch whose other groups are mixed."""
+    g = generator(32)
+    rewards = torch.cat([torch.rand(7, generator=g), torch.full((7,), 0.7), torch.rand(14, generator=g)])
+    adv = module.grpo_advantages(rewards, 7, scale_rewards)
+    assert adv[7:14].tolist() == [0.0] * 7 and (adv[:7] != 0).all() and (adv[14:] != 0).all()
 
 
 def test_dynamic_sampling_filter_keeps_exactly_the_mixed_groups_of_random_correctness():

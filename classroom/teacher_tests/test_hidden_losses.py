@@ -1,5 +1,7 @@
 """Hidden tests of the losses: statistics and losses on padded batches of several rows whose padding
 holds NaN, inf or huge ratios (clipped padding tokens), against the same function on each row alone."""
+import math
+
 import pytest
 import torch
 
@@ -169,11 +171,11 @@ def test_rloo_loss_with_a_per_token_weight_is_the_mean_of_its_rows_and_weight_on
     close(stats["seq_logp_mean"], rloo.rloo_loss(logp, adv, mask)[1]["seq_logp_mean"])
 
 
-# The grid of hand values: advantages -0.5, 0, 0.5 by ratios 0.5, 1, 2 with epsilon 0.2 (DAPO: 0.2 and 0.28).
-# Clipped below: only A = -0.5 with rho = 0.5 (1 of 9); above: only A = 0.5 with rho = 2 (1 of 9).
-# approx_kl = mean of rho - 1 - log rho = (0.5 - 1 + log 2 + 2 - 1 - log 2) / 9 = 1/6.
+# The grid of hand values: advantages -0.5, 0, 0.5 by ratios 0.5, 1, 4 with epsilon 0.2 (DAPO: 0.2 and 0.28).
+# Clipped below: only A = -0.5 with rho = 0.5 (1 of 9); above: only A = 0.5 with rho = 4 (1 of 9).
+# approx_kl = mean of rho - 1 - log rho = 3 (0.5 - 1 + log 2 + 0 + 4 - 1 - log 4) / 9 = (2.5 - log 2) / 3.
 GRID_ADV = torch.tensor([-0.5, 0.0, 0.5], dtype=F64)
-GRID_LOG_RATIO = torch.log(torch.tensor([0.5, 1.0, 2.0], dtype=F64))
+GRID_LOG_RATIO = torch.log(torch.tensor([0.5, 1.0, 4.0], dtype=F64))
 # Dual clip c = 3: A = -0.5 at rho = 10 has surrogate min(-5, -0.6) = -5, bounded to 3 * -0.5 = -1.5; A = 0.5 at
 # rho = 0.1 has min(0.05, 0.4) = 0.05 and no bound: the token-mean loss is (1.5 - 0.05) / 2 = 0.725.
 DUAL_ADV = torch.tensor([-0.5, 0.5], dtype=F64)
@@ -189,7 +191,7 @@ def clipped_losses():
 
     def dapo_call(log_ratio, adv, epsilon, c):
         old = torch.zeros_like(log_ratio)
-        return dapo.dapo_loss(log_ratio, old, adv, torch.ones_like(log_ratio), epsilon, epsilon + 0.08, c)
+        return dapo.dapo_loss(log_ratio, old, adv, torch.ones_like(log_ratio), epsilon, 1.4 * epsilon, c)
 
     def ppo_call(log_ratio, adv, epsilon, c):
         old = torch.zeros_like(log_ratio)
@@ -203,7 +205,7 @@ def test_clip_statistics_count_only_where_the_clip_binds_hand_values(name):
     call = clipped_losses()[name]
     _, stats = call(GRID_LOG_RATIO.expand(3, 3).clone(), GRID_ADV, 0.2, 0.0)
     assert stats["clip_frac_low"].item() == pytest.approx(1 / 9) and stats["clip_frac_high"].item() == pytest.approx(1 / 9)
-    assert stats["approx_kl"].item() == pytest.approx(1 / 6, rel=1e-12)
+    assert stats["approx_kl"].item() == pytest.approx((2.5 - math.log(2)) / 3, rel=1e-12)
     _, stats = call(torch.zeros(3, 3, dtype=F64), GRID_ADV, 0.0, 0.0)  # on-policy: rho = 1 exactly, epsilon 0
     assert stats["clip_frac_low"].item() == 0 and stats["clip_frac_high"].item() == 0
 
