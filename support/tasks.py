@@ -249,8 +249,9 @@ def make_reward_fn(cfg, accelerator):
             error = (f"error: the reward raised {type(e).__name__}: {e} (first prompt {examples[0]['prompt'][:200]!r}, "
                      f"completion {completions[0][:200]!r}); step not applied.")
         for (name, function), weight in zip(functions, weights):
-            if error is None:
-                values, error = call_reward_function(name, function, prompts, completions, examples)
+            if error is not None:
+                break
+            values, error = call_reward_function(name, function, prompts, completions, examples)
             if error is None:
                 scored = [v for v in values if v is not None]
                 rewards = rewards + weight * torch.tensor([0.0 if v is None else v for v in values], device=device)
@@ -306,7 +307,7 @@ def call_reward_function(name, function, prompts, completions, examples):
 
 
 def show(rows, completions):
-    """'3, 7 (first completion '...')' for an error line: up to 5 row numbers and the first row's completion."""
+    """"3, 7 (completion 3: '...')" for an error line: up to 5 row numbers and the first one's completion."""
     listed = ", ".join(map(str, rows[:5])) + (f" and {len(rows) - 5} more" if len(rows) > 5 else "")
     return f"{listed} (completion {rows[0]}: {completions[rows[0]][:100]!r})"
 
