@@ -121,7 +121,7 @@ def main():
         col = {key: [r[key] for r in runs] for key in runs[0]}
         lines.append(f"| {name} | {mean_std(col['before'], '.3f')} → {mean_std(col['after'], '.3f')} "
                      f"| {mean_std(col['train_correct'], '.3f')} | {mean_std(col['k3'], '.1e')} "
-                     f"| {min(col['ratio_min']):.3f} / {max(col['ratio_max']):.3f} "
+                     f"| {min(col['ratio_min']):.3g} / {max(col['ratio_max']):.3g} "
                      f"| {mean_std(col['tis_clip'], '.4f')} | {mean_std(col['masked'], '.4f')} "
                      f"| {mean_std(col['grad_norm_mean'], '.2f')} / {max(col['grad_norm_max']):.2f} "
                      f"| {statistics.median(col['generation']):.2f} / {statistics.median(col['scoring']):.2f} / "
