@@ -110,6 +110,13 @@ def test_rloo_and_dapo_sample_with_a_stale_policy(module, tmp_path):
     assert rows[0]["train/mismatch_k3"] == 0 and rows[2]["train/mismatch_k3"] > 0
 
 
+def test_after_a_resume_the_sampler_restarts_from_the_resumed_weights(tmp_path):
+    """The past weights are not checkpointed (docs/stability.md): the lag grows back from 0."""
+    run(grpo, tmp_path, "--rollout_lag", "2", "--save_steps", "3", steps=3)
+    rows = run(grpo, tmp_path, "--rollout_lag", "2", "--save_steps", "3", "--resume_from", "latest", steps=6)
+    assert [r["train/staleness"] for r in rows if r.get("step", 0) >= 4 and "train/staleness" in r] == [0, 1, 2]
+
+
 @pytest.mark.parametrize("kwargs, flag", [
     ({"rollout_lag": -1}, "--rollout_lag"),
     ({"tis_cap": 2.0, "rollout_lag": 0}, "--tis_cap"),  # neither a copy nor a lag: nothing to correct
