@@ -205,8 +205,9 @@ def geometric_sequence_mask(logp, old_logp, adv, mask, delta):
 def rollout_correction(logp, old_logp, rollout_logp, adv, mask, tis_cap=0.0, geo_mask_delta=0.0):
     """The (B, T) detached weight on each token's policy-gradient term, and mismatch stats.
 
-    logp: the policy being trained; old_logp: the trainer's log-probs at sampling time;
-    rollout_logp: those of the model that sampled (None: the trainer sampled, they are old_logp).
+    logp: the policy being trained; old_logp: the trainer's log-probs at the start of the update (pi_prox; at
+    sampling time when the trainer samples); rollout_logp: those of the model that sampled, a low-precision copy
+    or the policy of --rollout_lag steps ago (None: the trainer sampled, they are old_logp).
     TIS weighs by min(old / rollout, tis_cap); the geometric mask plays pi_old with rollout_logp,
     so it sees both the mismatch and the updates since sampling. 0 turns either off.
     """
