@@ -186,7 +186,7 @@ def main():
             stats, logp = trainer.update(loss_fn, rollout, "token-mean", old_logp=old_logp, rollout_logp=rollout_logp,
                                          adv=adv, mask=rollout.mask)
 
-        # ---- log ----
+        # ---- log (PLUMBING: docs/metrics.md says what each metric means) ----
         grouped = rewards.view(-1, group_size)
         metrics = {
             **metrics,
@@ -205,7 +205,7 @@ def main():
         if trainer.end_step(step, metrics, rollout, rewards):
             break
 
-    # ---- end: save, plot ----
+    # ---- end: save, plot (PLUMBING) ----
     trainer.finish()
 
 

@@ -177,7 +177,7 @@ def main():
             stats, logp = trainer.update(loss_fn, rollout, cfg.loss_agg, old_logp=old_logp, ref_logp=ref_logp,
                                          rollout_logp=rollout_logp, adv=adv, mask=rollout.mask)
 
-        # ---- log ----
+        # ---- log (PLUMBING: docs/metrics.md says what each metric means) ----
         grouped = rewards.view(-1, group_size)
         kl = common.kl_k1(logp, ref_logp) if ref_logp is not None else torch.zeros_like(logp)
         metrics = {
@@ -195,7 +195,7 @@ def main():
         if trainer.end_step(step, metrics, rollout, rewards):
             break
 
-    # ---- end: save, plot ----
+    # ---- end: save, plot (PLUMBING) ----
     trainer.finish()
 
 

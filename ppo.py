@@ -288,7 +288,7 @@ def main():
                 updates.append(stats)
         stats = {key: torch.stack([torch.as_tensor(u[key]) for u in updates]).mean() for key in updates[0]}
 
-        # ---- log ----
+        # ---- log (PLUMBING: docs/metrics.md says what each metric means) ----
         metrics = {
             "train/reward": rewards.mean(),
             "train/reward_std": rewards.std(),
@@ -307,7 +307,7 @@ def main():
         if trainer.end_step(step, metrics, rollout, rewards):
             break
 
-    # ---- end: save, plot ----
+    # ---- end: save, plot (PLUMBING) ----
     if accelerator.is_main_process:
         run.plot_metrics(trainer.logger.path, f"{cfg.output_dir}/critic_curves.png", CRITIC_PLOT_KEYS)
     trainer.finish()

@@ -98,7 +98,7 @@ def main():
         # ---- update: one on-policy optimizer step (the engine runs micro-batches, sync, clip, step) ----
         stats, logp = trainer.update(loss_fn, rollout, cfg.loss_agg, ref_logp=ref_logp, adv=adv, mask=rollout.mask)
 
-        # ---- log ----
+        # ---- log (PLUMBING: docs/metrics.md says what each metric means) ----
         kl = common.kl_k1(logp, ref_logp) if ref_logp is not None else torch.zeros_like(logp)
         metrics = {
             "train/reward": rewards.mean(),
@@ -114,7 +114,7 @@ def main():
         if trainer.end_step(step, metrics, rollout, rewards):
             break
 
-    # ---- end: save, plot ----
+    # ---- end: save, plot (PLUMBING) ----
     trainer.finish()
 
 

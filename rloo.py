@@ -99,7 +99,7 @@ def main():
                                      rewards=rewards, mask=rollout.mask)
         adv, rewards_kl = stats.pop("adv"), stats.pop("reward_with_kl")
 
-        # ---- log ----
+        # ---- log (PLUMBING: docs/metrics.md says what each metric means) ----
         grouped = rewards.view(-1, group_size)
         kl = common.kl_k1(logp, ref_logp) if ref_logp is not None else torch.zeros_like(logp)
         metrics = {
@@ -117,7 +117,7 @@ def main():
         if trainer.end_step(step, metrics, rollout, rewards):
             break
 
-    # ---- end: save, plot ----
+    # ---- end: save, plot (PLUMBING) ----
     trainer.finish()
 
 
