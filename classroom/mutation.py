@@ -9,7 +9,7 @@ mutates that one function (every operator, constant, comparison, argument...) an
 exercise's grading tests (classroom/grade.py's: the visible ones and the hidden ones) on each mutant,
 with mutmut's own time limit per mutant. A mutant is killed when a test fails (or times out); the
 score is killed / (killed + survived). Prints each survivor's diff, for the teacher's docs to
-show it is equivalent to the solution or to list it as a gap.
+show why it computes what the solution computes, or to list it as a gap of the tests.
 """
 import argparse
 import ast
