@@ -82,11 +82,11 @@ def test_greedy_tie_break_goes_to_lowest_index():
 # ---------------------------------------------------------------- the optimal baseline
 
 @pytest.mark.parametrize("p, r1, r0, bernoulli, b_star, curvature, floor", [
-    # p (1-p) = 0.09; b* = 0.1 * 1 + 0.9 * 0; deterministic rewards: b* removes all the variance
+    # curvature E[s^2] = 0.09, b* = E[r s^2] / E[s^2] = 0.1 by hand; deterministic rewards: b* leaves no variance
     (0.9, 1.0, 0.0, False, 0.1, 0.09, 0.0),
-    # p (1-p) = 0.21; b* = 0.3 * 0.8 + 0.7 * 0.3; the Bernoulli noise stays: 0.21 (0.3 * 0.16 + 0.7 * 0.21)
+    # curvature 0.21, b* = 0.45 by hand; the Bernoulli noise stays: 0.04095, worked out by hand
     (0.7, 0.8, 0.3, True, 0.45, 0.21, 0.04095),
-    # p (1-p) = 0.21; b* = 0.7 * 2.5 + 0.3 * -0.7 = 1.54
+    # curvature 0.21, b* = 1.54 by hand
     (0.3, 2.5, -0.7, False, 1.54, 0.21, 0.0),
 ])
 def test_two_arm_variance_is_a_parabola_in_b_around_b_star(p, r1, r0, bernoulli, b_star, curvature, floor):
@@ -130,7 +130,7 @@ def test_k_arm_optimal_baseline_is_argmin_of_variance(theta, r, bernoulli):
 
 def test_optimal_baseline_with_zero_mean_reward():
     # E[r] = 0: the misprinted formula E[r ||s||^2] / E[r] is undefined; the right one is not.
-    # p = 3/4, r = (1, -3): E[r] = 0.75 - 0.75 = 0 and b* = (1 - p) r1 + p r0 = 0.25 - 2.25 = -2
+    # p = 3/4, r = (1, -3): E[r] = 0.75 - 0.75 = 0, and b* = E[r s^2] / E[s^2] = -2 by hand
     assert tb.two_arm_baselines(0.75, 1.0, -3.0)["mean"] == 0.0
     assert tb.optimal_baseline(0.75, 1.0, -3.0) == pytest.approx(-2.0, abs=1e-12)
     b_best = B_GRID[np.argmin(tb.gradient_variance(0.75, 1.0, -3.0, B_GRID))]
