@@ -266,8 +266,8 @@ def junit_outcomes(xml_path):
     for case in ET.parse(xml_path).iter("testcase"):
         bad = next((case.find(tag) for tag in ("failure", "error") if case.find(tag) is not None), None)
         skipped = case.find("skipped") is not None
-        message = "" if bad is None else (bad.get("message") or (bad.text or "").strip().splitlines()[-1:] or [""])[0]
-        name = f"{Path(case.get('classname').replace('.', '/')).name}::{case.get('name')}"
+        message = "" if bad is None else bad.get("message") or ((bad.text or "").strip().splitlines() or [""])[-1]
+        name = f"{Path(case.get('classname').replace('.', '/')).name}.py::{case.get('name')}"
         outcomes.append((name, bad is None and not skipped, "skipped" if skipped else message))
     return outcomes
 

@@ -163,3 +163,16 @@ def test_cheats_an_empty_copy_and_a_conftest_score_zero(tmp_path):
     results, _ = grade.grade(empty, seed=7)
     assert len(results) == len(msc.EXERCISES) and all(r.score == 0 for r in results)
     assert {r.status for r in results} == {"not implemented"}
+
+
+def test_the_audit_hook_refuses_a_file_to_the_students_code_even_past_the_static_check(tmp_path):
+    """Defence in depth: a body that opens a file, spliced in without the static check, fails its tests
+    with the hook's PermissionError (and the reference's own file reads are untouched)."""
+    base = grade.make_base(tmp_path)
+    body = ast.parse("x = torch.where(mask.bool(), x, torch.zeros_like(x))\nopen('/etc/hostname')\n"
+                     "return x.sum() if dim is None else x.sum(dim)").body
+    text, first, last = grade.splice((base / "common.py").read_text(encoding="utf-8"), "masked_sum", body)
+    (base / "common.py").write_text(text, encoding="utf-8")
+    outcomes, status = grade.run_tests(base, "common.py::masked_sum", first, last, 0, 120, tmp_path / "out.xml")
+    assert status == "" and outcomes
+    assert all(not ok and "PermissionError" in message for _, ok, message in outcomes), outcomes
