@@ -407,7 +407,7 @@ def main():
                          + ", ".join(msc.exercise_name(k) for k in msc.EXERCISES))
     if not Path(args.student_dir).is_dir():
         parser.error(f"{args.student_dir} is not a folder")
-    print(f"| Exercise | File | Score | Result |\n|---|---|---|---|", flush=True)
+    print("| Exercise | File | Score | Result |\n|---|---|---|---|", flush=True)
 
     def row(r):
         print(f"| `{r.name}` | `{r.key.split('::')[0]}` | {r.score} / {r.stars} | {r.status} |", flush=True)

@@ -294,7 +294,8 @@ HINTS = {
         "docs/algorithms.md, Policy gradient and baselines", "theta and r (K,) in, a float out",
         traps=["the weights are the squared score norms, not the probabilities alone"],
         work="derive E[r ||s||^2] / E[||s||^2] for a softmax",
-        steps=["With ||s(a)||^2 as in softmax_gradient_variance: b* = sum_a pi_a r_a ||s(a)||^2 / sum_a pi_a ||s(a)||^2.",
+        steps=["With ||s(a)||^2 as in softmax_gradient_variance:",
+               "b* = sum_a pi_a r_a ||s(a)||^2 / sum_a pi_a ||s(a)||^2.",
                "The denominator simplifies to 1 - pi . pi."]),
     "softmax_baselines": Hint(
         "the four baselines of the K-armed bandit", "docs/algorithms.md, The toy bandit",

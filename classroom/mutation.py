@@ -120,7 +120,8 @@ def mutate_one(key, base, work, timeout):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", help="Only these exercises: NAME[,NAME].")
-    parser.add_argument("--timeout", type=float, default=60.0, help="mutmut's time limit per mutant (constant part), s.")
+    parser.add_argument("--timeout", type=float, default=60.0,
+                        help="mutmut's time limit per mutant (its constant part), seconds.")
     parser.add_argument("--json", help="Write the results here.")
     args = parser.parse_args()
     only = set(args.only.split(",")) if args.only else None

@@ -28,6 +28,11 @@ from grade import grading_tests  # noqa: E402
 
 ROOT = msc.ROOT
 
+# the hidden tests of the statistics on padded batches
+GRPO_PADDING = "test_grpo_loss_statistics_ignore_the_padding_and_weigh_every_valid_token"
+DAPO_PADDING = "test_dapo_loss_statistics_ignore_the_padding_and_weigh_every_valid_token"
+PPO_PADDING = "test_ppo_policy_loss_statistics_ignore_the_padding_and_weigh_every_valid_token"
+
 # "file::function" -> [(wrong version, old, new, the grading test that catches it), ...]
 WRONG_ANSWERS = {
     "common.py::kl_k1": [
@@ -87,7 +92,8 @@ WRONG_ANSWERS = {
         ("padding not zeroed", "return torch.where(mask.bool(), whitened, torch.zeros_like(whitened))",
          "return whitened", "test_masked_whiten_has_zero_mean_unit_std_on_mask_and_zero_off_it"),
         ("shift_mean=False puts the mean back on the padding too",
-         "        whitened = whitened + mean\n    return torch.where(mask.bool(), whitened, torch.zeros_like(whitened))",
+         "        whitened = whitened + mean\n"
+         "    return torch.where(mask.bool(), whitened, torch.zeros_like(whitened))",
          "        return torch.where(mask.bool(), whitened, torch.zeros_like(whitened)) + mean\n"
          "    return torch.where(mask.bool(), whitened, torch.zeros_like(whitened))",
          "test_masked_whiten_of_a_padded_batch_ignores_the_padding_and_leaves_it_zero"),
@@ -251,18 +257,21 @@ WRONG_ANSWERS = {
         ("loss_agg ignored", "-surrogate + beta * kl, mask, loss_agg, max_len)",
          '-surrogate + beta * kl, mask, "seq-mean-token-mean", max_len)',
          "test_with_one_iteration_ratio_is_one_and_gradient_is_the_policy_gradient"),
-        ("clip fractions count either sign of A", "(ratio > 1 + epsilon_high) & (adv > 0)", "(ratio > 1 + epsilon_high)",
+        ("clip fractions count either sign of A", "(ratio > 1 + epsilon_high) & (adv > 0)",
+         "(ratio > 1 + epsilon_high)",
          "test_clip_gradient_is_zero_exactly_on_the_clipped_side"),
         ("approx_kl as the mean log-ratio (k1)", "common.masked_mean(torch.exp(log_ratio) - 1 - log_ratio, mask)",
          "common.masked_mean(-log_ratio, mask)", "test_clip_gradient_is_zero_exactly_on_the_clipped_side"),
-        ("clip fractions over the padding too", "else common.masked_mean(flag, mask)", "else flag.mean()", "test_grpo_loss_statistics_ignore_the_padding_and_weigh_every_valid_token"),
+        ("clip fractions over the padding too", "else common.masked_mean(flag, mask)", "else flag.mean()",
+         GRPO_PADDING),
         ("clip fractions as the mean of the rows' means", "else common.masked_mean(flag, mask)",
-         "else common.masked_mean(flag, mask, dim=1).mean()", "test_grpo_loss_statistics_ignore_the_padding_and_weigh_every_valid_token"),
+         "else common.masked_mean(flag, mask, dim=1).mean()", GRPO_PADDING),
         ("approx_kl over the padding too", "common.masked_mean(torch.exp(log_ratio) - 1 - log_ratio, mask)",
-         "(torch.exp(log_ratio) - 1 - log_ratio).mean()", "test_grpo_loss_statistics_ignore_the_padding_and_weigh_every_valid_token"),
-        ("kl_term over the padding too", '"kl_term": common.masked_mean(kl, mask)', '"kl_term": kl.mean()', "test_grpo_loss_statistics_ignore_the_padding_and_weigh_every_valid_token"),
+         "(torch.exp(log_ratio) - 1 - log_ratio).mean()", GRPO_PADDING),
+        ("kl_term over the padding too", '"kl_term": common.masked_mean(kl, mask)', '"kl_term": kl.mean()',
+         GRPO_PADDING),
         ("kl_k3 as the mean of the rows' means", "ref_logp is not None else kl, mask)",
-         "ref_logp is not None else kl, mask, dim=1).mean()", "test_grpo_loss_statistics_ignore_the_padding_and_weigh_every_valid_token"),
+         "ref_logp is not None else kl, mask, dim=1).mean()", GRPO_PADDING),
     ],
     "dapo.py::grpo_advantages": [
         ("std without Bessel's correction (ddof 0)", "grouped.std(dim=1, keepdim=True)",
@@ -309,12 +318,12 @@ WRONG_ANSWERS = {
          "(ratio > 1 + epsilon_low) & (adv > 0)", "test_clip_higher_bounds"),
         ("clip_frac_high over the padding too",
          "common.masked_mean(((ratio > 1 + epsilon_high) & (adv > 0)).float(), mask)",
-         "((ratio > 1 + epsilon_high) & (adv > 0)).float().mean()", "test_dapo_loss_statistics_ignore_the_padding_and_weigh_every_valid_token"),
+         "((ratio > 1 + epsilon_high) & (adv > 0)).float().mean()", DAPO_PADDING),
         ("clip_frac_low as the mean of the rows' means",
          "common.masked_mean(((ratio < 1 - epsilon_low) & (adv < 0)).float(), mask)",
-         "common.masked_mean(((ratio < 1 - epsilon_low) & (adv < 0)).float(), mask, dim=1).mean()", "test_dapo_loss_statistics_ignore_the_padding_and_weigh_every_valid_token"),
+         "common.masked_mean(((ratio < 1 - epsilon_low) & (adv < 0)).float(), mask, dim=1).mean()", DAPO_PADDING),
         ("approx_kl over the padding too", "common.masked_mean(ratio - 1 - log_ratio, mask)",
-         "(ratio - 1 - log_ratio).mean()", "test_dapo_loss_statistics_ignore_the_padding_and_weigh_every_valid_token"),
+         "(ratio - 1 - log_ratio).mean()", DAPO_PADDING),
     ],
     "ppo.py::gae": [
         ("no (1 - done) cut: bootstraps from the value after EOS",
@@ -374,10 +383,10 @@ WRONG_ANSWERS = {
         ("approx_kl as the mean log-ratio (k1)", "common.masked_mean(ratio - 1 - log_ratio, mask)",
          "common.masked_mean(-log_ratio, mask)", "test_policy_loss_masks_padding_and_reports_the_ratio_kl"),
         ("clip_frac_low over the padding too", "common.masked_mean(((ratio < 1 - epsilon) & (adv < 0)).float(), mask)",
-         "((ratio < 1 - epsilon) & (adv < 0)).float().mean()", "test_ppo_policy_loss_statistics_ignore_the_padding_and_weigh_every_valid_token"),
+         "((ratio < 1 - epsilon) & (adv < 0)).float().mean()", PPO_PADDING),
         ("clip_frac_high as the mean of the rows' means",
          "common.masked_mean(((ratio > 1 + epsilon) & (adv > 0)).float(), mask)",
-         "common.masked_mean(((ratio > 1 + epsilon) & (adv > 0)).float(), mask, dim=1).mean()", "test_ppo_policy_loss_statistics_ignore_the_padding_and_weigh_every_valid_token"),
+         "common.masked_mean(((ratio > 1 + epsilon) & (adv > 0)).float(), mask, dim=1).mean()", PPO_PADDING),
     ],
     "ppo.py::ppo_value_loss": [
         ("min instead of max", "torch.max(unclipped, clipped)", "torch.min(unclipped, clipped)",
