@@ -73,10 +73,10 @@ def kl_penalty(logp, ref_logp, estimator="k3", old_logp=None):
     With old_logp (the tokens were sampled by pi_old) the term is multiplied by the ratio
     pi_theta / pi_old WITH its gradient (DeepSeek-V3.2): E_old[ratio * k] = E_theta[k] as a
     function of theta, so k1 and k3 give the per-state reverse-KL gradient (grad(ratio * k3)
-    = ratio * k1 * score). A detached ratio would keep k3's forward-KL gradient. ratio * k3 is
-    computed as exp(ref_logp - old_logp) - ratio * (ref_logp - logp + 1), the same value: written
-    as ratio * k3, autograd would get ratio * k1 as the difference of two terms of size ref / pi_old,
-    which in fp32 cancel to nothing once log(ref / pi) passes about 20.
+    = ratio * k1 * score). A detached ratio would keep k3's forward-KL gradient. ratio * k3 must
+    keep that gradient in fp32: written as the plain product, autograd gets ratio * k1 as the
+    difference of two terms of size ref / pi_old, which cancel to nothing once log(ref / pi)
+    passes about 20 (docs/algorithms.md, KL estimators).
     """
     # BEGIN SOLUTION
     kl = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}[estimator]

@@ -31,6 +31,11 @@ SKIP_DIRS = {".git", ".venv", "venv", "runs", "__pycache__", ".pytest_cache", "m
 TEACHER_ONLY = {"classroom/wrong_answers.py", "classroom/grade.py", "classroom/mutation.py",
                 "classroom/teacher_tests/", "tests/test_grading.py"}
 TEACHER_PART = "<!-- The student copy ends this page here: below is for teachers. -->"
+# docs/algorithms.md's forms that an exercise asks a student to find (the toy bandit's variances and baselines,
+# the fp32-exact ratio-weighted k3): in the copy each marked region becomes ANSWER_NOTE
+ANSWER_PAGE, ANSWER_BEGIN, ANSWER_END = "docs/algorithms.md", "<!-- exercise-answer -->", "<!-- /exercise-answer -->"
+ANSWER_NOTE = ("(In the student copy this form is what an exercise asks you to find; `python classroom/hint.py "
+               "NAME` gives the steps.)")
 TEACHER_PAGE = "docs/classroom.md"
 
 # "file::function" -> (test file, the tests in it that the student sees; "other_file::test" for a test
@@ -267,6 +272,14 @@ def table():
     return "\n".join(rows)
 
 
+def without_answers(text):
+    """The page with each region between ANSWER_BEGIN and ANSWER_END replaced by ANSWER_NOTE."""
+    while ANSWER_BEGIN in text:
+        start, end = text.index(ANSWER_BEGIN), text.index(ANSWER_END) + len(ANSWER_END)
+        text = text[:start] + ANSWER_NOTE + text[end:]
+    return text
+
+
 def write_copy(src, out):
     if out == src or src in out.parents:
         sys.exit(f"error: {out} is inside the reference project {src}; write the student copy "
@@ -279,8 +292,10 @@ def write_copy(src, out):
             continue
         source, target = src / rel, out / rel
         target.parent.mkdir(parents=True, exist_ok=True)
-        text = source.read_bytes().decode("utf-8") if rel.endswith(".py") or rel == TEACHER_PAGE else ""
-        if rel == TEACHER_PAGE and TEACHER_PART in text:
+        text = source.read_bytes().decode("utf-8") if rel.endswith(".py") or rel in (TEACHER_PAGE, ANSWER_PAGE) else ""
+        if rel == ANSWER_PAGE:
+            target.write_bytes(without_answers(text).encode("utf-8"))
+        elif rel == TEACHER_PAGE and TEACHER_PART in text:
             target.write_bytes(text[:text.index(TEACHER_PART)].rstrip("\n").encode("utf-8") + b"\n")
         elif rel.endswith(".py") and BEGIN in text:
             target.write_bytes(blank(text, rel).encode("utf-8"))

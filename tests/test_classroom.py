@@ -77,6 +77,8 @@ def test_student_copy_has_no_solution_left_and_prints_the_table(student):
         if rel == msc.TEACHER_PAGE:
             page = (ROOT / rel).read_text(encoding="utf-8")
             assert data.decode() == page[:page.index(msc.TEACHER_PART)].rstrip("\n") + "\n"
+        elif rel == msc.ANSWER_PAGE:
+            assert data.decode() == msc.without_answers((ROOT / rel).read_text(encoding="utf-8"))
         elif rel in marked:
             text = data.decode()
             assert msc.BEGIN not in text and msc.END not in text, rel
@@ -210,6 +212,12 @@ def test_the_copy_holds_no_teachers_page_and_no_numpy_copy_of_an_exercise(studen
     out, _ = student
     page = (out / msc.TEACHER_PAGE).read_text(encoding="utf-8")
     assert msc.TEACHER_PART not in page and "wrong_answers" not in page and "grade.py" not in page
+    reference = (msc.ROOT / msc.ANSWER_PAGE).read_text(encoding="utf-8")
+    math = (out / msc.ANSWER_PAGE).read_text(encoding="utf-8")  # the bandit's closed forms are exercises there
+    assert "b* = (1-p) r1 + p r0" in reference and "Var_mean   = p(1-p) (2p - 1)^2 Delta^2" in reference
+    assert "b* = (1-p) r1 + p r0" not in math and "(2p - 1)^2" not in math and "sum_a pi_a r_a" not in math
+    assert "exp(ref_logp - old_logp) - w" in reference and "exp(ref_logp - old_logp) - w" not in math
+    assert math.count(msc.ANSWER_NOTE) == 3 and "b*     = E[ r ||s||^2 ] / E[ ||s||^2 ]" in math
     code = "import toy_bandit\ntry:\n    toy_bandit.{}([[1.0, 0.0]])\nexcept NotImplementedError:\n    print('blank')"
     for name in ("rloo_advantages", "mean_advantages", "grpo_advantages"):
         proc = subprocess.run([sys.executable, "-c", code.format(name)], cwd=out, capture_output=True, text=True,
