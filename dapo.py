@@ -143,7 +143,7 @@ def main():
     for step in trainer.steps():
         # ---- rollout: groups of G sampled responses, with dynamic sampling: rounds of groups until the batch is
         # full of groups whose answers are mixed (all right or all wrong: A = 0, nothing to learn, dropped) ----
-        kept, sampled_rewards = [], []
+        kept, sampled_rewards, round_stats = [], [], []
         while trainer.keep_sampling(kept, rounds=len(sampled_rewards)):
             rollout = trainer.generate(sampler.next(), num_samples=group_size)  # each prompt's G samples adjacent
             with trainer.timer("reward"):
@@ -152,6 +152,8 @@ def main():
                                            group_size).repeat_interleave(group_size)
             kept.append((rollout.select(keep), rewards[keep], correct[keep]))
             sampled_rewards.append(rewards)
+            round_stats.append(reward_stats)
+        reward_stats = {key: sum(s[key] for s in round_stats) / len(round_stats) for key in round_stats[0]}
         rollout, rewards, correct = trainer.kept_batch(kept, step)  # None: a process kept no group, all skip
         sampled_rewards = torch.cat(sampled_rewards)
         metrics = {"train/skipped_step": float(rollout is None), "train/sampling_rounds": len(kept),

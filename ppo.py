@@ -178,9 +178,7 @@ class ValueModel(torch.nn.Module):
         if gradient_checkpointing:
             self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         if lora is not None:
-            from peft import get_peft_model
-
-            self.model = get_peft_model(self.model, lora)  # the adapter's layers go into the model in place
+            self.model = models.add_lora(self.model, lora)  # the adapter's layers go into the model in place
         self.train()  # dropout is off; train mode only lets gradient checkpointing act
 
     def forward(self, input_ids, attention_mask, num_completion_tokens):

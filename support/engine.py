@@ -206,7 +206,7 @@ class Trainer:
             except RuntimeError as e:  # NaN or inf probabilities on prompts the per-step probe did not read
                 if "probability tensor" not in str(e):
                     raise
-                self.ckpt.stop_broken(self.step - 1)
+                self.ckpt.stop_broken(self.step - 1, agreed=False)  # this rank alone: it says so itself
             k = len(completion_ids) // len(examples)
             mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
             completions = tasks.decode_completions(tokenizer, completion_ids, mask)

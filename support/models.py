@@ -2,6 +2,7 @@
 or stale), the optimizer, saving with save_pretrained, and the ZeRO-3 weights gathered for generation."""
 import copy
 import os
+import warnings
 from contextlib import contextmanager
 
 import torch
@@ -42,10 +43,18 @@ def load_model(cfg, trainable=True):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
     if cfg.lora_r > 0:
-        from peft import get_peft_model
-
-        model = get_peft_model(model, lora_config(cfg, "CAUSAL_LM"))
+        model = add_lora(model, lora_config(cfg, "CAUSAL_LM"))
     return model.train()  # dropout is off; train mode only lets gradient checkpointing act
+
+
+def add_lora(model, lora):
+    """The model with a LoRA adapter (peft). peft 0.21 calls transformers' deprecated is_gradient_checkpointing:
+    its FutureWarning is the libraries', not a call of ours, and is kept out of the run's output."""
+    from peft import get_peft_model
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        return get_peft_model(model, lora)
 
 
 def lora_config(cfg, task_type):

@@ -308,29 +308,32 @@ class Checkpointer:
         path = self._last_good(step - 1) or self.save(step - 1, policy, tokenizer)
         norm = norm.tolist()  # PPO passes (policy, critic)
         if self.skipped_steps >= MAX_SKIPPED_STEPS:
-            raise SystemExit(f"error: {self.skipped_steps} steps in a row up to step {step} overflowed the fp16 loss "
-                             f"scale (gradient norm {norm}) and were skipped; the last good state is in "
-                             f"{path}. Lower --learning_rate, or train in bfloat16 (accelerate launch "
-                             "--mixed_precision bf16).")
-        raise SystemExit(f"error: non-finite loss ({loss.item()}) or gradient norm ({norm}) at step "
-                         f"{step}; the update was not applied and the last good state is in {path}. Lower "
-                         "--learning_rate, keep --max_grad_norm on, or check the rewards.")
+            self.stop(f"error: {self.skipped_steps} steps in a row up to step {step} overflowed the fp16 loss "
+                      f"scale (gradient norm {norm}) and were skipped; the last good state is in {path}. Lower "
+                      "--learning_rate, or train in bfloat16 (accelerate launch --mixed_precision bf16).")
+        self.stop(f"error: non-finite loss ({loss.item()}) or gradient norm ({norm}) at step {step}; the update "
+                  f"was not applied and the last good state is in {path}. Lower --learning_rate, keep "
+                  "--max_grad_norm on, or check the rewards.")
 
     def _last_good(self, step):
         """checkpoint-N if this run has just saved it: the same weights, with the exact RNG states."""
         path = os.path.join(self.cfg.output_dir, f"{CHECKPOINT_PREFIX}{step}")
         return path if self.last_saved == step and os.path.isdir(path) else None
 
-    def stop_broken(self, step):
+    def stop(self, message, agreed=True):
+        """Stop with an `error:` line: printed by the main process when every rank stops together (`agreed`: the
+        others exit with status 1 and say nothing), else by the rank that found it."""
+        raise SystemExit(message if self.accelerator.is_main_process or not agreed else 1)
+
+    def stop_broken(self, step, agreed=True):
         """Stop the run: the update of `step` left the policy's weights or logits non-finite, although its loss
         and gradient norm were finite. Names the newest checkpoint written before it."""
         earlier = [p for p in list_checkpoints(self.cfg.output_dir)[0] if checkpoint_step(p) < step]
         good = earlier[-1] if earlier else self.cfg.resume_from
         where = (f"the last good state is in {good}" if good else
                  "no checkpoint was saved before it (--save_steps N keeps one every N steps)")
-        raise SystemExit(f"error: the update of step {step} made the policy's weights or logits non-finite "
-                         f"(its loss and gradient norm were finite); {where}. Lower --learning_rate (or raise "
-                         "--warmup_steps).")
+        self.stop(f"error: the update of step {step} made the policy's weights or logits non-finite (its loss and "
+                  f"gradient norm were finite); {where}. Lower --learning_rate (or raise --warmup_steps).", agreed)
 
     def step_end(self, step, policy, tokenizer, finite=None):
         """After the update, before the next sampling: stop if the weights or the logits are no longer
