@@ -7,6 +7,8 @@ definition; the loops run support/fast.py's versions, tested equal to them. The 
 tasks and rewards, model loading, logging, checkpoints) lives in support/. Equations and sign
 conventions: docs/algorithms.md.
 """
+from contextlib import contextmanager
+
 import torch
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -291,28 +293,46 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=1, gree
     for the call. Works for a bare, DDP-unwrapped (accelerator.unwrap_model) or peft model. This is the
     definition; the loops run support/fast.py's, equal to it (tests/test_fast.py).
     """
+    gen = generation_config(tokenizer, cfg, greedy, num_return_sequences=1 if greedy else num_samples)
+    n = max(1, cfg.generation_batch_size // gen.num_return_sequences) if cfg.generation_batch_size else len(prompt_ids)
+    with sampling_mode(model):
+        chunks = [model.generate(input_ids=prompt_ids[i:i + n], attention_mask=prompt_mask[i:i + n],
+                                 generation_config=gen)[:, prompt_ids.shape[1]:]  # (n * K, C), K adjacent
+                  for i in range(0, len(prompt_ids), n)]
+    return pad_completions(chunks, tokenizer.pad_token_id)
+
+
+def generation_config(tokenizer, cfg, greedy=False, num_return_sequences=1):
+    """The whole generation config of the sampler: the library's defaults plus exactly --temperature, --top_k,
+    --top_p and --max_new_tokens (greedy: argmax decoding), nothing from the checkpoint."""
     from transformers import GenerationConfig
 
-    if greedy:
-        gen = GenerationConfig(do_sample=False, max_new_tokens=cfg.max_new_tokens)
-        num_samples = 1
-    else:
-        gen = GenerationConfig(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                               max_new_tokens=cfg.max_new_tokens, num_return_sequences=num_samples)
-    gen.pad_token_id, gen.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
-    n = max(1, cfg.generation_batch_size // num_samples) if cfg.generation_batch_size else len(prompt_ids)
+    sampling = {} if greedy else {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k}
+    return GenerationConfig(do_sample=not greedy, max_new_tokens=cfg.max_new_tokens,
+                            num_return_sequences=num_return_sequences, pad_token_id=tokenizer.pad_token_id,
+                            eos_token_id=tokenizer.eos_token_id, **sampling)
+
+
+@contextmanager
+def sampling_mode(model):
+    """Eval mode, and the checkpoint's generation_config.json set aside (its repetition penalty or min_p would
+    change the distribution the log-probs score), for a bare, DDP-unwrapped or peft model; restored after."""
+    from transformers import GenerationConfig
+
     hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model  # under a peft wrapper
     checkpoint_config, hf_model.generation_config = hf_model.generation_config, GenerationConfig()
     was_training = model.training
     model.eval()
     try:
-        chunks = [model.generate(input_ids=prompt_ids[i:i + n], attention_mask=prompt_mask[i:i + n],
-                                 generation_config=gen)[:, prompt_ids.shape[1]:]  # (n * K, C), K adjacent
-                  for i in range(0, len(prompt_ids), n)]
+        yield
     finally:
         hf_model.generation_config = checkpoint_config
         model.train(was_training)
-    # a call whose every completion ended early is shorter: pad after its EOS, which the completion mask drops
+
+
+def pad_completions(chunks, pad_token_id):
+    """The completions of several generate calls in one (B, C) tensor: a call whose every completion ended
+    early is shorter, padded after its EOS (which the completion mask drops)."""
     width = max(chunk.shape[1] for chunk in chunks)
-    return torch.cat([torch.nn.functional.pad(chunk, (0, width - chunk.shape[1]), value=tokenizer.pad_token_id)
+    return torch.cat([torch.nn.functional.pad(chunk, (0, width - chunk.shape[1]), value=pad_token_id)
                       for chunk in chunks])

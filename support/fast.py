@@ -10,7 +10,6 @@ draws from the same seed) by tests/test_fast.py. Read the spec; this is how it i
   (`models.gathered_parameters`).
 """
 import torch
-from transformers import GenerationConfig
 
 import common
 from support import models
@@ -92,32 +91,15 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=1, gree
     continue it from copies of its keys and values: the same draws as generate's own
     num_return_sequences, without K passes over the prompt. Under ZeRO-3 the weights are gathered once
     for the whole call. Returns completion ids (B * num_samples, C), each prompt's samples adjacent."""
-    if greedy:
-        gen = GenerationConfig(do_sample=False, max_new_tokens=cfg.max_new_tokens)
-        num_samples = 1
-    else:
-        gen = GenerationConfig(do_sample=True, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k,
-                               max_new_tokens=cfg.max_new_tokens)
-    gen.pad_token_id, gen.eos_token_id = tokenizer.pad_token_id, tokenizer.eos_token_id
+    num_samples = 1 if greedy else num_samples
+    gen = common.generation_config(tokenizer, cfg, greedy)  # one sequence per row: the rows are the K copies
     n = max(1, cfg.generation_batch_size // num_samples) if cfg.generation_batch_size else len(prompt_ids)
-    hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model  # under a peft wrapper
-    checkpoint_config, hf_model.generation_config = hf_model.generation_config, GenerationConfig()
-    was_training = model.training
-    model.eval()
-    try:
-        with models.gathered_parameters(model):
-            chunks = []
-            for i in range(0, len(prompt_ids), n):
-                ids, mask = prompt_ids[i:i + n], prompt_mask[i:i + n]
-                rows = torch.arange(len(ids), device=ids.device).repeat_interleave(num_samples)  # K adjacent
-                cache = shared_prompt_cache(model, ids, mask, rows) if ids.shape[1] > 1 else None
-                out = model.generate(input_ids=ids[rows], attention_mask=mask[rows], cache=cache,
-                                     generation_config=gen)
-                chunks.append(out[:, ids.shape[1]:])
-    finally:
-        hf_model.generation_config = checkpoint_config
-        model.train(was_training)
-    # a call whose every completion ended early is shorter: pad after its EOS, which the completion mask drops
-    width = max(chunk.shape[1] for chunk in chunks)
-    return torch.cat([torch.nn.functional.pad(chunk, (0, width - chunk.shape[1]), value=tokenizer.pad_token_id)
-                      for chunk in chunks])
+    with common.sampling_mode(model), models.gathered_parameters(model):
+        chunks = []
+        for i in range(0, len(prompt_ids), n):
+            ids, mask = prompt_ids[i:i + n], prompt_mask[i:i + n]
+            rows = torch.arange(len(ids), device=ids.device).repeat_interleave(num_samples)  # K adjacent
+            cache = shared_prompt_cache(model, ids, mask, rows) if ids.shape[1] > 1 else None
+            out = model.generate(input_ids=ids[rows], attention_mask=mask[rows], cache=cache, generation_config=gen)
+            chunks.append(out[:, ids.shape[1]:])
+    return common.pad_completions(chunks, tokenizer.pad_token_id)
