@@ -90,11 +90,11 @@ class Rollout:
     def cat(rollouts, pad_token_id, limit=None):
         """The first `limit` rows (default: all) of several rollouts in one, padded as if sampled together:
         prompts on the left to the longest prompt, completions on the right to the widest completion."""
-        parts, left = [], len(sum((r.examples for r in rollouts), [])) if limit is None else limit
+        parts, remaining = [], sum(map(len, rollouts)) if limit is None else limit
         for r in rollouts:
-            if left > 0 and len(r) > 0:
-                parts.append(r.select(torch.arange(len(r), device=r.mask.device) < left))
-                left -= len(parts[-1])
+            if remaining > 0 and len(r) > 0:
+                parts.append(r.select(torch.arange(len(r), device=r.mask.device) < remaining))
+                remaining -= len(parts[-1])
         prompt_width = max(int(r.prompt_mask.sum(1).max()) for r in parts)  # the padding no row needs goes
 
         def pad(tensors, value, width=None, left=False):
