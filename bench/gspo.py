@@ -17,18 +17,15 @@ one folder per run (<variant>_s<seed>).
 """
 import argparse
 import json
-import os
 import shlex
 import statistics
-import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.stability import mean_std  # noqa: E402
+from bench.stability import mean_std, run_cached  # noqa: E402
 from support import run  # noqa: E402
 
 VARIANTS = {  # folder name -> (table name, extra grpo.py arguments); EPOCHS stands for --num_epochs
@@ -45,19 +42,7 @@ def run_one(variant, seed, args):
            "--output_dir", str(run_dir), "--save_model", "False",
            *(["--batch_size", str(args.batch_size)] if args.batch_size else []),
            *[str(args.num_epochs) if a == "EPOCHS" else a for a in VARIANTS[variant][1]]]
-    info_path = run_dir / "run.json"
-    if not args.force and info_path.exists() and (run_dir / "summary.json").exists() \
-            and json.loads(info_path.read_text()).get("command") == cmd:
-        return run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
-    start = time.time()
-    with open(run_dir / "log.txt", "w") as log:
-        proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                              env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
-    if proc.returncode != 0:
-        sys.exit(f"error: {shlex.join(cmd)} failed, see {run_dir / 'log.txt'}")
-    info_path.write_text(json.dumps({"command": cmd, "wall_s": round(time.time() - start, 1)}))
-    return run_dir
+    return run_cached(cmd, run_dir, args.force)
 
 
 def summarise(run_dir):

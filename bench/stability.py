@@ -49,8 +49,14 @@ def run_one(name, seed, args):
     cmd = [sys.executable, str(ROOT / "grpo.py"), "--seed", str(seed), "--num_steps", str(args.steps),
            "--eval_every", str(args.steps), "--log_every", str(args.steps), "--save_model", "false",
            "--output_dir", str(run_dir), *lr, *[str(args.lag) if a == "LAG" else a for a in VARIANTS[name]]]
+    return run_cached(cmd, run_dir, args.force)
+
+
+def run_cached(cmd, run_dir, force=False):
+    """Run cmd (a training script writing to run_dir) with one thread, its output in run_dir/log.txt; a run
+    that already finished with the same command (run_dir/run.json) is reused unless force."""
     info_path = run_dir / "run.json"
-    if not args.force and info_path.exists() and (run_dir / "summary.json").exists() \
+    if not force and info_path.exists() and (run_dir / "summary.json").exists() \
             and json.loads(info_path.read_text()).get("command") == cmd:
         return run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
