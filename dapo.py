@@ -1,18 +1,17 @@
 """DAPO: Decoupled Clip and Dynamic sAmpling Policy Optimization (Yu et al., 2025,
 https://arxiv.org/abs/2503.14476).
 
-GRPO's group advantage A_i = (r_i - mean(r)) / (std(r) + eps) with four changes, each a flag or
-a line below:
-  1. Clip-higher: clip(rho, 1 - epsilon_low, 1 + epsilon_high) with epsilon_high > epsilon_low, so
-     low-probability tokens with A > 0 can grow further before the clip stops them (entropy
-     collapse is slower).
-  2. Dynamic sampling: a group whose answers are all right or all wrong has A = 0 and teaches
-     nothing. Drop it and sample new prompts until the batch holds batch_size / num_generations
-     groups with mixed correctness (at most --max_sampling_rounds generation rounds).
-  3. Token-mean: the loss is the mean over all tokens of the batch, so long responses weigh by
-     their length (GRPO averages per sequence first).
-  4. Overlong shaping: a length penalty, 0 up to max_len - cache_len tokens, falling linearly to
-     -1 at max_len, is added to the reward.
+For each prompt x, sample a group of G responses y_1..y_G ~ pi(.|x): the group is the baseline,
+so no value model and no greedy decode. The price is G generations per prompt.
+GRPO's advantage A_i = (r_i - mean(r)) / (std(r) + eps) and clipped surrogate, with four changes, each a flag or a line:
+  1. Clip-higher: clip(rho, 1 - epsilon_low, 1 + epsilon_high) with epsilon_high > epsilon_low, so low-probability
+     tokens with A > 0 can grow further before the clip stops them (entropy collapse is slower).
+  2. Dynamic sampling: a group whose answers are all right or all wrong has A = 0 and teaches nothing. Drop it and
+     sample new prompts until the batch holds batch_size / G groups of mixed correctness (--max_sampling_rounds).
+  3. Token-mean: the loss is the mean over all tokens of the batch, so long responses weigh by their length
+     (GRPO averages per sequence first).
+  4. Overlong shaping: a length penalty, 0 up to max_len - cache_len tokens, falling linearly to -1 at max_len,
+     is added to the reward.
 No KL term and no reference model: the policy is meant to move far from its start.
 
     accelerate launch dapo.py                                    # embedded model and task
@@ -129,11 +128,11 @@ def dapo_loss(logp, old_logp, adv, mask, epsilon_low, epsilon_high, dual_clip_c=
 
 def main():
     cfg = config.parse_config(Config)
-    # ---- setup: accelerator, data, policy; no reference: no KL term (PLUMBING: skip on a first read) ----
+    # ---- setup: accelerator, data, policy, reference (PLUMBING: skip on a first read) ----
     accelerator = config.make_accelerator(cfg)
     tokenizer, train_data, eval_data = engine.load_data(cfg, accelerator)
     reward_fn = tasks.make_reward_fn(cfg, accelerator)
-    policy, optimizer, scheduler, _, rollout_model = engine.load_models(cfg, accelerator)
+    policy, optimizer, scheduler, _, rollout_model = engine.load_models(cfg, accelerator)  # no reference: no KL
     group_size = cfg.num_generations
     sampler = tasks.PromptSampler(train_data, cfg.batch_size // group_size, cfg.seed, accelerator.process_index,
                                   accelerator.num_processes)
@@ -170,7 +169,7 @@ def main():
         old_logp = trainer.logprobs(policy, rollout) if cfg.num_epochs > 1 else None  # pi_old; mu = 1: logp
         rollout_logp = trainer.logprobs(rollout_model, rollout)  # the sampler's, when it is a copy
 
-        # ---- advantages: each reward standardised within its group (GRPO's) ----
+        # ---- advantages: each reward standardised within its group ----
         adv = grpo_advantages(rewards, group_size)
 
         # ---- loss: the clip-higher surrogate, token-mean over the whole batch ----
@@ -185,8 +184,8 @@ def main():
 
         # ---- update: mu optimizer steps on the same batch (the engine runs micro-batches, sync, clip, step) ----
         for _ in range(cfg.num_epochs):  # the stats are those of the last (most off-policy) update
-            stats, logp = trainer.update(loss_fn, rollout, "token-mean", old_logp=old_logp, rollout_logp=rollout_logp,
-                                         adv=adv, mask=rollout.mask)
+            stats, logp = trainer.update(loss_fn, rollout, "token-mean", old_logp=old_logp,
+                                         rollout_logp=rollout_logp, adv=adv, mask=rollout.mask)
 
         # ---- log (PLUMBING: docs/metrics.md says what each metric means) ----
         grouped = rewards.view(-1, group_size)

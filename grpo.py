@@ -1,23 +1,21 @@
 """GRPO: Group Relative Policy Optimization (Shao et al., DeepSeekMath, 2024,
 https://arxiv.org/abs/2402.03300).
 
-For each prompt x, sample a group of G responses y_1..y_G ~ pi_old(.|x). The advantage of
-response i is its reward standardised within the group, A_i = (r_i - mean(r)) / (std(r) + eps),
-broadcast to every token: the group is the baseline, so no value model and no greedy decode.
-Per-token loss, the PPO clipped surrogate plus a k3 KL term to the frozen reference:
+For each prompt x, sample a group of G responses y_1..y_G ~ pi(.|x): the group is the baseline,
+so no value model and no greedy decode. The price is G generations per prompt.
+The reward of response i is standardised within its group and broadcast to its tokens, in the PPO clipped
+surrogate plus a k3 KL term to the frozen reference (rho_t = pi_theta / pi_old):
 
-    -min(rho_t A_i, clip(rho_t, 1 - epsilon, 1 + epsilon) A_i) + beta * k3_t,   rho_t = pi_theta / pi_old
+    A_i = (r_i - mean(r)) / (std(r) + eps),   -min(rho_t A_i, clip(rho_t, 1 - eps, 1 + eps) A_i) + beta k3_t
 
-With one update per batch (--num_epochs 1) rho == 1 in value and the clip is inert: the
-gradient is REINFORCE with the group baseline. With mu > 1 updates the batch is reused and the
-ratio is taken against the log-probs at sampling time. Dividing by the group std rescales each
-prompt's gradient by its difficulty (a bias, see --scale_rewards none for Dr. GRPO). The price is
-G generations per prompt.
+With one update per batch rho = 1 and the clip is inert: REINFORCE with the group baseline; with mu > 1 updates
+the batch is reused. Dividing by the std weighs each prompt by its difficulty (a bias: Dr. GRPO drops it). GSPO
+clips one ratio per sequence instead of one per token.
 
     accelerate launch grpo.py                                    # embedded model and task
     accelerate launch --multi_gpu --num_processes 2 grpo.py      # data-parallel on CPU
     python grpo.py --scale_rewards none --loss_agg seq-mean-token-sum-norm   # Dr. GRPO
-    python grpo.py --rollout_dtype bfloat16 --tis_cap 2         # a bf16 sampler, corrected (docs/stability.md)
+    python grpo.py --importance_sampling_level sequence --beta 0  # GSPO
 """
 from dataclasses import dataclass
 
@@ -49,7 +47,6 @@ class Config(config.GroupConfig):
         if sequence and self.epsilon_high is None:
             self.epsilon_high = 4e-4 if self.epsilon is None else self.epsilon
         self.epsilon = (3e-4 if sequence else 0.2) if self.epsilon is None else self.epsilon
-        config.check(not sequence or self.epsilon_high > 0, f"--epsilon_high must be > 0 (got {self.epsilon_high}).")
         config.check(not sequence or self.loss_agg != "token-mean", "--importance_sampling_level sequence: one term "
                      "per sequence, which --loss_agg token-mean would weigh by its tokens.")
 
@@ -82,25 +79,23 @@ def grpo_loss(logp, old_logp, ref_logp, adv, mask, epsilon, beta, loss_agg="seq-
     """Clipped surrogate plus beta * KL to the reference, per token (DeepSeekMath eq. 3).
 
     logp: (B, T) log-probs under the policy being trained (with grad); old_logp: (B, T) at sampling
-    time (detached); ref_logp: (B, T) under the reference, or None when beta == 0; adv: (B,), the same
-    for every token. The KL term keeps its gradient through logp (common.kl_penalty; which gradient
-    each estimator gives: docs/algorithms.md). dual_clip_c > 1 bounds a token's loss with A < 0 by
-    c |A|; pg_weight (B, T), detached, multiplies the surrogate (TIS, masks).
-    importance_sampling_level "sequence" (GSPO, Zheng et al., 2025): the ratio of sequence i is the
-    geometric mean of its token ratios, s_i = exp(mean_t log rho_t) over its valid tokens, clipped to
-    [1 - epsilon, 1 + epsilon_high], one term per sequence; the KL term stays per token.
-    Returns (loss, stats): clip_frac_low / clip_frac_high, the fraction of tokens (sequence level: of
-    sequences) clipped below (ratio < 1 - epsilon, A < 0) and above (ratio > 1 + epsilon, A > 0);
-    approx_kl, k3 of the token ratio, an estimate of KL(pi_old || pi_theta); kl_k3, the mean per-token
-    k3 to the reference; kl_term, the mean of the term beta multiplies.
+    time (detached); adv: (B,), the same for every token. dual_clip_c > 1 bounds a token's loss with
+    A < 0 by c |A|; pg_weight (B, T), detached, multiplies the surrogate (TIS, masks).
+    ref_logp: (B, T) under the reference, or None when beta == 0; the KL term keeps its gradient through logp
+    (common.kl_penalty; kl_is_weight passes it the ratio). GSPO (importance_sampling_level "sequence"): each token
+    of sequence i gets s_i = exp(mean_t log rho_t), clipped to [1 - epsilon, 1 + epsilon_high], once per sequence.
+    Returns (loss, stats): clip_frac_low / clip_frac_high, the fraction of tokens clipped below
+    (ratio < 1 - epsilon, A < 0) and above (ratio > 1 + epsilon_high, A > 0), of sequences for GSPO; approx_kl,
+    k3 of the token ratio, an estimate of KL(pi_old || pi_theta); kl_k3, the mean k3 to the reference; kl_term,
+    the mean of the term beta multiplies (the KL term stays per token).
     """
     # BEGIN SOLUTION
     sequence = importance_sampling_level == "sequence"
     log_ratio = logp - old_logp  # (B, T)
     ratio = torch.exp(log_ratio)  # rho_t = pi_theta / pi_old
-    adv = adv[:, None]
     if sequence:  # GSPO (Zheng et al., 2025, eq. 7): s_i = exp(mean_t log rho_t) on every token of sequence i
         ratio = torch.exp(common.masked_mean(log_ratio, mask, dim=1))[:, None].expand_as(logp)
+    adv = adv[:, None]
     epsilon_high = epsilon if epsilon_high is None else epsilon_high
     surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * adv)
     if dual_clip_c > 0:  # dual clip (Ye et al., 2020): with A < 0 the min above is unbounded in rho
@@ -109,16 +104,15 @@ def grpo_loss(logp, old_logp, ref_logp, adv, mask, epsilon, beta, loss_agg="seq-
         surrogate = torch.where(mask.bool(), pg_weight, 0.0) * surrogate
     kl = torch.zeros_like(logp) if ref_logp is None else \
         common.kl_penalty(logp, ref_logp, kl_estimator, old_logp if kl_is_weight else None)
-    if sequence:  # the surrogate once per sequence (the mean over its tokens, all equal), the KL per token
+    if sequence:  # the surrogate once per sequence (the mean of its equal token terms), the KL term per token
         loss = common.aggregate_loss(-surrogate, mask, "seq-mean-token-mean") + \
             common.aggregate_loss(beta * kl, mask, loss_agg, max_len)
     else:
         loss = common.aggregate_loss(-surrogate + beta * kl, mask, loss_agg, max_len)
     with torch.no_grad():
-        # the fraction of tokens (at sequence level, of sequences: each one's tokens agree) clipped low / high
-        def clipped(flag):
-            flag = flag.float()
-            return common.masked_mean(flag, mask, dim=1).mean() if sequence else common.masked_mean(flag, mask)
+        def clipped(flag):  # the fraction of tokens, or (GSPO) of sequences: each one's tokens agree
+            return common.masked_mean(flag.float(), mask, dim=1).mean() if sequence else \
+                common.masked_mean(flag.float(), mask)
         stats = {
             "clip_frac_low": clipped((ratio < 1 - epsilon) & (adv < 0)),
             "clip_frac_high": clipped((ratio > 1 + epsilon_high) & (adv > 0)),
@@ -155,8 +149,7 @@ def main():
         rollout_logp = trainer.logprobs(rollout_model, rollout)  # the sampler's, when it is a copy
 
         # ---- advantages: each reward standardised within its group ----
-        # over the global batch: --scale_rewards batch divides by the std of every process's rewards
-        adv = grpo_advantages(accelerator.gather(rewards), group_size, cfg.scale_rewards)
+        adv = grpo_advantages(accelerator.gather(rewards), group_size, cfg.scale_rewards)  # batch: every process's std
         adv = adv.chunk(accelerator.num_processes)[accelerator.process_index]
 
         # ---- loss: the clipped surrogate plus beta * KL to the reference, per token ----

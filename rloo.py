@@ -1,15 +1,14 @@
 """RLOO: REINFORCE Leave-One-Out (Ahmadian et al., 2024, "Back to Basics",
 https://arxiv.org/abs/2402.14740; the estimator is Kool et al., 2019).
 
-For each prompt x, sample K responses y_1..y_K ~ pi(.|x). The baseline of response i is the mean
-reward of the OTHER K-1 responses, so it does not depend on y_i and the gradient stays unbiased:
+For each prompt x, sample a group of G responses y_1..y_G ~ pi(.|x): the group is the baseline,
+so no value model and no greedy decode. The price is G generations per prompt.
+The baseline of response i is the mean reward of the OTHER G - 1, so it does not depend on y_i: no bias.
+The whole completion is one action, with a k1 penalty to the frozen reference (detached) in the reward:
 
-    A_i = r~_i - mean_{j != i} r~_j = K / (K-1) * (r~_i - mean(r~)),   r~ = r - beta * sum_t k1_t
+    A_i = r~_i - mean_{j != i} r~_j = G / (G - 1) * (r~_i - mean(r~)),   r~_i = r_i - beta * sum_t k1_t
 
-The per-token k1 penalty (detached) is summed over the sequence and folded into the reward.
-The whole completion is one action: loss -A_i * log pi(y_i | x) (sum of the token log-probs),
-averaged over the samples; one on-policy update per batch: no ratio, no clipping, no value
-model. The price is K generations per prompt.
+Loss: -A_i * log pi(y_i | x) (a sum of token log-probs), averaged, one on-policy update per batch: no ratio, no clip.
 
     accelerate launch rloo.py                                    # embedded model and task
     accelerate launch --multi_gpu --num_processes 2 rloo.py      # data-parallel on CPU
@@ -37,12 +36,13 @@ class Config(config.GroupConfig):
 
 
 def rloo_advantages(rewards, group_size):
-    """A_i = r_i - mean_{j != i} r_j within each group, for (B,) rewards with each group's K
-    samples adjacent. Returns (B,)."""
+    """A_i = r_i - mean_{j != i} r_j within each group, for (B,) rewards with each group's G samples
+    adjacent. Returns (B,)."""
     # BEGIN SOLUTION
-    grouped = rewards.view(-1, group_size)  # (B / K, K)
+    grouped = rewards.view(-1, group_size)  # (B / G, G)
     baseline = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)
-    return (grouped - baseline).view(-1)
+    adv = grouped - baseline
+    return adv.view(-1)
     # END SOLUTION
 
 

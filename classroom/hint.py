@@ -149,10 +149,10 @@ HINTS = {
                "stats: return_mean = masked mean of G over all valid tokens of the batch."]),
     "rloo_advantages": Hint(
         "RLOO's advantage: each reward against the mean of the other rewards of its group",
-        "docs/algorithms.md, RLOO", "(B,) rewards with each group's K samples adjacent in, (B,) out",
-        traps=["the mean leaves the sample itself out (K - 1 others)", "groups are adjacent runs of K"],
-        steps=["View the rewards as (B / K, K): one row per prompt.",
-               "The others' mean is (row sum - r) / (K - 1).",
+        "docs/algorithms.md, RLOO", "(B,) rewards with each group's G samples adjacent in, (B,) out",
+        traps=["the mean leaves the sample itself out (G - 1 others)", "groups are adjacent runs of G"],
+        steps=["View the rewards as (B / G, G): one row per prompt.",
+               "The others' mean is (row sum - r) / (G - 1).",
                "Subtract it from r and flatten back to (B,)."]),
     "rloo_loss": Hint(
         "REINFORCE with the whole completion as one action, and the mean sequence log-prob",

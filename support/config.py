@@ -36,6 +36,7 @@ FLAG_RULES = {
     "num_epochs": (lambda v: v >= 1, ">= 1"),
     "epsilon": (lambda v: v is None or 0 < v < 1, "in (0, 1)"),
     "epsilon_low": (lambda v: 0 < v < 1, "in (0, 1)"),
+    "epsilon_high": (lambda v: v is None or v > 0, "> 0"),
     "dual_clip_c": (lambda v: v == 0 or v > 1, "0 (off) or > 1"),
     "kl_estimator": (lambda v: v in ("k1", "k2", "k3"), "k1, k2 or k3"),
     "loss_agg": (lambda v: v in LOSS_AGG_MODES, " or ".join(LOSS_AGG_MODES)),
