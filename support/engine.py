@@ -200,13 +200,18 @@ class Trainer:
                         self.past_weights.append((self.step, models.trainable_weights(model, self.rollout_model.dtype)))
                     weights = self.past_weights[0][1]
                 model = models.sync_rollout_model(self.rollout_model, model, weights)
+            # NaN or inf probabilities: an update broke the weights (they are checked before saves only,
+            # run.Checkpointer.step_end). Every rank stops, those whose own prompts still sampled too.
+            broken = False
             try:
                 completion_ids = fast.generate(model, tokenizer, prompt_ids, prompt_mask, cfg,
                                                num_samples=num_samples, greedy=greedy)
-            except RuntimeError as e:  # NaN or inf probabilities on prompts the per-step probe did not read
+            except RuntimeError as e:
                 if "probability tensor" not in str(e):
                     raise
-                self.ckpt.stop_broken(self.step - 1, agreed=False)  # this rank alone: it says so itself
+                broken = True
+            if any_process(self.accelerator, broken):
+                self.ckpt.stop_broken(self.step - 1)
             k = len(completion_ids) // len(examples)
             mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
             completions = tasks.decode_completions(tokenizer, completion_ids, mask)
@@ -308,16 +313,19 @@ class Trainer:
 
     def end_step(self, step, metrics, rollout=None, rewards=None):
         """After the step's updates: the learning-rate schedules step (once per rollout batch, so
-        --warmup_steps counts steps in every script), the weights and logits are checked finite, the metrics
-        (with the engine's: sequences generated, completion length, phase times) are averaged over processes
-        and logged with two samples, a held-out evaluation runs when due, a checkpoint is written when due.
+        --warmup_steps counts steps in every script), the weights and logits are checked finite when a save
+        follows (a checkpoint, or the final model after the last step), the metrics (with the engine's:
+        sequences generated, completion length, phase times) are averaged over processes and logged with two
+        samples, a held-out evaluation runs when due, a checkpoint is written when due.
         Returns True when the run must stop (a signal arrived; the checkpoint is written)."""
         cfg, accelerator = self.cfg, self.accelerator
         for scheduler in self.schedulers:
             scheduler.step()
-        with self.timer("checks"):  # the update left finite weights, and finite logits on a training prompt
-            finite = run.finite_weights_and_logits(accelerator.unwrap_model(self.policy), self.tokenizer,
-                                                   self.probe_prompts)
+        finite = None  # no save follows: broken weights stop the next sampling, or the next loss
+        if self.ckpt.saves_after(step):  # the same on every rank: under ZeRO-3 the probe's forward is a collective
+            with self.timer("checks"):  # the update left finite weights, and finite logits on a training prompt
+                finite = run.finite_weights_and_logits(accelerator.unwrap_model(self.policy), self.tokenizer,
+                                                       self.probe_prompts)
         metrics = {**metrics, "train/generated": self.generated, **self.timer.metrics()}
         if hasattr(cfg, "rollout_lag"):  # the steps between the sampler's weights and the trainer's (group methods)
             metrics["train/staleness"] = step - self.past_weights[0][0] if self.past_weights else 0

@@ -56,7 +56,7 @@ CHECKPOINT_PREFIX, PARTIAL_PREFIX = "checkpoint-", "tmp-checkpoint-"
 # Under fp16 mixed precision a GradScaler multiplies the loss by a scale (2**16 at first) and halves it at
 # every overflow, skipping that step: a few skips are routine, this many in a row is a diverging run.
 MAX_SKIPPED_STEPS = 20
-PROBE_PROMPTS = 1  # training prompts whose logits are checked after every update (one finds an overflow)
+PROBE_PROMPTS = 1  # training prompts whose logits are checked before every save (one finds an overflow)
 
 
 def stop_if_any(accelerator, error):
@@ -204,7 +204,8 @@ class Checkpointer:
     and SHA-256, which a resume verifies first), written last.
     A checkpoint is written as tmp-checkpoint-N and renamed once every rank has finished, so a
     killed run never leaves a checkpoint-N that is half-written; only the newest
-    --save_total_limit are kept. Ctrl-C or SIGTERM saves, then stops.
+    --save_total_limit are kept. Ctrl-C or SIGTERM saves, then stops. No checkpoint and no final
+    model is written from weights or logits that are not finite: they are checked before each save.
 
         ckpt = Checkpointer(cfg, accelerator, sampler)
         start = ckpt.resume()                    # 0, or the step of --resume_from
@@ -212,13 +213,14 @@ class Checkpointer:
             ...
             ckpt.check_finite(step, loss, grad_norm, policy, tokenizer)  # before optimizer.step()
             ...
-            if ckpt.step_end(step, policy, tokenizer):   # saves every --save_steps
+            if ckpt.step_end(step, policy, tokenizer):   # checks and saves every --save_steps (checks at the last)
                 break                                    # a signal arrived: saved, stop
     """
 
     def __init__(self, cfg, accelerator, sampler):
         self.cfg, self.accelerator, self.sampler = cfg, accelerator, sampler
         self.stop_requested = False
+        self.stop_agreed = (None, False)  # (step, whether a signal arrived on any rank), from saves_after
         self.skipped_steps = 0  # fp16 loss-scale overflows in a row
         self.last_saved = None
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -289,7 +291,9 @@ class Checkpointer:
 
     def check_finite(self, step, loss, grad_norm, policy, tokenizer):
         """Call between clipping and optimizer.step(): a NaN/inf loss or gradient norm (on any rank)
-        saves the last good state (the weights before this update) and stops the run with a message.
+        saves the last good state (the weights before this update) and stops the run with a message;
+        unless those weights are themselves broken (the update of step - 1 broke them, and no save
+        followed it to check them): then the run stops as stop_broken(step - 1) says, saving nothing.
         Under fp16 loss scaling (accelerate's GradScaler, or DeepSpeed's own) an inf gradient norm is a
         loss-scale overflow that the optimizer step skips while lowering the scale: the run stops only
         after MAX_SKIPPED_STEPS in a row. A grad_norm of None (DeepSpeed reports none before its first
@@ -305,7 +309,10 @@ class Checkpointer:
             self.skipped_steps += 1
             if self.skipped_steps < MAX_SKIPPED_STEPS:
                 return
-        path = self._last_good(step - 1) or self.save(step - 1, policy, tokenizer)
+        path = self._last_good(step - 1)
+        if path is None:  # checked like every save: weights an earlier update broke are no good state
+            self._stop_if_broken(step - 1, policy, tokenizer)
+            path = self.save(step - 1, policy, tokenizer)
         norm = norm.tolist()  # PPO passes (policy, critic)
         if self.skipped_steps >= MAX_SKIPPED_STEPS:
             self.stop(f"error: {self.skipped_steps} steps in a row up to step {step} overflowed the fp16 loss "
@@ -335,23 +342,44 @@ class Checkpointer:
         self.stop(f"error: the update of step {step} made the policy's weights or logits non-finite (its loss and "
                   f"gradient norm were finite); {where}. Lower --learning_rate (or raise --warmup_steps).", agreed)
 
+    def saves_after(self, step):
+        """Whether a save follows this step, the same answer on every rank: a checkpoint every --save_steps
+        or when a signal arrived (on any rank: one all-reduce, whose answer step_end keeps), the final model
+        after the last step. The weights are checked before it (step_end)."""
+        requested = torch.tensor(float(self.stop_requested), device=self.accelerator.device)
+        self.stop_agreed = (step, bool(self.accelerator.reduce(requested, reduction="sum") > 0))
+        return self.stop_agreed[1] or self._checkpoint_due(step) or step == self.cfg.num_steps
+
+    def _checkpoint_due(self, step):
+        return bool(self.cfg.save_steps) and step % self.cfg.save_steps == 0
+
     def step_end(self, step, policy, tokenizer, finite=None):
-        """After the update, before the next sampling: stop if the weights or the logits are no longer
-        finite (`finite`: finite_weights_and_logits's verdict, computed here if not given; the newest
-        checkpoint is then the last good state); save when due or when a signal arrived (on any rank).
-        True means stop now."""
-        if finite is None:
-            prompts = [ex["prompt"] for ex in self.sampler.examples[:PROBE_PROMPTS]]
-            finite = finite_weights_and_logits(self.accelerator.unwrap_model(policy), tokenizer, prompts)
-        flags = torch.tensor([float(self.stop_requested), float(not finite)], device=self.accelerator.device)
-        stop, broken = (self.accelerator.reduce(flags, reduction="sum") > 0).tolist()
-        if broken:
-            self.stop_broken(step)
-        if stop or (self.cfg.save_steps and step % self.cfg.save_steps == 0):
+        """After the update, before the next sampling. When a save follows (saves_after): stop if the
+        weights or the logits are no longer finite (`finite`: finite_weights_and_logits's verdict, computed
+        here if not given), naming the newest checkpoint as the last good state; then write the checkpoint
+        when due or when a signal arrived (on any rank). Between saves nothing is checked here: sampling
+        from broken weights stops the run (the engine's generate), and so does a non-finite loss
+        (check_finite). True means stop now."""
+        if self.stop_agreed[0] != step:
+            self.saves_after(step)
+        stop, checkpoint = self.stop_agreed[1], self.stop_agreed[1] or self._checkpoint_due(step)
+        if checkpoint or step == self.cfg.num_steps:
+            self._stop_if_broken(step, policy, tokenizer, finite)
+        if checkpoint:
             path = self.save(step, policy, tokenizer)
             if self.accelerator.is_main_process:
                 tqdm.write(f"checkpoint: {path}")
         return stop
+
+    def _stop_if_broken(self, step, policy, tokenizer, finite=None):
+        """stop_broken(step) on every rank when the weights or logits are not finite on one of them
+        (`finite`: this rank's finite_weights_and_logits verdict, computed here if not given)."""
+        if finite is None:
+            prompts = [ex["prompt"] for ex in self.sampler.examples[:PROBE_PROMPTS]]
+            finite = finite_weights_and_logits(self.accelerator.unwrap_model(policy), tokenizer, prompts)
+        broken = torch.tensor(float(not finite), device=self.accelerator.device)
+        if self.accelerator.reduce(broken, reduction="sum") > 0:
+            self.stop_broken(step)
 
 
 def loss_scaling(accelerator):
@@ -366,14 +394,18 @@ def finite_weights_and_logits(model, tokenizer, prompts):
     propagates (a sum overflows only for weights near fp32's limit, as broken as an inf; one
     reduction costs a fraction of an elementwise isfinite). Weights of ~1e30 are finite, yet the
     logits overflow and sampling fails, hence the forward pass; it takes real prompts because a lone
-    EOS token can still give finite logits."""
+    EOS token can still give finite logits, and left-pads them by one more token, as sampling's batches
+    are padded: the weights AdamW leaves at --learning_rate 1e30 give NaN logits under a padding mask
+    and finite ones on an unpadded prompt."""
     with torch.no_grad():
         weights = [getattr(p, "ds_tensor", p).sum(dtype=torch.float32)
                    for p in model.parameters() if p.requires_grad]
         enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+        input_ids = torch.nn.functional.pad(enc["input_ids"], (1, 0), value=tokenizer.pad_token_id)
+        attention_mask = torch.nn.functional.pad(enc["attention_mask"], (1, 0), value=0)
         device = next(model.parameters()).device
         # the last position sees every earlier one, so its logits carry a NaN from anywhere in the prompt
-        logits = model(input_ids=enc["input_ids"].to(device), attention_mask=enc["attention_mask"].to(device),
+        logits = model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                        use_cache=False, logits_to_keep=1).logits
         return bool(torch.stack(weights).isfinite().all()) and bool(torch.isfinite(logits).all())
 

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
@@ -258,19 +259,84 @@ def test_non_finite_logits_after_an_update_stop_and_name_the_last_good_checkpoin
     ckpt = checkpointer(parts, tmp_path, save_steps=1)
     assert ckpt.step_end(1, policy, tokenizer) is False
     assert (tmp_path / "checkpoint-1").exists()
-    model = accelerator.unwrap_model(policy)
-    saved = {k: v.clone() for k, v in model.state_dict().items()}
-    with torch.no_grad():  # weights an update with a huge learning rate can leave: every one finite, yet the
-        mlp = model.model.layers[0].mlp  # MLP's activations overflow float32 (gate * up ~ 1e40): NaN logits
-        mlp.gate_proj.weight.mul_(1e20)
-        mlp.up_proj.weight.mul_(1e20)
-    try:
-        assert all(torch.isfinite(p).all() for p in model.parameters())
+    with broken_weights(accelerator.unwrap_model(policy)):
         with pytest.raises(SystemExit, match="step 2 made the policy's weights or logits non-finite.*checkpoint-1"):
             ckpt.step_end(2, policy, tokenizer)
+    assert not (tmp_path / "checkpoint-2").exists()  # the broken weights are not saved
+
+
+@contextmanager
+def broken_weights(model):
+    """The embedded policy's weights as an update with a huge learning rate can leave them, inside the block:
+    every one finite, yet the MLP's activations overflow float32 (gate * up ~ 1e40) and the logits are NaN."""
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    with torch.no_grad():
+        mlp = model.model.layers[0].mlp
+        mlp.gate_proj.weight.mul_(1e20)
+        mlp.up_proj.weight.mul_(1e20)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    try:
+        yield
     finally:
         model.load_state_dict(saved)
-    assert not (tmp_path / "checkpoint-2").exists()  # the broken weights are not saved
+
+
+@contextmanager
+def counted_forwards(model):
+    """The list that gets one entry per forward call of the model inside the block."""
+    calls = []
+    handle = model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    try:
+        yield calls
+    finally:
+        handle.remove()
+
+
+def test_weights_are_checked_only_before_a_save(parts, tmp_path):
+    """The probe (a forward pass over a training prompt) runs at the steps a checkpoint follows, and at the
+    last step (the final model follows); at the others step_end runs no forward pass and saves nothing.
+    Broken weights are then found by the next sampling or the next loss."""
+    accelerator, policy, tokenizer, _ = parts
+    model = accelerator.unwrap_model(policy)
+    ckpt = checkpointer(parts, tmp_path, save_steps=2, num_steps=5)
+    with counted_forwards(model) as forwards:
+        assert ckpt.step_end(1, policy, tokenizer) is False
+        assert forwards == [] and not list(tmp_path.iterdir())
+        assert ckpt.step_end(2, policy, tokenizer) is False
+        assert len(forwards) == 1 and (tmp_path / "checkpoint-2").exists()
+        with broken_weights(model):  # between saves nothing looks at the weights
+            assert ckpt.step_end(3, policy, tokenizer) is False
+        assert len(forwards) == 1 and sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2"]
+        assert ckpt.step_end(5, policy, tokenizer) is False  # the last step: checked, no checkpoint
+        assert len(forwards) == 2 and sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2"]
+
+
+def test_broken_weights_at_the_last_step_stop_the_run_before_the_final_model(parts, tmp_path):
+    """No checkpoint is due at the last step, yet the final model follows it: broken weights stop the run
+    there (the final model is never written) and nothing is saved."""
+    accelerator, policy, tokenizer, _ = parts
+    ckpt = checkpointer(parts, tmp_path, num_steps=3)
+    with broken_weights(accelerator.unwrap_model(policy)):
+        with pytest.raises(SystemExit, match="step 3 made the policy's weights or logits non-finite.*no checkpoint "
+                                             "was saved before it"):
+            ckpt.step_end(3, policy, tokenizer)
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_non_finite_loss_after_an_unchecked_broken_update_saves_nothing(parts, tmp_path):
+    """A NaN loss at step 4 saves the weights before its update as the last good state, unless the update of
+    step 3 (after which no save checked them) broke them: then nothing is saved and the error names the
+    newest checkpoint before it, as for broken weights found anywhere else."""
+    accelerator, policy, tokenizer, _ = parts
+    ckpt = checkpointer(parts, tmp_path, save_steps=2)
+    assert ckpt.step_end(2, policy, tokenizer) is False
+    assert ckpt.step_end(3, policy, tokenizer) is False
+    with broken_weights(accelerator.unwrap_model(policy)):
+        with pytest.raises(SystemExit, match="step 3 made the policy's weights or logits non-finite.*checkpoint-2"):
+            ckpt.check_finite(4, torch.tensor(float("nan")), torch.tensor(1.0), policy, tokenizer)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2"]
+    with pytest.raises(SystemExit, match="non-finite loss.*the last good state is in .*checkpoint-3"):
+        ckpt.check_finite(4, torch.tensor(float("nan")), torch.tensor(1.0), policy, tokenizer)  # sound weights
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])

@@ -104,17 +104,22 @@ def test_no_answers_without_reward_model_is_refused(tmp_path):
         config.parse_config(importlib.import_module("remax").Config, ["--dataset", str(path), "--answer_column", ""])
 
 
-def test_a_learning_rate_that_breaks_the_weights_stops_with_an_error(tmp_path):
+@pytest.mark.parametrize("save_steps", ["1", "0"], ids=["checked_before_the_save", "found_by_the_next_sampling"])
+def test_a_learning_rate_that_breaks_the_weights_stops_with_an_error(tmp_path, save_steps):
     """AdamW moves every weight by about --learning_rate: 1e30 leaves finite weights whose logits
-    overflow, which sampling would meet as a RuntimeError. Every reward is non-zero but for a wrong
-    add_3x3 answer (--reward_scales hetero, no baseline), so the first update has a gradient: with
-    0/1 rewards and the greedy baseline every advantage of a small batch can be 0, and a zero
-    gradient moves no weight at any learning rate."""
+    overflow. With a checkpoint due after the update the check before the save finds them; without one
+    (and 3 steps before the last) the next sampling meets them, as a RuntimeError. Either way the run
+    stops with the same error line and saves nothing. Every reward is non-zero but for a wrong add_3x3
+    answer (--reward_scales hetero, no baseline), so the first update has a gradient: with 0/1 rewards and
+    the greedy baseline every advantage of a small batch can be 0, and a zero gradient moves no weight at
+    any learning rate."""
     out = run(["--learning_rate", "1e30", "--num_steps", "4", "--batch_size", "4", "--max_new_tokens", "4",
-               "--reward_scales", "hetero", "--baseline", "none", "--eval_every", "100000", "--save_steps", "1",
-               "--save_model", "False"], tmp_path, env={"OMP_NUM_THREADS": "1"})
+               "--reward_scales", "hetero", "--baseline", "none", "--eval_every", "100000", "--save_steps",
+               save_steps, "--save_model", "False"], tmp_path, env={"OMP_NUM_THREADS": "1"})
     assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
-    assert "made the policy's weights or logits non-finite" in out.stderr and "--learning_rate" in out.stderr
+    assert ("error: the update of step 1 made the policy's weights or logits non-finite (its loss and gradient "
+            "norm were finite); no checkpoint was saved before it") in out.stderr and "--learning_rate" in out.stderr
+    assert not [p for p in (tmp_path / "run").iterdir() if "checkpoint" in p.name]
 
 
 DEEPSPEED_ZERO3 = {  # what `accelerate launch --config_file configs/zero3.yaml` sets, on CPU
