@@ -114,6 +114,25 @@ def test_fast_logprobs_under_gradient_checkpointing_equal_the_definition(name):
     assert rows_per_pass == [input_ids.shape, input_ids.shape]  # fast, then the definition
 
 
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode])
+@pytest.mark.parametrize("name", ["embedded", "llama"])
+def test_fast_logprobs_without_gradients_share_the_prompt_under_gradient_checkpointing(name, mode):
+    """Checkpointed layers keep the cache where no gradient is recorded (the scoring passes): the fast path
+    then runs a group's prompt once, as without checkpointing, with the definition's values."""
+    model = load_model(name)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    rows_per_pass = []
+    model.register_forward_pre_hook(lambda module, args, kwargs: rows_per_pass.append(kwargs["input_ids"].shape),
+                                    with_kwargs=True)
+    input_ids, attention_mask = batch(shared=True)
+    with mode():
+        logp = fast.token_logprobs(model, input_ids, attention_mask, C, 0.7, top_k=5)
+        spec_logp = common.token_logprobs(model, input_ids, attention_mask, C, 0.7, top_k=5)
+    assert rows_per_pass == [(4, 4), (7, C), input_ids.shape]  # fast (the prompts, then the rows), definition
+    torch.testing.assert_close(logp, spec_logp, rtol=0, atol=1e-5)
+
+
 def test_a_groups_prompt_runs_once_then_every_row_continues_it():
     """Groups of 3, 1, 2 and 1 rows: one pass over 4 prompts (all tokens but the last), then one over the
     7 rows' last prompt token and completion but its last token."""
