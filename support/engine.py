@@ -175,6 +175,10 @@ class Trainer:
         # --rollout_lag k: (step, trainable weights) at the start of the last k + 1 steps; the oldest samples
         self.past_weights = collections.deque(maxlen=getattr(cfg, "rollout_lag", 0) + 1)
         self.probe_prompts = [ex["prompt"] for ex in sampler.examples[:run.PROBE_PROMPTS]]
+        # sampling and scoring record no gradient: inference mode is cheaper than no_grad (their outputs are
+        # cloned into ordinary tensors before a loss reads them). Not under DeepSpeed: ZeRO-3 gathers weights
+        # inside these passes, and one it keeps gathered must not become an inference tensor.
+        self.inference = torch.no_grad if accelerator.state.deepspeed_plugin is not None else torch.inference_mode
 
     def steps(self):
         """The step numbers still to run, with a progress bar on the main process."""
@@ -204,8 +208,10 @@ class Trainer:
             # run.Checkpointer.step_end). Every rank stops, those whose own prompts still sampled too.
             broken = False
             try:
-                completion_ids = fast.generate(model, tokenizer, prompt_ids, prompt_mask, cfg,
-                                               num_samples=num_samples, greedy=greedy)
+                with self.inference():
+                    completion_ids = fast.generate(model, tokenizer, prompt_ids, prompt_mask, cfg,
+                                                   num_samples=num_samples, greedy=greedy)
+                completion_ids = completion_ids.clone()  # an ordinary tensor: the loss's input
             except RuntimeError as e:
                 if "probability tensor" not in str(e):
                     raise
@@ -244,7 +250,6 @@ class Trainer:
         rollout = Rollout.cat([rollout for rollout, _, _ in kept], self.tokenizer.pad_token_id, limit=n)
         return rollout, torch.cat([r for _, r, _ in kept])[:n], torch.cat([c for _, _, c in kept])[:n]
 
-    @torch.no_grad()
     def logprobs(self, model, rollout, sampling_mask=True):
         """(B, T) log-probs of the rollout's completions under `model` (None gives None), in micro-batches,
         at the sampling temperature, and (sampling_mask) on the truncated distribution that was sampled."""
@@ -253,17 +258,20 @@ class Trainer:
         cfg, input_ids, attention_mask = self.cfg, rollout.input_ids, rollout.attention_mask
         sampling = {"top_k": cfg.top_k, "top_p": cfg.top_p} if sampling_mask else {}
         with self.timer("scoring"):
-            return torch.cat([fast.token_logprobs(model, input_ids[mb], attention_mask[mb], rollout.mask.shape[1],
-                                                  cfg.temperature, **sampling)
-                              for mb in common.micro_batches(len(rollout), cfg.micro_batch_size)])
+            with self.inference():
+                logp = torch.cat([fast.token_logprobs(model, input_ids[mb], attention_mask[mb], rollout.mask.shape[1],
+                                                      cfg.temperature, **sampling)
+                                  for mb in common.micro_batches(len(rollout), cfg.micro_batch_size)])
+            return logp.clone()  # an ordinary tensor, which the loss may keep for its backward
 
-    @torch.no_grad()
     def values(self, critic, rollout):
         """(B, T) values of the critic (PPO's ValueModel) before each completion token, in micro-batches."""
         input_ids, attention_mask = rollout.input_ids, rollout.attention_mask
         with self.timer("scoring"):
-            return torch.cat([critic(input_ids[mb], attention_mask[mb], rollout.mask.shape[1])
-                              for mb in common.micro_batches(len(rollout), self.cfg.micro_batch_size)])
+            with self.inference():
+                values = torch.cat([critic(input_ids[mb], attention_mask[mb], rollout.mask.shape[1])
+                                    for mb in common.micro_batches(len(rollout), self.cfg.micro_batch_size)])
+            return values.clone()  # an ordinary tensor, which the loss may keep for its backward
 
     def update(self, loss_fn, rollout, loss_agg, rows=None, **batch):
         """One optimizer step on the loss `loss_fn(logp, **batch) -> (loss, stats)`, written for the whole
