@@ -132,24 +132,34 @@ DEEPSPEED_ZERO3 = {  # what `accelerate launch --config_file configs/zero3.yaml`
                                    "gradient_accumulation_steps,gradient_clipping,zero3_init_flag,zero3_save_16bit_model"}
 
 
+TWO_PROCESS_FAILURES = {  # what breaks at step 1: (flags, the start of the error line)
+    "non_finite_loss": (["--reward_fn", "{tmp_path}/huge.py:huge", "--baseline", "none", "--adv_clip", "0"],
+                        "error: non-finite loss"),
+    "broken_weights": (["--learning_rate", "1e30", "--reward_scales", "hetero", "--baseline", "none"],
+                       "error: the update of step 1 made the policy's weights or logits non-finite")}
+
+
+@pytest.mark.parametrize("failure", list(TWO_PROCESS_FAILURES))
 @pytest.mark.parametrize("backend", ["ddp", "zero3"])
-def test_a_non_finite_loss_ends_every_rank_of_a_two_process_run_with_exit_code_1(tmp_path, backend):
-    """Rewards of 3e38 with no baseline and no advantage clip overflow the loss at step 1: every rank stops
-    with exit code 1, and the main process prints the error line (once: the ranks agree on it). Under ZeRO-3 a rank that left the interpreter with its process
-    group open could end by SIGABRT ("terminate called without an active exception", exit code -6);
-    config.make_accelerator closes it at exit. The two ranks are started as torchrun starts them (its
-    environment variables), not under a launcher: a launcher stops the other ranks (SIGTERM) as soon as
-    one has failed, which hides the exit code each would have had."""
+def test_a_failure_ends_every_rank_of_a_two_process_run_with_exit_code_1(tmp_path, backend, failure):
+    """Rewards of 3e38 with no baseline and no advantage clip overflow the loss at step 1; a learning rate of
+    1e30 breaks the weights at step 1, which the sampling of step 2 meets on every rank. Either way every rank
+    stops with exit code 1, and the main process prints the error line (once: the ranks agree on it). Under
+    ZeRO-3 a rank that left the interpreter with its process group open could end by SIGABRT ("terminate
+    called without an active exception", exit code -6); config.make_accelerator closes it at exit. The two
+    ranks are started as torchrun starts them (its environment variables), not under a launcher: a launcher
+    stops the other ranks (SIGTERM) as soon as one has failed, which hides the exit code each would have had."""
     if backend == "zero3":
         pytest.importorskip("deepspeed")
-    rewards = tmp_path / "huge.py"
-    rewards.write_text("def huge(prompts, completions, **columns):\n    return [3e38] * len(completions)\n")
+    (tmp_path / "huge.py").write_text("def huge(prompts, completions, **columns):\n"
+                                      "    return [3e38] * len(completions)\n")
+    flags, error = TWO_PROCESS_FAILURES[failure]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
            "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", **(DEEPSPEED_ZERO3 if backend == "zero3" else {})}
-    cmd = [sys.executable, "remax.py", "--reward_fn", f"{rewards}:huge", "--baseline", "none", "--adv_clip", "0",
+    cmd = [sys.executable, "remax.py", *[flag.format(tmp_path=tmp_path) for flag in flags],
            "--num_steps", "3", "--batch_size", "4", "--max_new_tokens", "4", "--eval_every", "100000",
            "--save_model", "False", "--output_dir", str(tmp_path / "run")]
     logs = [open(tmp_path / f"rank{rank}.err", "w+") for rank in (0, 1)]
@@ -160,5 +170,5 @@ def test_a_non_finite_loss_ends_every_rank_of_a_two_process_run_with_exit_code_1
     assert codes == [1, 1], [err[-2000:] for err in errs]
     for err in errs:
         assert "Traceback" not in err and "terminate called" not in err, err[-3000:]
-    assert errs[0].strip().splitlines()[-1].startswith("error: non-finite loss"), errs[0][-3000:]
+    assert errs[0].strip().splitlines()[-1].startswith(error), errs[0][-3000:]
     assert "error:" not in errs[1], errs[1][-3000:]
