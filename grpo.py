@@ -111,8 +111,8 @@ def grpo_loss(logp, old_logp, ref_logp, adv, mask, epsilon, beta, loss_agg="seq-
         loss = common.aggregate_loss(-surrogate + beta * kl, mask, loss_agg, max_len)
     with torch.no_grad():
         def clipped(flag):  # the fraction of tokens, or (GSPO) of sequences: each one's tokens agree
-            return common.masked_mean(flag.float(), mask, dim=1).mean() if sequence else \
-                common.masked_mean(flag.float(), mask)
+            flag = flag.float()
+            return common.masked_mean(flag, mask, dim=1).mean() if sequence else common.masked_mean(flag, mask)
         stats = {
             "clip_frac_low": clipped((ratio < 1 - epsilon) & (adv < 0)),
             "clip_frac_high": clipped((ratio > 1 + epsilon_high) & (adv > 0)),
