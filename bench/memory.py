@@ -36,7 +36,6 @@ place of VmHWM.
     python bench/memory.py --model embedded --batch_sizes 4 8 --micro_batch_size 2 --max_new_tokens 4 --out /tmp/m.md
 """
 import argparse
-import copy
 import importlib.util
 import json
 import os
@@ -109,8 +108,8 @@ def read_weights(models):
 
 def run_child(script, result_path, script_args):
     import torch
-    from transformers import GenerationMixin
 
+    import common
     from support import run, tasks
 
     loaded, optimizers = record_models_and_optimizers()
@@ -148,17 +147,17 @@ def run_child(script, result_path, script_args):
         record_between_phases()
         return finish(logger, model)
 
-    generate = GenerationMixin.generate
+    generation_config = common.generation_config
 
-    def generate_full_length(self, *args, generation_config, **kwargs):
-        generation_config = copy.copy(generation_config)
-        generation_config.min_new_tokens = generation_config.max_new_tokens  # EOS held back until then
-        return generate(self, *args, generation_config=generation_config, **kwargs)
+    def generation_config_full_length(*args, **kwargs):  # what common.generate and fast.generate sample with
+        gen = generation_config(*args, **kwargs)
+        gen.min_new_tokens = gen.max_new_tokens  # EOS held back until then
+        return gen
 
     tasks.PromptSampler.next = next_batch_measured
     run.StepTimer.__call__ = timed_phase_measured
     run.MetricLogger.finish = finish_measured
-    GenerationMixin.generate = generate_full_length
+    common.generation_config = generation_config_full_length
     tasks.evaluate = lambda *args, **kwargs: {"eval/accuracy": float("nan")}
 
     spec = importlib.util.spec_from_file_location(Path(script).stem, script)

@@ -6,6 +6,10 @@ draws from the same seed) by tests/test_fast.py. Read the spec; this is how it i
   (`shared_prompt_cache`), for about 1 / G of the prompts' work in scoring and in sampling;
 - only the completion's logits are computed, and the log-softmax is taken a chunk of rows at a time
   as gather - logsumexp, so no (B, T, V) log-softmax copy is ever materialised;
+- sampling is a decode loop of its own (`decode`): the steps of transformers' generate for exactly the
+  sampler's settings, in which a row that has emitted EOS leaves the batch, so the later steps run only
+  the rows still going (about a third fewer row-steps when completions end at different lengths), with
+  the same draws, since one draw is still made for every row;
 - under DeepSpeed ZeRO-3 the weights are gathered once for a whole generate call, not once per token
   (`models.gathered_parameters`).
 """
@@ -89,11 +93,57 @@ def token_logprobs(model, input_ids, attention_mask, num_completion_tokens, temp
 
 
 @torch.no_grad()
-def generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=1, greedy=False):
+def decode(model, input_ids, attention_mask, cache, gen, scores=None):
+    """The steps of transformers' generate (its `_sample`) for a GenerationConfig `gen` of common.generation_config:
+    the last position's fp32 logits, EOS held back for gen.min_new_tokens, temperature, top-k, top-p
+    (common.sampling_mask), one multinomial draw per row (greedy: argmax), until every row has emitted EOS or
+    max_new_tokens. `cache` holds every prompt token but the last (None: the whole prompt runs first).
+    A row that emitted EOS leaves the batch, its keys and values with it. Its draw is still made, from a
+    placeholder distribution, and discarded: the random stream, and so every other row's draw, is generate's.
+    Returns (B, C) completion ids, padded after EOS; `scores`, a list, receives (step, rows, processed scores)."""
+    position_ids = common.position_ids_from_mask(attention_mask)
+    tokens = torch.full((len(input_ids), gen.max_new_tokens), gen.pad_token_id, dtype=input_ids.dtype,
+                        device=input_ids.device)
+    rows = torch.arange(len(input_ids), device=input_ids.device)  # the rows still going
+    inputs, positions = (input_ids[:, -1:], position_ids[:, -1:]) if cache is not None else (input_ids, position_ids)
+    for t in range(gen.max_new_tokens):
+        out = model(input_ids=inputs, attention_mask=attention_mask, position_ids=positions, cache=cache,
+                    use_cache=True, logits_to_keep=1)
+        cache, logits = out.cache, out.logits[:, -1].float()
+        if t < (gen.min_new_tokens or 0):
+            logits[:, gen.eos_token_id] = float("-inf")
+        if gen.do_sample:
+            logits = common.sampling_mask(logits / gen.temperature, gen.top_k or 0, gen.top_p)
+            probs = torch.softmax(logits, dim=-1)
+            if len(rows) < len(tokens):  # a finished row draws from a placeholder (its pad token), discarded
+                placeholder = torch.zeros(len(tokens), probs.shape[-1], device=probs.device)
+                placeholder[:, gen.pad_token_id] = 1.0
+                probs = placeholder.index_copy(0, rows, probs)
+            token = torch.multinomial(probs, num_samples=1).squeeze(1)[rows]
+        else:
+            token = logits.argmax(dim=-1)
+        if scores is not None:
+            scores.append((t, rows, logits))
+        tokens[rows, t] = token
+        going = token != gen.eos_token_id
+        if not going.any():
+            return tokens[:, :t + 1]
+        if not going.all():  # the finished rows leave the batch
+            keep = going.nonzero().squeeze(1)
+            cache.reorder_cache(keep)
+            rows, token, attention_mask, positions = rows[keep], token[keep], attention_mask[keep], positions[keep]
+        inputs, positions = token[:, None], positions[:, -1:] + 1
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(attention_mask), 1)], dim=1)
+    return tokens
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=1, greedy=False, scores=None):
     """common.generate, with each prompt run once for its samples (`shared_prompt_cache`), which then
-    continue it from copies of its keys and values: the same draws as generate's own
-    num_return_sequences, without K passes over the prompt. Under ZeRO-3 the weights are gathered once
-    for the whole call. Returns completion ids (B * num_samples, C), each prompt's samples adjacent."""
+    continue it from copies of its keys and values in `decode`: the same draws as generate's own
+    num_return_sequences, without K passes over the prompt and without the rows that have ended. Under
+    ZeRO-3 the weights are gathered once for the whole call. Returns completion ids (B * num_samples, C),
+    each prompt's samples adjacent (`scores`: see `decode`, one list entry per step of each call)."""
     num_samples = 1 if greedy else num_samples
     gen = common.generation_config(tokenizer, cfg, greedy)  # one sequence per row: the rows are the K copies
     n = max(1, cfg.generation_batch_size // num_samples) if cfg.generation_batch_size else len(prompt_ids)
@@ -103,6 +153,5 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=1, gree
             ids, mask = prompt_ids[i:i + n], prompt_mask[i:i + n]
             rows = torch.arange(len(ids), device=ids.device).repeat_interleave(num_samples)  # K adjacent
             cache = shared_prompt_cache(model, ids, mask, rows) if ids.shape[1] > 1 else None
-            out = model.generate(input_ids=ids[rows], attention_mask=mask[rows], cache=cache, generation_config=gen)
-            chunks.append(out[:, ids.shape[1]:])
+            chunks.append(decode(model, ids[rows], mask[rows], cache, gen, scores))
     return common.pad_completions(chunks, tokenizer.pad_token_id)

@@ -186,22 +186,34 @@ def capture_scores(model):
                          ids=["one_call", "calls_of_8", "untruncated"])
 def test_fast_generate_draws_what_the_definition_draws(cfg):
     """From the same seed, fast.generate (each prompt once, its K samples continuing copies of its keys and
-    values) gives common.generate's draws (num_return_sequences: the prompt K times) exactly, and the same
-    processed scores to 1e-5: row i continues prompt i // K, at its positions."""
+    values, the rows that have ended leaving the batch) gives common.generate's draws (num_return_sequences:
+    the prompt K times, every row to the end) exactly, uses up the same random stream, and gives the same
+    processed scores to 1e-5 for the rows still going: row i continues prompt i // K, at its positions."""
     model, tokenizer, prompt_ids, prompt_mask = load()
     assert prompt_mask.sum(1).unique().numel() > 1  # left padding of more than one width
-    captured = capture_scores(model)
     torch.manual_seed(0)
-    drawn = fast.generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=4)
-    fast_scores = list(captured)  # one (rows, C, V) per generate call
-    captured.clear()
+    fast_scores = []  # (step, rows still going, their processed scores), call after call
+    drawn = fast.generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=4, scores=fast_scores)
+    after_fast = torch.rand(4)
+    captured = capture_scores(model)
     torch.manual_seed(0)
     spec = common.generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=4)
     assert drawn.shape[0] == 16 and len(set(map(tuple, drawn.tolist()))) > 4  # samples differ within groups
     assert torch.equal(drawn, spec)
-    assert len(fast_scores) == len(captured) == (2 if cfg.generation_batch_size else 1)
-    for scores, spec_scores in zip(fast_scores, captured):
-        torch.testing.assert_close(scores, spec_scores, rtol=0, atol=1e-5)
+    assert torch.equal(after_fast, torch.rand(4))  # the same random stream used up: later draws agree too
+    assert len(captured) == (2 if cfg.generation_batch_size else 1)
+    calls = [[]]  # fast_scores split by generate call: a step number that does not grow starts the next call
+    for step, rows, scores in fast_scores:
+        if calls[-1] and step <= calls[-1][-1][0]:
+            calls.append([])
+        calls[-1].append((step, rows, scores))
+    assert len(calls) == len(captured)
+    # in some call, rows had ended and left the batch before its last step
+    assert any(len(call[-1][1]) < len(spec_scores) for call, spec_scores in zip(calls, captured))
+    for call, spec_scores in zip(calls, captured):  # spec_scores (rows, C, V)
+        assert [step for step, _, _ in call] == list(range(spec_scores.shape[1]))
+        for step, rows, scores in call:
+            torch.testing.assert_close(scores, spec_scores[rows, step], rtol=0, atol=1e-5)
 
 
 def test_fast_generate_greedy_and_one_token_prompts_equal_the_definition():

@@ -65,16 +65,16 @@ def test_the_checkpoints_generation_config_does_not_change_the_samples(path):
 @PATHS
 @pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (5, 1.0), (0, 0.8), (6, 0.9)])
 def test_the_samplers_processed_scores_are_the_scored_logprobs(path, top_k, top_p):
-    """generate's own processed scores (output_scores: logits after temperature, top-k and top-p), as
-    log-probs of the sampled tokens, equal token_logprobs at the sampling temperature with the same
-    truncation, to 1e-5 in fp32, with a hostile checkpoint generation config on the model."""
+    """The sampler's own processed scores (logits after temperature, top-k and top-p: generate's output_scores,
+    or fast.decode's), as log-probs of the sampled tokens, equal token_logprobs at the sampling temperature with
+    the same truncation, to 1e-5 in fp32, with a hostile checkpoint generation config on the model."""
     model, tokenizer, prompt_ids, prompt_mask = load()
     make_hostile(model)
     cfg = Sampling(top_k=top_k, top_p=top_p)
     captured = {}
     hf_generate = model.generate
 
-    def generate_with_scores(**kwargs):  # the call path.generate makes, asked for its scores too
+    def generate_with_scores(**kwargs):  # the call common.generate makes, asked for its scores too
         kwargs["generation_config"].output_scores = True
         kwargs["generation_config"].return_dict_in_generate = True
         out = hf_generate(**kwargs)
@@ -82,7 +82,15 @@ def test_the_samplers_processed_scores_are_the_scored_logprobs(path, top_k, top_
         return out.sequences
 
     model.generate = generate_with_scores
-    completion_ids = sample(path, model, tokenizer, prompt_ids, prompt_mask, cfg)
+    if path is fast:  # its own decode loop hands out its scores: (step, rows still going, their scores)
+        steps = []
+        torch.manual_seed(0)
+        completion_ids = fast.generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=4, scores=steps)
+        captured["scores"] = torch.zeros(*completion_ids.shape, steps[0][2].shape[-1])  # ended rows: never read
+        for step, rows, scores in steps:
+            captured["scores"][rows, step] = scores
+    else:
+        completion_ids = sample(path, model, tokenizer, prompt_ids, prompt_mask, cfg)
     mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
     sampler_logp = torch.log_softmax(captured["scores"].float(), -1).gather(-1, completion_ids[..., None])[..., 0]
     prompt_ids, prompt_mask = prompt_ids.repeat_interleave(4, 0), prompt_mask.repeat_interleave(4, 0)
