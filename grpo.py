@@ -6,7 +6,7 @@ so no value model and no greedy decode. The price is G generations per prompt.
 The reward of response i is standardised within its group and broadcast to its tokens, in the PPO clipped
 surrogate plus a k3 KL term to the frozen reference (rho_t = pi_theta / pi_old):
 
-    A_i = (r_i - mean(r)) / (std(r) + eps),   -min(rho_t A_i, clip(rho_t, 1 - eps, 1 + eps) A_i) + beta k3_t
+    A_i = (r_i - mean(r)) / (std(r) + eps),   -min(rho_t A_i, clip(rho_t, 1 - epsilon, 1 + epsilon) A_i) + beta k3_t
 
 With one update per batch rho = 1 and the clip is inert: REINFORCE with the group baseline; with mu > 1 updates
 the batch is reused. Dividing by the std weighs each prompt by its difficulty (a bias: Dr. GRPO drops it). GSPO
