@@ -25,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.stability import mean_std, run_cached  # noqa: E402
+from bench.stability import mean_std, run_cached, write_results  # noqa: E402
 from support import run  # noqa: E402
 
 VARIANTS = {  # folder name -> (table name, extra grpo.py arguments); EPOCHS stands for --num_epochs
@@ -115,10 +115,7 @@ def main():
                       "approx KL, grad norm and train accuracy: means over every step, of the last update of each "
                       "batch)", "",
                       *table(results, args.num_epochs), "", *curve_table(results, args.num_epochs), ""])
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "results.md").write_text(text)
-    (Path(args.out) / "results.json").write_text(json.dumps(results, indent=1))
-    print(text)
+    write_results(args.out, text, results)
 
 
 if __name__ == "__main__":

@@ -99,6 +99,14 @@ def mean_std(values, fmt):
     return f"{format(statistics.mean(values), fmt)} ± {format(statistics.stdev(values), fmt)}"
 
 
+def write_results(out, text, results):
+    """out/results.md (the table, also printed) and out/results.json (every run's numbers)."""
+    Path(out).mkdir(parents=True, exist_ok=True)
+    (Path(out) / "results.md").write_text(text)
+    (Path(out) / "results.json").write_text(json.dumps(results, indent=1))
+    print(text)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=200, help="grpo.py --num_steps of every run.")
@@ -136,10 +144,7 @@ def main():
     text = "\n".join([f"`{command}` ({len(args.seeds)} seeds, {args.steps} steps each; mean ± std over seeds; train "
                       "accuracy: the sampled completions' over every step; ratios and the max grad norm: the extremes "
                       "over every step; times: medians)", "", *lines, ""])
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "results.md").write_text(text)
-    (Path(args.out) / "results.json").write_text(json.dumps(results, indent=1))
-    print(text)
+    write_results(args.out, text, results)
 
 
 if __name__ == "__main__":

@@ -8,8 +8,8 @@ draws from the same seed) by tests/test_fast.py. Read the spec; this is how it i
   as gather - logsumexp, so no (B, T, V) log-softmax copy is ever materialised;
 - sampling is a decode loop of its own (`decode`): the steps of transformers' generate for exactly the
   sampler's settings, in which a row that has emitted EOS leaves the batch, so the later steps run only
-  the rows still going (about a third fewer row-steps when completions end at different lengths), with
-  the same draws, since one draw is still made for every row;
+  the rows still going (fewer row-steps whenever completions end at different lengths), with the same
+  draws, since one draw is still made for every row;
 - under DeepSpeed ZeRO-3 the weights are gathered once for a whole generate call, not once per token
   (`models.gathered_parameters`).
 """
