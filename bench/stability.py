@@ -100,7 +100,7 @@ def mean_std(values, fmt):
 
 
 def write_results(out, text, results):
-    """out/results.md (the table, also printed) and out/results.json (every run's numbers)."""
+    """Writes results.md (the table, also printed) and results.json (every run's numbers) into out."""
     Path(out).mkdir(parents=True, exist_ok=True)
     (Path(out) / "results.md").write_text(text)
     (Path(out) / "results.json").write_text(json.dumps(results, indent=1))
