@@ -19,6 +19,26 @@ def assert_params_changed(final_dir):
     assert max((a - b).abs().max().item() for a, b in zip(trained.parameters(), start.parameters())) > 0
 
 
+def free_port():
+    """A port no process listens on now, for a launch that runs beside another."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_together(cmds, env):
+    """Start independent runs at once, so that single-threaded runs use every core, and wait for all.
+    Returns their CompletedProcess objects in the order given."""
+    import subprocess
+
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for cmd in cmds]
+    outputs = [proc.communicate() for proc in procs]
+    return [subprocess.CompletedProcess(proc.args, proc.returncode, *out) for proc, out in zip(procs, outputs)]
+
+
 def launch_two_processes(script, args, out_dir):
     """`accelerate launch --multi_gpu --num_processes 2 script args` on CPU (gloo): asserts the run
     succeeds with 2 ranks whose final weights are identical and changed. Returns the process.
@@ -27,8 +47,8 @@ def launch_two_processes(script, args, out_dir):
     import json
     import subprocess
 
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", script,
-           *args, "--output_dir", str(out_dir)]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--main_process_port", str(free_port()), script, *args, "--output_dir", str(out_dir)]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads((Path(out_dir) / "summary.json").read_text())

@@ -10,7 +10,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_gspo_benchmark_smoke_run_prints_one_row_per_variant(tmp_path):
     cmd = [sys.executable, "bench/gspo.py", "--seeds", "0", "--num_steps", "2", "--num_epochs", "2",
-           "--batch_size", "16", "--out", str(tmp_path)]
+           "--batch_size", "16", "--jobs", "2", "--out", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line]

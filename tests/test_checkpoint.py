@@ -6,9 +6,9 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
+import tempfile
 import time
 from contextlib import contextmanager
 from types import SimpleNamespace
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from support import config, models, run, tasks
-from conftest import ROOT
+from conftest import ROOT, free_port
 
 CHAOS_ARGS = ["--num_steps", "6", "--batch_size", "2", "--max_new_tokens", "4", "--eval_every", "100000",
               "--save_steps", "1", "--save_model", "False"]
@@ -42,10 +42,14 @@ def progressed(path, since, step):
         return False
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+@contextmanager
+def uninterrupted(cmd):
+    """Runs cmd to the end while the block runs, and checks that it succeeded."""
+    with tempfile.TemporaryFile("w+") as err:  # a file, not a pipe nobody reads while the block runs
+        with subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL, stderr=err) as proc:
+            yield
+        err.seek(0)
+        assert proc.returncode == 0, err.read()[-3000:]
 
 
 def chaos(cmd, out_dir, kills, seed):
@@ -83,11 +87,9 @@ def chaos(cmd, out_dir, kills, seed):
 
 def test_runs_killed_at_random_moments_resume_to_the_uninterrupted_metrics(tmp_path):
     cmd = [sys.executable, "remax.py", *CHAOS_ARGS]
-    full = subprocess.run(cmd + ["--output_dir", str(tmp_path / "full")], cwd=ROOT, env=ENV, capture_output=True,
-                          text=True)
-    assert full.returncode == 0, full.stderr[-3000:]
-    slow = [sys.executable, SLOW_CHECKPOINTS, "remax.py", *CHAOS_ARGS]
-    partial_left = chaos(slow + ["--output_dir", str(tmp_path / "chaos")], tmp_path / "chaos", kills=3, seed=0)
+    with uninterrupted(cmd + ["--output_dir", str(tmp_path / "full")]):  # runs beside the killed ones
+        slow = [sys.executable, SLOW_CHECKPOINTS, "remax.py", *CHAOS_ARGS]
+        partial_left = chaos(slow + ["--output_dir", str(tmp_path / "chaos")], tmp_path / "chaos", kills=3, seed=0)
     assert partial_left[0] >= 1  # the kill inside a save left a tmp-checkpoint-N that the resume skipped
     expected = comparable(run.read_metrics(tmp_path / "full" / "metrics.jsonl"))
     assert [r["step"] for r in expected] == list(range(7))
@@ -103,9 +105,8 @@ def test_two_process_run_killed_and_resumed_matches_the_uninterrupted_one(tmp_pa
                 "--main_process_port", str(free_port()), *script, *CHAOS_ARGS, "--num_steps", "3",
                 "--output_dir", str(out_dir)]
 
-    full = subprocess.run(launch(tmp_path / "full", "remax.py"), cwd=ROOT, env=ENV, capture_output=True, text=True)
-    assert full.returncode == 0, full.stderr[-3000:]
-    assert chaos(launch(tmp_path / "chaos", SLOW_CHECKPOINTS, "remax.py"), tmp_path / "chaos", kills=1, seed=1)[0] >= 1
+    with uninterrupted(launch(tmp_path / "full", "remax.py")):
+        assert chaos(launch(tmp_path / "chaos", SLOW_CHECKPOINTS, "remax.py"), tmp_path / "chaos", kills=1, seed=1)[0] >= 1
     expected = comparable(run.read_metrics(tmp_path / "full" / "metrics.jsonl"))
     assert [r["step"] for r in expected] == list(range(4))
     assert comparable(run.read_metrics(tmp_path / "chaos" / "metrics.jsonl")) == expected

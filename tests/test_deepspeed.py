@@ -36,15 +36,18 @@ def test_deepspeed_settings_come_from_the_flags():
         config.deepspeed_settings({"gradient_accumulation_steps": 4}, cfg, 1)
 
 
-def launch_zero(script, stage, args, out_dir):
-    """3 steps of `script` under configs/zero{stage}.yaml, 2 processes, fp32; returns summary.json."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"configs/zero{stage}.yaml",
-           "--num_processes", "2", "--mixed_precision", "no", script, "--num_steps", "3", "--batch_size", "4",
-           "--max_new_tokens", "4", "--learning_rate", "1e-3", "--eval_every", "100", "--output_dir", str(out_dir),
-           *args]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=ENV)
-    assert out.returncode == 0, out.stderr[-3000:]
-    return json.loads((out_dir / "summary.json").read_text())
+def launch_zero(script, runs):
+    """3 steps of `script` under configs/zero{stage}.yaml, 2 processes, fp32, for each (stage, args, out_dir) in
+    runs, all at once (each on its own port); returns their summary.json."""
+    from conftest import free_port, run_together
+
+    cmds = [[sys.executable, "-m", "accelerate.commands.launch", "--config_file", f"configs/zero{stage}.yaml",
+             "--num_processes", "2", "--main_process_port", str(free_port()), "--mixed_precision", "no", script,
+             "--num_steps", "3", "--batch_size", "4", "--max_new_tokens", "4", "--learning_rate", "1e-3",
+             "--eval_every", "100", "--output_dir", str(out_dir), *args] for stage, args, out_dir in runs]
+    for out in run_together(cmds, env=ENV):
+        assert out.returncode == 0, out.stderr[-3000:]
+    return [json.loads((out_dir / "summary.json").read_text()) for _, _, out_dir in runs]
 
 
 @pytest.mark.parametrize("script,args", [("remax.py", []), ("grpo.py", ["--num_generations", "2"])])
@@ -58,8 +61,9 @@ def test_zero2_and_zero3_shard_save_complete_models_and_train_alike(script, args
 
     start = AutoModelForCausalLM.from_pretrained(config.EMBEDDED_MODEL)
     final = {}
-    for stage, micro_batch_size in ((2, "2"), (3, "0")):
-        summary = launch_zero(script, stage, args + ["--micro_batch_size", micro_batch_size], tmp_path / str(stage))
+    summaries = launch_zero(script, [(stage, args + ["--micro_batch_size", micro_batch_size], tmp_path / str(stage))
+                                     for stage, micro_batch_size in ((2, "2"), (3, "0"))])
+    for stage, summary in zip((2, 3), summaries):
         shards = summary["sharding"]
         assert summary["num_processes"] == 2 and shards["zero_stage"] == stage
         n = shards["params"]
@@ -91,7 +95,10 @@ def test_zero2_and_zero3_shard_save_complete_models_and_train_alike(script, args
 
 def test_zero3_generation_gathers_once_and_nonfinite_steps_are_skipped(tmp_path):
     pytest.importorskip("deepspeed")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", __file__, str(tmp_path)]
+    from conftest import free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           __file__, str(tmp_path)]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=ENV)
     assert out.returncode == 0, out.stderr[-3000:]
     results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]

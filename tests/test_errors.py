@@ -3,14 +3,13 @@ loaded: configs are validated while the command line is parsed (config.parse_con
 import importlib
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import pytest
 
 from support import config
-from conftest import ROOT
+from conftest import ROOT, free_port
 
 BAD_INPUTS = [  # (script, arguments, what the message must name)
     ("grpo", ["--num_generations", "1"], "--num_generations"),
@@ -154,10 +153,7 @@ def test_a_failure_ends_every_rank_of_a_two_process_run_with_exit_code_1(tmp_pat
     (tmp_path / "huge.py").write_text("def huge(prompts, completions, **columns):\n"
                                       "    return [3e38] * len(completions)\n")
     flags, error = TWO_PROCESS_FAILURES[failure]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", **(DEEPSPEED_ZERO3 if backend == "zero3" else {})}
     cmd = [sys.executable, "remax.py", *[flag.format(tmp_path=tmp_path) for flag in flags],
            "--num_steps", "3", "--batch_size", "4", "--max_new_tokens", "4", "--eval_every", "100000",

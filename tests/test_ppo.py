@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 import common  # noqa: E402
 from support import config  # noqa: E402
 from support.run import read_metrics  # noqa: E402
-from conftest import launch_two_processes  # noqa: E402
+from conftest import launch_two_processes, run_together  # noqa: E402
 from ppo import (AdaptiveKLController, Config, ValueModel, decoupled_gae, explained_variance, gae,  # noqa: E402
                  length_adaptive_lam, ppo_policy_loss, ppo_value_loss)
 
@@ -373,18 +373,18 @@ def test_two_process_gloo_run_keeps_replicas_identical(tmp_path):
 def test_resume_restores_critic_optimizers_and_kl_controller(tmp_path):
     """A run stopped at step 2 and resumed equals the uninterrupted run: the critic, both AdamW
     states and the adaptive beta all travel in the checkpoint."""
-    def run(*args):
-        cmd = [sys.executable, "ppo.py", "--eval_every", "2", "--batch_size", "8", "--num_mini_batches", "2", "--adaptive_kl",
-               "--kl_horizon", "20", "--save_model", "False", *args]
-        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-        assert out.returncode == 0, out.stderr[-3000:]
+    def run(*runs):
+        cmds = [[sys.executable, "ppo.py", "--eval_every", "2", "--batch_size", "8", "--num_mini_batches", "2",
+                 "--adaptive_kl", "--kl_horizon", "20", "--save_model", "False", *args] for args in runs]
+        for out in run_together(cmds, env={**os.environ, "OMP_NUM_THREADS": "1"}):
+            assert out.returncode == 0, out.stderr[-3000:]
 
     def comparable(path):
         return [{k: v for k, v in r.items() if not k.startswith("time/")} for r in read_metrics(path)]
 
-    run("--num_steps", "4", "--output_dir", str(tmp_path / "full"))
-    run("--num_steps", "2", "--save_steps", "2", "--output_dir", str(tmp_path / "half"))
-    run("--num_steps", "4", "--output_dir", str(tmp_path / "half"), "--resume_from", str(tmp_path / "half" / "checkpoint-2"))
+    run(["--num_steps", "4", "--output_dir", str(tmp_path / "full")],
+        ["--num_steps", "2", "--save_steps", "2", "--output_dir", str(tmp_path / "half")])
+    run(["--num_steps", "4", "--output_dir", str(tmp_path / "half"), "--resume_from", str(tmp_path / "half" / "checkpoint-2")])
     full, resumed = comparable(tmp_path / "full" / "metrics.jsonl"), comparable(tmp_path / "half" / "metrics.jsonl")
     assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
     assert full[3]["train/beta"] != 0.05  # the controller moved, so restoring it matters

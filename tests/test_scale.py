@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import common
 from support import config, fast, models, tasks
 from support.run import Checkpointer, read_metrics
-from conftest import ROOT
+from conftest import ROOT, run_together
 
 CPU = Accelerator(cpu=True)
 
@@ -27,10 +27,19 @@ GSM8K_ROWS = [
 ]
 
 
+def command(args, tmp_path, script="remax.py"):
+    return [sys.executable, script, "--num_steps", "2", "--eval_every", "2", "--batch_size", "8", "--output_dir",
+            str(tmp_path / "run"), *args]
+
+
 def run(args, tmp_path, env=None, script="remax.py"):
-    cmd = [sys.executable, script, "--num_steps", "2", "--eval_every", "2", "--batch_size", "8", "--output_dir", str(tmp_path / "run"), *args]
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, **(env or {})})
-    return out
+    return subprocess.run(command(args, tmp_path, script), cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, **(env or {})})
+
+
+def run_all(runs, tmp_path):
+    """Independent runs of remax.py at once, one thread each."""
+    return run_together([command(args, tmp_path) for args in runs], env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def write_jsonl(path, rows):
@@ -150,11 +159,11 @@ def test_lora_reference_is_the_base_model_with_adapter_disabled():
 
 
 def test_lora_run_saves_the_adapter_and_merges_on_request(tmp_path):
-    out = run(["--lora_r", "4", "--learning_rate", "1e-2"], tmp_path)
-    assert out.returncode == 0, out.stderr[-2000:]
+    runs = run_all([["--lora_r", "4", "--learning_rate", "1e-2"],
+                    ["--lora_r", "4", "--learning_rate", "1e-2", "--merge_lora", "--output_dir", str(tmp_path / "merged")]],
+                   tmp_path)
+    assert all(out.returncode == 0 for out in runs), [out.stderr[-2000:] for out in runs]
     assert (tmp_path / "run" / "final" / "adapter_config.json").exists()
-    out = run(["--lora_r", "4", "--learning_rate", "1e-2", "--merge_lora", "--output_dir", str(tmp_path / "merged")], tmp_path)
-    assert out.returncode == 0, out.stderr[-2000:]
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged" / "final")
     base = AutoModelForCausalLM.from_pretrained(config.EMBEDDED_MODEL)
     assert max((a - b).abs().max().item() for a, b in zip(merged.parameters(), base.parameters())) > 0
@@ -194,14 +203,15 @@ def comparable(rows):
 
 
 def test_resume_reproduces_an_uninterrupted_run(tmp_path):
-    full = run(["--num_steps", "4", "--output_dir", str(tmp_path / "full")], tmp_path)
-    half = run(["--num_steps", "2", "--save_steps", "2", "--output_dir", str(tmp_path / "half")], tmp_path)
-    assert full.returncode == 0 and half.returncode == 0, half.stderr[-2000:]
+    full, half = run_all([["--num_steps", "4", "--output_dir", str(tmp_path / "full")],
+                          ["--num_steps", "2", "--save_steps", "2", "--output_dir", str(tmp_path / "half")]], tmp_path)
+    assert full.returncode == 0 and half.returncode == 0, full.stderr[-2000:] + half.stderr[-2000:]
     ckpt = tmp_path / "half" / "checkpoint-2"
     for f in ("optimizer.bin", "scheduler.bin", "random_states_0.pkl", "sampler_rank0.json", "trainer_state.json", "model/config.json"):
         assert (ckpt / f).exists(), f
     AutoModelForCausalLM.from_pretrained(ckpt / "model")  # the saved policy loads with from_pretrained
-    resumed = run(["--num_steps", "4", "--output_dir", str(tmp_path / "half"), "--resume_from", str(ckpt)], tmp_path)
+    (resumed,) = run_all([["--num_steps", "4", "--output_dir", str(tmp_path / "half"), "--resume_from", str(ckpt)]],
+                         tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     a = comparable(read_metrics(tmp_path / "full" / "metrics.jsonl"))
     b = comparable(read_metrics(tmp_path / "half" / "metrics.jsonl"))
@@ -242,13 +252,11 @@ def test_non_finite_loss_saves_last_good_state_and_stops(tmp_path):
 
 
 def test_same_seed_gives_identical_metrics(tmp_path):
-    a = run(["--output_dir", str(tmp_path / "a")], tmp_path)
-    b = run(["--output_dir", str(tmp_path / "b")], tmp_path)
-    assert a.returncode == 0 and b.returncode == 0
+    runs = run_all([["--output_dir", str(tmp_path / "a")], ["--output_dir", str(tmp_path / "b")],
+                    ["--output_dir", str(tmp_path / "c"), "--seed", "1"]], tmp_path)
+    assert all(out.returncode == 0 for out in runs), [out.stderr[-2000:] for out in runs]
     rows_a = comparable(read_metrics(tmp_path / "a" / "metrics.jsonl"))
     assert rows_a == comparable(read_metrics(tmp_path / "b" / "metrics.jsonl"))
-    c = run(["--output_dir", str(tmp_path / "c"), "--seed", "1"], tmp_path)
-    assert c.returncode == 0
     assert comparable(read_metrics(tmp_path / "c" / "metrics.jsonl"))[1:] != rows_a[1:]
 
 
