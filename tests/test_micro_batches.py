@@ -2,7 +2,6 @@
 their gradients add up to its gradient, for every algorithm's loss and every aggregation, and across
 data-parallel processes; a real run's logged losses do not depend on --micro_batch_size."""
 import os
-import subprocess
 import sys
 
 import pytest
@@ -14,7 +13,7 @@ import grpo
 import ppo
 import remax
 import rloo
-from conftest import ROOT
+from conftest import run_together
 from support.run import read_metrics
 
 B, T, V, D = 8, 5, 6, 4
@@ -146,7 +145,7 @@ def test_micro_batches_cover_the_batch_in_order():
     assert common.micro_batches(4, 8) == [slice(0, 4)]
 
 
-def run_script(script, micro_batch_size, out_dir):
+def command(script, micro_batch_size, out_dir):
     args = [sys.executable, script, "--num_steps", "2", "--batch_size", "16", "--generation_batch_size", "16",
             "--micro_batch_size", str(micro_batch_size), "--eval_every", "1000", "--save_model", "False",
             "--output_dir", str(out_dir)]
@@ -154,18 +153,17 @@ def run_script(script, micro_batch_size, out_dir):
         args += ["--num_epochs", "2", "--num_mini_batches", "2"]
     if script in ("grpo.py", "dapo.py"):
         args += ["--num_epochs", "2"]  # old log-probs from a scoring pass, and a ratio that moves
-    return subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return args
 
 
 @pytest.mark.parametrize("script", ["remax.py", "grpo.py", "rloo.py", "dapo.py", "ppo.py"])
 def test_a_run_in_micro_batches_logs_the_losses_of_one_in_whole_batches(script, tmp_path):
     small = 8 if script == "rloo.py" else 5  # rloo: whole groups of 8; the others: 5 does not divide 16
-    procs = {mb: run_script(script, mb, tmp_path / str(mb)) for mb in (small, 16)}
-    for mb, proc in procs.items():
-        _, err = proc.communicate(timeout=300)
-        assert proc.returncode == 0, err[-2000:]
-    rows = {mb: [r for r in read_metrics(tmp_path / str(mb) / "metrics.jsonl") if "train/loss" in r] for mb in procs}
+    sizes = (small, 16)
+    for out in run_together([command(script, mb, tmp_path / str(mb)) for mb in sizes],
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}):
+        assert out.returncode == 0, out.stderr[-2000:]
+    rows = {mb: [r for r in read_metrics(tmp_path / str(mb) / "metrics.jsonl") if "train/loss" in r] for mb in sizes}
     assert len(rows[small]) == len(rows[16]) == 2
     for a, b in zip(rows[small], rows[16]):
         assert a["train/loss"] == pytest.approx(b["train/loss"], abs=1e-5)
