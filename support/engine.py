@@ -255,23 +255,22 @@ class Trainer:
         at the sampling temperature, and (sampling_mask) on the truncated distribution that was sampled."""
         if model is None:
             return None
-        cfg, input_ids, attention_mask = self.cfg, rollout.input_ids, rollout.attention_mask
+        cfg, n = self.cfg, rollout.mask.shape[1]
         sampling = {"top_k": cfg.top_k, "top_p": cfg.top_p} if sampling_mask else {}
-        with self.timer("scoring"):
-            with self.inference():
-                logp = torch.cat([fast.token_logprobs(model, input_ids[mb], attention_mask[mb], rollout.mask.shape[1],
-                                                      cfg.temperature, **sampling)
-                                  for mb in common.micro_batches(len(rollout), cfg.micro_batch_size)])
-            return logp.clone()  # an ordinary tensor, which the loss may keep for its backward
+        return self._scoring_pass(
+            rollout, lambda ids, mask: fast.token_logprobs(model, ids, mask, n, cfg.temperature, **sampling))
 
     def values(self, critic, rollout):
         """(B, T) values of the critic (PPO's ValueModel) before each completion token, in micro-batches."""
-        input_ids, attention_mask = rollout.input_ids, rollout.attention_mask
+        return self._scoring_pass(rollout, lambda ids, mask: critic(ids, mask, rollout.mask.shape[1]))
+
+    def _scoring_pass(self, rollout, fn):
+        """fn(input_ids, attention_mask) over the rollout's micro-batches, concatenated, with no gradient."""
         with self.timer("scoring"):
             with self.inference():
-                values = torch.cat([critic(input_ids[mb], attention_mask[mb], rollout.mask.shape[1])
-                                    for mb in common.micro_batches(len(rollout), self.cfg.micro_batch_size)])
-            return values.clone()  # an ordinary tensor, which the loss may keep for its backward
+                out = torch.cat([fn(rollout.input_ids[mb], rollout.attention_mask[mb])
+                                 for mb in common.micro_batches(len(rollout), self.cfg.micro_batch_size)])
+            return out.clone()  # an ordinary tensor, which the loss may keep for its backward
 
     def update(self, loss_fn, rollout, loss_agg, rows=None, **batch):
         """One optimizer step on the loss `loss_fn(logp, **batch) -> (loss, stats)`, written for the whole
