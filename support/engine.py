@@ -174,7 +174,6 @@ class Trainer:
         self.timer, self.generated, self.step = run.StepTimer(), 0, self.start_step + 1
         # --rollout_lag k: (step, trainable weights) at the start of the last k + 1 steps; the oldest samples
         self.past_weights = collections.deque(maxlen=getattr(cfg, "rollout_lag", 0) + 1)
-        self.probe_prompts = [ex["prompt"] for ex in sampler.examples[:run.PROBE_PROMPTS]]
         # sampling and scoring record no gradient: inference mode is cheaper than no_grad (their outputs are
         # cloned into ordinary tensors before a loss reads them). Not under DeepSpeed: ZeRO-3 gathers weights
         # inside these passes, and one it keeps gathered must not become an inference tensor.
@@ -332,7 +331,7 @@ class Trainer:
         if self.ckpt.saves_after(step):  # the same on every rank: under ZeRO-3 the probe's forward is a collective
             with self.timer("checks"):  # the update left finite weights, and finite logits on a training prompt
                 finite = run.finite_weights_and_logits(accelerator.unwrap_model(self.policy), self.tokenizer,
-                                                       self.probe_prompts)
+                                                       self.ckpt.probe_prompts)
         metrics = {**metrics, "train/generated": self.generated, **self.timer.metrics()}
         if hasattr(cfg, "rollout_lag"):  # the steps between the sampler's weights and the trainer's (group methods)
             metrics["train/staleness"] = step - self.past_weights[0][0] if self.past_weights else 0

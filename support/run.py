@@ -219,6 +219,7 @@ class Checkpointer:
 
     def __init__(self, cfg, accelerator, sampler):
         self.cfg, self.accelerator, self.sampler = cfg, accelerator, sampler
+        self.probe_prompts = [ex["prompt"] for ex in sampler.examples[:PROBE_PROMPTS]]  # read before each save
         self.stop_requested = False
         self.stop_agreed = (None, False)  # (step, whether a signal arrived on any rank), from saves_after
         self.skipped_steps = 0  # fp16 loss-scale overflows in a row
@@ -375,8 +376,7 @@ class Checkpointer:
         """stop_broken(step) on every rank when the weights or logits are not finite on one of them
         (`finite`: this rank's finite_weights_and_logits verdict, computed here if not given)."""
         if finite is None:
-            prompts = [ex["prompt"] for ex in self.sampler.examples[:PROBE_PROMPTS]]
-            finite = finite_weights_and_logits(self.accelerator.unwrap_model(policy), tokenizer, prompts)
+            finite = finite_weights_and_logits(self.accelerator.unwrap_model(policy), tokenizer, self.probe_prompts)
         broken = torch.tensor(float(not finite), device=self.accelerator.device)
         if self.accelerator.reduce(broken, reduction="sum") > 0:
             self.stop_broken(step)
