@@ -8,10 +8,11 @@ tasks and rewards, model loading, logging, checkpoints) lives in support/. Equat
 conventions: docs/algorithms.md.
 """
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
 # ----------------------------------------------------------------------------------------
@@ -138,6 +139,7 @@ def aggregate_loss(per_token_loss, mask, mode, max_len=None):
 
     token-mean:               sum over all tokens / number of tokens (DAPO; ReMax code).
     seq-mean-token-mean:      mean over sequences of each sequence's token mean (GRPO paper).
+    seq-mean-token-sum:       mean over sequences of each sequence's token sum (RLOO: the sequence is one action).
     seq-mean-token-sum-norm:  mean over sequences of (token sum / max_len), max_len a constant
                               (Dr. GRPO: no per-sequence length normalisation). Default T.
     """
@@ -146,6 +148,8 @@ def aggregate_loss(per_token_loss, mask, mode, max_len=None):
         return masked_sum(per_token_loss, mask) / mask.sum().clamp(min=1)
     if mode == "seq-mean-token-mean":
         return masked_mean(per_token_loss, mask, dim=1).mean()
+    if mode == "seq-mean-token-sum":
+        return masked_sum(per_token_loss, mask, dim=1).mean()
     if mode == "seq-mean-token-sum-norm":
         max_len = per_token_loss.shape[1] if max_len is None else max_len
         return (masked_sum(per_token_loss, mask, dim=1) / max_len).mean()
@@ -204,6 +208,12 @@ def geometric_sequence_mask(logp, old_logp, adv, mask, delta):
     # END SOLUTION
 
 
+class Extreme(NamedTuple):
+    """A statistic whose micro-batches combine by their max or min, not by their token-weighted mean."""
+    value: torch.Tensor
+    reduce: str  # "max" or "min"
+
+
 def rollout_correction(logp, old_logp, rollout_logp, adv, mask, tis_cap=0.0, geo_mask_delta=0.0):
     """The (B, T) detached weight on each token's policy-gradient term, and mismatch stats.
 
@@ -220,8 +230,8 @@ def rollout_correction(logp, old_logp, rollout_logp, adv, mask, tis_cap=0.0, geo
     with torch.no_grad():
         ratio = torch.exp(old_logp - rollout_logp)  # trainer over sampler, the same weights
         stats = {"mismatch_k3": masked_mean(kl_k3(rollout_logp, old_logp), mask),  # KL(sampler || trainer)
-                 "mismatch_ratio_max": torch.where(mask.bool(), ratio, 0.0).max(),
-                 "mismatch_ratio_min": torch.where(mask.bool(), ratio, float("inf")).min(),
+                 "mismatch_ratio_max": Extreme(torch.where(mask.bool(), ratio, 0.0).max(), "max"),
+                 "mismatch_ratio_min": Extreme(torch.where(mask.bool(), ratio, float("inf")).min(), "min"),
                  "tis_clip_frac": masked_mean((ratio > tis_cap).float(), mask) if tis_cap > 0 else 0.0,
                  "geo_masked_frac": 1 - keep.mean()}
     return weight * keep[:, None], stats

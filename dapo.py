@@ -18,6 +18,7 @@ No KL term and no reference model: the policy is meant to move far from its star
     accelerate launch --multi_gpu --num_processes 2 dapo.py      # data-parallel on CPU
     python dapo.py --epsilon_high 0.2 --overlong_cache_len 0     # symmetric clip, no length shaping
 """
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -126,24 +127,38 @@ def dapo_loss(logp, old_logp, adv, mask, epsilon_low, epsilon_high, dual_clip_c=
     # END SOLUTION
 
 
+def fill_batch(kept, batch_size, accelerator, pad_token_id):
+    """Dynamic sampling's batch: the kept rows, as one (rollout, rewards, correct), the same number on every
+    process (the fewest kept, at most batch_size: DDP steps together, and under ZeRO-3 each forward is a
+    collective). Three Nones when a process kept nothing: every process then skips the step."""
+    n = engine.fewest(accelerator, min(sum(len(rollout) for rollout, _, _ in kept), batch_size))
+    if n == 0:
+        return None, None, None
+    rollout = engine.Rollout.cat([rollout for rollout, _, _ in kept], pad_token_id, limit=n)
+    return rollout, torch.cat([r for _, r, _ in kept])[:n], torch.cat([c for _, _, c in kept])[:n]
+
+
 def main():
     cfg = config.parse_config(Config)
     # ---- setup: accelerator, data, policy, reference (PLUMBING: skip on a first read) ----
     accelerator = config.make_accelerator(cfg)
     tokenizer, train_data, eval_data = engine.load_data(cfg, accelerator)
     reward_fn = tasks.make_reward_fn(cfg, accelerator)
-    policy, optimizer, scheduler, _, rollout_model = engine.load_models(cfg, accelerator)  # no reference: no KL
+    policy, _, rollout_model = engine.load_models(cfg, accelerator, reference=False, rollout_copy=True)  # no KL term
     group_size = cfg.num_generations
     sampler = tasks.PromptSampler(train_data, cfg.batch_size // group_size, cfg.seed, accelerator.process_index,
                                   accelerator.num_processes)
-    trainer = engine.Trainer(cfg, accelerator, tokenizer, sampler, eval_data, policy=policy, optimizer=optimizer,
-                             scheduler=scheduler, rollout_model=rollout_model)
+    trainer = engine.Trainer(cfg, accelerator, tokenizer, sampler, eval_data, policy, rollout_model, cfg.rollout_lag)
+    if trainer.resume() == 0:  # --resume_from: the checkpoint's step, else 0
+        trainer.evaluate(step=0)  # held-out accuracy before training
 
     for step in trainer.steps():
         # ---- rollout: groups of G sampled responses, with dynamic sampling: rounds of groups until the batch is
         # full of groups whose answers are mixed (all right or all wrong: A = 0, nothing to learn, dropped) ----
-        kept, sampled_rewards, round_stats = [], [], []
-        while trainer.keep_sampling(kept, rounds=len(sampled_rewards)):
+        kept, sampled_rewards, round_stats = [], [], []  # kept: (rollout, rewards, correct) of each round
+        # every process samples as many rounds, while one of them is short (under ZeRO-3 generate is a collective)
+        while len(sampled_rewards) < cfg.max_sampling_rounds and engine.any_process(
+                accelerator, sum(len(rollout) for rollout, _, _ in kept) < cfg.batch_size):
             rollout = trainer.generate(sampler.next(), num_samples=group_size)  # each prompt's G samples adjacent
             with trainer.timer("reward"):
                 rewards, correct, reward_stats = reward_fn(rollout.examples, rollout.completions)
@@ -153,10 +168,17 @@ def main():
             sampled_rewards.append(rewards)
             round_stats.append(reward_stats)
         reward_stats = {key: sum(s[key] for s in round_stats) / len(round_stats) for key in round_stats[0]}
-        rollout, rewards, correct = trainer.kept_batch(kept, step)  # None: a process kept no group, all skip
+        held = sum(len(rollout) for rollout, _, _ in kept)
+        rollout, rewards, correct = fill_batch(kept, cfg.batch_size, accelerator, tokenizer.pad_token_id)
+        if held < cfg.batch_size:
+            print(f"warning: step {step} (rank {accelerator.process_index}): --max_sampling_rounds "
+                  f"{cfg.max_sampling_rounds} reached with {held // group_size} of {cfg.batch_size // group_size} "
+                  f"groups with mixed {cfg.dynamic_sampling_metric}; " + ("skipping the step (a process kept no "
+                  "group)" if rollout is None else "training on those") + ". Raise --max_sampling_rounds to fill "
+                  "the batch.", file=sys.stderr, flush=True)
         sampled_rewards = torch.cat(sampled_rewards)
         metrics = {"train/skipped_step": float(rollout is None), "train/sampling_rounds": len(kept),
-                   "train/groups_dropped": (len(sampled_rewards) - sum(len(k[0]) for k in kept)) // group_size,
+                   "train/groups_dropped": (len(sampled_rewards) - held) // group_size,
                    "train/reward_sampled": sampled_rewards.mean()}
         if rollout is None:
             if trainer.end_step(step, metrics):  # a skipped step logs only what dynamic sampling did
@@ -166,26 +188,25 @@ def main():
         # ---- reward: overlong shaping, after the filter; the log-probs the loss compares with ----
         penalty = overlong_penalty(rollout.mask.sum(1), cfg.max_new_tokens, cfg.overlong_cache_len)
         rewards = rewards + penalty
-        old_logp = trainer.logprobs(policy, rollout) if cfg.num_epochs > 1 else None  # pi_old; mu = 1: logp
+        old_logp = trainer.logprobs(policy.model, rollout) if cfg.num_epochs > 1 else None  # pi_old; mu = 1: logp
         rollout_logp = trainer.logprobs(rollout_model, rollout)  # the sampler's, when it is a copy
 
         # ---- advantages: each reward standardised within its group ----
         adv = grpo_advantages(rewards, group_size)
 
-        # ---- loss: the clip-higher surrogate, token-mean over the whole batch ----
-        def loss_fn(logp, old_logp, rollout_logp, adv, mask):
-            old_logp = logp.detach() if old_logp is None else old_logp  # with mu = 1, pi_old = pi_theta in value
-            # optional corrections for a sampler that is not the trainer (docs/stability.md): TIS, geometric mask
-            pg_weight, correction = common.rollout_correction(logp, old_logp, rollout_logp, adv, mask,
-                                                              tis_cap=cfg.tis_cap, geo_mask_delta=cfg.geo_mask_delta)
-            loss, stats = dapo_loss(logp, old_logp, adv, mask, epsilon_low=cfg.epsilon_low,
-                                    epsilon_high=cfg.epsilon_high, dual_clip_c=cfg.dual_clip_c, pg_weight=pg_weight)
-            return loss, {**stats, **correction}
-
-        # ---- update: mu optimizer steps on the same batch (the engine runs micro-batches, sync, clip, step) ----
-        for _ in range(cfg.num_epochs):  # the stats are those of the last (most off-policy) update
-            stats, logp = trainer.update(loss_fn, rollout, "token-mean", old_logp=old_logp,
-                                         rollout_logp=rollout_logp, adv=adv, mask=rollout.mask)
+        # ---- update: mu optimizer steps on the same batch, each summing its micro-batches' gradients ----
+        for epoch in range(cfg.num_epochs):  # the stats are those of the last (most off-policy) update
+            for mb in trainer.micro_batches(rollout, "token-mean"):  # rows, and their weight in the batch's loss
+                logp, entropy = trainer.policy_logprobs(rollout, mb)  # (b, T), with gradient
+                old = logp.detach() if old_logp is None else mb.of(old_logp)  # mu = 1: pi_old = pi_theta in value
+                pg_weight, correction = None, {}
+                if rollout_logp is not None or cfg.geo_mask_delta > 0:  # the sampler is not this policy (stability.md)
+                    pg_weight, correction = common.rollout_correction(logp, old, mb.of(rollout_logp), mb.of(adv), mb.mask,
+                                                                      tis_cap=cfg.tis_cap, geo_mask_delta=cfg.geo_mask_delta)
+                loss, stats = dapo_loss(logp, old, mb.of(adv), mb.mask, epsilon_low=cfg.epsilon_low,
+                                        epsilon_high=cfg.epsilon_high, dual_clip_c=cfg.dual_clip_c, pg_weight=pg_weight)
+                trainer.backward(loss, mb, {**stats, **correction, "entropy": common.masked_mean(entropy, mb.mask)})
+            update = trainer.step(policy)  # clip, check finite, optimizer step, zero_grad
 
         # ---- log (PLUMBING: docs/metrics.md says what each metric means) ----
         grouped = rewards.view(-1, group_size)
@@ -200,7 +221,7 @@ def main():
             "train/adv_mean": adv.mean(),
             "train/adv_std": adv.std(),
             "train/adv_abs_max": adv.abs().max(),
-            **{f"train/{key}": value for key, value in stats.items()},
+            **{f"train/{key}": value for key, value in update.items()},
             **reward_stats,
         }
         if trainer.end_step(step, metrics, rollout, rewards):

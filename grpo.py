@@ -130,12 +130,13 @@ def main():
     accelerator = config.make_accelerator(cfg)
     tokenizer, train_data, eval_data = engine.load_data(cfg, accelerator)
     reward_fn = tasks.make_reward_fn(cfg, accelerator)
-    policy, optimizer, scheduler, ref_model, rollout_model = engine.load_models(cfg, accelerator)
+    policy, ref_model, rollout_model = engine.load_models(cfg, accelerator, reference=cfg.beta > 0, rollout_copy=True)
     group_size = cfg.num_generations
     sampler = tasks.PromptSampler(train_data, cfg.batch_size // group_size, cfg.seed, accelerator.process_index,
                                   accelerator.num_processes)
-    trainer = engine.Trainer(cfg, accelerator, tokenizer, sampler, eval_data, policy=policy, optimizer=optimizer,
-                             scheduler=scheduler, rollout_model=rollout_model)
+    trainer = engine.Trainer(cfg, accelerator, tokenizer, sampler, eval_data, policy, rollout_model, cfg.rollout_lag)
+    if trainer.resume() == 0:  # --resume_from: the checkpoint's step, else 0
+        trainer.evaluate(step=0)  # held-out accuracy before training
 
     for step in trainer.steps():
         # ---- rollout: a group of G sampled responses per prompt ----
@@ -145,34 +146,35 @@ def main():
         with trainer.timer("reward"):
             rewards, correct, reward_stats = reward_fn(rollout.examples, rollout.completions)
         ref_logp = trainer.logprobs(ref_model, rollout, sampling_mask=False)  # pi_ref (None when beta = 0)
-        old_logp = trainer.logprobs(policy, rollout) if cfg.num_epochs > 1 else None  # pi_old; mu = 1: logp
+        old_logp = trainer.logprobs(policy.model, rollout) if cfg.num_epochs > 1 else None  # pi_old; mu = 1: logp
         rollout_logp = trainer.logprobs(rollout_model, rollout)  # the sampler's, when it is a copy
 
         # ---- advantages: each reward standardised within its group ----
         adv = grpo_advantages(accelerator.gather(rewards), group_size, cfg.scale_rewards)  # batch: every process's std
         adv = adv.chunk(accelerator.num_processes)[accelerator.process_index]
 
-        # ---- loss: the clipped surrogate plus beta * KL to the reference, per token ----
-        def loss_fn(logp, old_logp, ref_logp, rollout_logp, adv, mask):
-            old_logp = logp.detach() if old_logp is None else old_logp  # with mu = 1, pi_old = pi_theta in value
-            # optional corrections for a sampler that is not the trainer (docs/stability.md): TIS, geometric mask
-            pg_weight, correction = common.rollout_correction(logp, old_logp, rollout_logp, adv, mask,
-                                                              tis_cap=cfg.tis_cap, geo_mask_delta=cfg.geo_mask_delta)
-            loss, stats = grpo_loss(logp, old_logp, ref_logp, adv, mask, epsilon=cfg.epsilon, beta=cfg.beta,
-                                    loss_agg=cfg.loss_agg, max_len=cfg.max_new_tokens, kl_estimator=cfg.kl_estimator,
-                                    kl_is_weight=cfg.kl_is_weight, dual_clip_c=cfg.dual_clip_c, pg_weight=pg_weight,
-                                    epsilon_high=cfg.epsilon_high,
-                                    importance_sampling_level=cfg.importance_sampling_level)
-            return loss, {**stats, **correction}
-
-        # ---- update: mu optimizer steps on the same batch (the engine runs micro-batches, sync, clip, step) ----
-        for _ in range(cfg.num_epochs):  # the stats are those of the last (most off-policy) update
-            stats, logp = trainer.update(loss_fn, rollout, cfg.loss_agg, old_logp=old_logp, ref_logp=ref_logp,
-                                         rollout_logp=rollout_logp, adv=adv, mask=rollout.mask)
+        # ---- update: mu optimizer steps on the same batch, each summing its micro-batches' gradients ----
+        for epoch in range(cfg.num_epochs):  # the stats are those of the last (most off-policy) update
+            kl_seq = 0.0
+            for mb in trainer.micro_batches(rollout, cfg.loss_agg):  # rows, and their weight in the batch's loss
+                logp, entropy = trainer.policy_logprobs(rollout, mb)  # (b, T), with gradient
+                old = logp.detach() if old_logp is None else mb.of(old_logp)  # mu = 1: pi_old = pi_theta in value
+                pg_weight, correction = None, {}
+                if rollout_logp is not None or cfg.geo_mask_delta > 0:  # the sampler is not this policy (stability.md)
+                    pg_weight, correction = common.rollout_correction(logp, old, mb.of(rollout_logp), mb.of(adv), mb.mask,
+                                                                      tis_cap=cfg.tis_cap, geo_mask_delta=cfg.geo_mask_delta)
+                loss, stats = grpo_loss(logp, old, mb.of(ref_logp), mb.of(adv), mb.mask, epsilon=cfg.epsilon, beta=cfg.beta,
+                                        loss_agg=cfg.loss_agg, max_len=cfg.max_new_tokens, kl_estimator=cfg.kl_estimator,
+                                        kl_is_weight=cfg.kl_is_weight, dual_clip_c=cfg.dual_clip_c, pg_weight=pg_weight,
+                                        epsilon_high=cfg.epsilon_high,
+                                        importance_sampling_level=cfg.importance_sampling_level)
+                trainer.backward(loss, mb, {**stats, **correction, "entropy": common.masked_mean(entropy, mb.mask)})
+                if ref_logp is not None:
+                    kl_seq += common.masked_sum(common.kl_k1(logp.detach(), mb.of(ref_logp)), mb.mask) / len(rollout)
+            update = trainer.step(policy)  # clip, check finite, optimizer step, zero_grad
 
         # ---- log (PLUMBING: docs/metrics.md says what each metric means) ----
         grouped = rewards.view(-1, group_size)
-        kl = common.kl_k1(logp, ref_logp) if ref_logp is not None else torch.zeros_like(logp)
         metrics = {
             "train/reward": rewards.mean(),
             "train/reward_std": rewards.std(),
@@ -181,8 +183,8 @@ def main():
             "train/adv_mean": adv.mean(),
             "train/adv_std": adv.std(),
             "train/adv_abs_max": adv.abs().max(),
-            "train/kl_seq": common.masked_sum(kl, rollout.mask) / len(rollout),
-            **{f"train/{key}": value for key, value in stats.items()},
+            "train/kl_seq": kl_seq,
+            **{f"train/{key}": value for key, value in update.items()},
             **reward_stats,
         }
         if trainer.end_step(step, metrics, rollout, rewards):

@@ -224,20 +224,20 @@ def main():
                          "prepares one model per Accelerator: launch it with DDP (e.g. configs/ddp_8gpu.yaml).")
     tokenizer, train_data, eval_data = engine.load_data(cfg, accelerator)
     reward_fn = tasks.make_reward_fn(cfg, accelerator)
-    policy, optimizer, scheduler, ref_model, _ = engine.load_models(cfg, accelerator)
+    policy, ref_model, rollout_model = engine.load_models(cfg, accelerator, reference=cfg.beta > 0)
     if cfg.reward_model_path:
         models.check_model_path(cfg.reward_model_path, flag="--reward_model_path")
-    critic = ValueModel(cfg.reward_model_path or cfg.model_name_or_path, cfg.torch_dtype, cfg.gradient_checkpointing,
-                        lora=models.lora_config(cfg, "SEQ_CLS") if cfg.lora_r > 0 else None)
-    critic_optimizer, critic_scheduler = models.make_optimizer(critic, cfg, cfg.critic_learning_rate)
-    critic, critic_optimizer, critic_scheduler = accelerator.prepare(critic, critic_optimizer, critic_scheduler)
+    value_model = ValueModel(cfg.reward_model_path or cfg.model_name_or_path, cfg.torch_dtype, cfg.gradient_checkpointing,
+                             lora=models.lora_config(cfg, "SEQ_CLS") if cfg.lora_r > 0 else None)
+    optimizer, scheduler = models.make_optimizer(value_model, cfg, cfg.critic_learning_rate)
+    critic = engine.Trainable(*accelerator.prepare(value_model, optimizer, scheduler), name="critic")
     kl_ctl = AdaptiveKLController(cfg.beta, cfg.kl_target, cfg.kl_horizon)
     accelerator.register_for_checkpointing(kl_ctl)
     sampler = tasks.PromptSampler(train_data, cfg.batch_size, cfg.seed, accelerator.process_index,
                                   accelerator.num_processes)
-    trainer = engine.Trainer(cfg, accelerator, tokenizer, sampler, eval_data, policy=policy, optimizer=optimizer,
-                             scheduler=scheduler, critic=critic, critic_optimizer=critic_optimizer,
-                             critic_scheduler=critic_scheduler)
+    trainer = engine.Trainer(cfg, accelerator, tokenizer, sampler, eval_data, policy, rollout_model, others=[critic])
+    if trainer.resume() == 0:  # --resume_from: the checkpoint's step, else 0
+        trainer.evaluate(step=0)  # held-out accuracy before training
 
     for step in trainer.steps():
         # ---- rollout: one sampled response per prompt ----
@@ -248,8 +248,8 @@ def main():
         # ---- reward, and pi_old, V_old and pi_ref at rollout time, for every update below ----
         with trainer.timer("reward"):
             rewards, correct, reward_stats = reward_fn(rollout.examples, rollout.completions)
-        old_logp = trainer.logprobs(policy, rollout)
-        old_values = trainer.values(critic, rollout)
+        old_logp = trainer.logprobs(policy.model, rollout)
+        old_values = trainer.values(critic.model, rollout)
         ref_logp = trainer.logprobs(ref_model, rollout, sampling_mask=False)  # pi_ref (None when beta = 0)
 
         # ---- advantages: per-token reward, GAE (the critic is the baseline), whitened ----
@@ -267,23 +267,24 @@ def main():
             adv = common.masked_whiten(all_adv, all_mask).chunk(accelerator.num_processes)[accelerator.process_index]
             adv = adv[:, :T]
 
-        # ---- loss: the clipped policy loss plus vf_coef times the clipped value loss ----
-        def loss_fn(logp, input_ids, attention_mask, old_logp, old_values, adv, returns, mask):
-            pg_loss, pg_stats = ppo_policy_loss(logp, old_logp, adv, mask, epsilon=cfg.epsilon,
-                                                dual_clip_c=cfg.dual_clip_c)
-            values = critic(input_ids, attention_mask, T)
-            vf_loss, vf_stats = ppo_value_loss(values, old_values, returns, mask, epsilon_value=cfg.epsilon_value)
-            return pg_loss + cfg.vf_coef * vf_loss, {"policy_loss": pg_loss.detach(), "value_loss": vf_loss.detach(),
-                                                     "value_clip_frac": vf_stats["clip_frac"], **pg_stats}
-
-        # ---- update: num_epochs passes over num_mini_batches minibatches, one optimizer step each ----
+        # ---- update: num_epochs passes over num_mini_batches minibatches, one optimizer step of each model per
+        # minibatch, its gradient summed over its micro-batches; the loss: the clipped policy loss plus vf_coef
+        # times the clipped value loss ----
         updates = []
-        for _ in range(cfg.num_epochs):
+        for epoch in range(cfg.num_epochs):
             for rows in torch.randperm(cfg.batch_size, device=accelerator.device).chunk(cfg.num_mini_batches):
-                stats, _ = trainer.update(loss_fn, rollout, "token-mean", rows=rows, input_ids=input_ids,
-                                          attention_mask=attention_mask, old_logp=old_logp, old_values=old_values,
-                                          adv=adv, returns=returns, mask=mask)
-                updates.append(stats)
+                for mb in trainer.micro_batches(rollout, "token-mean", rows):  # rows, and their weight in the loss
+                    logp, entropy = trainer.policy_logprobs(rollout, mb)  # (b, T), with gradient
+                    pg_loss, pg_stats = ppo_policy_loss(logp, mb.of(old_logp), mb.of(adv), mb.mask, epsilon=cfg.epsilon,
+                                                        dual_clip_c=cfg.dual_clip_c)
+                    values = critic.model(mb.of(input_ids), mb.of(attention_mask), T)  # (b, T), with gradient
+                    vf_loss, vf_stats = ppo_value_loss(values, mb.of(old_values), mb.of(returns), mb.mask,
+                                                       epsilon_value=cfg.epsilon_value)
+                    trainer.backward(pg_loss + cfg.vf_coef * vf_loss, mb, {
+                        "policy_loss": pg_loss.detach(), "value_loss": vf_loss.detach(),
+                        "value_clip_frac": vf_stats["clip_frac"], **pg_stats,
+                        "entropy": common.masked_mean(entropy, mb.mask)})
+                updates.append(trainer.step(policy, critic))  # clip each, check finite, both optimizers step
         stats = {key: torch.stack([torch.as_tensor(u[key]) for u in updates]).mean() for key in updates[0]}
 
         # ---- log (PLUMBING: docs/metrics.md says what each metric means) ----
@@ -308,6 +309,9 @@ def main():
     # ---- end: save, plot (PLUMBING) ----
     if accelerator.is_main_process:
         run.plot_metrics(trainer.logger.path, f"{cfg.output_dir}/critic_curves.png", CRITIC_PLOT_KEYS)
+    if cfg.save_model:  # the critic beside the policy; under LoRA merged: a whole critic either way
+        models.save_model(accelerator, accelerator.unwrap_model(critic.model).model, tokenizer,
+                          f"{cfg.output_dir}/final/critic", merge_lora=True)
     trainer.finish()
 
 

@@ -63,11 +63,12 @@ def main():
     accelerator = config.make_accelerator(cfg)
     tokenizer, train_data, eval_data = engine.load_data(cfg, accelerator)
     reward_fn = tasks.make_reward_fn(cfg, accelerator)
-    policy, optimizer, scheduler, ref_model, _ = engine.load_models(cfg, accelerator)
+    policy, ref_model, rollout_model = engine.load_models(cfg, accelerator, reference=cfg.beta > 0)
     sampler = tasks.PromptSampler(train_data, cfg.batch_size, cfg.seed, accelerator.process_index,
                                   accelerator.num_processes)
-    trainer = engine.Trainer(cfg, accelerator, tokenizer, sampler, eval_data, policy=policy, optimizer=optimizer,
-                             scheduler=scheduler)
+    trainer = engine.Trainer(cfg, accelerator, tokenizer, sampler, eval_data, policy, rollout_model)
+    if trainer.resume() == 0:  # --resume_from: the checkpoint's step, else 0
+        trainer.evaluate(step=0)  # held-out accuracy before training
 
     for step in trainer.steps():
         # ---- rollout: one sampled response per prompt ----
@@ -90,16 +91,18 @@ def main():
         if cfg.adv_clip > 0:
             adv = adv.clamp(-cfg.adv_clip, cfg.adv_clip)
 
-        # ---- loss: REINFORCE, with the per-token k1 penalty to the reference folded into the return ----
-        def loss_fn(logp, ref_logp, adv, mask):
-            kl = common.kl_k1(logp.detach(), ref_logp) if ref_logp is not None else torch.zeros_like(logp)
-            return remax_loss(logp, adv, kl, mask, beta=cfg.beta, loss_agg=cfg.loss_agg, max_len=cfg.max_new_tokens)
-
-        # ---- update: one on-policy optimizer step (the engine runs micro-batches, sync, clip, step) ----
-        stats, logp = trainer.update(loss_fn, rollout, cfg.loss_agg, ref_logp=ref_logp, adv=adv, mask=rollout.mask)
+        # ---- update: one on-policy optimizer step, the batch's gradient summed over its micro-batches ----
+        kl_seq = 0.0
+        for mb in trainer.micro_batches(rollout, cfg.loss_agg):  # rows, and their weight in the batch's loss
+            logp, entropy = trainer.policy_logprobs(rollout, mb)  # (b, T), with gradient
+            kl = common.kl_k1(logp.detach(), mb.of(ref_logp)) if ref_logp is not None else torch.zeros_like(logp)
+            loss, stats = remax_loss(logp, mb.of(adv), kl, mb.mask, beta=cfg.beta, loss_agg=cfg.loss_agg,
+                                     max_len=cfg.max_new_tokens)
+            trainer.backward(loss, mb, {**stats, "entropy": common.masked_mean(entropy, mb.mask)})
+            kl_seq += common.masked_sum(kl, mb.mask) / len(rollout)
+        update = trainer.step(policy)  # clip, check finite, optimizer step, zero_grad
 
         # ---- log (PLUMBING: docs/metrics.md says what each metric means) ----
-        kl = common.kl_k1(logp, ref_logp) if ref_logp is not None else torch.zeros_like(logp)
         metrics = {
             "train/reward": rewards.mean(),
             "train/reward_std": rewards.std(),
@@ -107,8 +110,8 @@ def main():
             "train/greedy_reward": greedy_rewards.mean(),
             "train/adv_mean": adv.mean(),
             "train/adv_std": adv.std(),
-            "train/kl_seq": common.masked_sum(kl, rollout.mask) / len(rollout),
-            **{f"train/{key}": value for key, value in stats.items()},
+            "train/kl_seq": kl_seq,
+            **{f"train/{key}": value for key, value in update.items()},
             **reward_stats,
         }
         if trainer.end_step(step, metrics, rollout, rewards):

@@ -66,12 +66,13 @@ def main():
     accelerator = config.make_accelerator(cfg)
     tokenizer, train_data, eval_data = engine.load_data(cfg, accelerator)
     reward_fn = tasks.make_reward_fn(cfg, accelerator)
-    policy, optimizer, scheduler, ref_model, rollout_model = engine.load_models(cfg, accelerator)
+    policy, ref_model, rollout_model = engine.load_models(cfg, accelerator, reference=cfg.beta > 0, rollout_copy=True)
     group_size = cfg.num_generations
     sampler = tasks.PromptSampler(train_data, cfg.batch_size // group_size, cfg.seed, accelerator.process_index,
                                   accelerator.num_processes)
-    trainer = engine.Trainer(cfg, accelerator, tokenizer, sampler, eval_data, policy=policy, optimizer=optimizer,
-                             scheduler=scheduler, rollout_model=rollout_model)
+    trainer = engine.Trainer(cfg, accelerator, tokenizer, sampler, eval_data, policy, rollout_model, cfg.rollout_lag)
+    if trainer.resume() == 0:  # --resume_from: the checkpoint's step, else 0
+        trainer.evaluate(step=0)  # held-out accuracy before training
 
     for step in trainer.steps():
         # ---- rollout: a group of G sampled responses per prompt ----
@@ -83,25 +84,27 @@ def main():
         ref_logp = trainer.logprobs(ref_model, rollout, sampling_mask=False)  # pi_ref (None when beta = 0)
         rollout_logp = trainer.logprobs(rollout_model, rollout)  # the sampler's, when it is a copy
 
-        # ---- loss: the KL folded into the reward, the leave-one-out advantage, the sequence as one action ----
-        def loss_fn(logp, ref_logp, rollout_logp, rewards, mask):
-            kl = common.kl_k1(logp.detach(), ref_logp) if ref_logp is not None else torch.zeros_like(logp)
-            rewards_kl = rewards - cfg.beta * common.masked_sum(kl, mask, dim=1)  # r~ = r - beta sum_t k1_t
-            adv = rloo_advantages(rewards_kl, group_size)  # whole groups: --micro_batch_size is a multiple of G
-            # optional corrections for a sampler that is not the trainer (docs/stability.md): TIS, geometric mask
-            pg_weight, correction = common.rollout_correction(logp, logp.detach(), rollout_logp, adv, mask,
-                                                              tis_cap=cfg.tis_cap, geo_mask_delta=cfg.geo_mask_delta)
-            loss, stats = rloo_loss(logp, adv, mask, pg_weight)
-            return loss, {**stats, **correction, "adv": adv, "reward_with_kl": rewards_kl}  # (B,) for the log
-
-        # ---- update: one on-policy optimizer step (the engine runs micro-batches, sync, clip, step) ----
-        stats, logp = trainer.update(loss_fn, rollout, "seq-mean", ref_logp=ref_logp, rollout_logp=rollout_logp,
-                                     rewards=rewards, mask=rollout.mask)
-        adv, rewards_kl = stats.pop("adv"), stats.pop("reward_with_kl")
+        # ---- update: one on-policy optimizer step, the batch's gradient summed over its micro-batches; the KL
+        # folded into the reward, the leave-one-out advantage, the whole sequence as one action ----
+        adv, rewards_kl, kl_seq = [], [], 0.0
+        for mb in trainer.micro_batches(rollout, "seq-mean-token-sum"):  # whole groups: a multiple of G rows
+            logp, entropy = trainer.policy_logprobs(rollout, mb)  # (b, T), with gradient
+            kl = common.kl_k1(logp.detach(), mb.of(ref_logp)) if ref_logp is not None else torch.zeros_like(logp)
+            rewards_kl.append(mb.of(rewards) - cfg.beta * common.masked_sum(kl, mb.mask, dim=1))  # r - beta sum_t k1_t
+            adv.append(rloo_advantages(rewards_kl[-1], group_size))
+            pg_weight, correction = None, {}
+            if rollout_logp is not None or cfg.geo_mask_delta > 0:  # the sampler is not this policy (stability.md)
+                pg_weight, correction = common.rollout_correction(logp, logp.detach(), mb.of(rollout_logp), adv[-1],
+                                                                  mb.mask, tis_cap=cfg.tis_cap,
+                                                                  geo_mask_delta=cfg.geo_mask_delta)
+            loss, stats = rloo_loss(logp, adv[-1], mb.mask, pg_weight)
+            trainer.backward(loss, mb, {**stats, **correction, "entropy": common.masked_mean(entropy, mb.mask)})
+            kl_seq += common.masked_sum(kl, mb.mask) / len(rollout)
+        update = trainer.step(policy)  # clip, check finite, optimizer step, zero_grad
+        adv, rewards_kl = torch.cat(adv), torch.cat(rewards_kl)
 
         # ---- log (PLUMBING: docs/metrics.md says what each metric means) ----
         grouped = rewards.view(-1, group_size)
-        kl = common.kl_k1(logp, ref_logp) if ref_logp is not None else torch.zeros_like(logp)
         metrics = {
             "train/reward": rewards.mean(),
             "train/reward_std": rewards.std(),
@@ -110,8 +113,8 @@ def main():
             "train/reward_with_kl": rewards_kl.mean(),
             "train/adv_mean": adv.mean(),
             "train/adv_std": adv.std(),
-            "train/kl_seq": common.masked_sum(kl, rollout.mask) / len(rollout),
-            **{f"train/{key}": value for key, value in stats.items()},
+            "train/kl_seq": kl_seq,
+            **{f"train/{key}": value for key, value in update.items()},
             **reward_stats,
         }
         if trainer.end_step(step, metrics, rollout, rewards):

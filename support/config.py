@@ -21,7 +21,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # checkpoint's flags is refused (the optimizer state would also silently restore its --learning_rate).
 RESUMABLE_CHANGES = ("num_steps", "eval_every", "log_every", "save_steps", "save_total_limit", "save_model",
                      "merge_lora", "report_to", "output_dir", "resume_from", "gradient_checkpointing",
-                     "micro_batch_size", "generation_batch_size")
+                     "micro_batch_size", "generation_batch_size", "fast")
 
 
 def arg(default, help):
@@ -111,6 +111,8 @@ class TrainConfig:
     resume_from: str = arg("", "A checkpoint folder (output_dir/checkpoint-N) to continue from, or 'latest': "
                            "the newest checkpoint in --output_dir whose files verify (none: start at step 0).")
     save_model: bool = arg(True, "Save the final policy with save_pretrained (+ tokenizer) in output_dir/final.")
+    fast: bool = arg(True, "Sample and score with support/fast.py (False: the plain common.generate and "
+                     "common.token_logprobs, the same draws and values, to read or step through).")
 
     def __post_init__(self):
         for name, (ok, text) in FLAG_RULES.items():

@@ -312,7 +312,7 @@ class Checkpointer:
                 return
         path = self._last_good(step - 1)
         if path is None:  # checked like every save: weights an earlier update broke are no good state
-            self._stop_if_broken(step - 1, policy, tokenizer)
+            self.stop_if_broken(step - 1, policy, tokenizer)
             path = self.save(step - 1, policy, tokenizer)
         norm = norm.tolist()  # PPO passes (policy, critic)
         if self.skipped_steps >= MAX_SKIPPED_STEPS:
@@ -365,14 +365,14 @@ class Checkpointer:
             self.saves_after(step)
         stop, checkpoint = self.stop_agreed[1], self.stop_agreed[1] or self._checkpoint_due(step)
         if checkpoint or step == self.cfg.num_steps:
-            self._stop_if_broken(step, policy, tokenizer, finite)
+            self.stop_if_broken(step, policy, tokenizer, finite)
         if checkpoint:
             path = self.save(step, policy, tokenizer)
             if self.accelerator.is_main_process:
                 tqdm.write(f"checkpoint: {path}")
         return stop
 
-    def _stop_if_broken(self, step, policy, tokenizer, finite=None):
+    def stop_if_broken(self, step, policy, tokenizer, finite=None):
         """stop_broken(step) on every rank when the weights or logits are not finite on one of them
         (`finite`: this rank's finite_weights_and_logits verdict, computed here if not given)."""
         if finite is None:

@@ -337,8 +337,9 @@ class PromptSampler:
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, examples, cfg, accelerator, batch_size=256):
-    """Held-out greedy accuracy per family and overall, sharded over ranks and summed."""
+def evaluate(model, tokenizer, examples, cfg, accelerator, batch_size=256, generate=fast.generate):
+    """Held-out greedy accuracy per family and overall, sharded over ranks and summed (`generate`:
+    fast.generate, or the plain common.generate it equals)."""
     shard = examples[accelerator.process_index::accelerator.num_processes]
     families = sorted({ex["family"] for ex in examples})
     counts = [[0, 0] for _ in families]  # (correct, total) per family, in Python: no device op per example
@@ -347,7 +348,7 @@ def evaluate(model, tokenizer, examples, cfg, accelerator, batch_size=256):
     num_calls = math.ceil(math.ceil(len(examples) / accelerator.num_processes) / batch_size)
     for batch in (shard[i::num_calls] for i in range(num_calls)):
         prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [ex["prompt"] for ex in batch], accelerator.device)
-        completion_ids = fast.generate(unwrapped, tokenizer, prompt_ids, prompt_mask, cfg, greedy=True)
+        completion_ids = generate(unwrapped, tokenizer, prompt_ids, prompt_mask, cfg, greedy=True)
         mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
         texts = decode_completions(tokenizer, completion_ids, mask)
         for text, ex in zip(texts, batch):
