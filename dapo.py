@@ -128,9 +128,8 @@ def dapo_loss(logp, old_logp, adv, mask, epsilon_low, epsilon_high, dual_clip_c=
 
 
 def fill_batch(kept, batch_size, accelerator, pad_token_id):
-    """Dynamic sampling's batch: the kept rows, as one (rollout, rewards, correct), the same number on every
-    process (the fewest kept, at most batch_size: DDP steps together, and under ZeRO-3 each forward is a
-    collective). Three Nones when a process kept nothing: every process then skips the step."""
+    """The kept rows as one (rollout, rewards, correct), as many on every process (the fewest kept, at most
+    batch_size: they step together); three Nones when a process kept nothing: every process skips the step."""
     n = engine.fewest(accelerator, min(sum(len(rollout) for rollout, _, _ in kept), batch_size))
     if n == 0:
         return None, None, None
@@ -156,8 +155,7 @@ def main():
         # ---- rollout: groups of G sampled responses, with dynamic sampling: rounds of groups until the batch is
         # full of groups whose answers are mixed (all right or all wrong: A = 0, nothing to learn, dropped) ----
         kept, sampled_rewards, round_stats = [], [], []  # kept: (rollout, rewards, correct) of each round
-        # every process samples as many rounds, while one of them is short (under ZeRO-3 generate is a collective)
-        while len(sampled_rewards) < cfg.max_sampling_rounds and engine.any_process(
+        while len(kept) < cfg.max_sampling_rounds and engine.any_process(  # every process samples as many rounds
                 accelerator, sum(len(rollout) for rollout, _, _ in kept) < cfg.batch_size):
             rollout = trainer.generate(sampler.next(), num_samples=group_size)  # each prompt's G samples adjacent
             with trainer.timer("reward"):
@@ -168,15 +166,13 @@ def main():
             sampled_rewards.append(rewards)
             round_stats.append(reward_stats)
         reward_stats = {key: sum(s[key] for s in round_stats) / len(round_stats) for key in round_stats[0]}
-        held = sum(len(rollout) for rollout, _, _ in kept)
+        held, sampled_rewards = sum(len(rollout) for rollout, _, _ in kept), torch.cat(sampled_rewards)
         rollout, rewards, correct = fill_batch(kept, cfg.batch_size, accelerator, tokenizer.pad_token_id)
         if held < cfg.batch_size:
             print(f"warning: step {step} (rank {accelerator.process_index}): --max_sampling_rounds "
-                  f"{cfg.max_sampling_rounds} reached with {held // group_size} of {cfg.batch_size // group_size} "
-                  f"groups with mixed {cfg.dynamic_sampling_metric}; " + ("skipping the step (a process kept no "
-                  "group)" if rollout is None else "training on those") + ". Raise --max_sampling_rounds to fill "
-                  "the batch.", file=sys.stderr, flush=True)
-        sampled_rewards = torch.cat(sampled_rewards)
+                  f"{cfg.max_sampling_rounds} reached with {held // group_size} groups of mixed "
+                  f"{cfg.dynamic_sampling_metric}; " + ("skipping the step" if rollout is None else "training on those")
+                  + ". Raise --max_sampling_rounds to fill the batch.", file=sys.stderr, flush=True)
         metrics = {"train/skipped_step": float(rollout is None), "train/sampling_rounds": len(kept),
                    "train/groups_dropped": (len(sampled_rewards) - held) // group_size,
                    "train/reward_sampled": sampled_rewards.mean()}
@@ -200,11 +196,12 @@ def main():
                 logp, entropy = trainer.policy_logprobs(rollout, mb)  # (b, T), with gradient
                 old = logp.detach() if old_logp is None else mb.of(old_logp)  # mu = 1: pi_old = pi_theta in value
                 pg_weight, correction = None, {}
-                if rollout_logp is not None or cfg.geo_mask_delta > 0:  # the sampler is not this policy (stability.md)
-                    pg_weight, correction = common.rollout_correction(logp, old, mb.of(rollout_logp), mb.of(adv), mb.mask,
-                                                                      tis_cap=cfg.tis_cap, geo_mask_delta=cfg.geo_mask_delta)
+                if rollout_logp is not None or cfg.geo_mask_delta > 0:  # a sampler that is not this policy: TIS, mask
+                    pg_weight, correction = common.rollout_correction(logp, old, mb.of(rollout_logp), mb.of(adv),
+                                                                      mb.mask, cfg.tis_cap, cfg.geo_mask_delta)
                 loss, stats = dapo_loss(logp, old, mb.of(adv), mb.mask, epsilon_low=cfg.epsilon_low,
-                                        epsilon_high=cfg.epsilon_high, dual_clip_c=cfg.dual_clip_c, pg_weight=pg_weight)
+                                        epsilon_high=cfg.epsilon_high, dual_clip_c=cfg.dual_clip_c,
+                                        pg_weight=pg_weight)
                 trainer.backward(loss, mb, {**stats, **correction, "entropy": common.masked_mean(entropy, mb.mask)})
             update = trainer.step(policy)  # clip, check finite, optimizer step, zero_grad
 

@@ -160,13 +160,13 @@ def main():
                 logp, entropy = trainer.policy_logprobs(rollout, mb)  # (b, T), with gradient
                 old = logp.detach() if old_logp is None else mb.of(old_logp)  # mu = 1: pi_old = pi_theta in value
                 pg_weight, correction = None, {}
-                if rollout_logp is not None or cfg.geo_mask_delta > 0:  # the sampler is not this policy (stability.md)
-                    pg_weight, correction = common.rollout_correction(logp, old, mb.of(rollout_logp), mb.of(adv), mb.mask,
-                                                                      tis_cap=cfg.tis_cap, geo_mask_delta=cfg.geo_mask_delta)
-                loss, stats = grpo_loss(logp, old, mb.of(ref_logp), mb.of(adv), mb.mask, epsilon=cfg.epsilon, beta=cfg.beta,
-                                        loss_agg=cfg.loss_agg, max_len=cfg.max_new_tokens, kl_estimator=cfg.kl_estimator,
-                                        kl_is_weight=cfg.kl_is_weight, dual_clip_c=cfg.dual_clip_c, pg_weight=pg_weight,
-                                        epsilon_high=cfg.epsilon_high,
+                if rollout_logp is not None or cfg.geo_mask_delta > 0:  # a sampler that is not this policy: TIS, mask
+                    pg_weight, correction = common.rollout_correction(logp, old, mb.of(rollout_logp), mb.of(adv),
+                                                                      mb.mask, cfg.tis_cap, cfg.geo_mask_delta)
+                loss, stats = grpo_loss(logp, old, mb.of(ref_logp), mb.of(adv), mb.mask, epsilon=cfg.epsilon,
+                                        beta=cfg.beta, loss_agg=cfg.loss_agg, max_len=cfg.max_new_tokens,
+                                        kl_estimator=cfg.kl_estimator, kl_is_weight=cfg.kl_is_weight,
+                                        dual_clip_c=cfg.dual_clip_c, pg_weight=pg_weight, epsilon_high=cfg.epsilon_high,
                                         importance_sampling_level=cfg.importance_sampling_level)
                 trainer.backward(loss, mb, {**stats, **correction, "entropy": common.masked_mean(entropy, mb.mask)})
                 if ref_logp is not None:

@@ -227,8 +227,8 @@ def main():
     policy, ref_model, rollout_model = engine.load_models(cfg, accelerator, reference=cfg.beta > 0)
     if cfg.reward_model_path:
         models.check_model_path(cfg.reward_model_path, flag="--reward_model_path")
-    value_model = ValueModel(cfg.reward_model_path or cfg.model_name_or_path, cfg.torch_dtype, cfg.gradient_checkpointing,
-                             lora=models.lora_config(cfg, "SEQ_CLS") if cfg.lora_r > 0 else None)
+    value_model = ValueModel(cfg.reward_model_path or cfg.model_name_or_path, cfg.torch_dtype,
+                             cfg.gradient_checkpointing, lora=models.lora_config(cfg, "SEQ_CLS") if cfg.lora_r > 0 else None)
     optimizer, scheduler = models.make_optimizer(value_model, cfg, cfg.critic_learning_rate)
     critic = engine.Trainable(*accelerator.prepare(value_model, optimizer, scheduler), name="critic")
     kl_ctl = AdaptiveKLController(cfg.beta, cfg.kl_target, cfg.kl_horizon)
@@ -275,8 +275,8 @@ def main():
             for rows in torch.randperm(cfg.batch_size, device=accelerator.device).chunk(cfg.num_mini_batches):
                 for mb in trainer.micro_batches(rollout, "token-mean", rows):  # rows, and their weight in the loss
                     logp, entropy = trainer.policy_logprobs(rollout, mb)  # (b, T), with gradient
-                    pg_loss, pg_stats = ppo_policy_loss(logp, mb.of(old_logp), mb.of(adv), mb.mask, epsilon=cfg.epsilon,
-                                                        dual_clip_c=cfg.dual_clip_c)
+                    pg_loss, pg_stats = ppo_policy_loss(logp, mb.of(old_logp), mb.of(adv), mb.mask,
+                                                        epsilon=cfg.epsilon, dual_clip_c=cfg.dual_clip_c)
                     values = critic.model(mb.of(input_ids), mb.of(attention_mask), T)  # (b, T), with gradient
                     vf_loss, vf_stats = ppo_value_loss(values, mb.of(old_values), mb.of(returns), mb.mask,
                                                        epsilon_value=cfg.epsilon_value)

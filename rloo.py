@@ -84,8 +84,8 @@ def main():
         ref_logp = trainer.logprobs(ref_model, rollout, sampling_mask=False)  # pi_ref (None when beta = 0)
         rollout_logp = trainer.logprobs(rollout_model, rollout)  # the sampler's, when it is a copy
 
-        # ---- update: one on-policy optimizer step, the batch's gradient summed over its micro-batches; the KL
-        # folded into the reward, the leave-one-out advantage, the whole sequence as one action ----
+        # ---- update: one on-policy optimizer step, the batch's gradient summed over its micro-batches ----
+        # (the KL folded into the reward, the leave-one-out advantage, the whole sequence as one action)
         adv, rewards_kl, kl_seq = [], [], 0.0
         for mb in trainer.micro_batches(rollout, "seq-mean-token-sum"):  # whole groups: a multiple of G rows
             logp, entropy = trainer.policy_logprobs(rollout, mb)  # (b, T), with gradient
@@ -93,10 +93,9 @@ def main():
             rewards_kl.append(mb.of(rewards) - cfg.beta * common.masked_sum(kl, mb.mask, dim=1))  # r - beta sum_t k1_t
             adv.append(rloo_advantages(rewards_kl[-1], group_size))
             pg_weight, correction = None, {}
-            if rollout_logp is not None or cfg.geo_mask_delta > 0:  # the sampler is not this policy (stability.md)
+            if rollout_logp is not None or cfg.geo_mask_delta > 0:  # a sampler that is not this policy: TIS, mask
                 pg_weight, correction = common.rollout_correction(logp, logp.detach(), mb.of(rollout_logp), adv[-1],
-                                                                  mb.mask, tis_cap=cfg.tis_cap,
-                                                                  geo_mask_delta=cfg.geo_mask_delta)
+                                                                  mb.mask, cfg.tis_cap, cfg.geo_mask_delta)
             loss, stats = rloo_loss(logp, adv[-1], mb.mask, pg_weight)
             trainer.backward(loss, mb, {**stats, **correction, "entropy": common.masked_mean(entropy, mb.mask)})
             kl_seq += common.masked_sum(kl, mb.mask) / len(rollout)

@@ -218,7 +218,8 @@ class Trainer:
                 weights = None
                 if self.rollout_lag:  # or those of k steps ago; saved once per step (DAPO samples in rounds)
                     if not self.past_weights or self.past_weights[-1][0] != self.at_step:
-                        self.past_weights.append((self.at_step, models.trainable_weights(model, self.rollout_model.dtype)))
+                        weights = models.trainable_weights(model, self.rollout_model.dtype)
+                        self.past_weights.append((self.at_step, weights))
                     weights = self.past_weights[0][1]
                 model = models.sync_rollout_model(self.rollout_model, model, weights)
             error = None

