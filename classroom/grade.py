@@ -239,8 +239,8 @@ def reference_function(key, root=ROOT):
     wrong_answers.py and mutation.py do, never reaches it)."""
     file, name = key.split("::")
     if (root, file) not in _references:
-        if str(root) not in sys.path:
-            sys.path.insert(0, str(root))
+        if str(root) not in sys.path:  # for its own imports (common, support)
+            sys.path.append(str(root))
         spec = importlib.util.spec_from_file_location(f"reference_{Path(file).stem}", Path(root) / file)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)

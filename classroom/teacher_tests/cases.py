@@ -341,6 +341,8 @@ def grpo_loss(seed):
                ("dual clip 3, pg_weight", {"dual_clip_c": 3.0, "pg_weight": "weight"}),
                ("epsilon_high 0.28", {"epsilon_high": 0.28, "loss_agg": "token-mean"}),
                ("GSPO", {"importance_sampling_level": "sequence"}),
+               ("GSPO, seq-mean-token-sum-norm, max_len 8", {"importance_sampling_level": "sequence",
+                                                            "loss_agg": "seq-mean-token-sum-norm", "max_len": 8}),
                ("GSPO, dual clip 3, pg_weight, token-mean", {"importance_sampling_level": "sequence",
                                                             "dual_clip_c": 3.0, "pg_weight": "weight",
                                                             "loss_agg": "token-mean"})]
@@ -394,6 +396,8 @@ def dapo_loss(seed):
     grid = [Case("hand values: the clip grid", [GRID_LOG_RATIO, torch.zeros(3, 3, dtype=F64), GRID_ADV, ones, 0.2,
                                                 0.28], grad=(0,)),
             Case("equal epsilons", [GRID_LOG_RATIO, torch.zeros(3, 3, dtype=F64), GRID_ADV, ones, 0.2, 0.2], grad=(0,)),
+            Case("on-policy, epsilons 0", [torch.zeros(3, 3, dtype=F64), torch.zeros(3, 3, dtype=F64), GRID_ADV, ones,
+                                           0.0, 0.0], grad=(0,)),
             Case("hand values: the dual clip", [DUAL_LOG_RATIO, torch.zeros(2, 1, dtype=F64), DUAL_ADV,
                                                 torch.ones(2, 1, dtype=torch.long), 0.2, 0.28, 3.0], grad=(0,)),
             Case("ratios between the two clips", [torch.log(torch.tensor([[1.25], [0.78], [1.1]], dtype=F64)),
@@ -420,7 +424,8 @@ def gae(seed):
               Case("lambda 0", [rewards, values, mask, 0.9, 0.0]),
               Case("three padding columns", [widened(rewards, 3, 5.0), widened(values, 3, 5.0), widened(mask, 3),
                                              0.99, 0.95]),
-              Case("float32", [rewards.float(), values.float(), mask, 0.9, 0.7])]
+              Case("float32", [rewards.float(), values.float(), mask, 0.9, 0.7]),
+              Case("one token", [rewards[:, :1], values[:, :1], mask[:, :1], 0.9, 0.8])]
     return cases
 
 
@@ -447,6 +452,8 @@ def ppo_policy_loss(seed):
     grid_adv = GRID_ADV[:, None].expand(3, 3).clone()
     grid = [Case("hand values: the clip grid", [GRID_LOG_RATIO, torch.zeros(3, 3, dtype=F64), grid_adv, ones, 0.2],
                  grad=(0,)),
+            Case("on-policy, epsilon 0", [torch.zeros(3, 3, dtype=F64), torch.zeros(3, 3, dtype=F64), grid_adv, ones,
+                                          0.0], grad=(0,)),
             Case("hand values: the dual clip", [DUAL_LOG_RATIO, torch.zeros(2, 1, dtype=F64), DUAL_ADV[:, None].clone(),
                                                 torch.ones(2, 1, dtype=torch.long), 0.2, 3.0], grad=(0,))]
     return loss_cases(seed, 14, lambda logp, old, ref, adv, token_adv, mask: [logp, old, token_adv, mask, 0.2],
