@@ -169,7 +169,8 @@ def sandbox_command():
             for parent in reversed(parents[:-1]):
                 cmd += ["--perms", "0755", "--dir", str(parent)]
         cmd += ["--ro-bind", real, real] + (["--symlink", real, where] if where != real else [])
-    cmd += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(TMP_BYTES), "--tmpfs", "/tmp", "--chdir", "/tmp"]
+    cmd += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(TMP_BYTES), "--tmpfs", "/tmp",
+            "--chdir", "/tmp"]
     if os.geteuid() == 0:  # root: the runner becomes a user of its own (limits on processes do not bind root)
         cmd += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     else:
@@ -206,11 +207,16 @@ def run_child(job, key, timeout, sandbox, uid):
             raise ValueError("not an object")
         return answers, ""
     except (ValueError, RecursionError, MemoryError):
-        err = read_file(err_path, ANSWER_LIMIT)
-        last = printable((err.decode("utf-8", "replace").strip().splitlines() or [""])[-1])
-        if code < 0 or code in (137, 152, 158):  # killed by a signal: SIGKILL, SIGXCPU
+        try:
+            err = read_file(err_path, ANSWER_LIMIT)[-4096:].decode("utf-8", "replace")
+        except ValueError:
+            err = ""
+        last = printable((err.strip().splitlines() or [""])[-1])
+        if code < 0 or code > 128:  # a signal (bwrap reports its child's as 128 + the signal)
             signum = -code if code < 0 else code - 128
-            why = {signal.SIGXCPU: "the CPU time limit", signal.SIGKILL: "killed"}.get(signum, f"signal {signum}")
+            why = {signal.SIGXCPU: "the CPU time limit", signal.SIGXFSZ: "the file size limit",
+                   signal.SIGKILL: "killed"}.get(signum) or (signal.Signals(signum).name if signum in
+                                                             signal.valid_signals() else f"status {code}")
             return None, f"the process stopped ({why}) before answering" + (f": {last}" if last else "")
         if "MemoryError" in last or "Cannot allocate memory" in last:
             return None, f"memory limit ({runner.MEMORY_BYTES >> 20} MiB): {last}"

@@ -9,8 +9,9 @@ mutates that one function (every operator, constant, comparison, argument...) an
 mutant, the exercise's grade: one test that calls the mutant on the exercise's cases for two seeds
 and compares its answers with the reference's (classroom/grade.py's check_function, the reference
 loaded from an unmutated copy), with mutmut's own time limit per mutant. A mutant is killed when the
-grade fails (or times out); the score is killed / (killed + survived). Prints each survivor's diff, for the teacher's docs to
-show why it computes what the solution computes, or to list it as a gap of the tests.
+grade fails (or times out); the score is killed / (killed + survived). Prints each survivor's diff,
+for the teacher's docs to show why it computes what the solution computes, or to list it as a gap of
+the cases.
 """
 import argparse
 import ast

@@ -309,6 +309,7 @@ def test_every_attack_scores_zero_and_touches_nothing_outside_its_sandbox(tmp_pa
     # each one stopped for its own reason, not for a failure of the grader
     assert all("grader error" not in output for _, output in scores.values()), scores
     assert "time limit" in scores["overlong_penalty"][1] and "time limit" in scores["grpo_advantages"][1]
+    assert "SIGSEGV" in scores["softmax_optimal_baseline"][1] and "File too large" in scores["dapo_loss"][1]
     assert "is a Lying" in scores["aggregate_loss"][1] and "is a Anything" in scores["truncated_is_weight"][1]
 
 
