@@ -21,7 +21,7 @@ sys.path.insert(0, str(ROOT / "classroom"))
 import make_student_copy as msc  # noqa: E402
 
 ENV = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-TIMEOUT = 10  # the time limit of one exercise in these runs, seconds
+TIMEOUT = 10  # the time limit of one exercise in these runs, seconds (three run at once: the hangs mostly wait)
 
 # (category, exercise, body). {root}: the teacher's tree, {sentinel}: a path outside the student's folder,
 # {results}: the results.json the teacher asked for, {port}: a port this test listens on. No body holds
@@ -187,13 +187,13 @@ ATTACKS = [
         hoard = [bytearray(1 << 28) for _ in range(64)]
         return hoard"""),
     ("denial", "rloo_loss", """
-        # a fork bomb that keeps going
-        import os
+        # a fork bomb that keeps going: every process forks again whenever the limit lets it
+        import os, time
         while True:
             try:
                 os.fork()
             except OSError:
-                pass"""),
+                time.sleep(0.01)"""),
     ("denial", "optimal_baseline", """
         # processes without end
         import subprocess
@@ -259,7 +259,7 @@ def fingerprint():
 
 def grade(student, results, only, seed=3):
     return subprocess.run([sys.executable, "classroom/grade.py", str(student), "--json", str(results), "--only",
-                           ",".join(only), "--seed", str(seed), "--timeout", str(TIMEOUT), "--jobs", "2"], cwd=ROOT,
+                           ",".join(only), "--seed", str(seed), "--timeout", str(TIMEOUT), "--jobs", "3"], cwd=ROOT,
                           capture_output=True, text=True, env=ENV, timeout=900)
 
 
