@@ -446,7 +446,7 @@ def grade(student, only=None, seed=None, timeout=60.0, jobs=None, progress=None,
     command = sandbox_command() if sandbox else None
     uids = queue.Queue()
     for slot in range(jobs):  # a user per concurrent process (as root): its process limit counts only its own
-        uids.put(3_000_000 + (os.getpid() % 100_000) * 8 + slot)
+        uids.put(3_000_000 + (os.getpid() % 100_000) * 1000 + slot)
     with tempfile.TemporaryDirectory(prefix="grade-") as tmp:
         work = Path(tmp)
         copy = work / "student"
