@@ -26,10 +26,11 @@ from hint import HINTS  # noqa: E402
 
 BEGIN, END, HINT = "# BEGIN SOLUTION", "# END SOLUTION", "# HINT:"
 SKIP_DIRS = {".git", ".venv", "venv", "runs", "__pycache__", ".pytest_cache", "mutants"}
-# The teacher's files: the grader and its hidden tests, the wrong versions of each exercise (pieces
-# of the solutions) and their test, the mutation run. A path ending in "/" is a folder.
-TEACHER_ONLY = {"classroom/wrong_answers.py", "classroom/grade.py", "classroom/mutation.py",
-                "classroom/teacher_tests/", "tests/test_grading.py"}
+# The teacher's files: the grader (its sandboxed runner, its hidden cases and tests), the wrong versions of
+# each exercise (pieces of the solutions) and the grader's tests, the mutation run. A path ending in "/" is a
+# folder.
+TEACHER_ONLY = {"classroom/wrong_answers.py", "classroom/grade.py", "classroom/runner.py", "classroom/mutation.py",
+                "classroom/teacher_tests/", "tests/test_grading.py", "tests/test_grader_attacks.py"}
 TEACHER_PART = "<!-- The student copy ends this page here: below is for teachers. -->"
 # docs/algorithms.md's forms that an exercise asks a student to find (the toy bandit's variances and baselines,
 # the fp32-exact ratio-weighted k3): in the copy each marked region becomes ANSWER_NOTE

@@ -5,11 +5,13 @@
 
 For each exercise: a fresh copy of this repository in a temporary folder in which every other
 function of the exercise's file carries mutmut's `# pragma: no mutate block`, so mutmut (3.x)
-mutates that one function (every operator, constant, comparison, argument...) and runs only that
-exercise's grading tests (classroom/grade.py's: the visible ones and the hidden ones) on each mutant,
-with mutmut's own time limit per mutant. A mutant is killed when a test fails (or times out); the
-score is killed / (killed + survived). Prints each survivor's diff, for the teacher's docs to
-show why it computes what the solution computes, or to list it as a gap of the tests.
+mutates that one function (every operator, constant, comparison, argument...) and runs, on each
+mutant, the exercise's grade: one test that calls the mutant on the exercise's cases for two seeds
+and compares its answers with the reference's (classroom/grade.py's check_function, the reference
+loaded from an unmutated copy), with mutmut's own time limit per mutant. A mutant is killed when the
+grade fails (or times out); the score is killed / (killed + survived). Prints each survivor's diff,
+for the teacher's docs to show why it computes what the solution computes, or to list it as a gap of
+the cases.
 """
 import argparse
 import ast
@@ -27,7 +29,22 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import make_student_copy as msc  # noqa: E402
-from grade import grading_tests, make_base  # noqa: E402
+
+SEEDS = (0, 1)
+GRADE_TEST = """import importlib
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "classroom"))
+import grade  # noqa: E402
+
+
+def test_the_grade_passes():
+    function = getattr(importlib.import_module({stem!r}), {name!r})
+    for seed in {seeds!r}:
+        passed, status = grade.check_function({key!r}, function, seed, root=Path({reference!r}))
+        assert passed, status
+"""
 
 PRAGMA = "  # pragma: no mutate block"
 SIGNATURE = "  # signature: not the exercise"  # do_not_mutate_patterns: the body is the exercise, not its defaults
@@ -79,8 +96,10 @@ def mutate_one(key, base, work, timeout):
     shutil.copytree(base, sandbox)
     target = sandbox / file
     target.write_text(only_this_function(target.read_text(encoding="utf-8"), name), encoding="utf-8")
-    tests = grading_tests(key)
-    also_copy = sorted({p.split("/")[0] for p in msc.project_files(base)} - {file, "tests"})
+    (sandbox / "test_grade_exercise.py").write_text(GRADE_TEST.format(
+        stem=Path(file).stem, name=name, seeds=SEEDS, key=key, reference=str(base)), encoding="utf-8")
+    tests = ["test_grade_exercise.py"]
+    also_copy = sorted({p.split("/")[0] for p in msc.project_files(base)} - {file, "tests"}) + tests
     (sandbox / "pyproject.toml").write_text(
         "[tool.mutmut]\n"
         f"source_paths = [{json.dumps(file)}]\n"
@@ -115,6 +134,18 @@ def mutate_one(key, base, work, timeout):
         other = {"mutmut": (run.stdout + run.stderr)[-2000:]}
     return {"exercise": key, "killed": len(killed), "survived": len(survived), "other": other,
             "survivors": survivors}
+
+
+def make_base(work):
+    """A clean copy of the reference (the git-tracked files, or a tree walk outside a checkout)."""
+    base = work / "reference"
+    for rel in msc.project_files(msc.ROOT):
+        (base / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(msc.ROOT / rel, base / rel)
+    for rel in msc.project_files(msc.ROOT / "classroom"):  # in case the grader's files are not committed yet
+        (base / "classroom" / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(msc.ROOT / "classroom" / rel, base / "classroom" / rel)
+    return base
 
 
 def main():

@@ -1,17 +1,19 @@
-"""Wrong answers a student writes, and the check that the grading tests reject every one.
+"""Wrong answers a student writes, and the check that the tests and the grade reject every one.
 
-    python classroom/wrong_answers.py             # run the check: one pytest run of the grading tests
+    python classroom/wrong_answers.py             # run the check: one pytest run of the tests, then the grade
     python classroom/wrong_answers.py --list      # the table exercise -> wrong version -> test (markdown)
 
 A wrong version is one edit of a reference solution: the text `old` in the code of the
 function's `# BEGIN SOLUTION` region (its `# HINT:` lines aside) becomes `new`. The check runs
-the grading tests of make_student_copy.py once under pytest; after a test passes on the
-reference it runs again with each wrong version of each exercise it grades swapped in (the
-function's code object is replaced, so every caller and every `from module import name` sees
-it) and records which tests fail. It fails unless the reference passes and every wrong version
-fails the test the table names for it. For teachers only: the edits hold pieces of the
-solutions, so make_student_copy.py leaves this file (and tests/test_grading.py) out of the
-student copy.
+the tests of each exercise (the visible ones of make_student_copy.py and the hidden property
+tests of classroom/teacher_tests/) once under pytest; after a test passes on the reference it
+runs again with each wrong version of each exercise it tests swapped in (the function's code
+object is replaced, so every caller and every `from module import name` sees it) and records
+which tests fail. Then each wrong version is graded as classroom/grade.py grades an answer (its
+cases, compared with the reference's answers; seeds GRADE_SEEDS). It fails unless the reference
+passes, every wrong version fails the test the table names for it, and every one scores 0 in
+the grade. For teachers only: the edits hold pieces of the solutions, so make_student_copy.py
+leaves this file (and tests/test_grading.py) out of the student copy.
 """
 import argparse
 import ast
@@ -23,10 +25,20 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import grade  # noqa: E402
 import make_student_copy as msc  # noqa: E402
-from grade import grading_tests  # noqa: E402
+from teacher_tests import TEACHER_TESTS  # noqa: E402
 
 ROOT = msc.ROOT
+GRADE_SEEDS = (0, 1, 2)
+
+
+def grading_tests(key):
+    """pytest node ids of the tests of an exercise: the visible ones, then the hidden property tests."""
+    _, test_file, names = msc.EXERCISES[key]
+    hidden_file, hidden = TEACHER_TESTS.get(key, (None, []))
+    return [msc.node_id(test_file, n) for n in names] + [f"{hidden_file}::{n}" for n in hidden]
+
 
 # the hidden tests of the statistics on padded batches
 GRPO_PADDING = "test_grpo_loss_statistics_ignore_the_padding_and_weigh_every_valid_token"
@@ -519,16 +531,20 @@ class WrongAnswerRunner:
 
 
 def check(root=ROOT):
-    """Run the grading tests with every wrong version; returns (rows, reference failures)."""
+    """Run the tests with every wrong version, then grade each; returns (rows, reference failures)."""
     runner = WrongAnswerRunner(root)
     code = pytest.main(["-q", "-p", "no:cacheprovider", "--rootdir", str(root),
                         *(str(root / node) for node in all_grading_tests())], plugins=[runner])
     rows = []
     for key, wrong in WRONG_ANSWERS.items():
-        for i, (description, _, _, catcher) in enumerate(wrong):
+        function = getattr(sys.modules[Path(key.split("::")[0]).stem], key.split("::")[1])
+        for i, (description, old, new, catcher) in enumerate(wrong):
             caught = sorted(runner.caught[key, i])
+            with swapped(key, runner.codes.get((key, i)) or wrong_code(root, key, old, new)):
+                graded = [grade.check_function(key, function, seed) for seed in GRADE_SEEDS]
             rows.append({"exercise": key, "wrong": description, "named_test": catcher, "failed_tests": caught,
-                         "caught": catcher in caught})
+                         "caught": catcher in caught, "graded_zero": not any(passed for passed, _ in graded),
+                         "grade": graded[0][1]})
     return rows, runner.reference_failed or ([] if code == 0 else [f"pytest exit status {int(code)}"])
 
 
@@ -564,11 +580,14 @@ def main():
     rows, reference_failed = check()
     for row in rows:
         status = "caught" if row["caught"] else "NOT CAUGHT"
-        print(f"{status:>10}  {row['exercise']}: {row['wrong']}  (failed: {', '.join(row['failed_tests']) or 'none'})")
+        graded = "graded 0" if row["graded_zero"] else "GRADED FULL MARKS"
+        print(f"{status:>10}, {graded}  {row['exercise']}: {row['wrong']}  (failed: "
+              f"{', '.join(row['failed_tests']) or 'none'}; grade: {row['grade']})")
     if args.json:
         Path(args.json).write_text(json.dumps({"rows": rows, "reference_failed": reference_failed}, indent=1))
-    missed = [r for r in rows if not r["caught"]]
-    print(f"\n{len(rows) - len(missed)} of {len(rows)} wrong versions caught by the test the table names; "
+    missed = [r for r in rows if not r["caught"] or not r["graded_zero"]]
+    print(f"\n{sum(r['caught'] for r in rows)} of {len(rows)} wrong versions caught by the test the table names, "
+          f"{sum(r['graded_zero'] for r in rows)} graded 0 (seeds {', '.join(map(str, GRADE_SEEDS))}); "
           f"reference failures: {reference_failed or 'none'}")
     sys.exit(1 if missed or reference_failed else 0)
 

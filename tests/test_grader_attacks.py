@@ -1,0 +1,367 @@
+"""The grader as a boundary (classroom/grade.py): submissions that try to escape the sandbox, forge a result,
+borrow the reference through a sibling, answer from a lookup table of the visible inputs, hand in files that
+are not files, or bring the grading machine down. Each scores 0, results.json is written, and the teacher's
+tree, the Python environment and a sentinel path outside the student's folder are untouched. For teachers:
+the student copy leaves this file out."""
+import hashlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "classroom"))
+import make_student_copy as msc  # noqa: E402
+
+ENV = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+TIMEOUT = 10  # the time limit of one exercise in these runs, seconds (three run at once: the hangs mostly wait)
+
+# (category, exercise, body). {root}: the teacher's tree, {sentinel}: a path outside the student's folder,
+# {results}: the results.json the teacher asked for, {port}: a port this test listens on. No body holds
+# a correct answer: an attack that got past the grader could only score by what it stole.
+ATTACKS = [
+    ("escape", "kl_k1", """
+        # os through the object graph, no import statement: a shell command, then the reference's answer
+        wrap = [c for c in ().__class__.__base__.__subclasses__() if c.__name__ == "_wrap_close"][0]
+        system = wrap.__init__.__globals__["system"]
+        system("touch {sentinel}; cp {root}/common.py /tmp/reference.py")
+        namespace = {{}}
+        exec(compile(open("/tmp/reference.py").read(), "reference", "exec"), namespace)
+        return namespace["kl_k1"](logp, ref_logp)"""),
+    ("escape", "kl_k2", """
+        # the reference and the hidden cases read straight from the teacher's tree
+        namespace = {{}}
+        exec(open("{root}/classroom/teacher_tests/cases.py").read() and open("{root}/common.py").read(), namespace)
+        return namespace["kl_k2"](logp, ref_logp)"""),
+    ("escape", "kl_k3", """
+        # writes outside the folder: the sentinel, a new file in the teacher's tree, the results file
+        for path in ("{sentinel}", "{root}/written_by_a_student.txt", "{results}"):
+            try:
+                open(path, "w").write("full marks")
+            except OSError:
+                pass
+        return logp"""),
+    ("escape", "kl_penalty", """
+        # a shell through subprocess, imported by name
+        __import__("subprocess").run("echo pwned > {sentinel}; cat {root}/common.py", shell=True, check=True)
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("reference", "{root}/common.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module.kl_penalty(logp, ref_logp, estimator, old_logp)"""),
+    ("escape", "length_adaptive_lam", """
+        # libc's system through ctypes, then the reference's module from the teacher's path
+        import ctypes
+        ctypes.CDLL(None).system(b"touch {sentinel}")
+        import importlib.util
+        spec = importlib.util.spec_from_file_location("reference", "{root}/ppo.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module.length_adaptive_lam(lengths, alpha)"""),
+    ("escape", "ppo_policy_loss", """
+        # the teacher's paths from the process table and the environment, then the reference
+        import os
+        found = ""
+        for pid in os.listdir("/proc"):
+            if pid.isdigit():
+                try:
+                    found += open(f"/proc/{{pid}}/cmdline").read() + open(f"/proc/{{pid}}/environ").read()
+                except OSError:
+                    pass
+        namespace = {{}}
+        exec(open("{root}/ppo.py").read(), namespace)
+        return namespace["ppo_policy_loss"](logp, old_logp, adv, mask, epsilon, dual_clip_c)"""),
+    ("escape", "decoupled_gae", """
+        # the network: a port on the grading machine, then anywhere
+        import socket
+        socket.create_connection(("127.0.0.1", {port}), timeout=2).sendall(b"answers please")
+        socket.create_connection(("1.1.1.1", 53), timeout=2)
+        return rewards, values"""),
+    ("escape", "gae", """
+        # the Python environment written to, /tmp filled past its size
+        import torch as t
+        for path in (t.__file__, t.__file__.replace("__init__.py", "student.py")):
+            try:
+                open(path, "a").write("# student")
+            except OSError:
+                pass
+        with open("/tmp/big", "wb") as f:
+            for _ in range(200):
+                f.write(bytes(1 << 20))
+        return rewards, values"""),
+    ("forgery", "grpo_loss", """
+        # a report of full marks on every descriptor, then exit 0
+        import json, os
+        report = json.dumps({{"score": 3, "passed": True, "tests": [{{"name": "grpo_loss", "score": 3}}]}}).encode()
+        for fd in range(1, 64):
+            try:
+                os.write(fd, report)
+            except OSError:
+                pass
+        os._exit(0)"""),
+    ("forgery", "masked_mean", """
+        # exit 0 before answering
+        raise SystemExit(0)"""),
+    ("forgery", "aggregate_loss", """
+        # a Tensor subclass whose every comparison and closeness check is true
+        class Lying(torch.Tensor):
+            @classmethod
+            def __torch_function__(cls, func, types, args=(), kwargs=None):
+                if func.__name__ in ("__eq__", "eq", "allclose", "isclose", "equal", "__ne__"):
+                    return func.__name__ != "__ne__"
+                return super().__torch_function__(func, types, args, kwargs or {{}})
+        return torch.zeros(()).as_subclass(Lying)"""),
+    ("forgery", "reward_to_go", """
+        # torch patched through a local alias: every comparison true, assert_close silent
+        t = torch
+        t.testing.assert_close = lambda *a, **k: None
+        t.allclose = lambda *a, **k: True
+        t.equal = lambda *a, **k: True
+        t.Tensor.__eq__ = lambda self, other: t.ones((), dtype=t.bool)
+        t.Tensor.tolist = lambda self: [0.0] * self.numel()
+        return torch.zeros_like(x)"""),
+    ("forgery", "truncated_is_weight", """
+        # an object that equals everything
+        class Anything:
+            def __eq__(self, other):
+                return True
+            shape, dtype = logp.shape, logp.dtype
+        return Anything()"""),
+    ("forgery", "softmax_gradient_variance", """
+        # numpy's checks patched, the runner's encoder replaced by one that reports a right-looking answer
+        import sys
+        np.testing.assert_allclose = lambda *a, **k: None
+        np.allclose = lambda *a, **k: True
+        sys.modules["__main__"].encode = lambda value, depth=0: {{"type": "number", "value": 0.25}}
+        return 0.25"""),
+    ("forgery", "two_arm_baselines", """
+        # a dict subclass of lying arrays
+        class Always(np.ndarray):
+            def __eq__(self, other):
+                return True
+        return {{k: np.zeros(np.shape(p)).view(Always) for k in ("none", "mean", "greedy", "optimal")}}"""),
+    ("lookup", "completion_mask", """
+        # the visible test's ids answered from a table, anything else guessed
+        if completion_ids.shape == (4, 5) and completion_ids[0, 0] == 5:
+            return torch.tensor([[1, 1, 1, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
+        return torch.ones_like(completion_ids)"""),
+    ("lookup", "rloo_advantages", """
+        # the visible tests' rewards answered from a table
+        table = {{(1.0, 0.0, 1.0, 1.0): [1.0, -2.0, 1.0, 1.0], (2.0, 4.0): [-2.0, 2.0]}}
+        key = tuple(rewards.tolist())
+        return torch.tensor(table.get(key, [0.0] * len(key)), dtype=rewards.dtype)"""),
+    ("denial", "masked_sum", """
+        raise KeyboardInterrupt"""),
+    ("denial", "softmax_baselines", """
+        raise BaseException("not an Exception")"""),
+    ("denial", "masked_whiten", """
+        # recursion without end
+        def deeper(n):
+            return deeper(n + 1)
+        return deeper(0)"""),
+    ("denial", "softmax_optimal_baseline", """
+        # recursion past the C stack: repr of a list nested a million deep
+        import sys
+        sys.setrecursionlimit(10**8)
+        nested = []
+        for _ in range(10**6):
+            nested = [nested]
+        return repr(nested)"""),
+    ("denial", "grpo_advantages", """
+        while True:
+            pass"""),
+    ("denial", "overlong_penalty", """
+        import time
+        time.sleep(10**6)"""),
+    ("denial", "geometric_sequence_mask", """
+        # 16 GB
+        return torch.ones(2**31, dtype=torch.float64).sum() * logp"""),
+    ("denial", "ppo_value_loss", """
+        hoard = [bytearray(1 << 28) for _ in range(64)]
+        return hoard"""),
+    ("denial", "rloo_loss", """
+        # a fork bomb that keeps going: every process forks again whenever the limit lets it
+        import os, time
+        while True:
+            try:
+                os.fork()
+            except OSError:
+                time.sleep(0.01)"""),
+    ("denial", "optimal_baseline", """
+        # processes without end
+        import subprocess
+        while True:
+            subprocess.Popen(["sleep", "1000"])"""),
+    ("denial", "dapo_loss", """
+        # a flood of output
+        import sys
+        while True:
+            sys.stdout.write("x" * (1 << 20))"""),
+    ("denial", "dynamic_sampling_filter", """
+        # signals to everything it can see, its parents first
+        import os, signal
+        os.kill(os.getppid(), signal.SIGKILL)
+        for pid in range(1, 100000):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        return correct"""),
+    ("denial", "remax_advantages", """
+        return """ + "-" * 100000 + """rewards"""),
+]
+# The submissions whose files are not files: each of these exercises' files is replaced in its own folder.
+FILE_ATTACKS = {
+    "kl_k1": ("common.py", "a symbolic link to the reference"),
+    "gae": ("ppo.py", "a FIFO"),
+    "two_arm_baselines": ("toy_bandit.py", "a file over the size limit"),
+    "rloo_loss": ("rloo.py", "a symbolic link to a device"),
+    "grpo_loss": ("grpo.py", "a folder"),
+    "remax_loss": ("support", "a symbolic link to the teacher's support/"),
+}
+# Exercises that call a sibling the student left blank: graded on the student's sibling, never the reference's.
+SIBLINGS = {"masked_mean": "masked_sum", "kl_penalty": "kl_k", "remax_loss": "reward_to_go",
+            "two_arm_baselines": "optimal_baseline", "decoupled_gae": "gae"}
+
+
+def write_copy(out, bodies):
+    """The exercise files and support/ of the reference, with the bodies given (by exercise name)."""
+    out.mkdir()
+    for rel in sorted({key.split("::")[0] for key in msc.EXERCISES} | {p for p in msc.project_files(ROOT)
+                                                                         if p.startswith("support/")}):
+        text = (ROOT / rel).read_text(encoding="utf-8")
+        for key in msc.EXERCISES:
+            file, name = key.split("::")
+            if file == rel and msc.exercise_name(key) in bodies:
+                lines = text.splitlines(keepends=True)
+                ((start, end, indent, *_),) = [r for r in msc.regions(text) if r[3] == name]
+                body = textwrap.indent(textwrap.dedent(bodies[msc.exercise_name(key)]).strip("\n"), indent) + "\n"
+                text = "".join(lines[:start]) + body + "".join(lines[end + 1:])
+        (out / rel).parent.mkdir(parents=True, exist_ok=True)
+        (out / rel).write_text(text, encoding="utf-8")
+    return out
+
+
+def fingerprint():
+    """Hashes of the teacher's tree (its files) and of the Python environment's torch package."""
+    import torch
+    torch_dir = os.path.dirname(torch.__file__)
+    return ({rel: hashlib.sha256((ROOT / rel).read_bytes()).hexdigest() for rel in msc.project_files(ROOT)},
+            sorted(os.listdir(torch_dir)), hashlib.sha256(open(torch.__file__, "rb").read()).hexdigest())
+
+
+def grade(student, results, only, seed=3):
+    return subprocess.run([sys.executable, "classroom/grade.py", str(student), "--json", str(results), "--only",
+                           ",".join(only), "--seed", str(seed), "--timeout", str(TIMEOUT), "--jobs", "3"], cwd=ROOT,
+                          capture_output=True, text=True, env=ENV, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def listener():
+    """A port on this machine that counts the connections it gets."""
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    server.settimeout(0.5)
+    accepted, stop = [], threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            try:
+                accepted.append(server.accept())
+            except OSError:
+                pass
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    yield server.getsockname()[1], accepted
+    stop.set()
+    thread.join()
+    server.close()
+
+
+def test_every_attack_scores_zero_and_touches_nothing_outside_its_sandbox(tmp_path, listener):
+    port, accepted = listener
+    sentinel, results = tmp_path / "sentinel", tmp_path / "results.json"
+    assert len({name for _, name, _ in ATTACKS}) == len(ATTACKS)
+    categories = [category for category, _, _ in ATTACKS]
+    assert all(categories.count(c) >= 2 for c in ("escape", "forgery", "lookup", "denial"))
+    bodies = {name: body.format(root=ROOT, sentinel=sentinel, results=results, port=port)
+              for _, name, body in ATTACKS}
+    student = write_copy(tmp_path / "attacks", bodies)
+    before = fingerprint()
+    proc = grade(student, results, bodies)
+    assert results.is_file(), (proc.stdout + proc.stderr)[-3000:]
+    report = json.loads(results.read_text())
+    scores = {t["name"]: (t["score"], t["output"]) for t in report["tests"]}
+    assert set(scores) == set(bodies)
+    assert {name: s for name, (s, _) in scores.items() if s} == {}, scores
+    assert report["score"] == 0 and "bubblewrap sandbox" in report["output"]
+    assert fingerprint() == before
+    assert not sentinel.exists() and not (ROOT / "written_by_a_student.txt").exists()
+    assert accepted == []
+    # each one stopped for its own reason, not for a failure of the grader
+    assert all("grader error" not in output for _, output in scores.values()), scores
+    assert "time limit" in scores["overlong_penalty"][1] and "time limit" in scores["grpo_advantages"][1]
+    assert "SIGSEGV" in scores["softmax_optimal_baseline"][1] and "File too large" in scores["dapo_loss"][1]
+    assert "is a Lying" in scores["aggregate_loss"][1] and "is a Anything" in scores["truncated_is_weight"][1]
+
+
+def test_files_that_are_not_files_are_refused_without_blocking(tmp_path):
+    student, results = write_copy(tmp_path / "files", {}), tmp_path / "results.json"
+    (student / "common.py").unlink()
+    (student / "common.py").symlink_to(ROOT / "common.py")
+    (student / "ppo.py").unlink()
+    os.mkfifo(student / "ppo.py")
+    (student / "toy_bandit.py").write_text((ROOT / "toy_bandit.py").read_text() + "#" * (2 << 20))
+    (student / "rloo.py").unlink()
+    (student / "rloo.py").symlink_to("/dev/zero")
+    (student / "grpo.py").unlink()
+    (student / "grpo.py").mkdir()
+    shutil.rmtree(student / "support")
+    (student / "support").symlink_to(ROOT / "support")
+    proc = grade(student, results, FILE_ATTACKS)
+    assert results.is_file(), (proc.stdout + proc.stderr)[-3000:]
+    scores = {t["name"]: (t["score"], t["output"]) for t in json.loads(results.read_text())["tests"]}
+    assert {name: s for name, (s, _) in scores.items() if s} == {}, scores
+    assert "a symbolic link" in scores["kl_k1"][1] and "not a regular file" in scores["gae"][1]
+    assert "more than" in scores["two_arm_baselines"][1] and "a symbolic link" in scores["rloo_loss"][1]
+    assert "not a regular file" in scores["grpo_loss"][1] and "does not import" in scores["remax_loss"][1]
+
+
+def test_an_untouched_copy_scores_zero_and_an_exercise_is_graded_on_the_students_siblings(tmp_path):
+    """The student copy as written scores 0 ("not implemented"); with a solution written into a few of its
+    exercises, each of them fails naming the blank sibling it calls: the student's, never the reference's."""
+    student = tmp_path / "student"
+    assert subprocess.run([sys.executable, str(ROOT / msc.__file__), str(student)], capture_output=True, env=ENV,
+                          timeout=120).returncode == 0
+    for name in SIBLINGS:
+        key = next(k for k in msc.EXERCISES if msc.exercise_name(k) == name)
+        file = key.split("::")[0]
+        reference = (ROOT / file).read_text(encoding="utf-8").splitlines(keepends=True)
+        ((start, end, *_),) = [r for r in msc.regions("".join(reference)) if r[3] == name]
+        blank = f'raise NotImplementedError("implement {name} (the # HINT: lines above)")'
+        text = (student / file).read_text(encoding="utf-8")
+        line = next(l for l in text.splitlines(keepends=True) if l.strip() == blank)
+        (student / file).write_text(text.replace(line, "".join(reference[start + 1:end])), encoding="utf-8")
+    results = tmp_path / "results.json"
+    blanks = ["masked_sum", "gae", "rloo_loss", "grpo_loss", "dapo_loss", "softmax_baselines"]
+    grade(student, results, [*SIBLINGS, *blanks])
+    scores = {t["name"]: (t["score"], t["output"]) for t in json.loads(results.read_text())["tests"]}
+    assert {name: scores[name] for name in blanks} == {name: (0, "not implemented") for name in blanks}
+    for name, sibling in SIBLINGS.items():
+        assert scores[name][0] == 0 and f"calls {sibling}" in scores[name][1] and "not implemented" in scores[name][1]
+
+
+def test_without_bubblewrap_grading_stops_with_one_line_saying_how_to_install_it(tmp_path):
+    proc = subprocess.run([sys.executable, "classroom/grade.py", str(ROOT), "--json", str(tmp_path / "r.json")],
+                          cwd=ROOT, capture_output=True, text=True, env={**ENV, "PATH": str(tmp_path)}, timeout=120)
+    assert proc.returncode != 0 and not (tmp_path / "r.json").exists()
+    assert len(proc.stderr.strip().splitlines()) == 1 and "apt-get install -y bubblewrap" in proc.stderr
+    assert "--no-sandbox" in proc.stderr
