@@ -256,8 +256,9 @@ def check_output_dir(cfg, script):
 
 
 @functools.cache
+@functools.cache
 def reward_function(spec):
-    """The callable of --reward_fn FILE.py:NAME; its file is run once per process. A missing file or
+    """The callable of --reward_fn FILE.py:NAME; its file is run once per process (the first call). A missing file or
     name, or a file that fails to import, is a ValueError naming the flag."""
     path, _, name = spec.rpartition(":")
     if not path.endswith(".py") or not name.isidentifier():

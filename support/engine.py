@@ -192,6 +192,7 @@ class Trainer:
         with --rollout_lag k to those of k steps ago (fewer in the first k steps, and in the first k after a
         resume). Rows: each example's samples adjacent."""
         cfg, tokenizer = self.cfg, self.tokenizer
+        tasks.TRAINER_STATE.global_step = self.step - 1  # reward functions' trainer_state: the steps done so far
         with self.timer("generation"):
             prompt_ids, prompt_mask = tasks.tokenize_prompts(tokenizer, [ex["prompt"] for ex in examples],
                                                              self.accelerator.device)
