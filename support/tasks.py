@@ -135,8 +135,8 @@ def load_rows(cfg, tokenizer):
 
 def is_conversation(prompt):
     """A prompt in TRL's conversational format: a list of {"role": ..., "content": ...} messages."""
-    return isinstance(prompt, list) and len(prompt) > 0 and \
-        all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt)
+    return isinstance(prompt, list) and len(prompt) > 0 and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt)
 
 
 def math_examples(rows, cfg, tokenizer, split, first_row=1):
@@ -242,9 +242,9 @@ class RewardModel:
     def __call__(self, prompts, completions):
         """Scores of (prompt, completion) pairs; a prompt is text or a conversation's messages."""
         if self.tokenizer.chat_template:
-            texts = [self.tokenizer.apply_chat_template(
-                (p if isinstance(p, list) else [{"role": "user", "content": p}]) + [{"role": "assistant", "content": c}],
-                tokenize=False) for p, c in zip(prompts, completions)]
+            turns = [p if isinstance(p, list) else [{"role": "user", "content": p}] for p in prompts]
+            texts = [self.tokenizer.apply_chat_template(t + [{"role": "assistant", "content": c}], tokenize=False)
+                     for t, c in zip(turns, completions)]
         else:
             texts = [("\n\n".join(m["content"] for m in p) if isinstance(p, list) else p) + c
                      for p, c in zip(prompts, completions)]

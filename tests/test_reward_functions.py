@@ -5,6 +5,7 @@ the embedded model on a reward function alone."""
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -87,7 +88,7 @@ BAD_FUNCTIONS = [  # (body of f, what the error must say)
 ]
 
 
-@pytest.mark.parametrize("body, message", BAD_FUNCTIONS, ids=[m.split(" at ")[0].split(" on ")[0] for _, m in BAD_FUNCTIONS])
+@pytest.mark.parametrize("body, message", BAD_FUNCTIONS, ids=[re.split(" at | on ", m)[0] for _, m in BAD_FUNCTIONS])
 def test_a_bad_reward_function_is_one_error_naming_it_and_the_rows(tmp_path, body, message):
     path = reward_file(tmp_path, f"def f(prompts, completions, **columns):\n    {body}\n")
     with pytest.raises(SystemExit) as e:

@@ -19,8 +19,8 @@ from conftest import ROOT
 
 CPU = Accelerator(cpu=True)
 
-# TRL's documented reward functions (docs/source/grpo_trainer.md, "Using a custom reward function", and the
-# quick start's reward_len), one per name
+# TRL's documented reward functions (its GRPO Trainer page, "Using a custom reward function", and the quick
+# start's reward_len), one per name
 TRL_EXAMPLES = r'''
 import asyncio
 import re
@@ -86,7 +86,8 @@ def curriculum_reward(completions, trainer_state, **kwargs):
 STANDARD = ["reward_len", "reward_token_count", "reward_char_count", "boxed_reward", "math_reward_func",
             "async_reward_func", "curriculum_reward"]
 CONVERSATIONAL = ["format_reward_func", "conversational_length_reward", "async_reward_func", "curriculum_reward"]
-ROWS = [{"prompt": "12+3=", "ground_truth": "15", "task": "math"}, {"prompt": "7*8=", "ground_truth": "56", "task": "code"}]
+ROWS = [{"prompt": "12+3=", "ground_truth": "15", "task": "math"},
+        {"prompt": "7*8=", "ground_truth": "56", "task": "code"}]
 
 
 @pytest.fixture
@@ -156,7 +157,7 @@ def sums(n):
 @pytest.mark.parametrize("kind", ["standard", "conversational"])
 def test_trls_examples_train_unchanged(tmp_path, kind):
     if kind == "standard":
-        rows = [{"prompt": p, "ground_truth": a, "task": "math" if i % 2 else "code"} for i, (p, a) in enumerate(sums(12))]
+        rows = [{"prompt": p, "ground_truth": a, "task": ["code", "math"][i % 2]} for i, (p, a) in enumerate(sums(12))]
         out, names = train(tmp_path, rows, STANDARD), STANDARD
     else:
         rows = [{"prompt": [{"role": "user", "content": p}], "ground_truth": a} for p, a in sums(12)]
@@ -178,8 +179,8 @@ def test_a_function_whose_parameters_cannot_take_the_keywords_stops_before_any_m
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 1 and not (tmp_path / "run" / "metrics.jsonl").exists()  # no eval 0: no model loaded
     error = out.stderr.strip().splitlines()[-1]
-    assert error.startswith("error: --reward_fn positional cannot be called as a reward function is") and \
-        "def positional(completions, **kwargs)" in error, out.stderr[-2000:]
+    assert error.startswith("error: --reward_fn positional cannot be called as a reward function is"), error
+    assert "def positional(completions, **kwargs)" in error, error
 
 
 def test_a_function_that_fails_on_the_first_rows_stops_before_any_model_loads(tmp_path):
