@@ -62,14 +62,16 @@ def five_lines(final):
 
 
 def greedy_completion(model, tokenizer):
-    ids = tokenizer(["91-13="], return_tensors="pt", add_special_tokens=False)["input_ids"]
+    prompt = re.search(r'tokenizer\(\["(.*?)"\]', AFTER_TRAINING)[1]  # the five lines' prompt
+    ids = tokenizer([prompt], return_tensors="pt", add_special_tokens=False)["input_ids"]
+    n = ids.shape[1]
     with torch.no_grad():
         for _ in range(8):
             next_id = model(input_ids=ids).logits[0, -1].argmax()
             if next_id == tokenizer.eos_token_id:
                 break
             ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
-    return tokenizer.decode(ids[0, 6:], skip_special_tokens=True)
+    return tokenizer.decode(ids[0, n:], skip_special_tokens=True)
 
 
 @pytest.mark.parametrize("kind", ["model", "lora adapter"])
