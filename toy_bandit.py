@@ -263,7 +263,9 @@ def print_tables(args, rng):
             report(name, gradient_variance(p, r1, r0, b, bernoulli),
                    sample_two_arm_gradients(p, r1, r0, b, args.n_mc, rng, bernoulli), b)
     theta, r = args.theta, args.arm_rewards
-    print(f"  {len(theta)}-arm softmax theta={tuple(theta)} r={tuple(r)}")
+    pi = softmax(theta)
+    print(f"  {len(theta)}-arm softmax theta={tuple(theta)} r={tuple(r)}: pi = ({', '.join(f'{p:.4f}' for p in pi)}), "
+          f"W = E||s||^2 = 1 - ||pi||^2 = {1 - pi @ pi:.4f}")
     for name, b in softmax_baselines(theta, r).items():
         report(name, softmax_gradient_variance(theta, r, b),
                sample_softmax_gradients(theta, r, b, args.n_mc, rng), b)

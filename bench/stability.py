@@ -87,6 +87,7 @@ def summarise(run_dir):
             "masked": statistics.mean(r["train/geo_masked_frac"] for r in steps),
             "grad_norm_mean": statistics.mean(r["train/grad_norm"] for r in steps),
             "grad_norm_max": max(r["train/grad_norm"] for r in steps),
+            "steps": len(steps), "grad_norm_above_5": sum(r["train/grad_norm"] > 5 for r in steps),
             "train_correct": statistics.mean(r["train/correct"] for r in steps),
             **{phase: statistics.median(r[f"time/{phase}_s"] for r in steps)
                for phase in ("generation", "scoring", "forward_backward")},
@@ -129,8 +130,8 @@ def main():
                    for name, dirs in run_dirs.items()}
     lines = ["| sampler, correction | held-out accuracy (start → end) | train accuracy | mismatch k3 per token "
              "| token ratio min / max | TIS capped | sequences masked | grad norm mean / max "
-             "| s per step: sampling / scoring / update |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| steps with grad norm > 5 | largest grad norm per seed | s per step: sampling / scoring / update |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, runs in results.items():
         col = {key: [r[key] for r in runs] for key in runs[0]}
         lines.append(f"| {name} | {mean_std(col['before'], '.3f')} → {mean_std(col['after'], '.3f')} "
@@ -138,6 +139,8 @@ def main():
                      f"| {min(col['ratio_min']):.3g} / {max(col['ratio_max']):.3g} "
                      f"| {mean_std(col['tis_clip'], '.4f')} | {mean_std(col['masked'], '.4f')} "
                      f"| {mean_std(col['grad_norm_mean'], '.2f')} / {max(col['grad_norm_max']):.2f} "
+                     f"| {sum(col['grad_norm_above_5'])} of {sum(col['steps'])} "
+                     f"| {min(col['grad_norm_max']):.1f}–{max(col['grad_norm_max']):.1f} "
                      f"| {statistics.median(col['generation']):.2f} / {statistics.median(col['scoring']):.2f} / "
                      f"{statistics.median(col['forward_backward']):.2f} |")
     command = shlex.join(["python", "bench/stability.py", *sys.argv[1:]])

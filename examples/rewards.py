@@ -1,10 +1,10 @@
 """Two reward functions to give a training script with --reward_fn FILE.py:NAME (docs/your_task.md).
 
-A reward function takes the prompts (the dataset's text, before any chat template), the completions
-(decoded text) and every column of the dataset as a keyword argument (a list, one value per
-completion), and returns one float per completion, or None where it does not apply (None adds
-nothing to the reward and is left out of the function's logged mean, train/reward/<name>). Its
-values are added to the rule reward, each function weighted by --reward_weights.
+A reward function is called as TRL's GRPOTrainer calls one, with keywords, each a list with one value per
+completion: prompts (the dataset's prompt, before any chat template), completions (decoded text),
+completion_ids, every other column of the dataset, and trainer_state. It returns one float per completion, or
+None where it does not apply (None adds nothing to the reward and is left out of the function's logged mean,
+train/reward/<name>). Its values are added to the rule reward, each function weighted by --reward_weights.
 
     python grpo.py --dataset my_data.jsonl --reward_fn examples/rewards.py:format_reward \\
         --reward_fn examples/rewards.py:length_reward --reward_weights 0.5 0.1 \\

@@ -78,7 +78,7 @@ class TrainConfig:
     rule_reward_weight: float = arg(1.0, "Weight of the rule (correctness) reward; 0 with --reward_model for RLHF.")
     # action "extend": the flag can be repeated, each time with one or more values
     reward_fn: list[str] = field(default_factory=list, metadata={"action": "extend", "help": (
-        "A reward function FILE.py:NAME, f(prompts, completions, **columns) -> list of float or None, "
+        "A reward function FILE.py:NAME, f(completions, **kwargs) -> list of float or None as in TRL, "
         "added to the reward (repeatable).")})
     reward_weights: list[float] = field(default_factory=list, metadata={"action": "extend", "help": (
         "One weight per --reward_fn, in order (default: 1 each).")})
@@ -258,8 +258,9 @@ def check_output_dir(cfg, script):
 
 
 @functools.cache
+@functools.cache
 def reward_function(spec):
-    """The callable of --reward_fn FILE.py:NAME; its file is run once per process. A missing file or
+    """The callable of --reward_fn FILE.py:NAME; its file is run once per process (the first call). A missing file or
     name, or a file that fails to import, is a ValueError naming the flag."""
     path, _, name = spec.rpartition(":")
     if not path.endswith(".py") or not name.isidentifier():

@@ -2,13 +2,16 @@
 rule reward, an optional reward model, reward functions (--reward_fn), the prompt sampler, held-out
 evaluation, and prompts to token ids and completions back to text."""
 import ast
+import asyncio
 import hashlib
+import inspect
 import math
 import numbers
 import random
 import re
 
 import torch
+from transformers import TrainerState
 
 import common
 from support import config, fast, run
@@ -86,11 +89,20 @@ def extract_final_number(text):
 
 def load_task(cfg, tokenizer=None):
     """(train examples, held-out eval examples). Every example: prompt (as fed to the policy), answer,
-    family and, for real data, raw_prompt (the dataset's text), check (--answer_check) and row (the
-    dataset row, whose columns reward functions receive). An arithmetic example is its own row."""
+    family and, for real data, raw_prompt (the dataset's prompt: text, or a conversation's messages), check
+    (--answer_check) and row (the dataset row, whose columns reward functions receive). An arithmetic example
+    is its own row. The --reward_fn functions are tried on the first train rows before this returns."""
     if cfg.dataset == "arithmetic":
-        train = arithmetic_examples(20_000, seed=cfg.seed, held_out=False)
-        return train, arithmetic_examples(250, seed=1234, held_out=True)
+        train, held_out = arithmetic_examples(20_000, seed=cfg.seed, held_out=False), \
+            arithmetic_examples(250, seed=1234, held_out=True)
+    else:
+        train, held_out = load_rows(cfg, tokenizer)
+    check_reward_functions(cfg, train, tokenizer)
+    return train, held_out
+
+
+def load_rows(cfg, tokenizer):
+    """(train, eval) examples of gsm8k or a local file, each row checked (math_examples)."""
     import datasets
 
     try:
@@ -121,28 +133,43 @@ def load_task(cfg, tokenizer=None):
             math_examples(eval_rows, cfg, tokenizer, "test" if cfg.dataset == "gsm8k" else "eval", first_eval_row)]
 
 
+def is_conversation(prompt):
+    """A prompt in TRL's conversational format: a list of {"role": ..., "content": ...} messages."""
+    return isinstance(prompt, list) and len(prompt) > 0 and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in prompt)
+
+
 def math_examples(rows, cfg, tokenizer, split, first_row=1):
-    """The examples of a real dataset's rows, each checked first: its prompt is text that is not empty, and
-    its answer one that --answer_check can read. A row that fails is an error naming it (`first_row`: the
-    number of rows[0] in the file or split, counting from 1)."""
+    """The examples of a real dataset's rows, each checked first: its prompt is text that is not empty (or a
+    conversation, for a tokenizer with a chat template), and its answer one that --answer_check can read. A row
+    that fails is an error naming it (`first_row`: the number of rows[0] in the file or split, counting from 1)."""
     examples, too_long = [], 0
+    chat = cfg.use_chat_template and tokenizer is not None and bool(tokenizer.chat_template)
     for number, row in enumerate(rows, first_row):
         where = f"--dataset {cfg.dataset!r}" + (f" ({split} split)" if cfg.dataset == "gsm8k" else "") + \
             f" row {number}"
         question = row[cfg.prompt_column]
-        if not isinstance(question, str) or not question.strip():
+        system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
+        if is_conversation(question):
+            if not chat:
+                raise SystemExit(f"error: {where}: --prompt_column {cfg.prompt_column!r} holds chat messages, which "
+                                 "need a chat template: give a --model_name_or_path whose tokenizer has one (and "
+                                 "--use_chat_template True), or prompts as text.")
+            if question[0]["role"] == "system":
+                system = []
+            prompt = tokenizer.apply_chat_template(system + question, tokenize=False, add_generation_prompt=True)
+        elif not isinstance(question, str) or not question.strip():
             held = "empty text" if isinstance(question, str) else f"{question!r:.100}"
             raise SystemExit(f"error: {where}: --prompt_column {cfg.prompt_column!r} holds {held}; every prompt must "
-                             "be text.")
-        question = question.strip()
+                             "be text, or a list of {'role': ..., 'content': ...} messages.")
+        else:
+            question = prompt = question.strip()
+            if chat:
+                prompt = tokenizer.apply_chat_template(system + [{"role": "user", "content": question}],
+                                                       tokenize=False, add_generation_prompt=True)
+            elif cfg.system_prompt:
+                prompt = f"{cfg.system_prompt}\n\n{question}"
         answer = read_answer(row[cfg.answer_column], cfg.answer_check, where, cfg) if cfg.answer_column else None
-        prompt = question
-        if cfg.use_chat_template and tokenizer is not None and tokenizer.chat_template:
-            messages = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
-            messages.append({"role": "user", "content": question})
-            prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        elif cfg.system_prompt:
-            prompt = f"{cfg.system_prompt}\n\n{question}"
         n_tokens = len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) if tokenizer is not None else 0
         if n_tokens > cfg.max_prompt_length:
             too_long += 1
@@ -160,18 +187,20 @@ def math_examples(rows, cfg, tokenizer, split, first_row=1):
 
 def read_answer(value, check, where, cfg):
     """A row's answer as the check compares it: the final number ('number', e.g. '#### 1,234' -> '1234') or the
-    stripped text ('exact'). An answer the check cannot read is an error naming the row."""
+    stripped text ('exact'). An answer the check cannot read is an error naming the row, whose advice is one
+    that works: another check only where the other check would read it."""
+    no_answers = "--answer_column '' (no answers: a --reward_fn or --reward_model scores the completions)"
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
-        problem = f"holds {value!r:.100}, not text or a number"
-    else:
-        answer = extract_final_number(str(value)) if check == "number" else str(value).strip()
-        if answer:
-            return answer
-        problem = f"holds {str(value)[:100]!r}, in which --answer_check {check} finds " + \
-            ("no number" if check == "number" else "no text")
-    raise SystemExit(f"error: {where}: --answer_column {cfg.answer_column!r} {problem}. Give --answer_check exact "
-                     "(the completion must equal the answer), or --answer_column '' (no answers: a --reward_fn or "
-                     "--reward_model scores the completions).")
+        raise SystemExit(f"error: {where}: --answer_column {cfg.answer_column!r} holds {value!r:.100}, not text or a "
+                         f"number, which no --answer_check reads. Fill in or remove the row, or give {no_answers}.")
+    answer = extract_final_number(str(value)) if check == "number" else str(value).strip()
+    if answer:
+        return answer
+    problem = f"holds {str(value)[:100]!r}, in which --answer_check {check} finds " + \
+        ("no number" if check == "number" else "no text")
+    advice = f"Give --answer_check exact (the completion must equal the answer), or {no_answers}" \
+        if check == "number" and str(value).strip() else f"Fill in or remove the row, or give {no_answers}"
+    raise SystemExit(f"error: {where}: --answer_column {cfg.answer_column!r} {problem}. {advice}.")
 
 
 def is_correct(completion, answer, check="exact"):
@@ -211,18 +240,25 @@ class RewardModel:
 
     @torch.no_grad()
     def __call__(self, prompts, completions):
+        """Scores of (prompt, completion) pairs; a prompt is text or a conversation's messages."""
         if self.tokenizer.chat_template:
-            texts = [self.tokenizer.apply_chat_template([{"role": "user", "content": p},
-                                                         {"role": "assistant", "content": c}], tokenize=False)
-                     for p, c in zip(prompts, completions)]
+            turns = [p if isinstance(p, list) else [{"role": "user", "content": p}] for p in prompts]
+            texts = [self.tokenizer.apply_chat_template(t + [{"role": "assistant", "content": c}], tokenize=False)
+                     for t, c in zip(turns, completions)]
         else:
-            texts = [p + c for p, c in zip(prompts, completions)]
+            texts = [("\n\n".join(m["content"] for m in p) if isinstance(p, list) else p) + c
+                     for p, c in zip(prompts, completions)]
         scores = []
         for mb in common.micro_batches(len(texts), self.micro_batch_size):
             enc = self.tokenizer(texts[mb], return_tensors="pt", padding=True, truncation=True,
                                  add_special_tokens=not self.tokenizer.chat_template)
             scores.append(self.model(**enc.to(self.device)).logits[:, 0].float())
         return torch.cat(scores)
+
+
+# What reward functions receive as trainer_state, as TRL passes its trainer's: global_step (the optimizer steps
+# done before the one being sampled; the engine sets it) and max_steps (--num_steps).
+TRAINER_STATE = TrainerState()
 
 
 def make_reward_fn(cfg, accelerator):
@@ -235,6 +271,7 @@ def make_reward_fn(cfg, accelerator):
     functions = [(spec.rpartition(":")[2], config.reward_function(spec)) for spec in cfg.reward_fn]
     weights = cfg.reward_weights or [1.0] * len(functions)
     device = accelerator.device
+    TRAINER_STATE.max_steps = cfg.num_steps
 
     def reward_fn(examples, completions):
         prompts = [ex.get("raw_prompt", ex["prompt"]) for ex in examples]
@@ -251,7 +288,7 @@ def make_reward_fn(cfg, accelerator):
         for (name, function), weight in zip(functions, weights):
             if error is not None:
                 break
-            values, error = call_reward_function(name, function, prompts, completions, examples)
+            values, error = call_reward_function(name, function, reward_kwargs(cfg, examples, completions))
             if error is None:
                 scored = [v for v in values if v is not None]
                 rewards = rewards + weight * torch.tensor([0.0 if v is None else v for v in values], device=device)
@@ -268,48 +305,103 @@ def make_reward_fn(cfg, accelerator):
     return reward_fn
 
 
-def call_reward_function(name, function, prompts, completions, examples):
-    """(values, error): the function's values on the batch, f(prompts, completions, **columns) with each
-    column of the dataset as a list, one value per completion: a finite number, or None where it does not
-    apply. Else values is None and error the line that names the function and the rows (0-based in this
-    process's batch) at fault."""
-    columns = {key: [ex.get("row", ex)[key] for ex in examples] for key in examples[0].get("row", examples[0])}
-    what = f"--reward_fn {name}"
+def reward_kwargs(cfg, examples, completions):
+    """The keyword arguments of a reward function, as TRL's GRPOTrainer passes them, one list entry per completion:
+    prompts (the dataset's prompt: text, or a conversation's messages), completions (text, or for a conversation
+    [{"role": "assistant", "content": text}]), completion_ids (the sampled token ids, up to and including EOS),
+    trainer_state, and every column of the dataset but the prompt's, by its name."""
+    rows = [ex.get("row", ex) for ex in examples]
+    prompt_column = "prompt" if cfg.dataset == "arithmetic" else cfg.prompt_column
+    columns = {key: [row[key] for row in rows] for key in rows[0] if key != prompt_column}
+    prompts = [ex.get("raw_prompt", ex["prompt"]) for ex in examples]
+    return {**columns, "prompts": prompts,
+            "completions": [[{"role": "assistant", "content": c}] if isinstance(p, list) else c
+                            for p, c in zip(prompts, completions)],
+            "completion_ids": [getattr(c, "token_ids", None) for c in completions], "trainer_state": TRAINER_STATE}
+
+
+def call_reward_function(name, function, kwargs, when="step not applied"):
+    """(values, error): the function's values f(**kwargs) on the batch (an `async def` function is run to its
+    end), one per completion: a finite number, or None where it does not apply. Else values is None and error
+    the line that names the function and the batch rows at fault, counted from 1 as dataset rows are."""
+    what, n = f"--reward_fn {name}", len(kwargs["completions"])
+    texts = [c[0]["content"] if isinstance(c, list) else c for c in kwargs["completions"]]
+
+    def call(kwargs):
+        values = function(**kwargs)
+        return asyncio.run(values) if inspect.iscoroutine(values) else values
+
     try:
-        values = function(prompts, completions, **columns)
+        values = call(kwargs)
     except Exception as e:
         def raises(i):
             try:
-                function(prompts[i:i + 1], completions[i:i + 1], **{k: v[i:i + 1] for k, v in columns.items()})
+                call({k: v[i:i + 1] if isinstance(v, list) else v for k, v in kwargs.items()})
             except Exception:
                 return True
             return False
 
-        rows = [i for i in range(len(completions)) if raises(i)]
-        where = f"rows {show(rows, completions)}" if rows else f"the batch of {len(completions)} (no row alone)"
-        return None, f"error: {what} raised {type(e).__name__}: {e} on {where}; step not applied."
+        rows = [i for i in range(n) if raises(i)]
+        where = f"batch rows {show(rows, texts)}" if rows else f"the batch of {n} (no row alone)"
+        return None, f"error: {what} raised {type(e).__name__}: {e} on {where}; {when}."
     if isinstance(values, torch.Tensor):
         values = values.tolist()
-    if not isinstance(values, (list, tuple)) or len(values) != len(completions):
+    if not isinstance(values, (list, tuple)) or len(values) != n:
         got = f"{len(values)} values" if isinstance(values, (list, tuple)) else f"a {type(values).__name__}"
-        return None, (f"error: {what} returned {got} for {len(completions)} completions: it must return a list of "
-                      "one float (or None) per completion; step not applied.")
+        return None, (f"error: {what} returned {got} for {n} completions: it must return a list of one float (or "
+                      f"None) per completion; {when}.")
     not_numbers = [i for i, v in enumerate(values) if v is not None and not isinstance(v, numbers.Real)]
     if not_numbers:
         return None, (f"error: {what} returned {type(values[not_numbers[0]]).__name__} "
-                      f"{str(values[not_numbers[0]])[:100]!r}, not a number, at rows {show(not_numbers, completions)}; "
-                      "step not applied.")
+                      f"{str(values[not_numbers[0]])[:100]!r}, not a number, at batch rows {show(not_numbers, texts)}; "
+                      f"{when}.")
     non_finite = [i for i, v in enumerate(values) if v is not None and not math.isfinite(v)]
     if non_finite:
-        return None, (f"error: {what} returned {values[non_finite[0]]} at rows {show(non_finite, completions)}; "
-                      "step not applied.")
+        return None, f"error: {what} returned {values[non_finite[0]]} at batch rows {show(non_finite, texts)}; {when}."
     return [None if v is None else float(v) for v in values], None
 
 
 def show(rows, completions):
-    """"3, 7 (completion 3: '...')" for an error line: up to 5 row numbers and the first one's completion."""
-    listed = ", ".join(map(str, rows[:5])) + (f" and {len(rows) - 5} more" if len(rows) > 5 else "")
-    return f"{listed} (completion {rows[0]}: {completions[rows[0]][:100]!r})"
+    """"4, 8 of 16, counted from 1 (row 4's completion: '...')" for an error line: up to 5 batch rows (0-based
+    indices in, counted from 1 out, as dataset rows are) and the first one's completion."""
+    listed = ", ".join(str(i + 1) for i in rows[:5]) + (f" and {len(rows) - 5} more" if len(rows) > 5 else "")
+    return f"{listed} of {len(completions)}, counted from 1 (row {rows[0] + 1}'s completion: " \
+           f"{completions[rows[0]][:100]!r})"
+
+
+CHECK_ROWS = 4  # the train rows each --reward_fn is tried on before any model loads
+
+
+def check_reward_functions(cfg, examples, tokenizer):
+    """Each --reward_fn called once as a step calls it, on the first CHECK_ROWS train rows with placeholder
+    completions (each row's answer, else ''), before any model loads: a function whose parameters do not take
+    the keywords it is given, or that fails on them (raises, or returns other than one number or None per
+    completion), stops the run here with one line."""
+    examples, TRAINER_STATE.max_steps = examples[:CHECK_ROWS], cfg.num_steps
+    completions = [Completion(ex["answer"] or "", tokenizer(ex["answer"] or "", add_special_tokens=False)["input_ids"]
+                              + [tokenizer.eos_token_id]) if tokenizer is not None else ex["answer"] or ""
+                   for ex in examples]
+    kwargs = reward_kwargs(cfg, examples, completions)
+    taken = [key for key in ("prompts", "completions", "completion_ids", "trainer_state")
+             if key in examples[0].get("row", {})]
+    if cfg.reward_fn and taken:
+        raise SystemExit(f"error: --dataset {cfg.dataset!r} has a column {taken[0]!r}, the name of an argument every "
+                         "--reward_fn receives: rename the column.")
+    for spec in cfg.reward_fn:
+        name, function = spec.rpartition(":")[2], config.reward_function(spec)
+        try:
+            inspect.signature(function).bind(**kwargs)
+        except TypeError as e:
+            raise SystemExit(f"error: --reward_fn {name} cannot be called as a reward function is ({e}): it is called "
+                             f"with keywords, f({', '.join(f'{k}=...' for k in kwargs)}), so write "
+                             f"`def {name}(completions, **kwargs)`, naming the arguments it uses before **kwargs.")
+        except ValueError:  # a callable without a signature Python can read: the call below tries it
+            pass
+        _, error = call_reward_function(name, function, kwargs, when=(
+            f"tried before any model loads on the first {len(examples)} train rows, each row's answer as its "
+            "completion"))
+        if error is not None:
+            raise SystemExit(error)
 
 
 class PromptSampler:
@@ -369,8 +461,18 @@ def tokenize_prompts(tokenizer, prompts, device):
     return enc["input_ids"].to(device), enc["attention_mask"].to(device)
 
 
+class Completion(str):
+    """A completion's text that also holds its token ids (the sampled ones, up to and including the first EOS),
+    which a reward function receives as completion_ids."""
+
+    def __new__(cls, text, token_ids=None):
+        completion = super().__new__(cls, text)
+        completion.token_ids = token_ids
+        return completion
+
+
 def decode_completions(tokenizer, completion_ids, mask):
-    """The text of each completion's tokens where mask is 1 (as Python lists: one batched decode,
-    no tensor op per row)."""
+    """The text of each completion's tokens where mask is 1, with those tokens (as Python lists: one batched
+    decode, no tensor op per row)."""
     kept = [[t for t, m in zip(ids, row_mask) if m] for ids, row_mask in zip(completion_ids.tolist(), mask.tolist())]
-    return tokenizer.batch_decode(kept, skip_special_tokens=True)
+    return [Completion(text, ids) for text, ids in zip(tokenizer.batch_decode(kept, skip_special_tokens=True), kept)]

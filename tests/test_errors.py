@@ -93,7 +93,8 @@ def test_an_empty_prompt_is_an_error_naming_the_dataset_and_the_row(tmp_path):
     out = run(["--dataset", str(path), "--eval_size", "1"], tmp_path)
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
     assert out.stderr.strip().splitlines()[-1] == f"error: --dataset {str(path)!r} row 2: --prompt_column " \
-                                                  "'question' holds empty text; every prompt must be text."
+                                                  "'question' holds empty text; every prompt must be text, or a " \
+                                                  "list of {'role': ..., 'content': ...} messages."
 
 
 def test_no_answers_without_reward_model_is_refused(tmp_path):

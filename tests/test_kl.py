@@ -201,12 +201,10 @@ def test_k1_summed_over_the_sequence_gives_the_same_gradient_in_expectation():
     assert close(g, grad(m.sequence_kl(), m.theta))
 
 
-def test_k1_reward_to_go_in_a_loss_gives_the_sequence_kl_gradient_only_with_a_constant_normaliser():
+def normaliser_case():
     """Completions of 1 or 2 tokens (token 0 is the EOS), every batch of B = 2 enumerated; the loss is
-    remax_loss's KL part, aggregate(reward_to_go(k1) * logp). Its expected gradient is grad KL_seq / L_max
-    with seq-mean-token-sum-norm. seq-mean-token-mean weighs each sequence's term by 1 / |y|, token-mean
-    divides the batch's sum by its token count (a ratio estimator, biased at this batch size): neither
-    expectation is a multiple of grad KL_seq, nor token-mean's that of the infinite batch, grad KL_seq / E|y|."""
+    remax_loss's KL part, aggregate(reward_to_go(k1) * logp). Returns expected_gradient(mode), the target
+    grad KL_seq(pi || ref) and E|y|."""
     g = torch.Generator().manual_seed(0)
     rows = {(): 0, (1,): 1, (2,): 2}  # the prefixes that continue; (0,) has ended
     theta = torch.randn(3, 3, generator=g, dtype=D).requires_grad_()
@@ -230,14 +228,25 @@ def test_k1_reward_to_go_in_a_loss_gives_the_sequence_kl_gradient_only_with_a_co
                    for i in range(7) for j in range(7))
         return grad(loss, theta)
 
-    def off_every_multiple(g, direction):  # the distance from g to the nearest multiple of direction
-        return (g - (g * direction).sum() / (direction * direction).sum() * direction).norm()
+    return expected_gradient, target, (P * mask.sum(1)).sum()
 
+
+def off_every_multiple(g, direction):
+    """The distance from g to the nearest multiple of direction."""
+    return (g - (g * direction).sum() / (direction * direction).sum() * direction).norm()
+
+
+def test_k1_reward_to_go_in_a_loss_gives_the_sequence_kl_gradient_only_with_a_constant_normaliser():
+    """Its expected gradient is grad KL_seq / L_max with seq-mean-token-sum-norm. seq-mean-token-mean weighs
+    each sequence's term by 1 / |y|, token-mean divides the batch's sum by its token count (a ratio estimator,
+    biased at this batch size): neither expectation is a multiple of grad KL_seq, nor token-mean's that of the
+    infinite batch, grad KL_seq / E|y|."""
+    expected_gradient, target, mean_len = normaliser_case()
     assert close(expected_gradient("seq-mean-token-sum-norm"), target / 2)
     assert off_every_multiple(expected_gradient("seq-mean-token-mean"), target) > 0.03  # 0.069; |target| 0.173
     token_mean = expected_gradient("token-mean")
     assert off_every_multiple(token_mean, target) > 0.02  # 0.042
-    assert (token_mean - target / (P * mask.sum(1)).sum()).norm() > 0.02  # 0.042; E|y| = 1.155
+    assert (token_mean - target / mean_len).norm() > 0.02  # 0.042; E|y| = 1.155
 
 
 def test_per_token_k2_in_the_loss_is_the_per_state_reverse_kl_not_the_sequence_kl():
@@ -357,3 +366,21 @@ def test_ratio_weighted_k3_gradient_is_exact_in_fp32_where_the_reference_is_far_
     (g_naive,) = torch.autograd.grad(naive.sum(), logp)
     error = (g_naive.double() / (ratio64 * (logp64 - ref64)) - 1).abs()
     assert error.min() > 0.1 and (g_naive[2:] == 0).all()
+
+
+if __name__ == "__main__":  # `PYTHONPATH=. python tests/test_kl.py`: the figures docs/algorithms.md quotes
+    m = Sequences()
+    logp, ref_logp, _, P, _ = m.logps()
+    reverse, forward = grad(m.sequence_kl(), m.theta), grad(m.sequence_kl(reverse=False), m.theta)
+    k2 = grad((P[:, None] * kl_k2(logp, ref_logp)).sum(), m.theta)
+    k3 = grad((P[:, None] * kl_k3(logp, ref_logp)).sum(), m.theta)
+    print(f"2-token model: |grad KL_seq(pi || ref)| = {reverse.norm():.3f}; "
+          f"per-token k2 off by {(k2 - reverse).norm():.3f}; "
+          f"|grad KL_seq(ref || pi)| = {forward.norm():.3f}; per-token k3 off from it by {(k3 - forward).norm():.3f} "
+          f"and from the reverse one by {(k3 - reverse).norm():.3f}")
+    expected_gradient, target, mean_len = normaliser_case()
+    token_mean = expected_gradient("token-mean")
+    print(f"batches of two: |grad KL_seq| = {target.norm():.3f}, E|y| = {mean_len:.3f}; seq-mean-token-mean "
+          f"{off_every_multiple(expected_gradient('seq-mean-token-mean'), target):.3f} from every multiple of it, "
+          f"token-mean {off_every_multiple(token_mean, target):.3f}, and {(token_mean - target / mean_len).norm():.3f} "
+          "from grad KL_seq / E|y|")

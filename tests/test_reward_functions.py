@@ -5,6 +5,7 @@ the embedded model on a reward function alone."""
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -77,16 +78,17 @@ def test_a_function_that_applies_to_no_row_logs_nan(tmp_path):
 BAD_FUNCTIONS = [  # (body of f, what the error must say)
     ("return [1.0]", "returned 1 values for 2 completions"),
     ("return 1.0", "returned a float for 2 completions"),
-    ("return [1.0, 'yes']", "returned str 'yes', not a number, at rows 1 (completion 1: '0')"),
-    ("return [float('nan'), 1.0]", "returned nan at rows 0 (completion 0: '15')"),
-    ("return [1.0 / len(c) for c in completions]", "raised ZeroDivisionError: float division by zero on rows 1 "
-                                                   "(completion 1: '')"),
+    ("return [1.0, 'yes']", "returned str 'yes', not a number, at batch rows 2 of 2, counted from 1 (row 2's "
+                            "completion: '0')"),
+    ("return [float('nan'), 1.0]", "returned nan at batch rows 1 of 2, counted from 1 (row 1's completion: '15')"),
+    ("return [1.0 / len(c) for c in completions]", "raised ZeroDivisionError: float division by zero on batch rows 2 "
+                                                   "of 2, counted from 1 (row 2's completion: '')"),
     ("assert len(completions) == 1, 'one at a time'\n    return [0.0]", "raised AssertionError: one at a time on the "
                                                                        "batch of 2 (no row alone)"),
 ]
 
 
-@pytest.mark.parametrize("body, message", BAD_FUNCTIONS, ids=[m.split(":")[0] for _, m in BAD_FUNCTIONS])
+@pytest.mark.parametrize("body, message", BAD_FUNCTIONS, ids=[re.split(" at | on ", m)[0] for _, m in BAD_FUNCTIONS])
 def test_a_bad_reward_function_is_one_error_naming_it_and_the_rows(tmp_path, body, message):
     path = reward_file(tmp_path, f"def f(prompts, completions, **columns):\n    {body}\n")
     with pytest.raises(SystemExit) as e:
@@ -193,3 +195,17 @@ def test_system_prompt_is_the_chat_templates_system_turn_or_text_before_the_prom
     assert train[0]["prompt"] == "<system>Be brief.<user>1+1=<assistant>"
     with pytest.raises(SystemExit, match="--system_prompt is for instruct models"):
         config.parse_config(importlib.import_module("remax").Config, ["--system_prompt", "Be brief."])
+
+
+@pytest.mark.parametrize("answer", [None, "  "])
+def test_an_answer_no_check_reads_gives_advice_that_works(tmp_path, answer):
+    """An answer that is missing (or blank) is read by neither check: the error does not send the user to the
+    other check, and its advice, --answer_column '' with a reward function, loads the file."""
+    rows = [{"question": "1+1=", "answer": answer}, {"question": "2+2=", "answer": "4"}]
+    for check in ("number", "exact"):
+        with pytest.raises(SystemExit) as e:
+            load(tmp_path, rows, answer_check=check)
+        assert "row 1: --answer_column 'answer' holds" in str(e.value) and "Give --answer_check" not in str(e.value)
+        assert "Fill in or remove the row, or give --answer_column ''" in str(e.value), str(e.value)
+    train, _ = load(tmp_path, rows, answer_column="", reward_fn=["examples/rewards.py:length_reward"])
+    assert train[0]["answer"] is None

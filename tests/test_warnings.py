@@ -28,3 +28,15 @@ def test_a_short_run_raises_no_warning(tmp_path, script, args):
     for line in ("Warning", "deprecated", "return forward_call"):  # a library's logged notice is no Python warning
         assert line not in output, output[-3000:]
     assert (tmp_path / "run" / "final" / "config.json").exists()
+
+
+def test_the_quick_starts_launch_prints_no_notice_of_defaults(tmp_path):
+    """`accelerate launch --config_file configs/one_process.yaml` (the README's demo) sets every value accelerate
+    would otherwise fill in and list in a six-line notice before the run's first line."""
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/one_process.yaml", "remax.py",
+           "--num_steps", "1", "--batch_size", "8", "--max_new_tokens", "4", "--eval_every", "100",
+           "--save_model", "False", "--output_dir", str(tmp_path / "run")]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "were not passed to `accelerate launch`" not in out.stdout + out.stderr, out.stderr[:2000]
+    assert (out.stdout + out.stderr).count("eval 0 | accuracy 0.416") == 1

@@ -1,7 +1,6 @@
 """docs/your_task.md does what it says: its example rows load in each of the three formats, its
 reward function runs, and its five lines after training load the saved model, or the saved LoRA
 adapter, and generate what the trained weights generate."""
-import json
 import os
 import re
 import subprocess
@@ -63,14 +62,16 @@ def five_lines(final):
 
 
 def greedy_completion(model, tokenizer):
-    ids = tokenizer(["91-13="], return_tensors="pt", add_special_tokens=False)["input_ids"]
+    prompt = re.search(r'tokenizer\(\["(.*?)"\]', AFTER_TRAINING)[1]  # the five lines' prompt
+    ids = tokenizer([prompt], return_tensors="pt", add_special_tokens=False)["input_ids"]
+    n = ids.shape[1]
     with torch.no_grad():
         for _ in range(8):
             next_id = model(input_ids=ids).logits[0, -1].argmax()
             if next_id == tokenizer.eos_token_id:
                 break
             ids = torch.cat([ids, next_id.view(1, 1)], dim=1)
-    return tokenizer.decode(ids[0, 6:], skip_special_tokens=True)
+    return tokenizer.decode(ids[0, n:], skip_special_tokens=True)
 
 
 @pytest.mark.parametrize("kind", ["model", "lora adapter"])
@@ -79,11 +80,15 @@ def test_the_five_lines_after_training_generate_with_the_trained_weights(tmp_pat
     assert (final / "adapter_config.json").exists() == (kind == "lora adapter")
     printed = five_lines(final)
     tokenizer = AutoTokenizer.from_pretrained(final)
-    if kind == "lora adapter":  # the adapter on its base, as peft loads it
-        from peft import PeftModel
+    if kind == "lora adapter":  # the adapter put into its base by peft's functions, not by the five lines' path
+        # (not PeftModel.from_pretrained: peft 0.21's PeftModel reads transformers' deprecated is_gradient_checkpointing)
+        from peft import LoraConfig, inject_adapter_in_model, set_peft_model_state_dict
+        from safetensors.torch import load_file
 
-        base = json.loads((final / "adapter_config.json").read_text())["base_model_name_or_path"]
-        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), final).eval()
+        lora = LoraConfig.from_pretrained(final)
+        model = inject_adapter_in_model(lora, AutoModelForCausalLM.from_pretrained(lora.base_model_name_or_path))
+        assert not set_peft_model_state_dict(model, load_file(final / "adapter_model.safetensors")).unexpected_keys
+        model.eval()
     else:
         model = AutoModelForCausalLM.from_pretrained(final).eval()
     start = AutoModelForCausalLM.from_pretrained(config.EMBEDDED_MODEL).eval()
