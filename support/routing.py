@@ -29,6 +29,8 @@ a forward that continues a cache runs the same block. Code whose forward runs ot
 which with `routing.rows`: support/fast.py does for a group's shared prompt pass and for the rows still going
 in its decode loop. In a replay the blocks wrap around to row 0 after the last of the B rows: one context can
 hold the whole batch's indices around epochs of micro-batches taken in order, or a micro-batch's, indices[mb].
+Every forward through the model's weights inside a context counts, a LoRA reference (the policy, adapter off)
+included: run the reference outside.
 
 Replay. Each router still computes its logits; the experts are the recorded ones, weighted by the live router's
 softmax probabilities gathered at them (renormalised over the k when the router renormalises its top k): the
