@@ -7,7 +7,6 @@ definition; the loops run support/fast.py's versions, tested equal to them. The 
 tasks and rewards, model loading, logging, checkpoints) lives in support/. Equations and sign
 conventions: docs/algorithms.md.
 """
-import math
 from contextlib import contextmanager
 
 import torch
@@ -206,28 +205,23 @@ def geometric_sequence_mask(logp, old_logp, adv, mask, delta):
 
 
 def sequence_is_weight(logp, rollout_logp, mask, cap):
-    """Truncated importance sampling per sequence: min(prod_t pi_train / pi_rollout, cap) over the valid tokens,
-    the weight that makes E_rollout[w f(y)] = E_train[f(y)] exactly (up to the cap) for any function f of the whole
-    sequence; the per-token ratio does not (docs/algorithms.md, Off-policy corrections). (B,) detached."""
-    log_ratio = masked_sum((logp - rollout_logp).detach(), mask, dim=1)  # (B,): log prod_t pi / mu
-    return torch.exp(log_ratio.clamp(max=math.log(cap)))  # the cap applied in log space: no overflow
+    """Per-sequence TIS: min(prod_t pi_train / pi_rollout, cap) over the valid tokens, (B,) detached. Unbiased for
+    a sequence objective up to the cap, where the per-token ratio is not (docs/algorithms.md, per token or per
+    sequence)."""
+    return torch.exp(masked_sum((logp - rollout_logp).detach(), mask, dim=1)).clamp(max=cap)  # an overflow gives cap
 
 
 def tis_veto_mask(logp, rollout_logp, mask, threshold):
-    """Per-token veto (verl's rollout_token_veto_threshold): 0 for a sequence any of whose valid tokens has
-    pi_train / pi_rollout < threshold (a token the trainer finds far less likely than the sampler did), else 1.
-    (B,) detached."""
-    low = (logp - rollout_logp).detach() < math.log(threshold)  # (B, T)
+    """0 for a sequence any of whose valid tokens has pi_train / pi_rollout < threshold, else 1. (B,) detached."""
+    low = torch.exp((logp - rollout_logp).detach()) < threshold  # (B, T)
     return 1.0 - (low & mask.bool()).any(dim=1).to(logp.dtype)
 
 
 def effective_sample_size(weights, mask=None):
-    """Normalised effective sample size of importance weights, (sum w)^2 / (n sum w^2) over the n valid entries:
-    1 when every weight is equal, 1/n when one weight carries everything. Token-level weights (B, T) with their
-    mask, or sequence weights (B,)."""
+    """(sum w)^2 / (n sum w^2) over the n valid weights, token-level (B, T) with their mask or per sequence (B,):
+    1 when all are equal, 1/n when one carries everything."""
     mask = torch.ones_like(weights) if mask is None else mask
-    n = mask.sum()
-    return masked_sum(weights, mask) ** 2 / (n * masked_sum(weights ** 2, mask)).clamp(min=1e-30)
+    return masked_sum(weights, mask) ** 2 / (mask.sum() * masked_sum(weights ** 2, mask)).clamp(min=1e-30)
 
 
 def rollout_correction(logp, old_logp, rollout_logp, adv, mask, tis_cap=0.0, geo_mask_delta=0.0):

@@ -136,8 +136,8 @@ def main():
     rng, start, log = random.Random(args.seed), time.time(), []
     for step in range(1, args.steps + 1):
         ids, attn, labels = sft_batch(tokenizer, [warmup_example(ex, rng) for ex in rng.sample(train, args.batch_size)])
-        loss = model(input_ids=ids, attention_mask=attn, position_ids=common.position_ids_from_mask(attn), labels=labels,
-                     **moe).loss
+        position_ids = common.position_ids_from_mask(attn)
+        loss = model(input_ids=ids, attention_mask=attn, position_ids=position_ids, labels=labels, **moe).loss
         opt.zero_grad()
         loss.backward()
         opt.step()
