@@ -119,8 +119,8 @@ def rows(model, block_rows=None, batch_rows=None):
     if hooks is None:
         yield
         return
-    n = len(block_rows if block_rows is not None else batch_rows)
-    arange = torch.arange(n, device=(block_rows if block_rows is not None else batch_rows).device)
+    given = block_rows if block_rows is not None else batch_rows
+    arange = torch.arange(len(given), device=given.device)
     saved, hooks.rows = hooks.rows, (arange if batch_rows is None else batch_rows,
                                      arange if block_rows is None else block_rows)
     try:
