@@ -214,3 +214,12 @@ def test_the_embedded_moe_model_loads_from_the_repository_root(monkeypatch):
     model, tokenizer = models.load_model(cfg), models.load_tokenizer(cfg)
     assert routing.is_moe(model) and len(routing.routers(model)) == model.config.num_hidden_layers
     assert model.config.num_experts_per_tok == 2 and tokenizer.pad_token_id == PAD
+
+
+def test_replay_reaches_the_routers_under_a_lora_adapter(sampled):
+    from peft import LoraConfig
+
+    model, batch, replay = sampled
+    policy = models.add_lora(moved(model), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    assert routing.is_moe(policy)
+    assert torch.equal(recorded(policy, batch, fast.token_logprobs, replay=replay), replay[0])
