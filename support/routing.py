@@ -176,6 +176,8 @@ class Recording(_Blocks):
         mask of the recorded rows; -1 where nothing was recorded or outside `positions(attention_mask)`.
         live: each router's own choice, not the experts a replay made it use."""
         B, S = attention_mask.shape
+        if not self.entries:
+            raise ValueError("routing: nothing was recorded (no forward of the model ran inside the context).")
         if self.base + self.size != B:
             raise ValueError(f"routing: {self.base + self.size} rows were recorded; the mask has {B}.")
         first = self.entries[0]["used"][0]
