@@ -208,6 +208,26 @@ def geometric_sequence_mask(logp, old_logp, adv, mask, delta):
     # END SOLUTION
 
 
+def sequence_is_weight(logp, rollout_logp, mask, cap):
+    """Per-sequence TIS: min(prod_t pi_train / pi_rollout, cap) over the valid tokens, (B,) detached. Unbiased for
+    a sequence objective up to the cap, where the per-token ratio is not (docs/algorithms.md, per token or per
+    sequence)."""
+    return torch.exp(masked_sum((logp - rollout_logp).detach(), mask, dim=1)).clamp(max=cap)  # an overflow gives cap
+
+
+def tis_veto_mask(logp, rollout_logp, mask, threshold):
+    """0 for a sequence any of whose valid tokens has pi_train / pi_rollout < threshold, else 1. (B,) detached."""
+    low = torch.exp((logp - rollout_logp).detach()) < threshold  # (B, T)
+    return 1.0 - (low & mask.bool()).any(dim=1).to(logp.dtype)
+
+
+def effective_sample_size(weights, mask=None):
+    """(sum w)^2 / (n sum w^2) over the n valid weights, token-level (B, T) with their mask or per sequence (B,):
+    1 when all are equal, 1/n when one carries everything."""
+    mask = torch.ones_like(weights) if mask is None else mask
+    return masked_sum(weights, mask) ** 2 / (mask.sum() * masked_sum(weights ** 2, mask)).clamp(min=1e-30)
+
+
 class Extreme(NamedTuple):
     """A statistic whose micro-batches combine by their max or min, not by their token-weighted mean."""
     value: torch.Tensor

@@ -13,6 +13,9 @@ Deterministic on CPU for a given seed. Reproduce the committed folder with
     python embedded_model/build.py
 
 It writes config.json, model.safetensors, tokenizer files and build_log.json next to itself.
+`--moe` builds the mixture-of-experts sibling the same way into embedded_model/moe/: a Qwen3-MoE causal
+LM of the same width and depth whose every layer routes each token to 2 of 8 small experts (the same
+total size), warmed up on the same noisy labels with the load-balancing loss of its config.
 """
 import argparse
 import json
@@ -50,6 +53,20 @@ def build_model(tokenizer, seed):
     config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=512, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64, tie_word_embeddings=True,
                          pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id)
+    return AutoModelForCausalLM.from_config(config)
+
+
+def build_moe_model(tokenizer, seed):
+    """Every MLP a mixture of 8 experts of width 64, each token routed to the top 2 (renormalised), about as
+    many parameters as the dense model; the load-balancing loss (router_aux_loss_coef) keeps all experts in use."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    torch.manual_seed(seed)
+    config = Qwen3MoeConfig(vocab_size=len(tokenizer), hidden_size=128, moe_intermediate_size=64, num_experts=8,
+                            num_experts_per_tok=2, norm_topk_prob=True, router_aux_loss_coef=0.01, num_hidden_layers=4,
+                            num_attention_heads=4, num_key_value_heads=4, head_dim=32, max_position_embeddings=64,
+                            tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
+                            eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.eos_token_id)
     return AutoModelForCausalLM.from_config(config)
 
 
@@ -97,16 +114,20 @@ class _Acc:  # the minimal accelerator interface tasks.evaluate needs, for one p
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
+    ap.add_argument("--out", default=None, help="default: this folder, or its moe/ subfolder with --moe")
+    ap.add_argument("--moe", action="store_true", help="build the mixture-of-experts model instead of the dense one")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=1500)
     ap.add_argument("--batch_size", type=int, default=128)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--eval_every", type=int, default=250)
     args = ap.parse_args()
+    here = os.path.dirname(os.path.abspath(__file__))
+    args.out = args.out or (os.path.join(here, "moe") if args.moe else here)
     torch.set_num_threads(2)
     tokenizer = build_tokenizer()
-    model = build_model(tokenizer, args.seed)
+    model = (build_moe_model if args.moe else build_model)(tokenizer, args.seed)
+    moe = {"output_router_logits": True} if args.moe else {}  # adds the load-balancing loss to .loss
     n_params = sum(p.numel() for p in model.parameters())
     print(f"{n_params / 1e6:.2f}M parameters")
     cfg = config.TrainConfig(seed=args.seed)
@@ -115,7 +136,8 @@ def main():
     rng, start, log = random.Random(args.seed), time.time(), []
     for step in range(1, args.steps + 1):
         ids, attn, labels = sft_batch(tokenizer, [warmup_example(ex, rng) for ex in rng.sample(train, args.batch_size)])
-        loss = model(input_ids=ids, attention_mask=attn, position_ids=common.position_ids_from_mask(attn), labels=labels).loss
+        position_ids = common.position_ids_from_mask(attn)
+        loss = model(input_ids=ids, attention_mask=attn, position_ids=position_ids, labels=labels, **moe).loss
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -210,7 +210,7 @@ class Trainer:
         """Sample num_samples completions of each example's prompt (or one greedy completion) with the
         current policy, or with its copy synced to it. Rows: each example's samples adjacent."""
         cfg, tokenizer = self.cfg, self.tokenizer
-        tasks.TRAINER_STATE.global_step = self.step - 1  # reward functions' trainer_state: the steps done so far
+        tasks.TRAINER_STATE.global_step = self.at_step - 1  # reward functions' trainer_state: the steps done so far
         with self.timer("generation"):
             prompt_ids, prompt_mask = tasks.tokenize_prompts(tokenizer, [ex["prompt"] for ex in examples],
                                                              self.accelerator.device)

@@ -16,7 +16,7 @@ draws from the same seed) by tests/test_fast.py. Read the spec; this is how it i
 import torch
 
 import common
-from support import models
+from support import models, routing
 
 # Rows of (C, V) fp32 logits that token_logprobs takes at once: 2**24 floats (64 MiB) bound the
 # temporary copies whatever the vocabulary; the embedded model's whole batch fits in one chunk.
@@ -29,8 +29,9 @@ def shared_prompt_cache(model, prompt_ids, prompt_mask, rows):
     what follows it then run row by row. Scoring a group's rows and sampling a prompt's K completions
     both share their prompt this way."""
     position_ids = common.position_ids_from_mask(prompt_mask)
-    cache = model(input_ids=prompt_ids[:, :-1], attention_mask=prompt_mask[:, :-1],
-                  position_ids=position_ids[:, :-1], logits_to_keep=1, use_cache=True).cache
+    with routing.rows(model, batch_rows=rows):  # for routing.record / replay: row i is prompt rows[i]
+        cache = model(input_ids=prompt_ids[:, :-1], attention_mask=prompt_mask[:, :-1],
+                      position_ids=position_ids[:, :-1], logits_to_keep=1, use_cache=True).cache
     cache.reorder_cache(rows)
     return cache
 
@@ -107,8 +108,9 @@ def decode(model, input_ids, attention_mask, cache, gen, scores=None):
     rows = torch.arange(len(input_ids), device=input_ids.device)  # the rows still going
     inputs, positions = (input_ids[:, -1:], position_ids[:, -1:]) if cache is not None else (input_ids, position_ids)
     for t in range(gen.max_new_tokens):
-        out = model(input_ids=inputs, attention_mask=attention_mask, position_ids=positions, cache=cache,
-                    use_cache=True, logits_to_keep=1)
+        with routing.rows(model, rows):  # for routing.record: the rows still going
+            out = model(input_ids=inputs, attention_mask=attention_mask, position_ids=positions, cache=cache,
+                        use_cache=True, logits_to_keep=1)
         cache, logits = out.cache, out.logits[:, -1].float()
         if t < (gen.min_new_tokens or 0):
             logits[:, gen.eos_token_id] = float("-inf")
