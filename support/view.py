@@ -49,12 +49,12 @@ QUANTITIES = {
                       "r = π_ref/π_θ: never negative, dark where the policy left the reference."),
     "entropy": Quantity("entropy", "positive", "The policy's entropy at this position, in nats: dark where it "
                         "was unsure."),
-    "mismatch": Quantity("log π_trainer - log π_sampler", "signed", "The trainer's log-prob of the token minus the "
-                         "sampler's: 0 where they agree."),
-    "tis_weight": Quantity("TIS weight", "ratio", "The truncated importance weight min(π_trainer/π_sampler, cap) "
-                           "on this token's gradient."),
-    "geo_mask": Quantity("geometric mask", "keep", "1: the sequence was kept; 0: its geometric-mean ratio drifted "
-                         "past the bound with A < 0, and the loss dropped it."),
+    "mismatch": Quantity("mismatch log π_train - log π_rollout", "signed", "The trainer's log-prob of the token "
+                         "minus that of the model that sampled it: 0 where they agree."),
+    "tis_weight": Quantity("TIS weight", "ratio", "The truncated importance weight min(π_old/π_rollout, --tis_cap) "
+                           "on this token's gradient (π_old: the trainer at the start of the update)."),
+    "geo_mask": Quantity("geometric mask", "keep", "1: the sequence was kept; 0: A < 0 and its mean log-ratio "
+                         "log π_rollout/π_θ passed --geo_mask_delta, so the loss dropped it."),
     "veto": Quantity("veto", "keep", "1: the sequence was kept; 0: a token's ratio fell below the veto threshold "
                      "and the loss dropped the sequence."),
     "kept_set": Quantity("kept-set size", "positive", "How many tokens the top-k / top-p filter kept at this "
