@@ -19,6 +19,7 @@ import json
 import math
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -234,25 +235,34 @@ def chromium_binary():
 
 def chromium(url, *args, timeout=60):
     """Run headless Chromium on url with extra args (--screenshot=..., --dump-dom, ...) and a fresh profile;
-    returns the CompletedProcess (stdout: the DOM with --dump-dom; stderr: console lines with
-    --enable-logging=stderr). The background-networking flags matter on a closed network."""
+    returns (returncode, stdout, stderr): stdout is the DOM with --dump-dom, stderr has the console's lines with
+    --enable-logging=stderr. The background-networking flags matter on a closed network. Past `timeout` seconds
+    Chromium and all its processes are stopped and a RuntimeError raised."""
     binary = chromium_binary()
     if binary is None:
         raise RuntimeError("Chromium is not installed: apt-get install -y chromium")
     with tempfile.TemporaryDirectory() as profile:
         cmd = [binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                "--disable-background-networking", "--disable-component-update", "--disable-sync",
-               "--disable-dev-shm-usage", f"--user-data-dir={profile}", *args, url]
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+               "--disable-dev-shm-usage", "--disable-crash-reporter", f"--user-data-dir={profile}", *args, url]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)  # its own process group: a timeout stops every process
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise RuntimeError(f"Chromium did not finish {url} within {timeout} s")
+        return proc.returncode, out, err
 
 
 def screenshot(page, png, quantity=None, width=1200, height=900):
     """Render the page (optionally coloured by `quantity`) to a PNG with headless Chromium."""
     url = "file://" + os.path.abspath(page) + (f"#q={quantity}" if quantity else "")
-    out = chromium(url, f"--screenshot={os.path.abspath(png)}", f"--window-size={width},{height}",
-                   "--hide-scrollbars", "--virtual-time-budget=2000")
-    if out.returncode != 0 or not os.path.exists(png):
-        raise RuntimeError(f"Chromium could not render {page}:\n{out.stderr[-2000:]}")
+    code, _, err = chromium(url, f"--screenshot={os.path.abspath(png)}", f"--window-size={width},{height}",
+                            "--hide-scrollbars", "--virtual-time-budget=2000")
+    if code != 0 or not os.path.exists(png):
+        raise RuntimeError(f"Chromium could not render {page}:\n{err[-2000:]}")
     return png
 
 

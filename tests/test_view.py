@@ -187,13 +187,13 @@ def test_the_page_renders_every_token_recolours_and_raises_no_error(tmp_path):
     recorder.record(5, rollout, torch.tensor([1.0, 0.0]), adv, {"unknown": -adv})  # no kl_k3 at this step
     page = recorder.write()
 
-    def load(quantity, extra=()):
+    def load(quantity):
         png = tmp_path / f"{quantity}.png"
-        out = view.chromium(f"file://{page}#q={quantity}", "--dump-dom", f"--screenshot={png}", "--window-size=900,600",
-                            "--virtual-time-budget=2000", "--enable-logging=stderr", "--v=0", *extra)
-        assert out.returncode == 0, out.stderr[-2000:]
-        console = [line for line in out.stderr.splitlines() if "CONSOLE" in line]
-        return Spans(out.stdout), png, console, out.stdout
+        code, dom, err = view.chromium(f"file://{page}#q={quantity}", "--dump-dom", f"--screenshot={png}",
+                                       "--window-size=900,600", "--virtual-time-budget=2000", "--enable-logging=stderr",
+                                       "--v=0")
+        assert code == 0, err[-2000:]
+        return Spans(dom), png, [line for line in err.splitlines() if "CONSOLE" in line], dom
 
     by_adv, png_adv, console, dom_adv = load("adv")
     assert by_adv.errors == "" and not [line for line in console if "Uncaught" in line or "rror" in line], console
@@ -219,5 +219,16 @@ def test_the_page_renders_every_token_recolours_and_raises_no_error(tmp_path):
 
     broken = tmp_path / "broken.html"  # the error trap works: an error thrown after the page's script shows
     broken.write_text(open(page).read().replace("</body>", "<script>throw new Error('probe')</script></body>"))
-    out = view.chromium(f"file://{broken}", "--dump-dom", "--virtual-time-budget=2000")
-    assert "probe" in Spans(out.stdout).errors
+    _, dom, _ = view.chromium(f"file://{broken}", "--dump-dom", "--virtual-time-budget=2000")
+    assert "probe" in Spans(dom).errors
+
+
+@needs_chromium
+def test_the_command_renders_a_screenshot(tokenizer, tmp_path, capsys):
+    recorder = view.Recorder(tmp_path, tokenizer, num_rows=1)
+    recorder.record(1, fake_rollout([[4, 5, 1]], [[1, 1, 1]], ["7+5="]), torch.ones(1), None,
+                    {"entropy": torch.tensor([[0.0, 1.0, 2.0]])})
+    recorder.write()
+    view.main([str(tmp_path), "--screenshot", str(tmp_path / "shot.png"), "--quantity", "entropy", "--size", "400x300"])
+    assert capsys.readouterr().out.split() == [str(tmp_path / "rollouts.html"), str(tmp_path / "shot.png")]
+    assert not one_colour(tmp_path / "shot.png")
