@@ -101,8 +101,9 @@ class Recorder:
     line per recorded step) and rollouts.html in output_dir.
 
     Off when num_rows is 0 or enabled is False (build it with enabled=accelerator.is_main_process): then `due`
-    is always False and nothing is written. Due steps: 1, every eval_every-th, and num_steps. A resumed run
-    (start_step > 0) keeps the steps recorded up to its checkpoint; a new run starts an empty record."""
+    is always False and nothing is written. Due steps: 1, every eval_every-th, and num_steps. Both files are
+    written at once: a new run replaces an earlier run's with an empty page, and a resumed run (start_step > 0)
+    keeps the steps recorded up to its checkpoint."""
 
     def __init__(self, output_dir, tokenizer, num_rows, num_steps=None, eval_every=None, start_step=0,
                  enabled=True):
@@ -115,6 +116,7 @@ class Recorder:
         path = os.path.join(output_dir, "rollouts.jsonl")
         if self.enabled and start_step and os.path.exists(path):
             self.records = [r for r in read_records(path) if r["step"] <= start_step]
+        self.write()
 
     def due(self, step):
         """Whether step is recorded: step 1, each evaluation step, the last step."""
@@ -130,10 +132,10 @@ class Recorder:
             return
         B, T = rollout.mask.shape
         tokens, sequences = dict(tokens), dict(sequences or {})
-        twice = tokens.keys() & sequences.keys() | ({"adv"} & (tokens.keys() | sequences.keys()) if adv is not None
-                                                    else set())
+        given = [*tokens, *sequences, *(["adv"] if adv is not None else [])]
+        twice = sorted({name for name in given if given.count(name) > 1})
         if twice:
-            raise ValueError(f"rollout viewer: {sorted(twice)} given twice (per token, per sequence or as adv); "
+            raise ValueError(f"rollout viewer: {twice} given twice (per token, per sequence or as adv); "
                              "pass each once.")
         if adv is not None:
             (tokens if adv.dim() == 2 else sequences)["adv"] = adv
@@ -148,14 +150,14 @@ class Recorder:
         rewards = rewards[:n].detach().float().cpu().tolist()
         rows = []
         for r in range(n):
-            shown = max((k + 1 for k, m in enumerate(mask[r]) if m), default=T)  # the padding after goes as a count
-            texts, special = token_texts(self.tokenizer, ids[r][:shown])
+            length = max((k + 1 for k, m in enumerate(mask[r]) if m), default=T)  # the padding after: a count
+            texts, special = token_texts(self.tokenizer, ids[r][:length])
             answer = rollout.examples[r].get("answer") if isinstance(rollout.examples[r], dict) else None
             rows.append({"prompt": rollout.prompts[r], "answer": answer if isinstance(answer, str) else None,
                          "group": r // group_size, "reward": rounded([rewards[r]])[0],
-                         "tokens": texts, "special": special, "mask": [int(m != 0) for m in mask[r][:shown]],
-                         "pad": T - shown,
-                         "values": {name: rounded(cpu[name][r, :shown].tolist()) for name in tokens},
+                         "tokens": texts, "special": special, "mask": [int(m != 0) for m in mask[r][:length]],
+                         "pad": T - length,
+                         "values": {name: rounded(cpu[name][r, :length].tolist()) for name in tokens},
                          "sequence": {name: rounded([cpu[name][r].item()])[0] for name in sequences}})
         record = {"step": step, "group_size": group_size, "rows": rows}
         self.records = [rec for rec in self.records if rec["step"] != step] + [record]

@@ -74,12 +74,13 @@ def test_masked_positions_are_marked_and_left_out_of_the_scale(tokenizer, tmp_pa
 def test_due_steps_are_the_first_each_evaluation_and_the_last(tokenizer, tmp_path):
     recorder = view.Recorder(tmp_path, tokenizer, num_rows=4, num_steps=10, eval_every=4)
     assert [s for s in range(1, 11) if recorder.due(s)] == [1, 4, 8, 10]
-    for off in (view.Recorder(tmp_path, tokenizer, 0, 10, 4), view.Recorder(tmp_path, tokenizer, 4, 10, 4,
-                                                                               enabled=False)):
+    off_dir = tmp_path / "off"
+    for off in (view.Recorder(off_dir, tokenizer, 0, 10, 4), view.Recorder(off_dir, tokenizer, 4, 10, 4,
+                                                                             enabled=False)):
         assert not any(off.due(s) for s in range(1, 11))
         off.record(1, fake_rollout([[4, 1]], [[1, 1]], ["a"]), torch.zeros(1), None, {})
         assert off.write() is None
-    assert not list(tmp_path.iterdir())
+    assert not off_dir.exists()
     with pytest.raises(ValueError, match="--log_rollouts"):
         view.Recorder(tmp_path, tokenizer, -1)
 
@@ -90,7 +91,9 @@ def test_a_resumed_run_keeps_the_steps_up_to_its_checkpoint(tokenizer, tmp_path)
         recorder.record(step, fake_rollout([[4, 1]], [[1, 1]], ["a"]), torch.zeros(1), None, {})
     recorder.write()
     assert [r["step"] for r in view.Recorder(tmp_path, tokenizer, 1, start_step=4).records] == [1, 4]
-    assert view.Recorder(tmp_path, tokenizer, 1).records == []
+    assert len(view.read_records(tmp_path / "rollouts.jsonl")) == 2  # step 8 was after the checkpoint
+    assert view.Recorder(tmp_path, tokenizer, 1).records == []  # a new run
+    assert view.read_records(tmp_path / "rollouts.jsonl") == []
 
 
 def test_bad_shapes_and_non_finite_values(tokenizer, tmp_path):
