@@ -1,0 +1,470 @@
+"""The rollout viewer: a few steps' sampled completions, each token coloured by a value the update computed at
+it (advantage, ratio, clip, KL to the reference, entropy, sampler mismatch, ...), in one self-contained page,
+output_dir/rollouts.html (inline CSS and JavaScript: no server, no network). How to read it: docs/viewer.md.
+
+A loop records on the main process, on the steps `Recorder.due` names, tensors it already holds:
+
+    recorder = view.Recorder(cfg.output_dir, tokenizer, cfg.log_rollouts, cfg.num_steps, cfg.eval_every,
+                             enabled=accelerator.is_main_process)
+    if recorder.due(step):
+        recorder.record(step, rollout, rewards, adv, {"ratio": ratio, "kl_k3": kl}, group_size=G)
+        recorder.write()
+
+`python -m support.view RUN_DIR` rebuilds RUN_DIR/rollouts.html from RUN_DIR/rollouts.jsonl;
+`--screenshot PNG` also renders it to an image with headless Chromium.
+"""
+import argparse
+import html
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from typing import NamedTuple
+
+import torch
+
+
+class Quantity(NamedTuple):
+    label: str
+    scale: str  # signed: around 0 | ratio: around 1, log scale | positive: from 0 | clip: -1/0/+1 | keep: 1/0
+    read: str   # how to read the colours, one sentence (the legend shows it)
+
+
+QUANTITIES = {
+    "adv": Quantity("advantage", "signed", "The advantage the loss weighed this token's log-prob gradient with: "
+                    "blue was pushed up, red pushed down."),
+    "return": Quantity("return", "signed", "The return from this token on: ReMax's reward-to-go with the k1 penalty, "
+                       "RLOO's and PPO's per-token returns."),
+    "value": Quantity("value", "signed", "PPO's critic: the return it expected before this token."),
+    "ratio": Quantity("ratio π_θ/π_old", "ratio", "How much more (blue) or less (red) likely the token became since "
+                      "it was sampled, on a log scale around 1."),
+    "clip": Quantity("clip", "clip", "Where the clip stopped the gradient: high (ratio above 1+ε, A > 0), "
+                     "low (ratio below 1-ε, A < 0), or none."),
+    "kl_k1": Quantity("KL k1", "signed", "log π_θ - log π_ref: the k1 estimate of the KL to the reference, signed "
+                      "(its mean over samples is the KL)."),
+    "kl_k3": Quantity("KL k3", "positive", "The k3 estimate of the KL to the reference, r - 1 - log r with "
+                      "r = π_ref/π_θ: never negative, dark where the policy left the reference."),
+    "entropy": Quantity("entropy", "positive", "The policy's entropy at this position, in nats: dark where it "
+                        "was unsure."),
+    "mismatch": Quantity("mismatch log π_train - log π_rollout", "signed", "The trainer's log-prob of the token "
+                         "minus that of the model that sampled it: 0 where they agree."),
+    "tis_weight": Quantity("TIS weight", "ratio", "The truncated importance weight min(π_old/π_rollout, --tis_cap) "
+                           "on this token's gradient (π_old: the trainer at the start of the update)."),
+    "geo_mask": Quantity("geometric mask", "keep", "1: the sequence was kept; 0: A < 0 and its mean log-ratio "
+                         "log π_rollout/π_θ passed --geo_mask_delta, so the loss dropped it."),
+    "veto": Quantity("veto", "keep", "1: the sequence was kept; 0: a token's ratio fell below the veto threshold "
+                     "and the loss dropped the sequence."),
+    "kept_set": Quantity("kept-set size", "positive", "How many tokens the top-k / top-p filter kept at this "
+                         "position: 1 means the choice was forced."),
+    "routing_disagree": Quantity("routing disagreements", "positive", "How many MoE layers routed this token to "
+                                 "other experts in the trainer than in the sampler."),
+}
+SIGNIFICANT_DIGITS = 4  # values are stored rounded: the page stays small
+
+
+def rounded(values):
+    """A list of floats to SIGNIFICANT_DIGITS digits (whole numbers as ints); inf and nan as the strings
+    JavaScript's Number() reads, since JSON has no such numbers."""
+    out = []
+    for v in values:
+        if not math.isfinite(v):
+            out.append("NaN" if math.isnan(v) else "Infinity" if v > 0 else "-Infinity")
+        elif v == int(v) and abs(v) < 1e15:
+            out.append(int(v))
+        else:
+            out.append(float(f"{v:.{SIGNIFICANT_DIGITS}g}"))
+    return out
+
+
+def token_texts(tokenizer, ids):
+    """Each id's text as it reads in the completion (a leading space, a newline), and the positions of special
+    tokens, shown by name (<eos>). A byte that is not a whole character shows as the tokenizer's symbol."""
+    special = set(tokenizer.all_special_ids)
+    texts = []
+    for i in ids:
+        text = "" if i in special else tokenizer.decode([i], clean_up_tokenization_spaces=False)
+        texts.append(text if text and "\ufffd" not in text else str(tokenizer.convert_ids_to_tokens(i)))
+    return texts, [k for k, i in enumerate(ids) if i in special]
+
+
+def recorded_rows(batch_size, num_rows, group_size=1):
+    """How many rows of the batch are recorded: the first num_rows, rounded up to whole groups."""
+    return min(batch_size, -(-num_rows // group_size) * group_size)
+
+
+class Recorder:
+    """Records a few completions of some steps with their per-token values, and writes rollouts.jsonl (one
+    line per recorded step) and rollouts.html in output_dir.
+
+    Off when num_rows is 0 or enabled is False (build it with enabled=accelerator.is_main_process): then `due`
+    is always False and nothing is written. Due steps: 1, every eval_every-th, and num_steps. Both files are
+    written at once: a new run replaces an earlier run's with an empty page, and a resumed run (start_step > 0)
+    keeps the steps recorded up to its checkpoint."""
+
+    def __init__(self, output_dir, tokenizer, num_rows, num_steps=None, eval_every=None, start_step=0,
+                 enabled=True):
+        if num_rows < 0:
+            raise ValueError(f"--log_rollouts must be >= 0 (got {num_rows}); 0 turns the rollout viewer off.")
+        self.output_dir, self.tokenizer, self.num_rows = output_dir, tokenizer, num_rows
+        self.num_steps, self.eval_every = num_steps, eval_every
+        self.enabled = enabled and num_rows > 0
+        self.records = []
+        path = os.path.join(output_dir, "rollouts.jsonl")
+        if self.enabled and start_step and os.path.exists(path):
+            self.records = [r for r in read_records(path) if r["step"] <= start_step]
+        self.write()
+
+    def due(self, step):
+        """Whether step is recorded: step 1, each evaluation step, the last step."""
+        return self.enabled and (step == 1 or step == self.num_steps
+                                 or bool(self.eval_every) and step % self.eval_every == 0)
+
+    def record(self, step, rollout, rewards, adv, tokens, sequences=None, group_size=1):
+        """Keep the first rows of the batch (num_rows, rounded up to whole groups of group_size): prompt, token
+        texts, mask, reward, and each quantity's values. tokens: {name: (B, T) tensor}; sequences: {name: (B,)
+        tensor}; adv goes with them, (B,) or (B, T). Names are those of QUANTITIES (others get a default scale).
+        Only the recorded rows are copied to the CPU."""
+        if not self.enabled:
+            return
+        B, T = rollout.mask.shape
+        tokens, sequences = dict(tokens), dict(sequences or {})
+        given = [*tokens, *sequences, *(["adv"] if adv is not None else [])]
+        twice = sorted({name for name in given if given.count(name) > 1})
+        if twice:
+            raise ValueError(f"rollout viewer: {twice} given twice (per token, per sequence or as adv); "
+                             "pass each once.")
+        if adv is not None:
+            (tokens if adv.dim() == 2 else sequences)["adv"] = adv
+        for name, t in [*tokens.items(), *sequences.items(), ("rewards", rewards)]:
+            shape = (B, T) if name in tokens else (B,)
+            if tuple(t.shape) != shape:
+                raise ValueError(f"rollout viewer: {name!r} has shape {tuple(t.shape)}, expected {shape} "
+                                 f"(the rollout's {'(B, T)' if len(shape) == 2 else '(B,)'}).")
+        n = recorded_rows(B, self.num_rows, group_size)
+        cpu = {name: t[:n].detach().float().cpu() for name, t in {**tokens, **sequences}.items()}
+        ids, mask = rollout.completion_ids[:n].cpu().tolist(), rollout.mask[:n].cpu().tolist()
+        rewards = rewards[:n].detach().float().cpu().tolist()
+        rows = []
+        for r in range(n):
+            length = max((k + 1 for k, m in enumerate(mask[r]) if m), default=T)  # the padding after: a count
+            texts, special = token_texts(self.tokenizer, ids[r][:length])
+            answer = rollout.examples[r].get("answer") if isinstance(rollout.examples[r], dict) else None
+            rows.append({"prompt": rollout.prompts[r], "answer": answer if isinstance(answer, str) else None,
+                         "group": r // group_size, "reward": rounded([rewards[r]])[0],
+                         "tokens": texts, "special": special, "mask": [int(m != 0) for m in mask[r][:length]],
+                         "pad": T - length,
+                         "values": {name: rounded(cpu[name][r, :length].tolist()) for name in tokens},
+                         "sequence": {name: rounded([cpu[name][r].item()])[0] for name in sequences}})
+        record = {"step": step, "group_size": group_size, "rows": rows}
+        self.records = [rec for rec in self.records if rec["step"] != step] + [record]
+
+    def write(self):
+        """Write rollouts.jsonl and rollouts.html in output_dir (each replaced whole); returns the page's path
+        (None when off)."""
+        if not self.enabled:
+            return None
+        os.makedirs(self.output_dir, exist_ok=True)
+        path = os.path.join(self.output_dir, "rollouts.jsonl")
+        replace_file(path, "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in self.records))
+        return write_page(self.output_dir, self.records)
+
+
+def replace_file(path, text):
+    with open(path + ".tmp", "w", encoding="utf-8") as f:  # a kill while writing leaves the old file
+        f.write(text)
+    os.replace(path + ".tmp", path)
+
+
+def read_records(path):
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def quantity_info(records):
+    """{name: label, scale, read, min, max} for every quantity in the records, in QUANTITIES' order then by
+    name. min and max are over the finite values at positions in the loss (mask 1) and the per-sequence values;
+    ratio scales take the smallest positive value as min. A name not in QUANTITIES is signed when it has a
+    negative value, else positive."""
+    seen = {}
+    for rec in records:
+        for row in rec["rows"]:
+            for name, vals in row["values"].items():
+                seen.setdefault(name, []).extend(v for v, m in zip(vals, row["mask"]) if m)
+            for name, v in row["sequence"].items():
+                seen.setdefault(name, []).append(v)
+    order = [q for q in QUANTITIES if q in seen] + sorted(q for q in seen if q not in QUANTITIES)
+    info = {}
+    for name in order:
+        finite = [v for v in seen[name] if isinstance(v, (int, float)) and math.isfinite(v)]
+        lo, hi = (min(finite), max(finite)) if finite else (0, 0)
+        q = QUANTITIES.get(name) or Quantity(name, "signed" if lo < 0 else "positive", "")
+        if q.scale == "ratio":
+            lo = min((v for v in finite if v > 0), default=1)
+        info[name] = {"label": q.label, "scale": q.scale, "read": q.read, "min": lo, "max": hi}
+    return info
+
+
+def render_page(records, title):
+    """The self-contained HTML page for the records."""
+    data = {"title": title, "quantities": quantity_info(records), "steps": sorted(records, key=lambda r: r["step"])}
+    data = json.dumps(data, separators=(",", ":"), ensure_ascii=False).replace("<", "\\u003c")  # no </script>
+    return PAGE.replace("{title}", html.escape(title)).replace("{data}", data)
+
+
+def write_page(run_dir, records=None):
+    """Write run_dir/rollouts.html from the records (default: those in run_dir/rollouts.jsonl); returns its path."""
+    if records is None:
+        path = os.path.join(run_dir, "rollouts.jsonl")
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"{path} does not exist: the run recorded no rollouts (--log_rollouts 0?).")
+        records = read_records(path)
+    page = os.path.join(run_dir, "rollouts.html")
+    replace_file(page, render_page(records, os.path.basename(os.path.abspath(run_dir))))
+    return page
+
+
+# ----------------------------------------------------------------------------------------
+# Headless Chromium: the screenshot for the docs, and the browser test
+# ----------------------------------------------------------------------------------------
+def chromium_binary():
+    """The path of Chromium (Debian's package `chromium`), or None."""
+    return next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
+
+
+def chromium(url, *args, timeout=60):
+    """Run headless Chromium on url with extra args (--screenshot=..., --dump-dom, ...) and a fresh profile;
+    returns (returncode, stdout, stderr): stdout is the DOM with --dump-dom, stderr has the console's lines with
+    --enable-logging=stderr. The background-networking flags matter on a closed network. Past `timeout` seconds
+    Chromium and all its processes are stopped and a RuntimeError raised."""
+    binary = chromium_binary()
+    if binary is None:
+        raise RuntimeError("Chromium is not installed: apt-get install -y chromium")
+    with tempfile.TemporaryDirectory() as profile:
+        cmd = [binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+               "--disable-background-networking", "--disable-component-update", "--disable-sync",
+               "--disable-dev-shm-usage", "--disable-crash-reporter", f"--user-data-dir={profile}", *args, url]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)  # its own process group: a timeout stops every process
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise RuntimeError(f"Chromium did not finish {url} within {timeout} s")
+        return proc.returncode, out, err
+
+
+def screenshot(page, png, quantity=None, width=1200, height=900):
+    """Render the page (optionally coloured by `quantity`) to a PNG with headless Chromium."""
+    url = "file://" + os.path.abspath(page) + (f"#q={quantity}" if quantity else "")
+    code, _, err = chromium(url, f"--screenshot={os.path.abspath(png)}", f"--window-size={width},{height}",
+                            "--hide-scrollbars", "--virtual-time-budget=2000")
+    if code != 0 or not os.path.exists(png):
+        raise RuntimeError(f"Chromium could not render {page}:\n{err[-2000:]}")
+    return png
+
+
+def main(args=None):
+    parser = argparse.ArgumentParser(description="Build RUN_DIR/rollouts.html from RUN_DIR/rollouts.jsonl.")
+    parser.add_argument("run_dir", help="A run's output folder (e.g. runs/grpo).")
+    parser.add_argument("--screenshot", default="", help="Also render the page to this PNG (needs Chromium).")
+    parser.add_argument("--quantity", default="", help="The colouring for the screenshot (default: the page's).")
+    parser.add_argument("--size", default="1200x900", help="The screenshot's width x height in pixels.")
+    args = parser.parse_args(args)
+    try:
+        page = write_page(args.run_dir)
+        print(page)
+        if args.screenshot:
+            width, height = map(int, args.size.split("x"))
+            print(screenshot(page, args.screenshot, args.quantity or None, width, height))
+    except (FileNotFoundError, RuntimeError) as e:
+        sys.exit(f"error: {e}")
+
+
+# The page: the data goes in the script tag "data"; the script builds the rows and colours the tokens by the
+# quantity named in the URL's hash (#q=kl_k3) or the selector. Errors are shown in #errors (the browser test
+# reads it).
+PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>Rollouts: {title}</title>
+<style>
+body{font:14px/1.45 system-ui,sans-serif;margin:0;color:#222;background:#fff}
+header{position:sticky;top:0;background:#f7f7f7;border-bottom:1px solid #ccc;padding:8px 16px;z-index:1}
+h1{font-size:18px;margin:0 8px 4px 0;display:inline-block}h2{font-size:16px;margin:18px 0 6px}
+main{padding:0 16px 24px}#read{margin:4px 0 0;color:#444;max-width:70em}
+#legend{display:inline-flex;align-items:center;gap:6px;margin-left:12px;font-size:12px}
+.bar{display:inline-block;width:160px;height:12px;border:1px solid #999}
+.sw{display:inline-block;min-width:14px;height:12px;border:1px solid #999;padding:0 3px;line-height:12px}
+#errors{color:#b00;background:#fee;padding:6px 16px;margin:0;white-space:pre-wrap}
+nav a{margin-right:8px}
+.row{border-top:1px solid #e3e3e3;padding:6px 0}.head{font-size:12px;color:#555}
+.prompt{color:#777;margin-right:4px}.first{border-top:2px solid #aaa}
+.completion{font-family:ui-monospace,monospace;white-space:pre-wrap;line-height:1.9}
+.tok{box-shadow:inset 0 0 0 1px rgba(0,0,0,.12);padding:1px 0;margin-right:1px;border-radius:2px}
+.special{font-weight:bold;font-size:11px;outline:1px solid #555}
+.off{color:#888;text-decoration:line-through;background:repeating-linear-gradient(45deg,#eee 0 3px,#fff 3px 6px)}
+.pad{color:#999;border:1px dotted #999;font-size:11px;padding:0 3px}
+</style></head>
+<body>
+<header><h1>Rollouts: {title}</h1><label>colour by <select id="q"></select></label><span id="legend"></span>
+<p id="read"></p><nav id="nav"></nav></header>
+<pre id="errors" hidden></pre>
+<main id="steps"></main>
+<script type="application/json" id="data">{data}</script>
+<script>
+var errors = document.getElementById("errors");
+window.onerror = function (message, source, line) {
+  errors.hidden = false; errors.textContent += message + " (line " + line + ")\\n";
+};
+var D = JSON.parse(document.getElementById("data").textContent);
+var Q = D.quantities, names = Object.keys(Q), cells = [];
+var WHITE = [255, 255, 255], RED = [202, 0, 32], BLUE = [5, 113, 176], ORANGE = [166, 54, 3];
+var KEPT = [199, 233, 192], DROPPED = [215, 48, 39];
+
+function el(tag, cls, text) {
+  var e = document.createElement(tag);
+  if (cls) e.className = cls;
+  if (text !== undefined) e.textContent = text;
+  return e;
+}
+function fmt(v) {
+  if (v === undefined || v === null) return "-";
+  if (typeof v === "string") return v;
+  return Number.isInteger(v) ? String(v) : String(Number(v.toPrecision(4)));
+}
+function mix(a, b, t) {
+  t = Math.max(0, Math.min(1, t));
+  return [0, 1, 2].map(function (i) { return Math.round(a[i] + (b[i] - a[i]) * t); });
+}
+function colour(q, v) {  // an [r, g, b] for value v of quantity q, null when there is none
+  if (v === undefined || v === null) return null;
+  v = Number(v);
+  if (!isFinite(v)) return [0, 0, 0];
+  var m;
+  if (q.scale === "keep") return v > 0 ? KEPT : DROPPED;
+  if (q.scale === "clip") return v < 0 ? RED : v > 0 ? BLUE : WHITE;
+  if (q.scale === "positive") return mix(WHITE, ORANGE, q.max > 0 ? v / q.max : 0);
+  if (q.scale === "ratio") {
+    m = Math.max(Math.abs(Math.log(q.min)), Math.abs(Math.log(q.max))) || 1;
+    v = v > 0 ? Math.log(v) / m : -1;
+  } else {
+    m = Math.max(Math.abs(q.min), Math.abs(q.max)) || 1;
+    v = v / m;
+  }
+  return v < 0 ? mix(WHITE, RED, -v) : mix(WHITE, BLUE, v);
+}
+function rgb(c) { return "rgb(" + c.join(",") + ")"; }
+function shown(text) {  // whitespace made visible: a space-only token as ␣, each newline as ⏎ then a line break
+  if (/^ +$/.test(text)) return text.replace(/ /g, "\\u2423");
+  return text.replace(/\\t/g, "\\u21e5").replace(/\\n/g, "\\u23ce\\n");
+}
+function value(row, name, i) { return name in row.values ? row.values[name][i] : row.sequence[name]; }
+
+function build() {
+  var main = document.getElementById("steps"), nav = document.getElementById("nav");
+  if (!D.steps.length) main.appendChild(el("p", "", "No step recorded yet."));
+  D.steps.forEach(function (rec) {
+    var a = el("a", "", "step " + rec.step); a.href = "#q=" + (current() || "") + "&step=" + rec.step;
+    a.onclick = function (e) { e.preventDefault(); document.getElementById("step-" + rec.step).scrollIntoView(); };
+    nav.appendChild(a);
+    var section = el("section"), h = el("h2", "", "Step " + rec.step);
+    h.id = "step-" + rec.step; section.appendChild(h);
+    var last = null;
+    rec.rows.forEach(function (row) {
+      var div = el("div", "row" + (rec.group_size > 1 && row.group !== last ? " first" : "")), head = [];
+      last = row.group;
+      if (rec.group_size > 1) head.push("group " + row.group);
+      head.push("reward " + fmt(row.reward));
+      if ("adv" in row.sequence) head.push("advantage " + fmt(row.sequence.adv));
+      else if ("adv" in row.values) head.push("advantage at the first token " + fmt(row.values.adv[0]));
+      if (row.answer !== null) head.push("answer " + JSON.stringify(row.answer));
+      Object.keys(row.sequence).forEach(function (n) {
+        if (n !== "adv") head.push((Q[n] ? Q[n].label : n) + " " + fmt(row.sequence[n]));
+      });
+      div.appendChild(el("div", "head", head.join(" \\u00b7 ")));
+      var comp = el("div", "completion"), prompt = row.prompt;
+      if (prompt.length > 300) prompt = "\\u2026" + prompt.slice(-300);
+      var p = el("span", "prompt", prompt);
+      p.title = "prompt: " + row.prompt;
+      comp.appendChild(p);
+      row.tokens.forEach(function (text, i) {
+        var special = row.special.indexOf(i) >= 0, masked = !row.mask[i];
+        var span = el("span", "tok" + (special ? " special" : "") + (masked ? " off" : ""),
+                      special ? text : shown(text));
+        var tip = [JSON.stringify(text) + "  position " + i + (masked ? "  (masked: not in the loss)" : "")];
+        names.forEach(function (n) {
+          var v = value(row, n, i);
+          if (v !== undefined) tip.push(Q[n].label + ": " + fmt(v));
+        });
+        span.title = tip.join("\\n");
+        comp.appendChild(span);
+        if (!masked) cells.push({span: span, row: row, i: i});
+      });
+      if (row.pad) {
+        var pad = el("span", "tok pad", "padding \\u00d7" + row.pad);
+        pad.title = row.pad + " padding positions after the end: not in the loss";
+        comp.appendChild(pad);
+      }
+      div.appendChild(comp);
+      section.appendChild(div);
+    });
+    main.appendChild(section);
+  });
+  var select = document.getElementById("q");
+  names.forEach(function (n) { var o = el("option", "", Q[n].label); o.value = n; select.appendChild(o); });
+  select.onchange = function () { location.hash = "q=" + select.value; };
+}
+function current() {
+  var m = /q=([^&]+)/.exec(location.hash), n = m ? decodeURIComponent(m[1]) : "";
+  return n in Q ? n : ("adv" in Q ? "adv" : names[0]);
+}
+function legend(q) {
+  var box = document.getElementById("legend");
+  box.textContent = "";
+  var sw = function (c, text) { var s = el("span", "sw", text); s.style.background = rgb(c); box.appendChild(s); };
+  if (q.scale === "keep") { sw(KEPT, "kept 1"); sw(DROPPED, "dropped 0"); }
+  else if (q.scale === "clip") { sw(RED, "low -1"); sw(WHITE, "none 0"); sw(BLUE, "high +1"); }
+  else {
+    var lo, mid = "", hi, stops;
+    if (q.scale === "positive") { lo = 0; hi = q.max; stops = [WHITE, ORANGE]; }
+    else if (q.scale === "ratio") {
+      var m = Math.max(Math.abs(Math.log(q.min)), Math.abs(Math.log(q.max))) || 1;
+      lo = Math.exp(-m); mid = "1"; hi = Math.exp(m); stops = [RED, WHITE, BLUE];
+    } else {
+      var a = Math.max(Math.abs(q.min), Math.abs(q.max)) || 1;
+      lo = -a; mid = "0"; hi = a; stops = [RED, WHITE, BLUE];
+    }
+    box.appendChild(el("span", "", fmt(lo)));
+    var bar = el("span", "bar");
+    bar.style.background = "linear-gradient(to right," + stops.map(rgb).join(",") + ")";
+    if (mid) bar.title = "centre: " + mid;
+    box.appendChild(bar);
+    box.appendChild(el("span", "", fmt(hi)));
+    box.appendChild(el("span", "", "(recorded: " + fmt(q.min) + " to " + fmt(q.max) + ")"));
+  }
+  var off = el("span", "sw off", "masked"); box.appendChild(off);
+  document.getElementById("read").textContent = q.read;
+}
+function paint() {
+  if (!names.length) return;
+  var n = current(), q = Q[n];
+  document.getElementById("q").value = n;
+  cells.forEach(function (c) {
+    var col = colour(q, value(c.row, n, c.i));
+    c.span.style.background = col ? rgb(col) : "";
+    c.span.style.color = col && (0.299 * col[0] + 0.587 * col[1] + 0.114 * col[2]) < 128 ? "#fff" : "";
+  });
+  legend(q);
+}
+build();
+paint();
+window.addEventListener("hashchange", paint);
+</script>
+</body></html>
+"""
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,237 @@
+"""The rollout viewer (support/view.py): what is recorded equals what was passed, masked positions are marked,
+the due steps, and the page in a real browser (headless Chromium): it renders, holds every token, recolours when
+the quantity changes, and raises no JavaScript error."""
+import json
+import math
+import types
+from html.parser import HTMLParser
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from support import config, view
+
+ROUNDING = 0.5 * 10 ** (1 - view.SIGNIFICANT_DIGITS)  # relative error of a value kept to 4 significant digits
+
+
+def fake_rollout(ids, mask, prompts):
+    examples = [{"prompt": p, "answer": str(i)} for i, p in enumerate(prompts)]
+    return types.SimpleNamespace(prompts=prompts, completion_ids=torch.tensor(ids), mask=torch.tensor(mask),
+                                 examples=examples)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(config.EMBEDDED_MODEL)
+
+
+def test_recorded_values_equal_the_tensors_passed_for_the_first_whole_groups(tokenizer, tmp_path):
+    torch.manual_seed(0)
+    B, T, G = 6, 5, 3
+    text = ["12+7", "3 4", "99", "1", "8-2", "5*5"]
+    ids = [[tokenizer.get_vocab()[c] for c in t] for t in text]
+    ids = [row + [tokenizer.eos_token_id] + [tokenizer.pad_token_id] * (T - len(row) - 1) for row in ids]
+    mask = [[1] * (len(t) + 1) + [0] * (T - len(t) - 1) for t in text]
+    rollout = fake_rollout(ids, mask, [f"p{i}=" for i in range(B)])
+    tokens = {"kl_k3": torch.rand(B, T) * 3, "ratio": torch.rand(B, T) + 0.5, "clip": torch.randint(-1, 2, (B, T))}
+    adv, rewards, geo = torch.randn(B), torch.randn(B), torch.tensor([1, 0, 1, 1, 0, 1])
+    recorder = view.Recorder(tmp_path, tokenizer, num_rows=2, num_steps=3)
+    recorder.record(3, rollout, rewards, adv, tokens, {"geo_mask": geo}, group_size=G)
+    assert recorder.write() == str(tmp_path / "rollouts.html")
+
+    [record] = [json.loads(line) for line in (tmp_path / "rollouts.jsonl").read_text().splitlines()]
+    assert record["step"] == 3 and len(record["rows"]) == G  # 2 rows asked, one whole group of 3 kept
+    for r, row in enumerate(record["rows"]):
+        n = len(text[r]) + 1  # the completion and its EOS
+        assert row["prompt"] == f"p{r}=" and row["answer"] == str(r) and row["group"] == 0
+        assert row["tokens"] == list(text[r]) + ["<eos>"] and row["special"] == [n - 1]
+        assert row["mask"] == [1] * n and row["pad"] == T - n
+        for name, t in tokens.items():
+            assert len(row["values"][name]) == n
+            for got, want in zip(row["values"][name], t[r, :n].tolist()):
+                assert abs(got - want) <= ROUNDING * abs(want), (name, r, got, want)
+        assert abs(row["reward"] - rewards[r].item()) <= ROUNDING * abs(rewards[r].item())
+        assert abs(row["sequence"]["adv"] - adv[r].item()) <= ROUNDING * abs(adv[r].item())
+        assert row["sequence"]["geo_mask"] == geo[r].item()
+    assert "kl_k3" in (tmp_path / "rollouts.html").read_text()
+
+
+def test_masked_positions_are_marked_and_left_out_of_the_scale(tokenizer, tmp_path):
+    ids = [[4, 5, 1, 0, 0], [6, 7, 8, 9, 10]]
+    mask = [[1, 0, 1, 0, 0], [1, 1, 1, 1, 1]]  # a hole in row 0, then padding; row 1 ran to the length limit
+    kl = torch.tensor([[0.5, 100.0, 0.25, 50.0, 50.0], [0.0, 1.0, 2.0, 0.0, 0.125]])
+    recorder = view.Recorder(tmp_path, tokenizer, num_rows=2)
+    recorder.record(1, fake_rollout(ids, mask, ["a", "b"]), torch.zeros(2), None, {"kl_k3": kl})
+    rows = recorder.records[0]["rows"]
+    assert rows[0]["mask"] == [1, 0, 1] and rows[0]["pad"] == 2  # the hole is kept and marked, the padding counted
+    assert rows[0]["values"]["kl_k3"] == [0.5, 100, 0.25]
+    assert rows[1]["mask"] == [1] * 5 and rows[1]["pad"] == 0
+    info = view.quantity_info(recorder.records)["kl_k3"]
+    assert (info["min"], info["max"], info["scale"]) == (0, 2, "positive")  # 100 and 50 are not in the loss
+
+
+def test_due_steps_are_the_first_each_evaluation_and_the_last(tokenizer, tmp_path):
+    recorder = view.Recorder(tmp_path, tokenizer, num_rows=4, num_steps=10, eval_every=4)
+    assert [s for s in range(1, 11) if recorder.due(s)] == [1, 4, 8, 10]
+    off_dir = tmp_path / "off"
+    for off in (view.Recorder(off_dir, tokenizer, 0, 10, 4), view.Recorder(off_dir, tokenizer, 4, 10, 4,
+                                                                             enabled=False)):
+        assert not any(off.due(s) for s in range(1, 11))
+        off.record(1, fake_rollout([[4, 1]], [[1, 1]], ["a"]), torch.zeros(1), None, {})
+        assert off.write() is None
+    assert not off_dir.exists()
+    with pytest.raises(ValueError, match="--log_rollouts"):
+        view.Recorder(tmp_path, tokenizer, -1)
+
+
+def test_a_resumed_run_keeps_the_steps_up_to_its_checkpoint(tokenizer, tmp_path):
+    recorder = view.Recorder(tmp_path, tokenizer, num_rows=1)
+    for step in (1, 4, 8):
+        recorder.record(step, fake_rollout([[4, 1]], [[1, 1]], ["a"]), torch.zeros(1), None, {})
+    recorder.write()
+    assert [r["step"] for r in view.Recorder(tmp_path, tokenizer, 1, start_step=4).records] == [1, 4]
+    assert len(view.read_records(tmp_path / "rollouts.jsonl")) == 2  # step 8 was after the checkpoint
+    assert view.Recorder(tmp_path, tokenizer, 1).records == []  # a new run
+    assert view.read_records(tmp_path / "rollouts.jsonl") == []
+
+
+def test_bad_shapes_and_non_finite_values(tokenizer, tmp_path):
+    recorder = view.Recorder(tmp_path, tokenizer, num_rows=1)
+    rollout = fake_rollout([[4, 1]], [[1, 1]], ["a"])
+    with pytest.raises(ValueError, match="'ratio' has shape"):
+        recorder.record(1, rollout, torch.zeros(1), None, {"ratio": torch.ones(1, 3)})
+    with pytest.raises(ValueError, match=r"\['adv'\] given twice"):
+        recorder.record(1, rollout, torch.zeros(1), torch.zeros(1), {}, {"adv": torch.zeros(1)})
+    recorder.record(1, rollout, torch.zeros(1), None, {"ratio": torch.tensor([[math.inf, math.nan]])})
+    assert recorder.records[0]["rows"][0]["values"]["ratio"] == ["Infinity", "NaN"]
+
+
+def test_the_command_rebuilds_the_page(tokenizer, tmp_path, capsys):
+    with pytest.raises(SystemExit, match="recorded no rollouts"):
+        view.main([str(tmp_path)])
+    recorder = view.Recorder(tmp_path, tokenizer, num_rows=1)
+    recorder.record(1, fake_rollout([[4, 1]], [[1, 1]], ["a"]), torch.zeros(1), None, {"entropy": torch.ones(1, 2)})
+    recorder.write()
+    (tmp_path / "rollouts.html").unlink()
+    view.main([str(tmp_path)])
+    assert capsys.readouterr().out.strip() == str(tmp_path / "rollouts.html")
+    assert "entropy" in (tmp_path / "rollouts.html").read_text()
+
+
+# ----------------------------------------------------------------------------------------
+# In a real browser
+# ----------------------------------------------------------------------------------------
+class FakeTokenizer:
+    """Whitespace, a newline, a multi-character token and special tokens, as a real vocabulary has."""
+    vocab = ["<pad>", "<|end|>", " ", "\n", "1", "2", "+", "=", " the", "é"]
+    all_special_ids = [0, 1]
+
+    def decode(self, ids, **kwargs):
+        return "".join(self.vocab[i] for i in ids)
+
+    def convert_ids_to_tokens(self, i):
+        return self.vocab[i]
+
+
+class Spans(HTMLParser):
+    """Each <span class="tok ..."> of a DOM: (classes, style, title, text), and the text of #errors."""
+
+    def __init__(self, dom):
+        super().__init__()
+        self.spans, self.errors, self.inside = [], None, None
+        self.feed(dom)
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "span" and "tok" in attrs.get("class", "").split():
+            self.spans.append([attrs["class"].split(), attrs.get("style", ""), attrs.get("title", ""), ""])
+            self.inside = "span"
+        elif attrs.get("id") == "errors":
+            self.errors, self.inside = "", "errors"
+
+    def handle_endtag(self, tag):
+        self.inside = None
+
+    def handle_data(self, data):
+        if self.inside == "span":
+            self.spans[-1][3] += data
+        elif self.inside == "errors":
+            self.errors += data
+
+
+def background(style):
+    """The (r, g, b) of an inline style's background, or None."""
+    if "background" not in style:
+        return None
+    return tuple(int(x) for x in style.split("rgb(")[1].split(")")[0].split(","))
+
+
+def one_colour(png):
+    from matplotlib.image import imread
+
+    pixels = torch.from_numpy(imread(png))
+    return len(torch.unique(pixels.reshape(-1, pixels.shape[-1]), dim=0)) == 1
+
+
+needs_chromium = pytest.mark.skipif(view.chromium_binary() is None,
+                                    reason="Chromium is not installed (apt-get install -y chromium; .ci/run does)")
+
+
+@needs_chromium
+def test_the_page_renders_every_token_recolours_and_raises_no_error(tmp_path):
+    ids = [[4, 6, 5, 2, 3, 8, 9, 1, 0, 0], [5, 7, 4, 1, 0, 0, 0, 0, 0, 0]]
+    mask = [[1] * 8 + [0] * 2, [1] * 4 + [0] * 6]
+    adv = torch.tensor([[1.0, 0.5, 0.0, -0.25, 0.25, 0.5, 0.75, 1.0, 9.0, 9.0], [-2.0, -1.0, 0.0, -0.5] + [9.0] * 6])
+    kl = torch.tensor([[0.0, 0.5, 4.0, 1.0, 0.0, 2.0, 1.0, 0.0, 9.0, 9.0], [1.0, 0.0, 3.0, 0.0] + [9.0] * 6])
+    recorder = view.Recorder(tmp_path, FakeTokenizer(), num_rows=2)
+    rollout = fake_rollout(ids, mask, ["</script><b>1+2=</b>", "2=\n"])
+    recorder.record(1, rollout, torch.tensor([1.0, 0.0]), adv, {"kl_k3": kl, "clip": torch.zeros(2, 10)})
+    recorder.record(5, rollout, torch.tensor([1.0, 0.0]), adv, {"unknown": -adv})  # no kl_k3 at this step
+    page = recorder.write()
+
+    def load(quantity):
+        png = tmp_path / f"{quantity}.png"
+        code, dom, err = view.chromium(f"file://{page}#q={quantity}", "--dump-dom", f"--screenshot={png}",
+                                       "--window-size=900,600", "--virtual-time-budget=2000", "--enable-logging=stderr",
+                                       "--v=0")
+        assert code == 0, err[-2000:]
+        return Spans(dom), png, [line for line in err.splitlines() if "CONSOLE" in line], dom
+
+    by_adv, png_adv, console, dom_adv = load("adv")
+    assert by_adv.errors == "" and not [line for line in console if "Uncaught" in line or "rror" in line], console
+    assert not one_colour(png_adv)
+    tokens = [s for s in by_adv.spans if "pad" not in s[0]]
+    assert len(tokens) == 2 * (8 + 4)  # both steps, every token up to and with the EOS
+    assert [s[3] for s in tokens[:8]] == ["1", "+", "2", "\u2423", "\u23ce\n", " the", "é", "<|end|>"]
+    assert "special" in tokens[7][0] and [s[3] for s in by_adv.spans if "pad" in s[0]][:2] == ["padding ×2",
+                                                                                              "padding ×6"]
+    assert "KL k3: 0.5" in tokens[1][2] and "advantage: 0.5" in tokens[1][2]  # the hover text: every value
+    assert "&lt;/script&gt;&lt;b&gt;1+2=" in dom_adv  # the prompt as text, not markup
+    # advantage: a diverging scale around 0, full blue at the largest |A| (2), full red at -2, white at 0
+    step1 = tokens[:12]
+    assert background(step1[2][1]) == (255, 255, 255) and background(step1[8][1]) == (202, 0, 32)
+
+    by_kl, png_kl, _, _ = load("kl_k3")
+    step1 = [s for s in by_kl.spans if "pad" not in s[0]][:12]
+    assert background(step1[0][1]) == (255, 255, 255) and background(step1[2][1]) == (166, 54, 3)  # 0 and max 4
+    assert [background(s[1]) for s in step1] != [background(s[1]) for s in tokens[:12]]
+    assert png_kl.read_bytes() != png_adv.read_bytes()
+    step5 = by_kl.spans[8 + 1 + 4 + 1:]  # after step 1's tokens and its two padding spans
+    assert len(step5) == 14 and all(s[1] == "" for s in step5)  # step 5 recorded no KL: left uncoloured
+
+    broken = tmp_path / "broken.html"  # the error trap works: an error thrown after the page's script shows
+    broken.write_text(open(page).read().replace("</body>", "<script>throw new Error('probe')</script></body>"))
+    _, dom, _ = view.chromium(f"file://{broken}", "--dump-dom", "--virtual-time-budget=2000")
+    assert "probe" in Spans(dom).errors
+
+
+@needs_chromium
+def test_the_command_renders_a_screenshot(tokenizer, tmp_path, capsys):
+    recorder = view.Recorder(tmp_path, tokenizer, num_rows=1)
+    recorder.record(1, fake_rollout([[4, 5, 1]], [[1, 1, 1]], ["7+5="]), torch.ones(1), None,
+                    {"entropy": torch.tensor([[0.0, 1.0, 2.0]])})
+    recorder.write()
+    view.main([str(tmp_path), "--screenshot", str(tmp_path / "shot.png"), "--quantity", "entropy", "--size", "400x300"])
+    assert capsys.readouterr().out.split() == [str(tmp_path / "rollouts.html"), str(tmp_path / "shot.png")]
+    assert not one_colour(tmp_path / "shot.png")
