@@ -107,6 +107,9 @@ def dapo_loss(logp, old_logp, adv, mask, epsilon_low, epsilon_high, dual_clip_c=
     (ratio < 1 - epsilon_low, A < 0) and above (ratio > 1 + epsilon_high, A > 0); approx_kl, k3 of
     the token ratio, an estimate of KL(pi_old || pi_theta).
     """
+    # the padding may hold anything (NaN, a gap past exp's range): there the detached inputs take logp's value,
+    # so the gradient at a padded position is 0, not 0 * inf = NaN from an exp's backward
+    old_logp = torch.where(mask.bool(), old_logp, logp.detach())
     # BEGIN SOLUTION
     log_ratio = logp - old_logp  # (B, T)
     ratio = torch.exp(log_ratio)  # rho_t = pi_theta / pi_old

@@ -89,6 +89,10 @@ def grpo_loss(logp, old_logp, ref_logp, adv, mask, epsilon, beta, loss_agg="seq-
     k3 of the token ratio, an estimate of KL(pi_old || pi_theta); kl_k3, the mean k3 to the reference; kl_term,
     the mean of the term beta multiplies (the KL term stays per token).
     """
+    # the padding may hold anything (NaN, a gap past exp's range): there the detached inputs take logp's value,
+    # so the gradient at a padded position is 0, not 0 * inf = NaN from an exp's backward
+    old_logp = torch.where(mask.bool(), old_logp, logp.detach())
+    ref_logp = None if ref_logp is None else torch.where(mask.bool(), ref_logp, logp.detach())
     # BEGIN SOLUTION
     sequence = importance_sampling_level == "sequence"
     log_ratio = logp - old_logp  # (B, T)

@@ -120,6 +120,9 @@ def ppo_policy_loss(logp, old_logp, adv, mask, epsilon, dual_clip_c=0.0):
     (rho < 1 - epsilon with A < 0) and above (rho > 1 + epsilon with A > 0); approx_kl, the k3
     estimate of KL(pi_old || pi_theta) from the ratio.
     """
+    # the padding may hold anything (NaN, a gap past exp's range): there the detached inputs take logp's value,
+    # so the gradient at a padded position is 0, not 0 * inf = NaN from an exp's backward
+    old_logp = torch.where(mask.bool(), old_logp, logp.detach())
     # BEGIN SOLUTION
     log_ratio = logp - old_logp
     ratio = torch.exp(log_ratio)
