@@ -159,6 +159,8 @@ def sandbox_command():
             cmd += ["--symlink", os.readlink(top), top]
         elif os.path.isdir(top):
             cmd += ["--ro-bind", top, top]
+    # /tmp first: a Python environment below /tmp (a virtual environment in a checkout there) is bound over it
+    cmd += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(TMP_BYTES), "--tmpfs", "/tmp"]
     for where, real in environment_dirs():
         for path in {where, real}:
             if root == path or root.startswith(path.rstrip("/") + "/"):
@@ -169,8 +171,7 @@ def sandbox_command():
             for parent in reversed(parents[:-1]):
                 cmd += ["--perms", "0755", "--dir", str(parent)]
         cmd += ["--ro-bind", real, real] + (["--symlink", real, where] if where != real else [])
-    cmd += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(TMP_BYTES), "--tmpfs", "/tmp",
-            "--chdir", "/tmp"]
+    cmd += ["--chdir", "/tmp"]
     if os.geteuid() == 0:  # root: the runner becomes a user of its own (limits on processes do not bind root)
         cmd += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     else:

@@ -24,7 +24,7 @@ def run(module, out_dir, *flags, steps=4, record=None):
     original = engine.Trainer.generate
 
     def generate(self, *args, **kwargs):
-        start = [p.detach().clone() for p in self.accelerator.unwrap_model(self.policy).parameters()]
+        start = [p.detach().clone() for p in self.accelerator.unwrap_model(self.policy.model).parameters()]
         rollout = original(self, *args, **kwargs)
         record.append((start, [p.detach().clone() for p in self.rollout_model.parameters()]))
         return rollout
@@ -71,21 +71,23 @@ def train_metrics(row):
 
 def test_lag_0_reproduces_the_on_policy_run(runs):
     assert [train_metrics(r) for r in runs["lag 0"]] == [train_metrics(r) for r in runs["on-policy"]]
-    assert all(r["train/staleness"] == 0 and r["train/mismatch_k3"] == 0 for r in runs["lag 0"])
+    # no sampler copy: the mismatch is not measured (it would be 0), as in the on-policy run
+    assert all(r["train/staleness"] == 0 and "train/mismatch_k3" not in r for r in runs["lag 0"])
 
 
 def test_a_stale_sampler_is_on_policy_until_the_first_update_and_then_off_policy(runs):
     on_policy, stale = runs["on-policy"], runs["lag 2"]
     # step 1: no update yet, the sampler is the trainer: the same completions, loss and gradient
-    for key in ("train/reward", "train/loss", "train/grad_norm", "train/mismatch_k3"):
+    for key in ("train/reward", "train/loss", "train/grad_norm"):
         assert stale[0][key] == on_policy[0][key], key
+    assert stale[0]["train/mismatch_k3"] == 0
     assert stale[0]["train/mismatch_ratio_max"] == stale[0]["train/mismatch_ratio_min"] == 1
     # then the sampler lags the trainer: KL(sampler || trainer) > 0, ratios on both sides of 1
     assert [r["train/staleness"] for r in stale] == [0, 1, 2, 2]
     for row in stale[1:]:
         assert row["train/mismatch_k3"] > 0
         assert row["train/mismatch_ratio_min"] < 1 < row["train/mismatch_ratio_max"]
-    assert all(r["train/mismatch_k3"] == 0 for r in on_policy)
+    assert all("train/mismatch_k3" not in r for r in on_policy)  # the trainer samples: nothing to measure
 
 
 def test_tis_and_the_geometric_mask_act_on_a_stale_sampler(runs):
