@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-F64, F32 = torch.float64, torch.float32
-GARBAGE = [float("nan"), float("inf"), -float("inf"), 1e6, -1e6]
+from teacher_tests.batches import F64, GARBAGE, lengths, prefix_mask
+
+F32 = torch.float32
 
 
 @dataclass
@@ -29,17 +30,6 @@ class Case:
 
 def generator(seed, salt):
     return torch.Generator().manual_seed(seed * 7919 + salt)
-
-
-def lengths(B, T, g, low=1):
-    """(B,) lengths in [low, T]: one row fills the width, one has `low` tokens, the others are random."""
-    n = torch.randint(low, T + 1, (B,), generator=g)
-    n[0], n[1] = T, low
-    return n[torch.randperm(B, generator=g)]
-
-
-def prefix_mask(n, T):
-    return (torch.arange(T)[None, :] < n[:, None]).long()
 
 
 def padded(x, mask, fill):
