@@ -276,10 +276,13 @@ class Trainer:
         index = torch.arange(len(rollout), device=mask.device) if rows is None else rows
         num_tokens = self.accelerator.reduce(mask[index].sum().float(), reduction="mean")
         total = mask[index].sum().clamp(min=1)
-        slices = common.micro_batches(len(index), self.cfg.micro_batch_size)
-        return [MicroBatch(index[s], mask[index[s]], common.micro_batch_weight(mask[index[s]], loss_agg, num_tokens,
-                                                                               len(index)),
-                           mask[index[s]].sum() / total, s.stop == len(index)) for s in slices]
+        out = []
+        for s in common.micro_batches(len(index), self.cfg.micro_batch_size):
+            rows = index[s]
+            out.append(MicroBatch(rows, mask[rows], common.micro_batch_weight(mask[rows], loss_agg, num_tokens,
+                                                                              len(index)),
+                                  mask[rows].sum() / total, s.stop == len(index)))
+        return out
 
     def policy_logprobs(self, rollout, mb):
         """(b, T) log-probs of the micro-batch's completions under the policy, with gradient, and their
