@@ -317,13 +317,11 @@ class Trainer:
         cfg, accelerator = self.cfg, self.accelerator
         with self.timer("optimizer"):
             max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-            norms = [accelerator.clip_grad_norm_(t.model.parameters(), max_norm) for t in trainables]
+            norms = clip_grad_norms(accelerator, trainables, max_norm)
             # a non-finite loss or gradient norm saves the last good state and stops, before the update
             self.ckpt.check_finite(self.at_step, self.update_loss, norms[0] if len(norms) == 1 else torch.stack(norms),
                                    self.policy.model, self.tokenizer)
-            for t in trainables:
-                t.optimizer.step()
-                t.optimizer.zero_grad()
+            step_optimizers(accelerator, trainables)
         stats = {"loss": self.update_loss,
                  **{"grad_norm" if t is self.policy else f"{t.name}_grad_norm": n for t, n in zip(trainables, norms)}}
         stats.update(combine(self.update_stats))
@@ -374,6 +372,32 @@ class Trainer:
                               cfg.merge_lora)
         accelerator.wait_for_everyone()
         accelerator.end_training()  # close the process group on every rank before the interpreter exits
+
+
+def clip_grad_norms(accelerator, trainables, max_norm):
+    """Clip each trainable's gradient norm to max_norm; returns the norms before clipping. Under fp16 loss
+    scaling accelerate's clip_grad_norm_ unscales the gradients of every optimizer at each call, so a second
+    trainable would be unscaled twice (torch refuses): with several, they are unscaled once, then clipped."""
+    if accelerator.scaler is None or len(trainables) == 1:
+        return [accelerator.clip_grad_norm_(t.model.parameters(), max_norm) for t in trainables]
+    accelerator.unscale_gradients()
+    return [torch.nn.utils.clip_grad_norm_(t.model.parameters(), max_norm) for t in trainables]
+
+
+def step_optimizers(accelerator, trainables):
+    """Each trainable's optimizer steps, then its gradients are zeroed. One fp16 loss scaler serves every
+    optimizer, as torch's recipe for several: each steps (skipped when its gradients overflowed), then the scale
+    is updated once. accelerate's optimizer step updates the scale after its own step, so the others step first,
+    through the scaler, and the policy's step (accelerate's) updates it."""
+    if accelerator.scaler is not None:
+        for t in trainables[1:]:
+            accelerator.scaler.step(t.optimizer.optimizer)  # the optimizer inside accelerate's wrapper
+        trainables[0].optimizer.step()
+    else:
+        for t in trainables:
+            t.optimizer.step()
+    for t in trainables:
+        t.optimizer.zero_grad()
 
 
 def combine(shares_and_stats):
