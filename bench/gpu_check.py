@@ -3,8 +3,9 @@ rloo.py, dapo.py and ppo.py, each for --steps steps on a randomly initialised mo
 under `accelerate launch --mixed_precision bf16` and then fp16 on one GPU; with two or more GPUs also under
 DeepSpeed ZeRO-3 on all of them (configs/zero3.yaml; ppo.py refuses DeepSpeed and is left out there).
 
-NOT YET RUN ON A GPU. It was written on a machine without one, where only its code path ran: on CPU, with a
-tiny model (--allow_cpu, tests/test_gpu_check.py). Its first GPU run is its first real test.
+Run in part on one NVIDIA H200 (docs/results/gpu_check_h200.md: ReMax, GRPO, RLOO in bf16; GRPO and PPO in fp16);
+never with two GPUs or more. Its code path is tested on CPU with a tiny model (--allow_cpu, tests/test_gpu_check.py).
+The report is rewritten after each run, so a run cut short keeps the rows it finished.
 
 The model has Qwen2.5-0.5B's shape (hidden 896, MLP 4864, 24 layers, 14 heads, 2 KV heads, tied embeddings)
 and vocabulary size (151,936: the completion logits are a large part of a step's memory), random weights, and
@@ -179,19 +180,21 @@ def main():
             for algorithm in args.algorithms.split(",")
             if not (algorithm == "ppo" and launch["name"].startswith("ZeRO"))]  # ppo.py refuses DeepSpeed
     results, start = [], time.time()
+    device = torch.cuda.get_device_name() if on_gpu else "CPU (--allow_cpu: a tiny model, to test the code path only)"
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         model_path = make_large_model(os.path.join(tmp, "model"), QWEN25_05B if on_gpu else TINY)
         params = count_params(model_path)
         for algorithm, precision, launch in runs:
             print(f"[{launch['name']}, {precision}] {algorithm} ...", file=sys.stderr, flush=True)
             results.append(run_one(algorithm, precision, launch, model_path, args, tmp))
-    device = torch.cuda.get_device_name() if on_gpu else "CPU (--allow_cpu: a tiny model, to test the code path only)"
-    header = [f"Device: {device}; {gpus} GPU(s); torch {torch.__version__}.",
-              f"Model: random Qwen2, {params / 1e6:.1f}M parameters; {args.steps} steps per run, the first left out "
-              f"of the times; batch {args.batch_size}, micro-batch {args.micro_batch_size}, max_new_tokens "
-              f"{args.max_new_tokens}; random 0/1 rewards; each script's defaults otherwise.",
-              f"Command: `{shlex.join(['python', 'bench/gpu_check.py', *sys.argv[1:]])}`; {time.time() - start:.0f} s."]
-    write_report(args.out, "\n".join(header) + "\n\n" + table(results) + "\n", results)
+            header = [f"Device: {device}; {gpus} GPU(s); torch {torch.__version__}.",
+                      f"Model: random Qwen2, {params / 1e6:.1f}M parameters; {args.steps} steps per run, the first "
+                      f"left out of the times; batch {args.batch_size}, micro-batch {args.micro_batch_size}, "
+                      f"max_new_tokens {args.max_new_tokens}; random 0/1 rewards; each script's defaults otherwise.",
+                      f"Command: `{shlex.join(['python', 'bench/gpu_check.py', *sys.argv[1:]])}`; "
+                      f"{time.time() - start:.0f} s; {len(results)} of {len(runs)} runs."]
+            # after each run: cut short by a time limit, the report keeps the rows it finished
+            write_report(args.out, "\n".join(header) + "\n\n" + table(results) + "\n", results)
     if any("failed" in r for r in results):
         raise SystemExit("error: some runs failed (above)")
 
