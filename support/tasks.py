@@ -14,7 +14,7 @@ import torch
 from transformers import TrainerState
 
 import common
-from support import config, fast, run
+from support import config, fast
 from support.config import DTYPES
 from support.models import check_model_path, prepare_frozen
 
@@ -299,7 +299,11 @@ def make_reward_fn(cfg, accelerator):
             error = (f"error: non-finite reward {rewards[i].item()} for prompt {examples[i]['prompt'][:200]!r} and "
                      f"completion {completions[i][:200]!r}; step not applied. Check --reward_model and the rule "
                      "reward's weight.")
-        run.stop_if_any(accelerator, error)
+        # every rank stops if one has an error, agreed by one all-reduce (a rank that stopped alone would leave the
+        # others waiting in their next collective); the ranks with an error print it, the others exit with 1
+        failed = accelerator.reduce(torch.tensor(float(error is not None), device=device), reduction="sum")
+        if failed.item():
+            raise SystemExit(error or 1)
         return rewards, correct, stats
 
     return reward_fn
