@@ -26,7 +26,7 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 import common
-from support import checkpoint, fast, models, run, tasks
+from support import checkpoint, fast, models, reward_functions, run, tasks
 
 
 def load_data(cfg, accelerator):
@@ -210,7 +210,7 @@ class Trainer:
         """Sample num_samples completions of each example's prompt (or one greedy completion) with the
         current policy, or with its copy synced to it. Rows: each example's samples adjacent."""
         cfg, tokenizer = self.cfg, self.tokenizer
-        tasks.TRAINER_STATE.global_step = self.at_step - 1  # reward functions' trainer_state: the steps done so far
+        reward_functions.TRAINER_STATE.global_step = self.at_step - 1  # their trainer_state: the steps done so far
         with self.timer("generation"):
             prompt_ids, prompt_mask = tasks.tokenize_prompts(tokenizer, [ex["prompt"] for ex in examples],
                                                              self.accelerator.device)
