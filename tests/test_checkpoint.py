@@ -241,16 +241,16 @@ def test_fp16_overflow_skips_steps_and_stops_after_max_skipped_steps(parts, tmp_
     accelerator, policy, tokenizer, _ = parts
     monkeypatch.setattr(accelerator, "scaler", torch.amp.GradScaler("cpu"))
     ckpt = checkpointer(parts, tmp_path)
-    loss, inf = torch.tensor(0.5), torch.tensor(float("inf"))
-    for step in range(1, checkpoint.MAX_SKIPPED_STEPS):
+    loss, inf, limit = torch.tensor(0.5), torch.tensor(float("inf")), checkpoint.MAX_SKIPPED_STEPS
+    for step in range(1, limit):
         ckpt.check_finite(step, loss, inf, policy, tokenizer)
-    ckpt.check_finite(checkpoint.MAX_SKIPPED_STEPS, loss, torch.tensor(1.0), policy, tokenizer)
-    for step in range(checkpoint.MAX_SKIPPED_STEPS + 1, 2 * checkpoint.MAX_SKIPPED_STEPS):
+    ckpt.check_finite(limit, loss, torch.tensor(1.0), policy, tokenizer)
+    for step in range(limit + 1, 2 * limit):
         ckpt.check_finite(step, loss, inf, policy, tokenizer)
     assert not list(tmp_path.iterdir())
-    with pytest.raises(SystemExit, match=f"error: {checkpoint.MAX_SKIPPED_STEPS} steps in a row .* overflowed the fp16"):
-        ckpt.check_finite(2 * checkpoint.MAX_SKIPPED_STEPS, loss, inf, policy, tokenizer)
-    assert (tmp_path / f"checkpoint-{2 * checkpoint.MAX_SKIPPED_STEPS - 1}" / "trainer_state.json").exists()
+    with pytest.raises(SystemExit, match=f"error: {limit} steps in a row .* overflowed the fp16"):
+        ckpt.check_finite(2 * limit, loss, inf, policy, tokenizer)
+    assert (tmp_path / f"checkpoint-{2 * limit - 1}" / "trainer_state.json").exists()
     with pytest.raises(SystemExit, match="non-finite loss"):  # a NaN loss is no overflow: it stops at once
         checkpointer(parts, tmp_path).check_finite(3, torch.tensor(float("nan")), inf, policy, tokenizer)
 
