@@ -222,7 +222,7 @@ class GroupConfig(TrainConfig):
 
 def parse_config(config_class, args=None):
     """Parse the command line into `config_class`; a bad value exits with one clear line. (What needs a
-    checkpoint's files, --resume_from latest among them, is checked by run.Checkpointer.resume.)"""
+    checkpoint's files, --resume_from latest among them, is checked by checkpoint.Checkpointer.resume.)"""
     from transformers import HfArgumentParser
 
     script = os.path.basename(sys.argv[0])

@@ -26,7 +26,7 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 import common
-from support import fast, models, run, tasks
+from support import checkpoint, fast, models, reward_functions, run, tasks
 
 
 def load_data(cfg, accelerator):
@@ -174,7 +174,7 @@ class Trainer:
         self.sample, self.score = (fast.generate, fast.token_logprobs) if cfg.fast else \
             (common.generate, common.token_logprobs)
         set_seed(cfg.seed + accelerator.process_index)  # each rank samples different completions
-        self.ckpt = run.Checkpointer(cfg, accelerator, sampler)
+        self.ckpt = checkpoint.Checkpointer(cfg, accelerator, sampler)
         self.logger, self.start_step, self.at_step = None, 0, 1  # at_step: the step running
         self.timer, self.generated = run.StepTimer(), 0
         self.update_loss, self.update_stats = 0.0, []  # the micro-batches' weighted losses and their statistics
@@ -210,7 +210,7 @@ class Trainer:
         """Sample num_samples completions of each example's prompt (or one greedy completion) with the
         current policy, or with its copy synced to it. Rows: each example's samples adjacent."""
         cfg, tokenizer = self.cfg, self.tokenizer
-        tasks.TRAINER_STATE.global_step = self.at_step - 1  # reward functions' trainer_state: the steps done so far
+        reward_functions.TRAINER_STATE.global_step = self.at_step - 1  # their trainer_state: the steps done so far
         with self.timer("generation"):
             prompt_ids, prompt_mask = tasks.tokenize_prompts(tokenizer, [ex["prompt"] for ex in examples],
                                                              self.accelerator.device)
@@ -233,7 +233,7 @@ class Trainer:
                 error = e
             if any_process(self.accelerator, error is not None):
                 # the weights are checked between saves only, so an update may have broken them: then every rank
-                # stops with one message (run.finite_weights_and_logits); else the error stands
+                # stops with one message (checkpoint.finite_weights_and_logits); else the error stands
                 self.ckpt.stop_if_broken(self.at_step - 1, model, tokenizer)
                 raise error if error is not None else SystemExit(1)
             k = len(completion_ids) // len(examples)
@@ -342,8 +342,8 @@ class Trainer:
         finite = None  # no save follows: broken weights stop the next sampling, or the next loss
         if self.ckpt.saves_after(step):  # the same on every rank: under ZeRO-3 the probe's forward is a collective
             with self.timer("checks"):  # the update left finite weights, and finite logits on a training prompt
-                finite = run.finite_weights_and_logits(accelerator.unwrap_model(self.policy.model), self.tokenizer,
-                                                       self.ckpt.probe_prompts)
+                finite = checkpoint.finite_weights_and_logits(accelerator.unwrap_model(self.policy.model),
+                                                              self.tokenizer, self.ckpt.probe_prompts)
         metrics = {**metrics, "train/generated": self.generated, **self.timer.metrics()}
         if self.rollout_lag is not None:  # the steps between the sampler's weights and the trainer's
             metrics["train/staleness"] = step - self.past_weights[0][0] if self.past_weights else 0

@@ -1,20 +1,17 @@
 """Tasks and rewards: the built-in arithmetic task, real data (GSM8K or a local file) with its
-rule reward, an optional reward model, reward functions (--reward_fn), the prompt sampler, held-out
-evaluation, and prompts to token ids and completions back to text."""
+rule reward, an optional reward model, the reward that adds the --reward_fn functions to them (how those are
+called: support/reward_functions.py), the prompt sampler, held-out evaluation, and prompts to token ids and
+completions back to text."""
 import ast
-import asyncio
 import hashlib
-import inspect
 import math
-import numbers
 import random
 import re
 
 import torch
-from transformers import TrainerState
 
 import common
-from support import config, fast, run
+from support import config, fast, reward_functions
 from support.config import DTYPES
 from support.models import check_model_path, prepare_frozen
 
@@ -97,7 +94,7 @@ def load_task(cfg, tokenizer=None):
             arithmetic_examples(250, seed=1234, held_out=True)
     else:
         train, held_out = load_rows(cfg, tokenizer)
-    check_reward_functions(cfg, train, tokenizer)
+    reward_functions.check_reward_functions(cfg, train, tokenizer)
     return train, held_out
 
 
@@ -256,11 +253,6 @@ class RewardModel:
         return torch.cat(scores)
 
 
-# What reward functions receive as trainer_state, as TRL passes its trainer's: global_step (the optimizer steps
-# done before the one being sampled; the engine sets it) and max_steps (--num_steps).
-TRAINER_STATE = TrainerState()
-
-
 def make_reward_fn(cfg, accelerator):
     """reward_fn(examples, completions) -> (rewards, correct, stats) on the accelerator's device: the weighted
     sum of the rule reward, the reward model's score and each --reward_fn function's values (None counts 0);
@@ -271,7 +263,7 @@ def make_reward_fn(cfg, accelerator):
     functions = [(spec.rpartition(":")[2], config.reward_function(spec)) for spec in cfg.reward_fn]
     weights = cfg.reward_weights or [1.0] * len(functions)
     device = accelerator.device
-    TRAINER_STATE.max_steps = cfg.num_steps
+    reward_functions.TRAINER_STATE.max_steps = cfg.num_steps
 
     def reward_fn(examples, completions):
         prompts = [ex.get("raw_prompt", ex["prompt"]) for ex in examples]
@@ -288,7 +280,8 @@ def make_reward_fn(cfg, accelerator):
         for (name, function), weight in zip(functions, weights):
             if error is not None:
                 break
-            values, error = call_reward_function(name, function, reward_kwargs(cfg, examples, completions))
+            kwargs = reward_functions.reward_kwargs(cfg, examples, completions)
+            values, error = reward_functions.call_reward_function(name, function, kwargs)
             if error is None:
                 scored = [v for v in values if v is not None]
                 rewards = rewards + weight * torch.tensor([0.0 if v is None else v for v in values], device=device)
@@ -299,109 +292,14 @@ def make_reward_fn(cfg, accelerator):
             error = (f"error: non-finite reward {rewards[i].item()} for prompt {examples[i]['prompt'][:200]!r} and "
                      f"completion {completions[i][:200]!r}; step not applied. Check --reward_model and the rule "
                      "reward's weight.")
-        run.stop_if_any(accelerator, error)
+        # every rank stops if one has an error, agreed by one all-reduce (a rank that stopped alone would leave the
+        # others waiting in their next collective); the ranks with an error print it, the others exit with 1
+        failed = accelerator.reduce(torch.tensor(float(error is not None), device=device), reduction="sum")
+        if failed.item():
+            raise SystemExit(error or 1)
         return rewards, correct, stats
 
     return reward_fn
-
-
-def reward_kwargs(cfg, examples, completions):
-    """The keyword arguments of a reward function, as TRL's GRPOTrainer passes them, one list entry per completion:
-    prompts (the dataset's prompt: text, or a conversation's messages), completions (text, or for a conversation
-    [{"role": "assistant", "content": text}]), completion_ids (the sampled token ids, up to and including EOS),
-    trainer_state, and every column of the dataset but the prompt's, by its name."""
-    rows = [ex.get("row", ex) for ex in examples]
-    prompt_column = "prompt" if cfg.dataset == "arithmetic" else cfg.prompt_column
-    columns = {key: [row[key] for row in rows] for key in rows[0] if key != prompt_column}
-    prompts = [ex.get("raw_prompt", ex["prompt"]) for ex in examples]
-    return {**columns, "prompts": prompts,
-            "completions": [[{"role": "assistant", "content": c}] if isinstance(p, list) else c
-                            for p, c in zip(prompts, completions)],
-            "completion_ids": [getattr(c, "token_ids", None) for c in completions], "trainer_state": TRAINER_STATE}
-
-
-def call_reward_function(name, function, kwargs, when="step not applied"):
-    """(values, error): the function's values f(**kwargs) on the batch (an `async def` function is run to its
-    end), one per completion: a finite number, or None where it does not apply. Else values is None and error
-    the line that names the function and the batch rows at fault, counted from 1 as dataset rows are."""
-    what, n = f"--reward_fn {name}", len(kwargs["completions"])
-    texts = [c[0]["content"] if isinstance(c, list) else c for c in kwargs["completions"]]
-
-    def call(kwargs):
-        values = function(**kwargs)
-        return asyncio.run(values) if inspect.iscoroutine(values) else values
-
-    try:
-        values = call(kwargs)
-    except Exception as e:
-        def raises(i):
-            try:
-                call({k: v[i:i + 1] if isinstance(v, list) else v for k, v in kwargs.items()})
-            except Exception:
-                return True
-            return False
-
-        rows = [i for i in range(n) if raises(i)]
-        where = f"batch rows {show(rows, texts)}" if rows else f"the batch of {n} (no row alone)"
-        return None, f"error: {what} raised {type(e).__name__}: {e} on {where}; {when}."
-    if isinstance(values, torch.Tensor):
-        values = values.tolist()
-    if not isinstance(values, (list, tuple)) or len(values) != n:
-        got = f"{len(values)} values" if isinstance(values, (list, tuple)) else f"a {type(values).__name__}"
-        return None, (f"error: {what} returned {got} for {n} completions: it must return a list of one float (or "
-                      f"None) per completion; {when}.")
-    not_numbers = [i for i, v in enumerate(values) if v is not None and not isinstance(v, numbers.Real)]
-    if not_numbers:
-        return None, (f"error: {what} returned {type(values[not_numbers[0]]).__name__} "
-                      f"{str(values[not_numbers[0]])[:100]!r}, not a number, at batch rows {show(not_numbers, texts)}; "
-                      f"{when}.")
-    non_finite = [i for i, v in enumerate(values) if v is not None and not math.isfinite(v)]
-    if non_finite:
-        return None, f"error: {what} returned {values[non_finite[0]]} at batch rows {show(non_finite, texts)}; {when}."
-    return [None if v is None else float(v) for v in values], None
-
-
-def show(rows, completions):
-    """"4, 8 of 16, counted from 1 (row 4's completion: '...')" for an error line: up to 5 batch rows (0-based
-    indices in, counted from 1 out, as dataset rows are) and the first one's completion."""
-    listed = ", ".join(str(i + 1) for i in rows[:5]) + (f" and {len(rows) - 5} more" if len(rows) > 5 else "")
-    return f"{listed} of {len(completions)}, counted from 1 (row {rows[0] + 1}'s completion: " \
-           f"{completions[rows[0]][:100]!r})"
-
-
-CHECK_ROWS = 4  # the train rows each --reward_fn is tried on before any model loads
-
-
-def check_reward_functions(cfg, examples, tokenizer):
-    """Each --reward_fn called once as a step calls it, on the first CHECK_ROWS train rows with placeholder
-    completions (each row's answer, else ''), before any model loads: a function whose parameters do not take
-    the keywords it is given, or that fails on them (raises, or returns other than one number or None per
-    completion), stops the run here with one line."""
-    examples, TRAINER_STATE.max_steps = examples[:CHECK_ROWS], cfg.num_steps
-    completions = [Completion(ex["answer"] or "", tokenizer(ex["answer"] or "", add_special_tokens=False)["input_ids"]
-                              + [tokenizer.eos_token_id]) if tokenizer is not None else ex["answer"] or ""
-                   for ex in examples]
-    kwargs = reward_kwargs(cfg, examples, completions)
-    taken = [key for key in ("prompts", "completions", "completion_ids", "trainer_state")
-             if key in examples[0].get("row", {})]
-    if cfg.reward_fn and taken:
-        raise SystemExit(f"error: --dataset {cfg.dataset!r} has a column {taken[0]!r}, the name of an argument every "
-                         "--reward_fn receives: rename the column.")
-    for spec in cfg.reward_fn:
-        name, function = spec.rpartition(":")[2], config.reward_function(spec)
-        try:
-            inspect.signature(function).bind(**kwargs)
-        except TypeError as e:
-            raise SystemExit(f"error: --reward_fn {name} cannot be called as a reward function is ({e}): it is called "
-                             f"with keywords, f({', '.join(f'{k}=...' for k in kwargs)}), so write "
-                             f"`def {name}(completions, **kwargs)`, naming the arguments it uses before **kwargs.")
-        except ValueError:  # a callable without a signature Python can read: the call below tries it
-            pass
-        _, error = call_reward_function(name, function, kwargs, when=(
-            f"tried before any model loads on the first {len(examples)} train rows, each row's answer as its "
-            "completion"))
-        if error is not None:
-            raise SystemExit(error)
 
 
 class PromptSampler:
@@ -461,18 +359,9 @@ def tokenize_prompts(tokenizer, prompts, device):
     return enc["input_ids"].to(device), enc["attention_mask"].to(device)
 
 
-class Completion(str):
-    """A completion's text that also holds its token ids (the sampled ones, up to and including the first EOS),
-    which a reward function receives as completion_ids."""
-
-    def __new__(cls, text, token_ids=None):
-        completion = super().__new__(cls, text)
-        completion.token_ids = token_ids
-        return completion
-
-
 def decode_completions(tokenizer, completion_ids, mask):
     """The text of each completion's tokens where mask is 1, with those tokens (as Python lists: one batched
     decode, no tensor op per row)."""
     kept = [[t for t, m in zip(ids, row_mask) if m] for ids, row_mask in zip(completion_ids.tolist(), mask.tolist())]
-    return [Completion(text, ids) for text, ids in zip(tokenizer.batch_decode(kept, skip_special_tokens=True), kept)]
+    texts = tokenizer.batch_decode(kept, skip_special_tokens=True)
+    return [reward_functions.Completion(text, ids) for text, ids in zip(texts, kept)]

@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import common
 from support import config, fast, models, tasks
-from support.run import Checkpointer, read_metrics
+from support.checkpoint import Checkpointer
+from support.run import read_metrics
 from conftest import ROOT, run_together
 
 CPU = Accelerator(cpu=True)

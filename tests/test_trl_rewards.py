@@ -14,6 +14,7 @@ from accelerate import Accelerator
 from transformers import AutoTokenizer
 
 from support import config, tasks
+from support.reward_functions import TRAINER_STATE, Completion, reward_kwargs
 from support.run import read_metrics
 from conftest import ROOT
 
@@ -105,8 +106,8 @@ def reward_fn(examples_file, names, **flags):
 
 def test_trls_examples_get_trls_keywords_and_give_their_documented_values(examples_file):
     examples = [{"prompt": r["prompt"], "answer": None, "family": "all", "row": r} for r in ROWS]
-    completions = [tasks.Completion("15", [4, 8, 1]), tasks.Completion(r"\boxed{5}", [16, 1])]
-    tasks.TRAINER_STATE.global_step = 50
+    completions = [Completion("15", [4, 8, 1]), Completion(r"\boxed{5}", [16, 1])]
+    TRAINER_STATE.global_step = 50
     fn = reward_fn(examples_file, STANDARD, num_steps=200)
     rewards, _, stats = fn(examples, completions)
     assert stats == {"train/reward/reward_len": (-18 - 11) / 2, "train/reward/reward_token_count": 2.5,
@@ -121,10 +122,10 @@ def test_a_conversation_gets_its_messages_and_completions_as_assistant_messages(
     prompt = [{"role": "user", "content": "12+3="}]
     examples = [{"prompt": "12+3=", "raw_prompt": prompt, "answer": None, "family": "all",
                  "row": {"prompt": prompt, "task": "math"}}]
-    kwargs = tasks.reward_kwargs(cfg, examples, [tasks.Completion("<think>1</think><answer>15</answer>", [4, 1])])
+    kwargs = reward_kwargs(cfg, examples, [Completion("<think>1</think><answer>15</answer>", [4, 1])])
     assert kwargs["prompts"] == [prompt] and kwargs["task"] == ["math"] and "prompt" not in kwargs
     assert kwargs["completions"] == [[{"role": "assistant", "content": "<think>1</think><answer>15</answer>"}]]
-    assert kwargs["completion_ids"] == [[4, 1]] and kwargs["trainer_state"] is tasks.TRAINER_STATE
+    assert kwargs["completion_ids"] == [[4, 1]] and kwargs["trainer_state"] is TRAINER_STATE
 
 
 def chat_model(folder):

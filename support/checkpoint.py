@@ -1,0 +1,364 @@
+"""Checkpoints and resume (Checkpointer, find_checkpoint), and the checks that stop a run whose loss, gradient
+norm, weights or logits are not finite, naming its last good state."""
+import hashlib
+import json
+import os
+import shutil
+import signal
+import sys
+from dataclasses import asdict
+
+import torch
+from accelerate.utils import broadcast_object_list
+from tqdm.auto import tqdm
+
+from support import config
+from support.models import save_model
+
+CHECKPOINT_PREFIX, PARTIAL_PREFIX = "checkpoint-", "tmp-checkpoint-"
+# Under fp16 mixed precision a GradScaler multiplies the loss by a scale (2**16 at first) and halves it at
+# every overflow, skipping that step: a few skips are routine, this many in a row is a diverging run.
+MAX_SKIPPED_STEPS = 20
+PROBE_PROMPTS = 1  # training prompts whose logits are checked before every save (one finds an overflow)
+
+
+def list_checkpoints(output_dir):
+    """(complete, partial) checkpoint folders in output_dir. Complete: checkpoint-N with its
+    trainer_state.json (written last), sorted by N. Partial: what a run stopped while saving left
+    behind (tmp-checkpoint-N, or checkpoint-N without trainer_state.json)."""
+    complete, partial = [], []
+    names = os.listdir(output_dir) if os.path.isdir(output_dir) else []
+    for name in names:
+        path = os.path.join(output_dir, name)
+        if not os.path.isdir(path):
+            continue
+        if name.startswith(PARTIAL_PREFIX) and name[len(PARTIAL_PREFIX):].isdigit():
+            partial.append(path)
+        elif name.startswith(CHECKPOINT_PREFIX) and name[len(CHECKPOINT_PREFIX):].isdigit():
+            (complete if os.path.isfile(os.path.join(path, "trainer_state.json")) else partial).append(path)
+    return sorted(complete, key=checkpoint_step), sorted(partial)
+
+
+def checkpoint_step(path):
+    return int(os.path.basename(os.path.normpath(path)).rsplit("-", 1)[1])
+
+
+def trainer_state(cfg, step, world_size, script=None, files=None):
+    """What trainer_state.json records: the step, what made the checkpoint (the script, the world size
+    and every flag, the model among them), which a resume is checked against, and the size and SHA-256
+    of every other file of the checkpoint (`files`, from file_records), which a resume verifies."""
+    script = script or os.path.basename(sys.argv[0])
+    return {"step": step, "script": script, "world_size": world_size, "config": asdict(cfg), "files": files or {}}
+
+
+def sha256(path):
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def file_records(folder):
+    """{relative path: {"bytes", "sha256"}} of every file under folder but trainer_state.json."""
+    records = {}
+    for parent, _, names in os.walk(folder):
+        for name in names:
+            path = os.path.join(parent, name)
+            relative = os.path.relpath(path, folder).replace(os.sep, "/")
+            if relative != "trainer_state.json":
+                records[relative] = {"bytes": os.path.getsize(path), "sha256": sha256(path)}
+    return dict(sorted(records.items()))
+
+
+def verify_checkpoint(path):
+    """None when every file that trainer_state.json recorded when the checkpoint was written is there
+    with its size and SHA-256; else what is wrong, naming the first damaged file. Sizes first: a missing
+    or truncated file is found without reading the others."""
+    state_file = os.path.join(path, "trainer_state.json")
+    state = config.read_json(state_file)
+    if "files" not in state:
+        return f"{state_file} is unreadable or lists no files to verify"
+    for relative, record in state["files"].items():
+        file = os.path.join(path, relative)
+        if not os.path.isfile(file):
+            return f"{file} is missing"
+        if os.path.getsize(file) != record["bytes"]:
+            return f"{file} has {os.path.getsize(file)} bytes, {record['bytes']} were written"
+    for relative, record in state["files"].items():
+        if sha256(os.path.join(path, relative)) != record["sha256"]:
+            return f"{os.path.join(path, relative)} differs from the file written (SHA-256 mismatch)"
+    return None
+
+
+def find_checkpoint(cfg, world_size, script=None):
+    """(path, error) for --resume_from: the checkpoint to load ('' for none) once its files verify and it
+    suits this run, or the error line that says why not. --resume_from latest is the newest checkpoint in
+    --output_dir that verifies: damaged ones are skipped with a warning. Without --resume_from an
+    --output_dir holding checkpoints is refused: this run's first save would delete them. Warnings and
+    notes go to stderr."""
+    script = script or os.path.basename(sys.argv[0])
+    complete, partial = list_checkpoints(cfg.output_dir)
+    if not cfg.resume_from:
+        if complete:
+            return "", (f"error: --output_dir {cfg.output_dir!r} holds checkpoints of an earlier run (newest "
+                        f"{os.path.basename(complete[-1])}): continue it with --resume_from latest, or give another "
+                        "--output_dir.")
+        return "", None
+    if cfg.resume_from == "latest":
+        if partial:
+            config.say(f"warning: ignoring partial checkpoints {[os.path.basename(p) for p in partial]} in "
+                 f"{cfg.output_dir} (a run stopped while writing them); the next save deletes them.")
+        path = ""
+        for candidate in reversed(complete):
+            problem = verify_checkpoint(candidate)
+            if problem is None:
+                path = candidate
+                break
+            config.say(f"warning: --resume_from latest: skipping the damaged {os.path.basename(candidate)}: {problem}.")
+        if not path and complete:
+            return "", (f"error: --resume_from latest: no checkpoint in {cfg.output_dir} verifies (each is damaged, "
+                        "see the warnings above): start a new run with another --output_dir.")
+        if not path:
+            config.say(f"note: --resume_from latest: no complete checkpoint in {cfg.output_dir}, starting at step 0.")
+            return "", None
+    else:
+        path = cfg.resume_from
+        problem = verify_checkpoint(path)
+        if problem:
+            return "", (f"error: --resume_from {path!r} is damaged: {problem}. Give another checkpoint "
+                        "(--resume_from latest skips damaged ones).")
+    state = config.read_json(os.path.join(path, "trainer_state.json"))
+    if state["script"] != script:
+        return "", (f"error: --resume_from {path!r} was written by {state['script']}, not {script}: resume it "
+                    f"with {state['script']}, or start a new run from its weights with --model_name_or_path "
+                    f"{os.path.join(path, 'model')}.")
+    if state["world_size"] != world_size:
+        return "", (f"error: --resume_from {path!r} was written by {state['world_size']} processes and this run "
+                    f"has {world_size}: launch it with --num_processes {state['world_size']} (every rank's sampler "
+                    "and random state is in the checkpoint, and --batch_size is per process).")
+    saved, now = state["config"], json.loads(json.dumps(asdict(cfg)))
+    changed = [k for k in now if k in saved and saved[k] != now[k]]
+    refused = [f"--{k} ({saved[k]!r} there, {now[k]!r} here)" for k in changed if k not in config.RESUMABLE_CHANGES]
+    if refused:
+        return "", (f"error: --resume_from {path!r}: this run differs from the checkpoint in {', '.join(refused)}; "
+                    "give the checkpoint's values, or start a new run from its weights with --model_name_or_path "
+                    f"{os.path.join(path, 'model')}.")
+    notes = [f"--{k} {saved[k]!r} -> {now[k]!r}" for k in changed if k not in ("resume_from", "output_dir")]
+    if notes:
+        config.say(f"note: resuming {path} with {', '.join(notes)}.")
+    return path, None
+
+
+class Checkpointer:
+    """Resumable checkpoints: output_dir/checkpoint-N holds accelerate's state (every prepared
+    model, optimizer and scheduler, and every rank's RNG states), each rank's prompt-sampler
+    state, the policy as save_pretrained (+ tokenizer) so that `from_pretrained(checkpoint-N/model)`
+    loads it, and trainer_state.json (the step, what made the checkpoint, and every other file's size
+    and SHA-256, which a resume verifies first), written last.
+    A checkpoint is written as tmp-checkpoint-N and renamed once every rank has finished, so a
+    killed run never leaves a checkpoint-N that is half-written; only the newest
+    --save_total_limit are kept. Ctrl-C or SIGTERM saves, then stops. No checkpoint and no final
+    model is written from weights or logits that are not finite: they are checked before each save.
+
+        ckpt = Checkpointer(cfg, accelerator, sampler)
+        start = ckpt.resume()                    # 0, or the step of --resume_from
+        for step in range(start + 1, ...):
+            ...
+            ckpt.check_finite(step, loss, grad_norm, policy, tokenizer)  # before optimizer.step()
+            ...
+            if ckpt.step_end(step, policy, tokenizer):   # checks and saves every --save_steps (checks at the last)
+                break                                    # a signal arrived: saved, stop
+    """
+
+    def __init__(self, cfg, accelerator, sampler):
+        self.cfg, self.accelerator, self.sampler = cfg, accelerator, sampler
+        self.probe_prompts = [ex["prompt"] for ex in sampler.examples[:PROBE_PROMPTS]]  # read before each save
+        self.stop_requested = False
+        self.stop_agreed = (None, False)  # (step, whether a signal arrived on any rank), from saves_after
+        self.skipped_steps = 0  # fp16 loss-scale overflows in a row
+        self.last_saved = None
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._request_stop)
+
+    def _request_stop(self, signum, frame):
+        if self.stop_requested:  # a second Ctrl-C stops at once
+            raise KeyboardInterrupt
+        self.stop_requested = True
+        print(f"\nsignal {signum}: saving a checkpoint at the end of this step (Ctrl-C again to quit now)", flush=True)
+
+    def resume(self):
+        """The step to start after: 0, or the step of the checkpoint find_checkpoint picks for
+        --resume_from, whose state is then loaded. The main process verifies the checkpoint (and sets
+        cfg.resume_from to it); an error stops every rank."""
+        found = [find_checkpoint(self.cfg, self.accelerator.num_processes) if self.accelerator.is_main_process
+                 else None]
+        if self.accelerator.num_processes > 1:
+            broadcast_object_list(found)
+        path, error = found[0]
+        if error:
+            raise SystemExit(error if self.accelerator.is_main_process else 1)
+        self.cfg.resume_from = path
+        if not path:
+            return 0
+        self.accelerator.load_state(self.cfg.resume_from)
+        with open(os.path.join(self.cfg.resume_from, f"sampler_rank{self.accelerator.process_index}.json")) as f:
+            self.sampler.load_state_dict(json.load(f))
+        with open(os.path.join(self.cfg.resume_from, "trainer_state.json")) as f:
+            step = json.load(f)["step"]
+        if self.accelerator.is_main_process:
+            print(f"resumed from {self.cfg.resume_from} at step {step}", flush=True)
+        return step
+
+    def save(self, step, policy, tokenizer):
+        """Write tmp-checkpoint-N, rename it checkpoint-N when every rank is done, then drop the
+        partial folders of killed runs and the checkpoints beyond --save_total_limit."""
+        path = os.path.join(self.cfg.output_dir, f"{CHECKPOINT_PREFIX}{step}")
+        tmp = os.path.join(self.cfg.output_dir, f"{PARTIAL_PREFIX}{step}")
+        main = self.accelerator.is_main_process
+        if main and os.path.exists(tmp):
+            shutil.rmtree(tmp)  # left by a killed run
+        self.accelerator.wait_for_everyone()
+        self.accelerator.save_state(tmp)
+        with open(os.path.join(tmp, f"sampler_rank{self.accelerator.process_index}.json"), "w") as f:
+            json.dump(self.sampler.state_dict(), f)
+        save_model(self.accelerator, policy, tokenizer, os.path.join(tmp, "model"))
+        self.accelerator.wait_for_everyone()  # every rank's files are on disk
+        if main:  # trainer_state.json, last, records the size and checksum of every other file
+            state = trainer_state(self.cfg, step, self.accelerator.num_processes, files=file_records(tmp))
+            with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+                json.dump(state, f, indent=2)
+            if os.path.exists(path):
+                shutil.rmtree(path)
+            os.rename(tmp, path)
+            self._prune(keep=path)
+        self.accelerator.wait_for_everyone()
+        self.last_saved = step
+        return path
+
+    def _prune(self, keep):
+        complete, partial = list_checkpoints(self.cfg.output_dir)
+        older = [p for p in complete if p != keep]
+        limit = self.cfg.save_total_limit
+        beyond = older[:max(0, len(older) - (limit - 1))] if limit else []
+        for old in partial + beyond:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def check_finite(self, step, loss, grad_norm, policy, tokenizer):
+        """Call between clipping and optimizer.step(): a NaN/inf loss or gradient norm (on any rank)
+        saves the last good state (the weights before this update) and stops the run with a message;
+        unless those weights are themselves broken (the update of step - 1 broke them, and no save
+        followed it to check them): then the run stops as stop_broken(step - 1) says, saving nothing.
+        Under fp16 loss scaling (accelerate's GradScaler, or DeepSpeed's own) an inf gradient norm is a
+        loss-scale overflow that the optimizer step skips while lowering the scale: the run stops only
+        after MAX_SKIPPED_STEPS in a row. A grad_norm of None (DeepSpeed reports none before its first
+        step) counts as finite."""
+        device = self.accelerator.device
+        norm = torch.as_tensor(0.0 if grad_norm is None else grad_norm, device=device)
+        bad = torch.stack([~torch.isfinite(loss.detach().to(device)).all(), ~torch.isfinite(norm).all()]).float()
+        bad_loss, bad_norm = (self.accelerator.reduce(bad, reduction="sum") > 0).tolist()
+        if not (bad_loss or bad_norm):
+            self.skipped_steps = 0
+            return
+        if not bad_loss and loss_scaling(self.accelerator):
+            self.skipped_steps += 1
+            if self.skipped_steps < MAX_SKIPPED_STEPS:
+                return
+        path = self._last_good(step - 1)
+        if path is None:  # checked like every save: weights an earlier update broke are no good state
+            self.stop_if_broken(step - 1, policy, tokenizer)
+            path = self.save(step - 1, policy, tokenizer)
+        norm = norm.tolist()  # PPO passes (policy, critic)
+        if self.skipped_steps >= MAX_SKIPPED_STEPS:
+            self.stop(f"error: {self.skipped_steps} steps in a row up to step {step} overflowed the fp16 loss "
+                      f"scale (gradient norm {norm}) and were skipped; the last good state is in {path}. Lower "
+                      "--learning_rate, or train in bfloat16 (accelerate launch --mixed_precision bf16).")
+        self.stop(f"error: non-finite loss ({loss.item()}) or gradient norm ({norm}) at step {step}; the update "
+                  f"was not applied and the last good state is in {path}. Lower --learning_rate, keep "
+                  "--max_grad_norm on, or check the rewards.")
+
+    def _last_good(self, step):
+        """checkpoint-N if this run has just saved it: the same weights, with the exact RNG states."""
+        path = os.path.join(self.cfg.output_dir, f"{CHECKPOINT_PREFIX}{step}")
+        return path if self.last_saved == step and os.path.isdir(path) else None
+
+    def stop(self, message, agreed=True):
+        """Stop with an `error:` line: printed by the main process when every rank stops together (`agreed`: the
+        others exit with status 1 and say nothing), else by the rank that found it."""
+        raise SystemExit(message if self.accelerator.is_main_process or not agreed else 1)
+
+    def stop_broken(self, step, agreed=True):
+        """Stop the run: the update of `step` left the policy's weights or logits non-finite, although its loss
+        and gradient norm were finite. Names the newest checkpoint written before it."""
+        earlier = [p for p in list_checkpoints(self.cfg.output_dir)[0] if checkpoint_step(p) < step]
+        good = earlier[-1] if earlier else self.cfg.resume_from
+        where = (f"the last good state is in {good}" if good else
+                 "no checkpoint was saved before it (--save_steps N keeps one every N steps)")
+        self.stop(f"error: the update of step {step} made the policy's weights or logits non-finite (its loss and "
+                  f"gradient norm were finite); {where}. Lower --learning_rate (or raise --warmup_steps).", agreed)
+
+    def saves_after(self, step):
+        """Whether a save follows this step, the same answer on every rank: a checkpoint every --save_steps
+        or when a signal arrived (on any rank: one all-reduce, whose answer step_end keeps), the final model
+        after the last step. The weights are checked before it (step_end)."""
+        requested = torch.tensor(float(self.stop_requested), device=self.accelerator.device)
+        self.stop_agreed = (step, bool(self.accelerator.reduce(requested, reduction="sum") > 0))
+        return self.stop_agreed[1] or self._checkpoint_due(step) or step == self.cfg.num_steps
+
+    def _checkpoint_due(self, step):
+        return bool(self.cfg.save_steps) and step % self.cfg.save_steps == 0
+
+    def step_end(self, step, policy, tokenizer, finite=None):
+        """After the update, before the next sampling. When a save follows (saves_after): stop if the
+        weights or the logits are no longer finite (`finite`: finite_weights_and_logits's verdict, computed
+        here if not given), naming the newest checkpoint as the last good state; then write the checkpoint
+        when due or when a signal arrived (on any rank). Between saves nothing is checked here: sampling
+        from broken weights stops the run (the engine's generate), and so does a non-finite loss
+        (check_finite). True means stop now."""
+        if self.stop_agreed[0] != step:
+            self.saves_after(step)
+        stop, checkpoint = self.stop_agreed[1], self.stop_agreed[1] or self._checkpoint_due(step)
+        if checkpoint or step == self.cfg.num_steps:
+            self.stop_if_broken(step, policy, tokenizer, finite)
+        if checkpoint:
+            path = self.save(step, policy, tokenizer)
+            if self.accelerator.is_main_process:
+                tqdm.write(f"checkpoint: {path}")
+        return stop
+
+    def stop_if_broken(self, step, policy, tokenizer, finite=None):
+        """stop_broken(step) on every rank when the weights or logits are not finite on one of them
+        (`finite`: this rank's finite_weights_and_logits verdict, computed here if not given)."""
+        if finite is None:
+            finite = finite_weights_and_logits(self.accelerator.unwrap_model(policy), tokenizer, self.probe_prompts)
+        broken = torch.tensor(float(not finite), device=self.accelerator.device)
+        if self.accelerator.reduce(broken, reduction="sum") > 0:
+            self.stop_broken(step)
+
+
+def loss_scaling(accelerator):
+    """Whether fp16 loss scaling skips the steps whose gradients overflow."""
+    deepspeed_fp16 = accelerator.state.deepspeed_plugin is not None and accelerator.mixed_precision == "fp16"
+    return accelerator.scaler is not None or deepspeed_fp16
+
+
+def finite_weights_and_logits(model, tokenizer, prompts):
+    """True when every trainable weight (this rank's shard under ZeRO-3) is finite and so are the
+    logits on `prompts` (training prompts). A weight is tested by its fp32 sum, into which a NaN or inf
+    propagates (a sum overflows only for weights near fp32's limit, as broken as an inf; one
+    reduction costs a fraction of an elementwise isfinite). Weights of ~1e30 are finite, yet the
+    logits overflow and sampling fails, hence the forward pass; it takes real prompts because a lone
+    EOS token can still give finite logits, and left-pads them by one more token, as sampling's batches
+    are padded: the weights AdamW leaves at --learning_rate 1e30 give NaN logits under a padding mask
+    and finite ones on an unpadded prompt."""
+    with torch.no_grad():
+        weights = [getattr(p, "ds_tensor", p).sum(dtype=torch.float32)
+                   for p in model.parameters() if p.requires_grad]
+        enc = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+        input_ids = torch.nn.functional.pad(enc["input_ids"], (1, 0), value=tokenizer.pad_token_id)
+        attention_mask = torch.nn.functional.pad(enc["attention_mask"], (1, 0), value=0)
+        device = next(model.parameters()).device
+        # the last position sees every earlier one, so its logits carry a NaN from anywhere in the prompt
+        logits = model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                       use_cache=False, logits_to_keep=1).logits
+        return bool(torch.stack(weights).isfinite().all()) and bool(torch.isfinite(logits).all())

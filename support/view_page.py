@@ -1,0 +1,181 @@
+"""The rollout viewer's page, which support/view.py fills in: {title}, and in the script tag "data" the recorded
+steps as JSON. The script builds the rows and colours the tokens by the quantity named in the URL's hash
+(#q=kl_k3) or the selector. Errors are shown in #errors (the browser test reads it). Inline CSS and JavaScript:
+no server, no network."""
+PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>Rollouts: {title}</title>
+<style>
+body{font:14px/1.45 system-ui,sans-serif;margin:0;color:#222;background:#fff}
+header{position:sticky;top:0;background:#f7f7f7;border-bottom:1px solid #ccc;padding:8px 16px;z-index:1}
+h1{font-size:18px;margin:0 8px 4px 0;display:inline-block}h2{font-size:16px;margin:18px 0 6px}
+main{padding:0 16px 24px}#read{margin:4px 0 0;color:#444;max-width:70em}
+#legend{display:inline-flex;align-items:center;gap:6px;margin-left:12px;font-size:12px}
+.bar{display:inline-block;width:160px;height:12px;border:1px solid #999}
+.sw{display:inline-block;min-width:14px;height:12px;border:1px solid #999;padding:0 3px;line-height:12px}
+#errors{color:#b00;background:#fee;padding:6px 16px;margin:0;white-space:pre-wrap}
+nav a{margin-right:8px}
+.row{border-top:1px solid #e3e3e3;padding:6px 0}.head{font-size:12px;color:#555}
+.prompt{color:#777;margin-right:4px}.first{border-top:2px solid #aaa}
+.completion{font-family:ui-monospace,monospace;white-space:pre-wrap;line-height:1.9}
+.tok{box-shadow:inset 0 0 0 1px rgba(0,0,0,.12);padding:1px 0;margin-right:1px;border-radius:2px}
+.special{font-weight:bold;font-size:11px;outline:1px solid #555}
+.off{color:#888;text-decoration:line-through;background:repeating-linear-gradient(45deg,#eee 0 3px,#fff 3px 6px)}
+.pad{color:#999;border:1px dotted #999;font-size:11px;padding:0 3px}
+</style></head>
+<body>
+<header><h1>Rollouts: {title}</h1><label>colour by <select id="q"></select></label><span id="legend"></span>
+<p id="read"></p><nav id="nav"></nav></header>
+<pre id="errors" hidden></pre>
+<main id="steps"></main>
+<script type="application/json" id="data">{data}</script>
+<script>
+var errors = document.getElementById("errors");
+window.onerror = function (message, source, line) {
+  errors.hidden = false; errors.textContent += message + " (line " + line + ")\\n";
+};
+var D = JSON.parse(document.getElementById("data").textContent);
+var Q = D.quantities, names = Object.keys(Q), cells = [];
+var WHITE = [255, 255, 255], RED = [202, 0, 32], BLUE = [5, 113, 176], ORANGE = [166, 54, 3];
+var KEPT = [199, 233, 192], DROPPED = [215, 48, 39];
+
+function el(tag, cls, text) {
+  var e = document.createElement(tag);
+  if (cls) e.className = cls;
+  if (text !== undefined) e.textContent = text;
+  return e;
+}
+function fmt(v) {
+  if (v === undefined || v === null) return "-";
+  if (typeof v === "string") return v;
+  return Number.isInteger(v) ? String(v) : String(Number(v.toPrecision(4)));
+}
+function mix(a, b, t) {
+  t = Math.max(0, Math.min(1, t));
+  return [0, 1, 2].map(function (i) { return Math.round(a[i] + (b[i] - a[i]) * t); });
+}
+function colour(q, v) {  // an [r, g, b] for value v of quantity q, null when there is none
+  if (v === undefined || v === null) return null;
+  v = Number(v);
+  if (!isFinite(v)) return [0, 0, 0];
+  var m;
+  if (q.scale === "keep") return v > 0 ? KEPT : DROPPED;
+  if (q.scale === "clip") return v < 0 ? RED : v > 0 ? BLUE : WHITE;
+  if (q.scale === "positive") return mix(WHITE, ORANGE, q.max > 0 ? v / q.max : 0);
+  if (q.scale === "ratio") {
+    m = Math.max(Math.abs(Math.log(q.min)), Math.abs(Math.log(q.max))) || 1;
+    v = v > 0 ? Math.log(v) / m : -1;
+  } else {
+    m = Math.max(Math.abs(q.min), Math.abs(q.max)) || 1;
+    v = v / m;
+  }
+  return v < 0 ? mix(WHITE, RED, -v) : mix(WHITE, BLUE, v);
+}
+function rgb(c) { return "rgb(" + c.join(",") + ")"; }
+function shown(text) {  // whitespace made visible: a space-only token as ␣, each newline as ⏎ then a line break
+  if (/^ +$/.test(text)) return text.replace(/ /g, "\\u2423");
+  return text.replace(/\\t/g, "\\u21e5").replace(/\\n/g, "\\u23ce\\n");
+}
+function value(row, name, i) { return name in row.values ? row.values[name][i] : row.sequence[name]; }
+
+function build() {
+  var main = document.getElementById("steps"), nav = document.getElementById("nav");
+  if (!D.steps.length) main.appendChild(el("p", "", "No step recorded yet."));
+  D.steps.forEach(function (rec) {
+    var a = el("a", "", "step " + rec.step); a.href = "#q=" + (current() || "") + "&step=" + rec.step;
+    a.onclick = function (e) { e.preventDefault(); document.getElementById("step-" + rec.step).scrollIntoView(); };
+    nav.appendChild(a);
+    var section = el("section"), h = el("h2", "", "Step " + rec.step);
+    h.id = "step-" + rec.step; section.appendChild(h);
+    var last = null;
+    rec.rows.forEach(function (row) {
+      var div = el("div", "row" + (rec.group_size > 1 && row.group !== last ? " first" : "")), head = [];
+      last = row.group;
+      if (rec.group_size > 1) head.push("group " + row.group);
+      head.push("reward " + fmt(row.reward));
+      if ("adv" in row.sequence) head.push("advantage " + fmt(row.sequence.adv));
+      else if ("adv" in row.values) head.push("advantage at the first token " + fmt(row.values.adv[0]));
+      if (row.answer !== null) head.push("answer " + JSON.stringify(row.answer));
+      Object.keys(row.sequence).forEach(function (n) {
+        if (n !== "adv") head.push((Q[n] ? Q[n].label : n) + " " + fmt(row.sequence[n]));
+      });
+      div.appendChild(el("div", "head", head.join(" \\u00b7 ")));
+      var comp = el("div", "completion"), prompt = row.prompt;
+      if (prompt.length > 300) prompt = "\\u2026" + prompt.slice(-300);
+      var p = el("span", "prompt", prompt);
+      p.title = "prompt: " + row.prompt;
+      comp.appendChild(p);
+      row.tokens.forEach(function (text, i) {
+        var special = row.special.indexOf(i) >= 0, masked = !row.mask[i];
+        var span = el("span", "tok" + (special ? " special" : "") + (masked ? " off" : ""),
+                      special ? text : shown(text));
+        var tip = [JSON.stringify(text) + "  position " + i + (masked ? "  (masked: not in the loss)" : "")];
+        names.forEach(function (n) {
+          var v = value(row, n, i);
+          if (v !== undefined) tip.push(Q[n].label + ": " + fmt(v));
+        });
+        span.title = tip.join("\\n");
+        comp.appendChild(span);
+        if (!masked) cells.push({span: span, row: row, i: i});
+      });
+      if (row.pad) {
+        var pad = el("span", "tok pad", "padding \\u00d7" + row.pad);
+        pad.title = row.pad + " padding positions after the end: not in the loss";
+        comp.appendChild(pad);
+      }
+      div.appendChild(comp);
+      section.appendChild(div);
+    });
+    main.appendChild(section);
+  });
+  var select = document.getElementById("q");
+  names.forEach(function (n) { var o = el("option", "", Q[n].label); o.value = n; select.appendChild(o); });
+  select.onchange = function () { location.hash = "q=" + select.value; };
+}
+function current() {
+  var m = /q=([^&]+)/.exec(location.hash), n = m ? decodeURIComponent(m[1]) : "";
+  return n in Q ? n : ("adv" in Q ? "adv" : names[0]);
+}
+function legend(q) {
+  var box = document.getElementById("legend");
+  box.textContent = "";
+  var sw = function (c, text) { var s = el("span", "sw", text); s.style.background = rgb(c); box.appendChild(s); };
+  if (q.scale === "keep") { sw(KEPT, "kept 1"); sw(DROPPED, "dropped 0"); }
+  else if (q.scale === "clip") { sw(RED, "low -1"); sw(WHITE, "none 0"); sw(BLUE, "high +1"); }
+  else {
+    var lo, mid = "", hi, stops;
+    if (q.scale === "positive") { lo = 0; hi = q.max; stops = [WHITE, ORANGE]; }
+    else if (q.scale === "ratio") {
+      var m = Math.max(Math.abs(Math.log(q.min)), Math.abs(Math.log(q.max))) || 1;
+      lo = Math.exp(-m); mid = "1"; hi = Math.exp(m); stops = [RED, WHITE, BLUE];
+    } else {
+      var a = Math.max(Math.abs(q.min), Math.abs(q.max)) || 1;
+      lo = -a; mid = "0"; hi = a; stops = [RED, WHITE, BLUE];
+    }
+    box.appendChild(el("span", "", fmt(lo)));
+    var bar = el("span", "bar");
+    bar.style.background = "linear-gradient(to right," + stops.map(rgb).join(",") + ")";
+    if (mid) bar.title = "centre: " + mid;
+    box.appendChild(bar);
+    box.appendChild(el("span", "", fmt(hi)));
+    box.appendChild(el("span", "", "(recorded: " + fmt(q.min) + " to " + fmt(q.max) + ")"));
+  }
+  var off = el("span", "sw off", "masked"); box.appendChild(off);
+  document.getElementById("read").textContent = q.read;
+}
+function paint() {
+  if (!names.length) return;
+  var n = current(), q = Q[n];
+  document.getElementById("q").value = n;
+  cells.forEach(function (c) {
+    var col = colour(q, value(c.row, n, c.i));
+    c.span.style.background = col ? rgb(col) : "";
+    c.span.style.color = col && (0.299 * col[0] + 0.587 * col[1] + 0.114 * col[2]) < 128 ? "#fff" : "";
+  });
+  legend(q);
+}
+build();
+paint();
+window.addEventListener("hashchange", paint);
+</script>
+</body></html>
+"""
