@@ -234,27 +234,38 @@ class Extreme(NamedTuple):
     reduce: str  # "max" or "min"
 
 
-def rollout_correction(logp, old_logp, rollout_logp, adv, mask, tis_cap=0.0, geo_mask_delta=0.0):
+def rollout_correction(logp, old_logp, rollout_logp, adv, mask, tis_cap=0.0, geo_mask_delta=0.0, tis_level="token",
+                       tis_veto=0.0):
     """The (B, T) detached weight on each token's policy-gradient term, and mismatch stats.
 
     logp: the policy being trained; old_logp: the trainer's log-probs at the start of the update (pi_prox; at
     sampling time when the trainer samples); rollout_logp: those of the model that sampled, a low-precision copy
     or the policy of --rollout_lag steps ago (None: the trainer sampled, they are old_logp).
-    TIS weighs by min(old / rollout, tis_cap); the geometric mask plays pi_old with rollout_logp,
-    so it sees both the mismatch and the updates since sampling. 0 turns either off.
+    TIS weighs by min(old / rollout, tis_cap), per token or (tis_level "sequence") by the truncated product over
+    the sequence; tis_veto drops a sequence with a token whose old / rollout is below it; the geometric mask plays
+    pi_old with rollout_logp, so it sees both the mismatch and the updates since sampling. 0 turns each off.
+    is_ess: the effective sample size of the weights in use (per token, or per sequence), 1 when all are equal.
     """
     rollout_logp = old_logp if rollout_logp is None else rollout_logp
-    weight = truncated_is_weight(old_logp, rollout_logp, tis_cap) if tis_cap > 0 else torch.ones_like(logp)
+    if tis_cap > 0 and tis_level == "sequence":
+        weight = sequence_is_weight(old_logp, rollout_logp, mask, tis_cap)[:, None].expand_as(logp)
+    else:
+        weight = truncated_is_weight(old_logp, rollout_logp, tis_cap) if tis_cap > 0 else torch.ones_like(logp)
     keep = geometric_sequence_mask(logp, rollout_logp, adv, mask, geo_mask_delta) if geo_mask_delta > 0 else \
         torch.ones_like(adv, dtype=logp.dtype)
+    veto = tis_veto_mask(old_logp, rollout_logp, mask, tis_veto) if tis_veto > 0 else torch.ones_like(keep)
+    weight = weight * (keep * veto)[:, None]
     with torch.no_grad():
         ratio = torch.exp(old_logp - rollout_logp)  # trainer over sampler, the same weights
         stats = {"mismatch_k3": masked_mean(kl_k3(rollout_logp, old_logp), mask),  # KL(sampler || trainer)
                  "mismatch_ratio_max": Extreme(torch.where(mask.bool(), ratio, 0.0).max(), "max"),
                  "mismatch_ratio_min": Extreme(torch.where(mask.bool(), ratio, float("inf")).min(), "min"),
                  "tis_clip_frac": masked_mean((ratio > tis_cap).float(), mask) if tis_cap > 0 else 0.0,
-                 "geo_masked_frac": 1 - keep.mean()}
-    return weight * keep[:, None], stats
+                 "geo_masked_frac": 1 - keep.mean(),
+                 "tis_veto_frac": 1 - veto.mean(),
+                 "is_ess": effective_sample_size(weight[:, 0]) if tis_level == "sequence" else
+                 effective_sample_size(weight, mask)}
+    return weight, stats
 
 
 # ----------------------------------------------------------------------------------------

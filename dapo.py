@@ -201,7 +201,8 @@ def main():
                 pg_weight, correction = None, {}
                 if rollout_logp is not None or cfg.geo_mask_delta > 0:  # a sampler that is not this policy: TIS, mask
                     pg_weight, correction = common.rollout_correction(logp, old, mb.of(rollout_logp), mb.of(adv),
-                                                                      mb.mask, cfg.tis_cap, cfg.geo_mask_delta)
+                                                                      mb.mask, cfg.tis_cap, cfg.geo_mask_delta,
+                                                                      cfg.tis_level, cfg.tis_veto)
                 loss, stats = dapo_loss(logp, old, mb.of(adv), mb.mask, epsilon_low=cfg.epsilon_low,
                                         epsilon_high=cfg.epsilon_high, dual_clip_c=cfg.dual_clip_c,
                                         pg_weight=pg_weight)

@@ -166,7 +166,8 @@ def main():
                 pg_weight, correction = None, {}
                 if rollout_logp is not None or cfg.geo_mask_delta > 0:  # a sampler that is not this policy: TIS, mask
                     pg_weight, correction = common.rollout_correction(logp, old, mb.of(rollout_logp), mb.of(adv),
-                                                                      mb.mask, cfg.tis_cap, cfg.geo_mask_delta)
+                                                                      mb.mask, cfg.tis_cap, cfg.geo_mask_delta,
+                                                                      cfg.tis_level, cfg.tis_veto)
                 loss, stats = grpo_loss(logp, old, mb.of(ref_logp), mb.of(adv), mb.mask, epsilon=cfg.epsilon,
                                         beta=cfg.beta, loss_agg=cfg.loss_agg, max_len=cfg.max_new_tokens,
                                         kl_estimator=cfg.kl_estimator, kl_is_weight=cfg.kl_is_weight,

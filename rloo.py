@@ -95,7 +95,8 @@ def main():
             pg_weight, correction = None, {}
             if rollout_logp is not None or cfg.geo_mask_delta > 0:  # a sampler that is not this policy: TIS, mask
                 pg_weight, correction = common.rollout_correction(logp, logp.detach(), mb.of(rollout_logp), adv[-1],
-                                                                  mb.mask, cfg.tis_cap, cfg.geo_mask_delta)
+                                                                  mb.mask, cfg.tis_cap, cfg.geo_mask_delta,
+                                                                  cfg.tis_level, cfg.tis_veto)
             loss, stats = rloo_loss(logp, adv[-1], mb.mask, pg_weight)
             trainer.backward(loss, mb, {**stats, **correction, "entropy": common.masked_mean(entropy, mb.mask)})
             kl_seq += common.masked_sum(kl, mb.mask) / len(rollout)

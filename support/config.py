@@ -50,6 +50,9 @@ FLAG_RULES = {
     "lam": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "lam_critic": (lambda v: v is None or 0 <= v <= 1, "in [0, 1]"),
     "lam_alpha": (lambda v: v >= 0, ">= 0"),
+    "keep_routing": (lambda v: v in ("none", "r2", "r3"), "none, r2 or r3"),
+    "tis_level": (lambda v: v in ("token", "sequence"), "token or sequence"),
+    "tis_veto": (lambda v: 0 <= v < 1, "in [0, 1)"),
     **{name: (lambda v: v > 0, "> 0") for name in ("critic_learning_rate", "num_mini_batches", "epsilon_value",
                                                    "vf_coef", "kl_target", "kl_horizon")},
 }
@@ -113,6 +116,9 @@ class TrainConfig:
     save_model: bool = arg(True, "Save the final policy with save_pretrained (+ tokenizer) in output_dir/final.")
     fast: bool = arg(True, "Sample and score with support/fast.py (False: the plain common.generate and "
                      "common.token_logprobs, the same draws and values, to read or step through).")
+    keep_routing: str = arg("none", "Mixture-of-experts policy: the experts of the trainer's forwards. none: its "
+                            "router's | r3: the sampler's, replayed | r2: the pi_old pass's, replayed in the updates "
+                            "(docs/stability.md).")
 
     def __post_init__(self):
         for name, (ok, text) in FLAG_RULES.items():
@@ -126,6 +132,9 @@ class TrainConfig:
                      "generation_batch_size"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name} must be >= 0 (got {getattr(self, name)}).")
+        check(self.keep_routing != "r2" or getattr(self, "num_epochs", 1) > 1 or hasattr(self, "num_mini_batches"),
+              "--keep_routing r2 replays the routing of the pi_old pass in the updates that follow it, and this run "
+              "makes one update per batch (no pi_old pass): give --num_epochs > 1, or --keep_routing r3.")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"--top_p must be in (0, 1] (got {self.top_p}).")
         if self.reward_scales not in ("uniform", "hetero"):
@@ -193,6 +202,9 @@ class GroupConfig(TrainConfig):
                          "(0 = off; 2 is common).")
     geo_mask_delta: float = arg(0.0, "Mask a sequence with A < 0 whose mean log(pi_old / pi_theta) exceeds delta "
                                 "(0 = off).")
+    tis_level: str = arg("token", "The TIS weight: per token, or per sequence (the product of its tokens' ratios, "
+                         "truncated at --tis_cap; unbiased for a sequence's gradient).")
+    tis_veto: float = arg(0.0, "Drop a sequence any of whose tokens has pi_train / pi_rollout below this (0 = off).")
 
     def __post_init__(self):
         super().__post_init__()
@@ -207,6 +219,10 @@ class GroupConfig(TrainConfig):
             raise ValueError("--tis_cap corrects a sampler that differs from the trainer: give --rollout_dtype "
                              f"other than --torch_dtype ({self.torch_dtype}) or --rollout_lag > 0; with the same "
                              "the weight is 1.")
+        check(self.tis_level == "token" or self.tis_cap > 0, "--tis_level sequence weighs by the truncated "
+              "sequence ratio: give --tis_cap too (e.g. 2).")
+        check(self.tis_veto == 0 or not same_sampler, "--tis_veto drops the sequences a differing sampler made "
+              "unlikely for the trainer: give --rollout_dtype other than --torch_dtype or --rollout_lag > 0.")
         if self.geo_mask_delta < 0:
             raise ValueError(f"--geo_mask_delta must be >= 0 (got {self.geo_mask_delta}).")
         if self.geo_mask_delta > 0 and same_sampler and getattr(self, "num_epochs", 1) == 1:

@@ -26,7 +26,7 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 import common
-from support import checkpoint, fast, models, reward_functions, run, tasks
+from support import checkpoint, fast, models, reward_functions, routing, run, tasks
 
 
 def load_data(cfg, accelerator):
@@ -60,6 +60,8 @@ def load_models(cfg, accelerator, reference, rollout_copy=False):
     from the same weights."""
     set_seed(cfg.seed)
     policy = models.load_model(cfg)
+    if cfg.keep_routing != "none":
+        routing.check_moe(policy)
     ref_model = models.load_reference(cfg, policy) if reference else None
     rollout_model = models.load_rollout_model(cfg, policy) if rollout_copy else None
     optimizer, scheduler = models.make_optimizer(policy, cfg)
@@ -80,6 +82,10 @@ class Rollout:
     completion_ids: torch.Tensor  # (B, T)
     mask: torch.Tensor            # (B, T), 1 up to and including the first EOS (common.completion_mask)
     completions: list
+    # a mixture-of-experts policy's routing (support/routing.py), (B, P + T, L, k) in the layout of input_ids:
+    routing: tuple = None               # the sampler's experts and the token ids it saw
+    old_routing: tuple = None           # those of the trainer's pi_old pass
+    live_routing: torch.Tensor = None   # the trainer's routers' own choice, in its first pass over each row
 
     def __len__(self):
         return len(self.examples)
@@ -96,11 +102,21 @@ class Rollout:
     def prompts(self):
         return [ex["prompt"] for ex in self.examples]
 
+    @property
+    def routing_disagree(self):
+        """(B, T): how many MoE layers routed the position that predicts each completion token to other experts in
+        the trainer than in the sampler (None before both are known)."""
+        if self.routing is None or self.live_routing is None:
+            return None
+        P, T = self.prompt_ids.shape[1], self.mask.shape[1]
+        return routing.layers_differing(self.routing[0], self.live_routing)[:, P - 1:P - 1 + T]
+
     def select(self, keep):
         """The rows where keep (a (B,) bool tensor) is True."""
         rows = keep.nonzero().flatten()
         return Rollout([self.examples[i] for i in rows.tolist()], self.prompt_ids[rows], self.prompt_mask[rows],
-                       self.completion_ids[rows], self.mask[rows], [self.completions[i] for i in rows.tolist()])
+                       self.completion_ids[rows], self.mask[rows], [self.completions[i] for i in rows.tolist()],
+                       None if self.routing is None else tuple(x[rows] for x in self.routing))
 
     @staticmethod
     def cat(rollouts, pad_token_id, limit=None):
@@ -113,16 +129,25 @@ class Rollout:
                 remaining -= len(parts[-1])
         prompt_width = max(int(r.prompt_mask.sum(1).max()) for r in parts)  # the padding no row needs goes
 
-        def pad(tensors, value, width=None, left=False):
+        def pad(tensors, value, width=None, left=False):  # along dim 1, to `width` (default: the widest)
             width = width or max(t.shape[1] for t in tensors)
-            tensors = [t[:, -width:] if left else t for t in tensors]
-            return torch.cat([torch.nn.functional.pad(t, (width - t.shape[1], 0) if left else (0, width - t.shape[1]),
-                                                      value=value) for t in tensors])
+            out = []
+            for t in tensors:
+                t = t[:, -width:] if left else t
+                out.append(t.new_full((len(t), width, *t.shape[2:]), value))
+                (out[-1][:, width - t.shape[1]:] if left else out[-1][:, :t.shape[1]]).copy_(t)
+            return torch.cat(out)
+
+        def pad_routing(i):  # its prompt columns as the prompts', its completion columns as the completions'
+            P = [r.prompt_ids.shape[1] for r in parts]
+            return torch.cat([pad([r.routing[i][:, :p] for r, p in zip(parts, P)], -1, prompt_width, left=True),
+                              pad([r.routing[i][:, p:] for r, p in zip(parts, P)], -1)], dim=1)
         return Rollout([ex for r in parts for ex in r.examples],
                        pad([r.prompt_ids for r in parts], pad_token_id, prompt_width, left=True),
                        pad([r.prompt_mask for r in parts], 0, prompt_width, left=True),
                        pad([r.completion_ids for r in parts], pad_token_id),
-                       pad([r.mask for r in parts], 0), [c for r in parts for c in r.completions])
+                       pad([r.mask for r in parts], 0), [c for r in parts for c in r.completions],
+                       None if parts[0].routing is None else (pad_routing(0), pad_routing(1)))
 
 
 @dataclass
@@ -170,6 +195,7 @@ class Trainer:
         self.cfg, self.accelerator, self.tokenizer, self.eval_data = cfg, accelerator, tokenizer, eval_data
         self.policy, self.rollout_model, self.rollout_lag = policy, rollout_model, rollout_lag
         self.trainables = (policy, *others)
+        self.moe, self.routing_pass = routing.is_moe(policy.model), None  # keep routing: docs/stability.md
         # --fast False: the plain definitions, to read or step through in a debugger; same draws, same values
         self.sample, self.score = (fast.generate, fast.token_logprobs) if cfg.fast else \
             (common.generate, common.token_logprobs)
@@ -225,7 +251,7 @@ class Trainer:
                 model = models.sync_rollout_model(self.rollout_model, model, weights)
             error = None
             try:
-                with self.inference():
+                with self.inference(), routing.record(model) if self.moe else ExitStack() as recording:
                     completion_ids = self.sample(model, tokenizer, prompt_ids, prompt_mask, cfg,
                                                  num_samples=num_samples, greedy=greedy)
                 completion_ids = completion_ids.clone()  # an ordinary tensor: the loss's input
@@ -240,8 +266,10 @@ class Trainer:
             mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
             completions = tasks.decode_completions(tokenizer, completion_ids, mask)
         self.generated += len(completion_ids)
-        return Rollout([ex for ex in examples for _ in range(k)], prompt_ids.repeat_interleave(k, dim=0),
-                       prompt_mask.repeat_interleave(k, dim=0), completion_ids, mask, completions)
+        prompt_ids, prompt_mask = prompt_ids.repeat_interleave(k, dim=0), prompt_mask.repeat_interleave(k, dim=0)
+        experts = recording.layout(torch.cat([prompt_mask, mask], 1)) if self.moe else None  # the sampler's
+        return Rollout([ex for ex in examples for _ in range(k)], prompt_ids, prompt_mask, completion_ids, mask,
+                       completions, experts)
 
     def logprobs(self, model, rollout, sampling_mask=True):
         """(B, T) log-probs of the rollout's completions under `model` (None gives None), in micro-batches,
@@ -250,8 +278,16 @@ class Trainer:
             return None
         cfg, n = self.cfg, rollout.mask.shape[1]
         sampling = {"top_k": cfg.top_k, "top_p": cfg.top_p} if sampling_mask else {}
-        return self._scoring_pass(
-            rollout, lambda ids, mask: self.score(model, ids, mask, n, cfg.temperature, **sampling))
+        with ExitStack() as stack:
+            if self.moe and model is self.rollout_model:  # the sampler's copy: with the experts it sampled with
+                stack.enter_context(routing.replay(model, *rollout.routing))
+            if self.moe and model is self.policy.model:  # pi_old: r3 with the sampler's; its own kept for r2
+                self._open_routing(rollout, torch.arange(len(rollout), device=rollout.mask.device))
+            logp = self._scoring_pass(
+                rollout, lambda ids, mask: self.score(model, ids, mask, n, cfg.temperature, **sampling))
+            if self.moe and model is self.policy.model:
+                rollout.old_routing = self._close_routing()
+        return logp
 
     def values(self, value_model, rollout):
         """(B, T) outputs of value_model(input_ids, attention_mask, T) (a critic's values before each completion
@@ -288,6 +324,8 @@ class Trainer:
         """(b, T) log-probs of the micro-batch's completions under the policy, with gradient, and their
         entropies (no gradient), scored as they were sampled (temperature, top-k, top-p)."""
         cfg = self.cfg
+        if self.moe:  # closed by backward, after the backward pass (which may run checkpointed layers again)
+            self._open_routing(rollout, mb.rows)
         with self.timer("forward_backward"):
             return self.score(self.policy.model, rollout.input_ids[mb.rows], rollout.attention_mask[mb.rows],
                               rollout.mask.shape[1], cfg.temperature, with_entropy=True, top_k=cfg.top_k,
@@ -306,8 +344,29 @@ class Trainer:
                     for trainable in self.trainables:
                         stack.enter_context(accelerator.no_sync(trainable.model))
                 accelerator.backward(mb.weight * loss)
+        if self.routing_pass is not None:
+            self._close_routing()
         self.update_loss = self.update_loss + mb.weight * loss.detach()
         self.update_stats.append((mb.share, stats or {}))
+
+    def _open_routing(self, rollout, rows):
+        """For a pass of the policy over these rows: replay the experts --keep_routing names (r3: the sampler's,
+        r2: those of the pi_old pass, once it ran), and record what its routers choose."""
+        keep = self.cfg.keep_routing
+        replayed = rollout.routing if keep == "r3" else rollout.old_routing if keep == "r2" else None
+        self.routing_pass = (routing.Pass(self.policy.model, rollout.attention_mask, rows, replayed), rollout, rows)
+
+    def _close_routing(self):
+        """Close the pass's contexts; the routers' own choices of the rows not seen before are kept (the
+        trainer's side of train/routing_mismatch). Returns the experts the pass used and their token ids."""
+        routing_pass, rollout, rows = self.routing_pass
+        self.routing_pass = None
+        used, live = routing_pass.close()
+        if rollout.live_routing is None:
+            rollout.live_routing = torch.full_like(rollout.routing[0], -1)
+        new = (rollout.live_routing[rows, :, 0, 0] < 0).all(1)
+        rollout.live_routing[rows[new]] = live[new]
+        return used
 
     def step(self, *trainables):
         """One optimizer step of each trainable after the update's backward passes: clip its gradient norm to
@@ -349,6 +408,9 @@ class Trainer:
             metrics["train/staleness"] = step - self.past_weights[0][0] if self.past_weights else 0
         self.generated = 0
         samples = []
+        if rollout is not None and rollout.live_routing is not None:  # the completion tokens' positions
+            predicting = torch.nn.functional.pad(rollout.mask, (rollout.prompt_ids.shape[1] - 1, 1))
+            metrics["train/routing_mismatch"] = routing.mismatch(rollout.routing[0], rollout.live_routing, predicting)
         if rollout is not None:
             lengths = rollout.mask.sum(1).float()
             metrics["train/completion_len"] = lengths.mean()

@@ -42,7 +42,7 @@ Supported: the softmax top-k routers of transformers 5 (Qwen3-MoE, Qwen2-MoE, Mi
 *TopKRouter that return (logits, weights, indices); replay checks at each call that the weights are that formula.
 """
 import dataclasses
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import torch
 
@@ -127,6 +127,23 @@ def rows(model, block_rows=None, batch_rows=None):
         yield
     finally:
         hooks.rows = saved
+
+
+class Pass:
+    """The routing of one pass of a trainer's model over `rows` of a batch laid out as `attention_mask` (B, S), held
+    open from the forward to the end of the backward: a replay of `replayed` ((indices, token_ids) of the whole
+    batch, or None) and a recording. close() returns the experts the pass used and its routers' own choices, both
+    (b, S, L, k) in the layout of attention_mask[rows], with the token ids ((used, token_ids), live)."""
+
+    def __init__(self, model, attention_mask, rows, replayed=None):
+        self.stack, self.attention_mask = ExitStack(), attention_mask[rows]
+        if replayed is not None:
+            self.stack.enter_context(replay(model, replayed[0][rows], replayed[1][rows]))
+        self.recording = self.stack.enter_context(record(model))
+
+    def close(self):
+        self.stack.close()
+        return self.recording.layout(self.attention_mask), self.recording.layout(self.attention_mask, live=True)[0]
 
 
 # ----------------------------------------------------------------------------------------

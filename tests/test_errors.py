@@ -27,6 +27,12 @@ BAD_INPUTS = [  # (script, arguments, what the message must name)
     ("ppo", ["--batch_size", "64", "--num_mini_batches", "3"], "--num_mini_batches"),
     ("ppo", ["--adaptive_kl", "--beta", "0"], "--adaptive_kl"),
     ("remax", ["--top_p", "0"], "--top_p"),
+    ("grpo", ["--keep_routing", "r4"], "--keep_routing"),
+    ("remax", ["--keep_routing", "r2"], "--keep_routing r2"),  # one update per batch: no pi_old pass to replay
+    ("grpo", ["--keep_routing", "r2"], "--num_epochs"),
+    ("grpo", ["--rollout_dtype", "bfloat16", "--tis_level", "sequence"], "--tis_cap"),
+    ("grpo", ["--tis_veto", "0.5"], "--rollout_dtype"),
+    ("rloo", ["--rollout_lag", "1", "--tis_veto", "1.5"], "--tis_veto"),
     ("remax", ["--dataset", "data.csv"], "--dataset"),
     ("remax", ["--dataset", "no_such_file.jsonl"], "--dataset"),
     ("remax", ["--torch_dtype", "int8"], "--torch_dtype"),

@@ -64,6 +64,25 @@ def test_rollout_correction_weighs_by_tis_times_the_mask_and_reports_the_mismatc
     assert torch.equal(weight, torch.ones_like(weight)) and stats["mismatch_k3"].item() == 0.0
 
 
+def test_rollout_correction_per_sequence_with_a_veto_and_the_effective_sample_size():
+    old_logp = torch.tensor([[LN(0.4), LN(0.3)], [LN(0.3), LN(0.3)]], dtype=F64)
+    rollout_logp = torch.tensor([[LN(0.2), LN(0.2)], [LN(0.3), LN(0.9)]], dtype=F64)  # ratios 2, 1.5 | 1, (1/3)
+    mask, adv = torch.tensor([[1, 1], [1, 0]]), torch.tensor([1.0, -1.0], dtype=F64)
+
+    def correct(**kw):
+        return common.rollout_correction(old_logp.clone(), old_logp, rollout_logp, adv, mask, tis_cap=2.5, **kw)
+    weight, stats = correct()  # per token: min(r, 2.5) on 2, 1.5, 1; ESS = (sum w)^2 / (n sum w^2)
+    assert weight[0].tolist() == pytest.approx([2.0, 1.5]) and weight[1, 0].item() == pytest.approx(1.0)
+    assert stats["is_ess"].item() == pytest.approx(4.5 ** 2 / (3 * (4 + 2.25 + 1)), rel=1e-12)
+    weight, stats = correct(tis_level="sequence")  # min(2 * 1.5, 2.5) = 2.5 | 1: the padded 1/3 counts for nothing
+    torch.testing.assert_close(weight, torch.tensor([[2.5, 2.5], [1.0, 1.0]], dtype=F64))
+    assert stats["is_ess"].item() == pytest.approx(3.5 ** 2 / (2 * (6.25 + 1)), rel=1e-12)
+    weight, stats = correct(tis_level="sequence", tis_veto=1.2)  # row 1's ratio 1 < 1.2: the row gets no gradient
+    torch.testing.assert_close(weight, torch.tensor([[2.5, 2.5], [0.0, 0.0]], dtype=F64))
+    assert stats["tis_veto_frac"].item() == 0.5 and stats["is_ess"].item() == pytest.approx(0.5)
+    assert correct(tis_veto=0.5)[1]["tis_veto_frac"].item() == 0.0  # row 1's 1/3 is padding: no veto
+
+
 def test_geometric_mask_in_rollout_correction_plays_pi_old_with_the_samplers_log_probs():
     """pi_theta == trainer at sampling time; the sampler is 0.5 nats per token more confident, so
     only the sampler's log-probs reveal the drift."""
