@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 
 import common
 from support import checkpoint, fast, models, reward_functions, routing, run, tasks
+from support.rollout import MicroBatch, Rollout
 
 
 def load_data(cfg, accelerator):
@@ -70,101 +71,6 @@ def load_models(cfg, accelerator, reference, rollout_copy=False):
     if rollout_model is not None:
         rollout_model = rollout_model.to(accelerator.device)
     return Models(Trainable(policy, optimizer, scheduler), ref_model, rollout_model)
-
-
-@dataclass
-class Rollout:
-    """A sampled batch, one row per completion: its example, the prompt (left-padded) and the completion
-    (padded after its first EOS), as ids and as text."""
-    examples: list
-    prompt_ids: torch.Tensor      # (B, P)
-    prompt_mask: torch.Tensor     # (B, P), 0 on the left padding
-    completion_ids: torch.Tensor  # (B, T)
-    mask: torch.Tensor            # (B, T), 1 up to and including the first EOS (common.completion_mask)
-    completions: list
-    # a mixture-of-experts policy's routing (support/routing.py), (B, P + T, L, k) in the layout of input_ids:
-    routing: tuple = None               # the sampler's experts and the token ids it saw
-    old_routing: tuple = None           # those of the trainer's pi_old pass
-    live_routing: torch.Tensor = None   # the trainer's routers' own choice, in its first pass over each row
-
-    def __len__(self):
-        return len(self.examples)
-
-    @property
-    def input_ids(self):  # (B, P + T)
-        return torch.cat([self.prompt_ids, self.completion_ids], dim=1)
-
-    @property
-    def attention_mask(self):  # (B, P + T)
-        return torch.cat([self.prompt_mask, self.mask], dim=1)
-
-    @property
-    def prompts(self):
-        return [ex["prompt"] for ex in self.examples]
-
-    @property
-    def routing_disagree(self):
-        """(B, T): how many MoE layers routed the position that predicts each completion token to other experts in
-        the trainer than in the sampler (None before both are known)."""
-        if self.routing is None or self.live_routing is None:
-            return None
-        P, T = self.prompt_ids.shape[1], self.mask.shape[1]
-        return routing.layers_differing(self.routing[0], self.live_routing)[:, P - 1:P - 1 + T]
-
-    def select(self, keep):
-        """The rows where keep (a (B,) bool tensor) is True."""
-        rows = keep.nonzero().flatten()
-        return Rollout([self.examples[i] for i in rows.tolist()], self.prompt_ids[rows], self.prompt_mask[rows],
-                       self.completion_ids[rows], self.mask[rows], [self.completions[i] for i in rows.tolist()],
-                       None if self.routing is None else tuple(x[rows] for x in self.routing))
-
-    @staticmethod
-    def cat(rollouts, pad_token_id, limit=None):
-        """The first `limit` rows (default: all) of several rollouts in one, padded as if sampled together:
-        prompts on the left to the longest prompt, completions on the right to the widest completion."""
-        parts, remaining = [], sum(map(len, rollouts)) if limit is None else limit
-        for r in rollouts:
-            if remaining > 0 and len(r) > 0:
-                parts.append(r.select(torch.arange(len(r), device=r.mask.device) < remaining))
-                remaining -= len(parts[-1])
-        prompt_width = max(int(r.prompt_mask.sum(1).max()) for r in parts)  # the padding no row needs goes
-
-        def pad(tensors, value, width=None, left=False):  # along dim 1, to `width` (default: the widest)
-            width = width or max(t.shape[1] for t in tensors)
-            out = []
-            for t in tensors:
-                t = t[:, -width:] if left else t
-                out.append(t.new_full((len(t), width, *t.shape[2:]), value))
-                (out[-1][:, width - t.shape[1]:] if left else out[-1][:, :t.shape[1]]).copy_(t)
-            return torch.cat(out)
-
-        def pad_routing(i):  # its prompt columns as the prompts', its completion columns as the completions'
-            P = [r.prompt_ids.shape[1] for r in parts]
-            return torch.cat([pad([r.routing[i][:, :p] for r, p in zip(parts, P)], -1, prompt_width, left=True),
-                              pad([r.routing[i][:, p:] for r, p in zip(parts, P)], -1)], dim=1)
-        return Rollout([ex for r in parts for ex in r.examples],
-                       pad([r.prompt_ids for r in parts], pad_token_id, prompt_width, left=True),
-                       pad([r.prompt_mask for r in parts], 0, prompt_width, left=True),
-                       pad([r.completion_ids for r in parts], pad_token_id),
-                       pad([r.mask for r in parts], 0), [c for r in parts for c in r.completions],
-                       None if parts[0].routing is None else (pad_routing(0), pad_routing(1)))
-
-
-@dataclass
-class MicroBatch:
-    """The rows of one forward/backward pass of an update, and what the update needs of them."""
-    rows: torch.Tensor    # (b,) indices into the rollout
-    mask: torch.Tensor    # (b, T) their completion mask
-    weight: torch.Tensor  # common.micro_batch_weight: the weighted losses add up to the batch's loss
-    share: torch.Tensor   # their share of the update's tokens (the weight of their statistics)
-    last: bool            # the last micro-batch of the update: gradients are synchronised after it
-
-    def __len__(self):
-        return len(self.rows)
-
-    def of(self, x):
-        """These rows of a per-row tensor of the batch ((B,) or (B, T)); None stays None."""
-        return None if x is None else x[self.rows]
 
 
 def any_process(accelerator, flag):

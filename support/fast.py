@@ -45,7 +45,8 @@ def completion_logits(model, input_ids, attention_mask, num_completion_tokens):
     over every full row (the copies' gradients add up in the prompt's pass), for about 1 / G of the
     prompts' work. Rows that share nothing take the same two passes at no extra cost, so the number of
     forward calls never depends on the data (under ZeRO-3 each is a collective every rank must make).
-    Gradient checkpointing keeps no cache where gradients are recorded: then it is the one pass. Without
+    Gradient checkpointing keeps no cache where gradients are recorded, and ZeRO-3 cannot reduce a mixture-of-experts
+    block's gradient from two passes: then it is the one pass. Without
     gradients (the scoring passes) transformers' checkpointed layers run as they are, cache included, and
     the model's modules are not even looked at.
     """
@@ -53,9 +54,11 @@ def completion_logits(model, input_ids, attention_mask, num_completion_tokens):
     position_ids = common.position_ids_from_mask(attention_mask)
     prompts = torch.cat([input_ids[:, :-c], attention_mask[:, :-c]], dim=1)
     _, group, counts = torch.unique_consecutive(prompts, dim=0, return_inverse=True, return_counts=True)
-    checkpointing = torch.is_grad_enabled() and any(getattr(module, "gradient_checkpointing", False)
-                                                    for module in model.modules())
-    if input_ids.shape[1] < c + 2 or checkpointing:
+    # with gradients: checkpointed layers keep no cache, and ZeRO-3 reduces the gradient of a mixture-of-experts
+    # block (a leaf of its gathering, models.zero3_moe_leaves) once per forward: one pass for both
+    one_pass = torch.is_grad_enabled() and any(getattr(module, "gradient_checkpointing", False) or
+                                               getattr(module, "_z3_leaf", False) for module in model.modules())
+    if input_ids.shape[1] < c + 2 or one_pass:
         out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                     logits_to_keep=c + 1, use_cache=False)
         return out.logits[:, -(c + 1):-1, :]

@@ -7,6 +7,7 @@ from contextlib import contextmanager
 
 import torch
 
+from support import routing
 from support.config import DTYPES
 
 
@@ -37,6 +38,7 @@ def load_model(cfg, trainable=True):
 
     model = AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, dtype=DTYPES[cfg.torch_dtype])
     disable_dropout(model)
+    zero3_moe_leaves(model)
     if not trainable:
         return model.eval().requires_grad_(False)
     if cfg.gradient_checkpointing:
@@ -45,6 +47,20 @@ def load_model(cfg, trainable=True):
     if cfg.lora_r > 0:
         model = add_lora(model, lora_config(cfg, "CAUSAL_LM"))
     return model.train()  # dropout is off; train mode only lets gradient checkpointing act
+
+
+def zero3_moe_leaves(model):
+    """Under DeepSpeed ZeRO-3, each mixture-of-experts block is made one leaf of its weight gathering: its experts
+    are fetched together and their gradients reduced once. (A block runs each expert's weights once per routed
+    group of tokens, and ZeRO-3's per-weight hooks would reduce a gradient twice.)"""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    routers = {id(r) for r in routing.routers(model)}
+    blocks = {type(m) for m in model.modules() if any(id(c) in routers for c in m.children())}
+    if blocks and is_deepspeed_zero3_enabled():
+        from deepspeed.utils import set_z3_leaf_modules
+
+        set_z3_leaf_modules(model, list(blocks))
 
 
 def add_lora(model, lora):

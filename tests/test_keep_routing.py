@@ -1,6 +1,7 @@
 """--keep_routing in the training loops, on the embedded mixture-of-experts policy (support/routing.py holds
 the record and replay themselves, tests/test_routing.py their tests): which experts each pass of the trainer
 uses, train/routing_mismatch, and the sampler's routing carried through DAPO's rounds of sampling."""
+import json
 import os
 import sys
 
@@ -106,3 +107,31 @@ def test_keep_routing_on_a_dense_policy_is_one_error_line(tmp_path, monkeypatch)
     monkeypatch.setattr(sys, "argv", ["grpo.py", "--keep_routing", "r3", "--output_dir", str(tmp_path)])
     with pytest.raises(SystemExit, match="--keep_routing needs a mixture-of-experts policy"):
         grpo.main()
+
+
+def test_replay_runs_under_zero3_and_under_lora_on_two_processes(tmp_path):
+    """R3 with pi_old and two updates per batch: under ZeRO-3 (weights sharded, gathered once per generate call)
+    and under LoRA with a bfloat16 sampler (DDP); a layout wrong on either rank would stop the run."""
+    from conftest import free_port, run_together
+
+    common_args = ["grpo.py", "--model_name_or_path", MOE, "--keep_routing", "r3", "--num_epochs", "2",
+                   "--num_steps", "2", "--batch_size", "8", "--num_generations", "4", "--eval_every", "100"]
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--mixed_precision", "no"]
+    runs = {"lora": [*launch, "--multi_gpu", "--main_process_port", str(free_port()), *common_args, "--lora_r", "4",
+                     "--rollout_dtype", "bfloat16", "--output_dir", str(tmp_path / "lora")]}
+    try:
+        import deepspeed  # noqa: F401
+        runs["zero3"] = [*launch, "--config_file", "configs/zero3.yaml", "--main_process_port", str(free_port()),
+                         *common_args, "--output_dir", str(tmp_path / "zero3")]
+    except ImportError:
+        pass
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    for name, out in zip(runs, run_together(list(runs.values()), env)):
+        assert out.returncode == 0, (name, out.stderr[-3000:])
+        summary = json.loads((tmp_path / name / "summary.json").read_text())
+        assert summary["num_processes"] == 2 and len(set(summary["replica_weight_checksums"])) == 1
+        rows = [r for r in read_metrics(tmp_path / name / "metrics.jsonl") if r["step"] > 0]
+        assert len(rows) == 2 and all(0 <= r["train/routing_mismatch"] < 0.1 for r in rows)
+    if "zero3" in runs:  # the weights really were sharded
+        shards = json.loads((tmp_path / "zero3" / "summary.json").read_text())["sharding"]
+        assert shards["zero_stage"] == 3 and all(k < 0.51 * shards["params"] for k in shards["params_per_rank"])
