@@ -5,11 +5,13 @@ and r3, each with truncated importance sampling per token and per sequence (--ti
 seeds. Per run: the routing mismatch (completion token, MoE layer pairs routed otherwise by the trainer than by
 the sampler), train/mismatch_k3 at step 1 and over the run, the gradient norm, and held-out accuracy.
 
-    python bench/keep_routing.py                                     # docs/stability.md's table: 24 runs
+    python bench/keep_routing.py                                     # docs/stability.md's first table: 24 runs
+    python bench/keep_routing.py --learning_rate 1e-3 --steps 30 --out runs/keep_routing_1e-3   # its second
     python bench/keep_routing.py --steps 2 --seeds 0 --samplers bfloat16 --out /tmp/kr   # smoke test
 
-Runs one after another (--jobs at a time), one thread each (bench/stability.py's run_cached: a finished run
-with the same command is reused). Writes --out/results.md (the table and the command) and results.json.
+The first took 20 minutes on 2 CPU cores shared with other work. Runs one after another (--jobs at a time), one
+thread each (bench/stability.py's run_cached: a finished run with the same command is reused). Writes
+--out/results.md (the table and the command) and results.json.
 """
 import argparse
 import json
@@ -50,11 +52,11 @@ def summarise(run_dir):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=30, help="grpo.py --num_steps of every run.")
+    parser.add_argument("--steps", type=int, default=60, help="grpo.py --num_steps of every run.")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--samplers", nargs="+", choices=list(SAMPLERS), default=list(SAMPLERS))
     parser.add_argument("--lag", type=int, default=2, help="--rollout_lag of the stale sampler.")
-    parser.add_argument("--learning_rate", type=float, default=1e-3, help="grpo.py --learning_rate.")
+    parser.add_argument("--learning_rate", type=float, default=3e-4, help="grpo.py --learning_rate.")
     parser.add_argument("--jobs", type=int, default=1, help="Runs at the same time.")
     parser.add_argument("--out", default="runs/keep_routing")
     parser.add_argument("--force", action="store_true", help="Rerun finished runs.")
