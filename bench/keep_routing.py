@@ -11,7 +11,7 @@ the sampler), train/mismatch_k3 at step 1 and over the run, the gradient norm, a
 
 The first took 20 minutes on 2 CPU cores shared with other work. Runs one after another (--jobs at a time), one
 thread each (bench/stability.py's run_cached: a finished run with the same command is reused). Writes
---out/results.md (the table and the command) and results.json.
+results.md (the table and the command) and results.json into --out.
 """
 import argparse
 import json
