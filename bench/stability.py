@@ -5,10 +5,11 @@ sampling (--tis_cap) and with geometric sequence masking (--geo_mask_delta); a f
 trainer samples, no mismatch) is the reference.
 
 Runs one after another (--jobs at a time), one thread each; a run whose run.json shows the same
-command and a finished summary.json is reused (--force reruns it).
+command and a finished summary.json is reused (--force reruns it). A run takes 20-40 s on one core here.
 
-    python bench/stability.py                                   # docs/stability.md's bfloat16 table: 12 runs
-    python bench/stability.py --lag 8 --learning_rate 3e-4 --jobs 2   # its stale-sampler table: 15 runs
+    python bench/stability.py                                   # docs/stability.md's bfloat16 table: 12 runs, 5 min
+    python bench/stability.py --lag 8 --learning_rate 3e-4 --seeds 0 1 2 3 4   # its stale-sampler table: 25 runs, 12 min
+    python bench/stability.py --seeds 0 --variants float32 stale --lag 4   # a row pair of its settings tried
     python bench/stability.py --steps 2 --seeds 0 --variants bfloat16 --out /tmp/stab   # smoke test
 
 Writes to --out (default runs/stability): results.md (the table and the command), results.json and
