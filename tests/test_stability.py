@@ -182,17 +182,21 @@ def test_group_methods_run_with_a_bfloat16_sampler_and_log_the_mismatch(module, 
 
 
 def test_stability_benchmark_smoke_run_writes_the_table(tmp_path):
-    """bench/stability.py, which makes docs/stability.md's table: one step, one seed, one variant."""
+    """bench/stability.py, which makes docs/stability.md's tables: one step, one seed; the float32 run logs no
+    mismatch metrics (the trainer samples) and its row reads 0 and 1."""
     import json
     import os
     import subprocess
 
     from conftest import ROOT
 
-    cmd = [sys.executable, "bench/stability.py", "--steps", "1", "--seeds", "0", "--variants", "bfloat16",
-           "--out", str(tmp_path)]
+    cmd = [sys.executable, "bench/stability.py", "--steps", "1", "--seeds", "0", "--variants", "float32",
+           "bfloat16", "--out", str(tmp_path)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "| bfloat16 | 0.416 → " in (tmp_path / "results.md").read_text()
-    (run,) = json.loads((tmp_path / "results.json").read_text())["bfloat16"]
+    results = json.loads((tmp_path / "results.json").read_text())
+    (run,) = results["bfloat16"]
     assert run["k3"] > 0 and run["ratio_min"] < 1 < run["ratio_max"]
+    (run,) = results["float32"]
+    assert (run["k3"], run["ratio_min"], run["ratio_max"], run["tis_clip"], run["masked"]) == (0, 1, 1, 0, 0)
