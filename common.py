@@ -1,11 +1,10 @@
 """The math the five algorithms share, and the two model calls at its heart.
 
-KL estimators, masking, loss aggregation and reward-to-go are pure functions: tensors in,
-tensors out. `token_logprobs` scores completions under a model and `generate` samples them;
-what is sampled is what is scored (same temperature, same masks). Both are written plainly, as the
-definition; the loops run support/fast.py's versions, tested equal to them. The plumbing (config,
-tasks and rewards, model loading, logging, checkpoints) lives in support/. Equations and sign
-conventions: docs/algorithms.md.
+KL estimators, masking, loss aggregation and reward-to-go are pure functions: tensors in, tensors out.
+`token_logprobs` scores completions under a model and `generate` samples them; what is sampled is what is scored
+(same temperature, same masks). Both are written plainly, as the definition; the loops run support/fast.py's
+versions, tested equal to them. The plumbing (config, tasks and rewards, model loading, logging, checkpoints) lives
+in support/. Equations and sign conventions: docs/algorithms.md.
 """
 from contextlib import contextmanager
 from typing import NamedTuple
@@ -235,13 +234,14 @@ class Extreme(NamedTuple):
 
 
 def rollout_correction(logp, old_logp, rollout_logp, adv, mask, tis_cap=0.0, geo_mask_delta=0.0):
-    """The (B, T) detached weight on each token's policy-gradient term, and mismatch stats.
+    """The (B, T) detached weight on each token's policy-gradient term, and stats: the mismatch's, and for the
+    rollout viewer the (B, T) TIS weight and the (B,) geometric mask, None when off.
 
     logp: the policy being trained; old_logp: the trainer's log-probs at the start of the update (pi_prox; at
     sampling time when the trainer samples); rollout_logp: those of the model that sampled, a low-precision copy
-    or the policy of --rollout_lag steps ago (None: the trainer sampled, they are old_logp).
-    TIS weighs by min(old / rollout, tis_cap); the geometric mask plays pi_old with rollout_logp,
-    so it sees both the mismatch and the updates since sampling. 0 turns either off.
+    or the policy of --rollout_lag steps ago (None: the trainer sampled, they are old_logp). TIS weighs by
+    min(old / rollout, tis_cap); the geometric mask plays pi_old with rollout_logp, so it sees both the mismatch
+    and the updates since sampling. 0 turns either off.
     """
     rollout_logp = old_logp if rollout_logp is None else rollout_logp
     weight = truncated_is_weight(old_logp, rollout_logp, tis_cap) if tis_cap > 0 else torch.ones_like(logp)
@@ -253,7 +253,8 @@ def rollout_correction(logp, old_logp, rollout_logp, adv, mask, tis_cap=0.0, geo
                  "mismatch_ratio_max": Extreme(torch.where(mask.bool(), ratio, 0.0).max(), "max"),
                  "mismatch_ratio_min": Extreme(torch.where(mask.bool(), ratio, float("inf")).min(), "min"),
                  "tis_clip_frac": masked_mean((ratio > tis_cap).float(), mask) if tis_cap > 0 else 0.0,
-                 "geo_masked_frac": 1 - keep.mean()}
+                 "geo_masked_frac": 1 - keep.mean(), "tis_weight": weight if tis_cap > 0 else None,
+                 "geo_mask": keep if geo_mask_delta > 0 else None}
     return weight * keep[:, None], stats
 
 
@@ -282,14 +283,13 @@ def sampling_mask(logits, top_k=0, top_p=1.0):
 
 
 def token_logprobs(model, input_ids, attention_mask, num_completion_tokens, temperature=1.0, with_entropy=False,
-                   top_k=0, top_p=1.0):
-    """Log-probs of the last `num_completion_tokens` tokens of `input_ids` under `model`, at the
-    sampling temperature, in fp32: log softmax(logits / T) at each sampled token. Returns (B, C)
-    log-probs, and with `with_entropy` the (B, C) entropies of the same distribution (no gradient).
-    With top_k / top_p they are those of the truncated, renormalised distribution the sampler drew
-    from (DeepSeek-V3.2's "keep sampling mask"); pass the defaults for the reference. With
-    --num_epochs > 1 or a rollout copy, that mask is recomputed from the model being scored, not
-    taken from the sampler's.
+                   top_k=0, top_p=1.0, kept_sizes=None):
+    """Log-probs of the last `num_completion_tokens` tokens of `input_ids` under `model`, at the sampling
+    temperature, in fp32: log softmax(logits / T) at each sampled token. Returns (B, C) log-probs, and with
+    `with_entropy` the (B, C) entropies of the same distribution (no gradient). With top_k / top_p they are those
+    of the truncated, renormalised distribution the sampler drew from (DeepSeek-V3.2's "keep sampling mask"; a
+    list `kept_sizes` receives the (B, C) sizes of the kept sets); pass the defaults for the reference. With
+    --num_epochs > 1 or a rollout copy, that mask is recomputed from the model being scored, not the sampler's.
 
     This is the definition; the loops run support/fast.py's, equal to it (tests/test_fast.py).
     """
@@ -302,6 +302,8 @@ def token_logprobs(model, input_ids, attention_mask, num_completion_tokens, temp
         # the sampled token stays in: a rounding difference from generate() must not give log 0
         kept = sampling_mask(logits.detach(), top_k, top_p).isfinite().scatter(-1, targets, True)  # (B, C, V)
         logits = logits.masked_fill(~kept, float("-inf"))
+        if kept_sizes is not None:
+            kept_sizes.append(kept.sum(-1))
     logprobs = torch.log_softmax(logits, -1)  # (B, C, V)
     logp = logprobs.gather(-1, targets).squeeze(-1)  # (B, C)
     if not with_entropy:

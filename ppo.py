@@ -276,7 +276,7 @@ def main():
         updates = []
         for epoch in range(cfg.num_epochs):
             for rows in torch.randperm(cfg.batch_size, device=accelerator.device).chunk(cfg.num_mini_batches):
-                for mb in trainer.micro_batches(rollout, "token-mean", rows):  # rows, and their weight in the loss
+                for mb in trainer.micro_batches(rollout, "token-mean", rows, clip=(cfg.epsilon, cfg.epsilon)):
                     logp, entropy = trainer.policy_logprobs(rollout, mb)  # (b, T), with gradient
                     pg_loss, pg_stats = ppo_policy_loss(logp, mb.of(old_logp), mb.of(adv), mb.mask,
                                                         epsilon=cfg.epsilon, dual_clip_c=cfg.dual_clip_c)
@@ -306,7 +306,8 @@ def main():
         if cfg.adaptive_kl:  # Ziegler et al.'s controller, on the KL averaged over every process
             kl_ctl.update(engine.mean_over_processes(accelerator, metrics["train/kl_seq"]),
                           cfg.batch_size * accelerator.num_processes)
-        if trainer.end_step(step, metrics, rollout, rewards):
+        tokens = {"value": old_values, "return": returns, "kl_k1": kl}  # for the rollout viewer, with adv
+        if trainer.end_step(step, metrics, rollout, rewards, adv, tokens):
             break
 
     # ---- end: save, plot (PLUMBING) ----

@@ -1,17 +1,10 @@
 """The rollout viewer: a few steps' sampled completions, each token coloured by a value the update computed at
 it (advantage, ratio, clip, KL to the reference, entropy, sampler mismatch, ...), in one self-contained page,
 output_dir/rollouts.html (inline CSS and JavaScript: no server, no network). How to read it: docs/viewer.md.
-
-A loop records on the main process, on the steps `Recorder.due` names, tensors it already holds:
-
-    recorder = view.Recorder(cfg.output_dir, tokenizer, cfg.log_rollouts, cfg.num_steps, cfg.eval_every,
-                             enabled=accelerator.is_main_process)
-    if recorder.due(step):
-        recorder.record(step, rollout, rewards, adv, {"ratio": ratio, "kl_k3": kl}, group_size=G)
-        recorder.write()
-
-`python -m support.view RUN_DIR` rebuilds RUN_DIR/rollouts.html from RUN_DIR/rollouts.jsonl;
-`--screenshot PNG` also renders it to an image with headless Chromium.
+The engine records (support/engine.py: Trainer.keep, Trainer.record): on the steps `Recorder.due` names, the
+main process keeps the first rows of what the step computed, and `derived` turns log-probs into the page's values.
+`python -m support.view RUN_DIR` rebuilds RUN_DIR/rollouts.html from RUN_DIR/rollouts.jsonl; `--screenshot PNG`
+also renders it to an image with headless Chromium.
 """
 import argparse
 import html
@@ -37,19 +30,19 @@ class Quantity(NamedTuple):
 QUANTITIES = {
     "adv": Quantity("advantage", "signed", "The advantage the loss weighed this token's log-prob gradient with: "
                     "blue was pushed up, red pushed down."),
-    "return": Quantity("return", "signed", "The return from this token on: ReMax's reward-to-go with the k1 penalty, "
-                       "RLOO's and PPO's per-token returns."),
+    "return": Quantity("return", "signed", "PPO's return R_t = A_t + V_t from GAE, the critic's target."),
     "value": Quantity("value", "signed", "PPO's critic: the return it expected before this token."),
-    "ratio": Quantity("ratio π_θ/π_old", "ratio", "How much more (blue) or less (red) likely the token became since "
-                      "it was sampled, on a log scale around 1."),
+    "push": Quantity("push -∂L/∂log π", "signed", "The weight the update gave the token's log-prob (the gradient, "
+                     "times the loss's normaliser): ReMax's return, RLOO's A; with a clip, A·ratio or 0 where it bit."),
+    "ratio": Quantity("ratio π_θ/π_old", "ratio", "π_θ/π_old as the last epoch's loss saw it: how much more (blue) "
+                      "or less (red) likely the earlier epochs made the token, on a log scale around 1."),
     "clip": Quantity("clip", "clip", "Where the clip stopped the gradient: high (ratio above 1+ε, A > 0), "
                      "low (ratio below 1-ε, A < 0), or none."),
     "kl_k1": Quantity("KL k1", "signed", "log π_θ - log π_ref: the k1 estimate of the KL to the reference, signed "
                       "(its mean over samples is the KL)."),
     "kl_k3": Quantity("KL k3", "positive", "The k3 estimate of the KL to the reference, r - 1 - log r with "
                       "r = π_ref/π_θ: never negative, dark where the policy left the reference."),
-    "entropy": Quantity("entropy", "positive", "The policy's entropy at this position, in nats: dark where it "
-                        "was unsure."),
+    "entropy": Quantity("entropy", "positive", "The policy's entropy here, in nats: dark where it was unsure."),
     "mismatch": Quantity("mismatch log π_train - log π_rollout", "signed", "The trainer's log-prob of the token "
                          "minus that of the model that sampled it: 0 where they agree."),
     "tis_weight": Quantity("TIS weight", "ratio", "The truncated importance weight min(π_old/π_rollout, --tis_cap) "
@@ -78,6 +71,30 @@ def rounded(values):
         else:
             out.append(float(f"{v:.{SIGNIFICANT_DIGITS}g}"))
     return out
+
+
+def derived(kept, adv, clip=None, tokens=()):
+    """The page's values from what a step kept ({name: (B, T) or (B,) tensor}): the log-probs (logp: the last epoch's;
+    old_logp, ref_logp, rollout_logp: the scoring passes') become the KL to the reference (k1 unless `tokens` gives
+    it; k3 from k1), the ratio to pi_old with where the clip range (epsilon_low, epsilon_high) stopped it given adv,
+    and the trainer-sampler mismatch. The other values stay."""
+    kept = dict(kept)
+    logp, old, ref, sampler = (kept.pop(name, None) for name in ("logp", "old_logp", "ref_logp", "rollout_logp"))
+    if logp is None:
+        return kept
+    if ref is not None:
+        kept["kl_k1"] = logp - ref
+    k1 = dict(tokens).get("kl_k1", kept.get("kl_k1"))
+    if k1 is not None:
+        kept["kl_k3"] = torch.exp(-k1) + k1 - 1  # r - 1 - log r with r = pi_ref / pi_theta = exp(-k1)
+    if clip is not None and old is not None and adv is not None:
+        low, high = clip[0], clip[1] if clip[1] is not None else clip[0]
+        kept["ratio"] = ratio = torch.exp(logp - old)
+        adv = adv if adv.dim() == 2 else adv[:, None]
+        kept["clip"] = ((ratio > 1 + high) & (adv > 0)).float() - ((ratio < 1 - low) & (adv < 0)).float()
+    if sampler is not None:
+        kept["mismatch"] = (logp if old is None else old) - sampler
+    return kept
 
 
 def token_texts(tokenizer, ids):
@@ -109,13 +126,12 @@ class Recorder:
                  enabled=True):
         if num_rows < 0:
             raise ValueError(f"--log_rollouts must be >= 0 (got {num_rows}); 0 turns the rollout viewer off.")
-        self.output_dir, self.tokenizer, self.num_rows = output_dir, tokenizer, num_rows
-        self.num_steps, self.eval_every = num_steps, eval_every
+        self.output_dir, self.tokenizer, self.num_rows, self.num_steps = output_dir, tokenizer, num_rows, num_steps
+        self.eval_every = eval_every
         self.enabled = enabled and num_rows > 0
-        self.records = []
         path = os.path.join(output_dir, "rollouts.jsonl")
-        if self.enabled and start_step and os.path.exists(path):
-            self.records = [r for r in read_records(path) if r["step"] <= start_step]
+        resumed = self.enabled and start_step and os.path.exists(path)  # keeps the steps up to its checkpoint
+        self.records = [r for r in read_records(path) if r["step"] <= start_step] if resumed else []
         self.write()
 
     def due(self, step):
@@ -130,13 +146,11 @@ class Recorder:
         Only the recorded rows are copied to the CPU."""
         if not self.enabled:
             return
-        B, T = rollout.mask.shape
-        tokens, sequences = dict(tokens), dict(sequences or {})
+        (B, T), tokens, sequences = rollout.mask.shape, dict(tokens), dict(sequences or {})
         given = [*tokens, *sequences, *(["adv"] if adv is not None else [])]
-        twice = sorted({name for name in given if given.count(name) > 1})
-        if twice:
-            raise ValueError(f"rollout viewer: {twice} given twice (per token, per sequence or as adv); "
-                             "pass each once.")
+        if len(set(given)) < len(given):
+            raise ValueError(f"rollout viewer: {sorted({n for n in given if given.count(n) > 1})} given twice (per "
+                             "token, per sequence or as adv); pass each once.")
         if adv is not None:
             (tokens if adv.dim() == 2 else sequences)["adv"] = adv
         for name, t in [*tokens.items(), *sequences.items(), ("rewards", rewards)]:
@@ -154,9 +168,8 @@ class Recorder:
             texts, special = token_texts(self.tokenizer, ids[r][:length])
             answer = rollout.examples[r].get("answer") if isinstance(rollout.examples[r], dict) else None
             rows.append({"prompt": rollout.prompts[r], "answer": answer if isinstance(answer, str) else None,
-                         "group": r // group_size, "reward": rounded([rewards[r]])[0],
+                         "group": r // group_size, "reward": rounded([rewards[r]])[0], "pad": T - length,
                          "tokens": texts, "special": special, "mask": [int(m != 0) for m in mask[r][:length]],
-                         "pad": T - length,
                          "values": {name: rounded(cpu[name][r, :length].tolist()) for name in tokens},
                          "sequence": {name: rounded([cpu[name][r].item()])[0] for name in sequences}})
         record = {"step": step, "group_size": group_size, "rows": rows}
@@ -227,9 +240,7 @@ def write_page(run_dir, records=None):
     return page
 
 
-# ----------------------------------------------------------------------------------------
-# Headless Chromium: the screenshot for the docs, and the browser test
-# ----------------------------------------------------------------------------------------
+# ---- Headless Chromium: the screenshot for the docs, and the browser test ----
 def chromium_binary():
     """The path of Chromium (Debian's package `chromium`), or None."""
     return next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
@@ -247,8 +258,8 @@ def chromium(url, *args, timeout=60):
         cmd = [binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                "--disable-background-networking", "--disable-component-update", "--disable-sync",
                "--disable-dev-shm-usage", "--disable-crash-reporter", f"--user-data-dir={profile}", *args, url]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)  # its own process group: a timeout stops every process
+        # its own process group: a timeout stops every process
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -285,24 +296,21 @@ def main(args=None):
         sys.exit(f"error: {e}")
 
 
-# The page: the data goes in the script tag "data"; the script builds the rows and colours the tokens by the
-# quantity named in the URL's hash (#q=kl_k3) or the selector. Errors are shown in #errors (the browser test
-# reads it).
+# The page: the data goes in the script tag "data"; the script builds the rows and colours the tokens by the quantity
+# named in the URL's hash (#q=kl_k3) or the selector. Errors are shown in #errors (the browser test reads it).
 PAGE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>Rollouts: {title}</title>
 <style>
 body{font:14px/1.45 system-ui,sans-serif;margin:0;color:#222;background:#fff}
 header{position:sticky;top:0;background:#f7f7f7;border-bottom:1px solid #ccc;padding:8px 16px;z-index:1}
-h1{font-size:18px;margin:0 8px 4px 0;display:inline-block}h2{font-size:16px;margin:18px 0 6px}
-main{padding:0 16px 24px}#read{margin:4px 0 0;color:#444;max-width:70em}
+h1{font-size:18px;margin:0 8px 4px 0;display:inline-block}h2{font-size:16px;margin:18px 0 6px}main{padding:0 16px 24px}
+#read{margin:4px 0 0;color:#444;max-width:70em}
 #legend{display:inline-flex;align-items:center;gap:6px;margin-left:12px;font-size:12px}
 .bar{display:inline-block;width:160px;height:12px;border:1px solid #999}
 .sw{display:inline-block;min-width:14px;height:12px;border:1px solid #999;padding:0 3px;line-height:12px}
-#errors{color:#b00;background:#fee;padding:6px 16px;margin:0;white-space:pre-wrap}
-nav a{margin-right:8px}
-.row{border-top:1px solid #e3e3e3;padding:6px 0}.head{font-size:12px;color:#555}
-.prompt{color:#777;margin-right:4px}.first{border-top:2px solid #aaa}
-.completion{font-family:ui-monospace,monospace;white-space:pre-wrap;line-height:1.9}
+#errors{color:#b00;background:#fee;padding:6px 16px;margin:0;white-space:pre-wrap}nav a{margin-right:8px}
+.row{border-top:1px solid #e3e3e3;padding:6px 0}.head{font-size:12px;color:#555}.prompt{color:#777;margin-right:4px}
+.first{border-top:2px solid #aaa}.completion{font-family:ui-monospace,monospace;white-space:pre-wrap;line-height:1.9}
 .tok{box-shadow:inset 0 0 0 1px rgba(0,0,0,.12);padding:1px 0;margin-right:1px;border-radius:2px}
 .special{font-weight:bold;font-size:11px;outline:1px solid #555}
 .off{color:#888;text-decoration:line-through;background:repeating-linear-gradient(45deg,#eee 0 3px,#fff 3px 6px)}
@@ -316,44 +324,32 @@ nav a{margin-right:8px}
 <script type="application/json" id="data">{data}</script>
 <script>
 var errors = document.getElementById("errors");
-window.onerror = function (message, source, line) {
-  errors.hidden = false; errors.textContent += message + " (line " + line + ")\\n";
-};
+window.onerror = function (m, src, line) { errors.hidden = false; errors.textContent += m + " (line " + line + ")\\n" };
 var D = JSON.parse(document.getElementById("data").textContent);
 var Q = D.quantities, names = Object.keys(Q), cells = [];
 var WHITE = [255, 255, 255], RED = [202, 0, 32], BLUE = [5, 113, 176], ORANGE = [166, 54, 3];
 var KEPT = [199, 233, 192], DROPPED = [215, 48, 39];
 
-function el(tag, cls, text) {
-  var e = document.createElement(tag);
-  if (cls) e.className = cls;
-  if (text !== undefined) e.textContent = text;
+function el(tag, cls, text) {  // a new element, with its class and text when given
+  var e = document.createElement(tag); if (cls) e.className = cls; if (text !== undefined) e.textContent = text;
   return e;
 }
 function fmt(v) {
   if (v === undefined || v === null) return "-";
-  if (typeof v === "string") return v;
-  return Number.isInteger(v) ? String(v) : String(Number(v.toPrecision(4)));
+  return typeof v === "string" || Number.isInteger(v) ? String(v) : String(Number(v.toPrecision(4)));
 }
-function mix(a, b, t) {
-  t = Math.max(0, Math.min(1, t));
-  return [0, 1, 2].map(function (i) { return Math.round(a[i] + (b[i] - a[i]) * t); });
+function mix(a, b, t) {  // the colour a fraction t of the way from a to b
+  t = Math.max(0, Math.min(1, t)); return [0, 1, 2].map(function (i) { return Math.round(a[i] + (b[i] - a[i]) * t); });
 }
 function colour(q, v) {  // an [r, g, b] for value v of quantity q, null when there is none
   if (v === undefined || v === null) return null;
   v = Number(v);
   if (!isFinite(v)) return [0, 0, 0];
-  var m;
   if (q.scale === "keep") return v > 0 ? KEPT : DROPPED;
   if (q.scale === "clip") return v < 0 ? RED : v > 0 ? BLUE : WHITE;
   if (q.scale === "positive") return mix(WHITE, ORANGE, q.max > 0 ? v / q.max : 0);
-  if (q.scale === "ratio") {
-    m = Math.max(Math.abs(Math.log(q.min)), Math.abs(Math.log(q.max))) || 1;
-    v = v > 0 ? Math.log(v) / m : -1;
-  } else {
-    m = Math.max(Math.abs(q.min), Math.abs(q.max)) || 1;
-    v = v / m;
-  }
+  if (q.scale === "ratio") v = v > 0 ? Math.log(v) / (Math.max(-Math.log(q.min), Math.log(q.max)) || 1) : -1;
+  else v = v / (Math.max(Math.abs(q.min), Math.abs(q.max)) || 1);
   return v < 0 ? mix(WHITE, RED, -v) : mix(WHITE, BLUE, v);
 }
 function rgb(c) { return "rgb(" + c.join(",") + ")"; }
@@ -371,8 +367,7 @@ function build() {
     a.onclick = function (e) { e.preventDefault(); document.getElementById("step-" + rec.step).scrollIntoView(); };
     nav.appendChild(a);
     var section = el("section"), h = el("h2", "", "Step " + rec.step);
-    h.id = "step-" + rec.step; section.appendChild(h);
-    var last = null;
+    var last = null; h.id = "step-" + rec.step; section.appendChild(h);
     rec.rows.forEach(function (row) {
       var div = el("div", "row" + (rec.group_size > 1 && row.group !== last ? " first" : "")), head = [];
       last = row.group;
@@ -387,9 +382,7 @@ function build() {
       div.appendChild(el("div", "head", head.join(" \\u00b7 ")));
       var comp = el("div", "completion"), prompt = row.prompt;
       if (prompt.length > 300) prompt = "\\u2026" + prompt.slice(-300);
-      var p = el("span", "prompt", prompt);
-      p.title = "prompt: " + row.prompt;
-      comp.appendChild(p);
+      var p = el("span", "prompt", prompt); p.title = "prompt: " + row.prompt; comp.appendChild(p);
       row.tokens.forEach(function (text, i) {
         var special = row.special.indexOf(i) >= 0, masked = !row.mask[i];
         var span = el("span", "tok" + (special ? " special" : "") + (masked ? " off" : ""),
@@ -399,17 +392,14 @@ function build() {
           var v = value(row, n, i);
           if (v !== undefined) tip.push(Q[n].label + ": " + fmt(v));
         });
-        span.title = tip.join("\\n");
-        comp.appendChild(span);
+        span.title = tip.join("\\n"); comp.appendChild(span);
         if (!masked) cells.push({span: span, row: row, i: i});
       });
       if (row.pad) {
-        var pad = el("span", "tok pad", "padding \\u00d7" + row.pad);
+        var pad = el("span", "tok pad", "padding \\u00d7" + row.pad); comp.appendChild(pad);
         pad.title = row.pad + " padding positions after the end: not in the loss";
-        comp.appendChild(pad);
       }
-      div.appendChild(comp);
-      section.appendChild(div);
+      div.appendChild(comp); section.appendChild(div);
     });
     main.appendChild(section);
   });
@@ -422,8 +412,7 @@ function current() {
   return n in Q ? n : ("adv" in Q ? "adv" : names[0]);
 }
 function legend(q) {
-  var box = document.getElementById("legend");
-  box.textContent = "";
+  var box = document.getElementById("legend"); box.textContent = "";
   var sw = function (c, text) { var s = el("span", "sw", text); s.style.background = rgb(c); box.appendChild(s); };
   if (q.scale === "keep") { sw(KEPT, "kept 1"); sw(DROPPED, "dropped 0"); }
   else if (q.scale === "clip") { sw(RED, "low -1"); sw(WHITE, "none 0"); sw(BLUE, "high +1"); }
@@ -431,26 +420,19 @@ function legend(q) {
     var lo, mid = "", hi, stops;
     if (q.scale === "positive") { lo = 0; hi = q.max; stops = [WHITE, ORANGE]; }
     else if (q.scale === "ratio") {
-      var m = Math.max(Math.abs(Math.log(q.min)), Math.abs(Math.log(q.max))) || 1;
-      lo = Math.exp(-m); mid = "1"; hi = Math.exp(m); stops = [RED, WHITE, BLUE];
-    } else {
-      var a = Math.max(Math.abs(q.min), Math.abs(q.max)) || 1;
-      lo = -a; mid = "0"; hi = a; stops = [RED, WHITE, BLUE];
-    }
-    box.appendChild(el("span", "", fmt(lo)));
-    var bar = el("span", "bar");
-    bar.style.background = "linear-gradient(to right," + stops.map(rgb).join(",") + ")";
+      var m = Math.max(-Math.log(q.min), Math.log(q.max)) || 1; lo = Math.exp(-m); mid = "1"; hi = Math.exp(m);
+    } else { hi = Math.max(Math.abs(q.min), Math.abs(q.max)) || 1; lo = -hi; mid = "0"; }
+    stops = stops || [RED, WHITE, BLUE];
+    var bar = el("span", "bar"); bar.style.background = "linear-gradient(to right," + stops.map(rgb).join(",") + ")";
     if (mid) bar.title = "centre: " + mid;
-    box.appendChild(bar);
-    box.appendChild(el("span", "", fmt(hi)));
+    box.appendChild(el("span", "", fmt(lo))); box.appendChild(bar); box.appendChild(el("span", "", fmt(hi)));
     box.appendChild(el("span", "", "(recorded: " + fmt(q.min) + " to " + fmt(q.max) + ")"));
   }
-  var off = el("span", "sw off", "masked"); box.appendChild(off);
+  box.appendChild(el("span", "sw off", "masked"));
   document.getElementById("read").textContent = q.read;
 }
 function paint() {
-  if (!names.length) return;
-  var n = current(), q = Q[n];
+  if (!names.length) return; var n = current(), q = Q[n];
   document.getElementById("q").value = n;
   cells.forEach(function (c) {
     var col = colour(q, value(c.row, n, c.i));
@@ -459,9 +441,7 @@ function paint() {
   });
   legend(q);
 }
-build();
-paint();
-window.addEventListener("hashchange", paint);
+build(); paint(); window.addEventListener("hashchange", paint);
 </script>
 </body></html>
 """
