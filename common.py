@@ -1,11 +1,10 @@
 """The math the five algorithms share, and the two model calls at its heart.
 
-KL estimators, masking, loss aggregation and reward-to-go are pure functions: tensors in,
-tensors out. `token_logprobs` scores completions under a model and `generate` samples them;
-what is sampled is what is scored (same temperature, same masks). Both are written plainly, as the
-definition; the loops run support/fast.py's versions, tested equal to them. The plumbing (config,
-tasks and rewards, model loading, logging, checkpoints) lives in support/. Equations and sign
-conventions: docs/algorithms.md.
+KL estimators, masking, loss aggregation and reward-to-go are pure functions: tensors in, tensors out.
+`token_logprobs` scores completions under a model and `generate` samples them; what is sampled is what is scored
+(same temperature, same masks). Both are written plainly, as the definition; the loops run support/fast.py's
+versions, tested equal to them. The plumbing (config, tasks and rewards, model loading, logging, checkpoints) lives
+in support/. Equations and sign conventions: docs/algorithms.md.
 """
 from contextlib import contextmanager
 from typing import NamedTuple
@@ -236,35 +235,35 @@ class Extreme(NamedTuple):
 
 def rollout_correction(logp, old_logp, rollout_logp, adv, mask, tis_cap=0.0, geo_mask_delta=0.0, tis_level="token",
                        tis_veto=0.0):
-    """The (B, T) detached weight on each token's policy-gradient term, and mismatch stats.
-
-    logp: the policy being trained; old_logp: the trainer's log-probs at the start of the update (pi_prox; at
-    sampling time when the trainer samples); rollout_logp: those of the model that sampled, a low-precision copy
-    or the policy of --rollout_lag steps ago (None: the trainer sampled, they are old_logp).
-    TIS weighs by min(old / rollout, tis_cap), per token or (tis_level "sequence") by the truncated product over
-    the sequence; tis_veto drops a sequence with a token whose old / rollout is below it; the geometric mask plays
-    pi_old with rollout_logp, so it sees both the mismatch and the updates since sampling. 0 turns each off.
-    is_ess: the effective sample size of the weights in use (per token, or per sequence), 1 when all are equal.
+    """The (B, T) detached weight on each token's policy-gradient term, and stats: the mismatch's, is_ess (the
+    effective sample size of the weights in use) and, for the rollout viewer, the TIS weight, geometric mask and
+    veto (None when off). logp: the policy being trained; old_logp: the trainer's at the start of the update
+    (pi_prox); rollout_logp: the sampler's, a low-precision copy or the policy of --rollout_lag steps ago (None:
+    the trainer sampled, they are old_logp). TIS weighs by min(old / rollout, tis_cap), per token or by the
+    truncated product over the sequence (tis_level); tis_veto drops a sequence with a token whose old / rollout is
+    below it; the geometric mask plays pi_old with rollout_logp, so it sees the mismatch and the updates since
+    sampling. 0 turns each off.
     """
     rollout_logp = old_logp if rollout_logp is None else rollout_logp
-    if tis_cap > 0 and tis_level == "sequence":
-        weight = sequence_is_weight(old_logp, rollout_logp, mask, tis_cap)[:, None].expand_as(logp)
-    else:
-        weight = truncated_is_weight(old_logp, rollout_logp, tis_cap) if tis_cap > 0 else torch.ones_like(logp)
+    tis = torch.ones_like(logp)
+    if tis_cap > 0:
+        tis = truncated_is_weight(old_logp, rollout_logp, tis_cap) if tis_level == "token" else \
+            sequence_is_weight(old_logp, rollout_logp, mask, tis_cap)[:, None].expand_as(logp)
     keep = geometric_sequence_mask(logp, rollout_logp, adv, mask, geo_mask_delta) if geo_mask_delta > 0 else \
         torch.ones_like(adv, dtype=logp.dtype)
     veto = tis_veto_mask(old_logp, rollout_logp, mask, tis_veto) if tis_veto > 0 else torch.ones_like(keep)
-    weight = weight * (keep * veto)[:, None]
+    weight = tis * (keep * veto)[:, None]
     with torch.no_grad():
         ratio = torch.exp(old_logp - rollout_logp)  # trainer over sampler, the same weights
         stats = {"mismatch_k3": masked_mean(kl_k3(rollout_logp, old_logp), mask),  # KL(sampler || trainer)
                  "mismatch_ratio_max": Extreme(torch.where(mask.bool(), ratio, 0.0).max(), "max"),
                  "mismatch_ratio_min": Extreme(torch.where(mask.bool(), ratio, float("inf")).min(), "min"),
                  "tis_clip_frac": masked_mean((ratio > tis_cap).float(), mask) if tis_cap > 0 else 0.0,
-                 "geo_masked_frac": 1 - keep.mean(),
-                 "tis_veto_frac": 1 - veto.mean(),
+                 "geo_masked_frac": 1 - keep.mean(), "tis_veto_frac": 1 - veto.mean(),
                  "is_ess": effective_sample_size(weight[:, 0]) if tis_level == "sequence" else
-                 effective_sample_size(weight, mask)}
+                 effective_sample_size(weight, mask),
+                 "tis_weight": tis if tis_cap > 0 else None, "geo_mask": keep if geo_mask_delta > 0 else None,
+                 "veto": veto if tis_veto > 0 else None}
     return weight, stats
 
 
@@ -293,14 +292,13 @@ def sampling_mask(logits, top_k=0, top_p=1.0):
 
 
 def token_logprobs(model, input_ids, attention_mask, num_completion_tokens, temperature=1.0, with_entropy=False,
-                   top_k=0, top_p=1.0):
-    """Log-probs of the last `num_completion_tokens` tokens of `input_ids` under `model`, at the
-    sampling temperature, in fp32: log softmax(logits / T) at each sampled token. Returns (B, C)
-    log-probs, and with `with_entropy` the (B, C) entropies of the same distribution (no gradient).
-    With top_k / top_p they are those of the truncated, renormalised distribution the sampler drew
-    from (DeepSeek-V3.2's "keep sampling mask"); pass the defaults for the reference. With
-    --num_epochs > 1 or a rollout copy, that mask is recomputed from the model being scored, not
-    taken from the sampler's.
+                   top_k=0, top_p=1.0, kept_sizes=None):
+    """Log-probs of the last `num_completion_tokens` tokens of `input_ids` under `model`, at the sampling
+    temperature, in fp32: log softmax(logits / T) at each sampled token. Returns (B, C) log-probs, and with
+    `with_entropy` the (B, C) entropies of the same distribution (no gradient). With top_k / top_p they are those
+    of the truncated, renormalised distribution the sampler drew from (DeepSeek-V3.2's "keep sampling mask"; a
+    list `kept_sizes` receives the (B, C) sizes of the kept sets); pass the defaults for the reference. With
+    --num_epochs > 1 or a rollout copy, that mask is recomputed from the model being scored, not the sampler's.
 
     This is the definition; the loops run support/fast.py's, equal to it (tests/test_fast.py).
     """
@@ -313,6 +311,8 @@ def token_logprobs(model, input_ids, attention_mask, num_completion_tokens, temp
         # the sampled token stays in: a rounding difference from generate() must not give log 0
         kept = sampling_mask(logits.detach(), top_k, top_p).isfinite().scatter(-1, targets, True)  # (B, C, V)
         logits = logits.masked_fill(~kept, float("-inf"))
+        if kept_sizes is not None:
+            kept_sizes.append(kept.sum(-1))
     logprobs = torch.log_softmax(logits, -1)  # (B, C, V)
     logp = logprobs.gather(-1, targets).squeeze(-1)  # (B, C)
     if not with_entropy:

@@ -195,7 +195,7 @@ def main():
 
         # ---- update: mu optimizer steps on the same batch, each summing its micro-batches' gradients ----
         for epoch in range(cfg.num_epochs):  # the stats are those of the last (most off-policy) update
-            for mb in trainer.micro_batches(rollout, "token-mean"):  # rows, and their weight in the batch's loss
+            for mb in trainer.micro_batches(rollout, "token-mean", clip=(cfg.epsilon_low, cfg.epsilon_high)):
                 logp, entropy = trainer.policy_logprobs(rollout, mb)  # (b, T), with gradient
                 old = logp.detach() if old_logp is None else mb.of(old_logp)  # mu = 1: pi_old = pi_theta in value
                 pg_weight, correction = None, {}
@@ -225,7 +225,7 @@ def main():
             **{f"train/{key}": value for key, value in update.items()},
             **reward_stats,
         }
-        if trainer.end_step(step, metrics, rollout, rewards):
+        if trainer.end_step(step, metrics, rollout, rewards, adv):
             break
 
     # ---- end: save, plot (PLUMBING) ----

@@ -230,8 +230,9 @@ def main():
     policy, ref_model, rollout_model = engine.load_models(cfg, accelerator, reference=cfg.beta > 0)
     if cfg.reward_model_path:
         models.check_model_path(cfg.reward_model_path, flag="--reward_model_path")
+    lora = models.lora_config(cfg, "SEQ_CLS") if cfg.lora_r > 0 else None
     value_model = ValueModel(cfg.reward_model_path or cfg.model_name_or_path, cfg.torch_dtype,
-                             cfg.gradient_checkpointing, lora=models.lora_config(cfg, "SEQ_CLS") if cfg.lora_r > 0 else None)
+                             cfg.gradient_checkpointing, lora=lora)
     optimizer, scheduler = models.make_optimizer(value_model, cfg, cfg.critic_learning_rate)
     critic = engine.Trainable(*accelerator.prepare(value_model, optimizer, scheduler), name="critic")
     kl_ctl = AdaptiveKLController(cfg.beta, cfg.kl_target, cfg.kl_horizon)
@@ -276,7 +277,7 @@ def main():
         updates = []
         for epoch in range(cfg.num_epochs):
             for rows in torch.randperm(cfg.batch_size, device=accelerator.device).chunk(cfg.num_mini_batches):
-                for mb in trainer.micro_batches(rollout, "token-mean", rows):  # rows, and their weight in the loss
+                for mb in trainer.micro_batches(rollout, "token-mean", rows, clip=(cfg.epsilon, cfg.epsilon)):
                     logp, entropy = trainer.policy_logprobs(rollout, mb)  # (b, T), with gradient
                     pg_loss, pg_stats = ppo_policy_loss(logp, mb.of(old_logp), mb.of(adv), mb.mask,
                                                         epsilon=cfg.epsilon, dual_clip_c=cfg.dual_clip_c)
@@ -306,7 +307,8 @@ def main():
         if cfg.adaptive_kl:  # Ziegler et al.'s controller, on the KL averaged over every process
             kl_ctl.update(engine.mean_over_processes(accelerator, metrics["train/kl_seq"]),
                           cfg.batch_size * accelerator.num_processes)
-        if trainer.end_step(step, metrics, rollout, rewards):
+        tokens = {"value": old_values, "return": returns, "kl_k1": kl}  # for the rollout viewer, with adv
+        if trainer.end_step(step, metrics, rollout, rewards, adv, tokens):
             break
 
     # ---- end: save, plot (PLUMBING) ----

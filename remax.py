@@ -114,7 +114,7 @@ def main():
             **{f"train/{key}": value for key, value in update.items()},
             **reward_stats,
         }
-        if trainer.end_step(step, metrics, rollout, rewards):
+        if trainer.end_step(step, metrics, rollout, rewards, adv):
             break
 
     # ---- end: save, plot (PLUMBING) ----

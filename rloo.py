@@ -29,10 +29,9 @@ class Config(config.GroupConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        config.check(self.micro_batch_size % self.num_generations == 0,
-                     f"--micro_batch_size ({self.micro_batch_size}) must be a multiple of --num_generations "
-                     f"({self.num_generations}): a sample's leave-one-out baseline needs its group's KL penalties, "
-                     "so a micro-batch holds whole groups.")
+        config.check(self.micro_batch_size % self.num_generations == 0, f"--micro_batch_size ({self.micro_batch_size}) "
+                     f"must be a multiple of --num_generations ({self.num_generations}): a sample's leave-one-out "
+                     "baseline needs its group's KL penalties, so a micro-batch holds whole groups.")
 
 
 def rloo_advantages(rewards, group_size):
@@ -85,7 +84,6 @@ def main():
         rollout_logp = trainer.logprobs(rollout_model, rollout)  # the sampler's, when it is a copy
 
         # ---- update: one on-policy optimizer step, the batch's gradient summed over its micro-batches ----
-        # (the KL folded into the reward, the leave-one-out advantage, the whole sequence as one action)
         adv, rewards_kl, kl_seq = [], [], 0.0
         for mb in trainer.micro_batches(rollout, "seq-mean-token-sum"):  # whole groups: a multiple of G rows
             logp, entropy = trainer.policy_logprobs(rollout, mb)  # (b, T), with gradient
@@ -117,7 +115,7 @@ def main():
             **{f"train/{key}": value for key, value in update.items()},
             **reward_stats,
         }
-        if trainer.end_step(step, metrics, rollout, rewards):
+        if trainer.end_step(step, metrics, rollout, rewards, adv):
             break
 
     # ---- end: save, plot (PLUMBING) ----

@@ -19,8 +19,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # Flags a resumed run may change: they decide how long to run, what to write and how much memory a step
 # takes (the steps stay the same up to rounding), not the steps themselves. Any other difference from the
 # checkpoint's flags is refused (the optimizer state would also silently restore its --learning_rate).
-RESUMABLE_CHANGES = ("num_steps", "eval_every", "log_every", "save_steps", "save_total_limit", "save_model",
-                     "merge_lora", "report_to", "output_dir", "resume_from", "gradient_checkpointing",
+RESUMABLE_CHANGES = ("num_steps", "eval_every", "log_every", "log_rollouts", "save_steps", "save_total_limit",
+                     "save_model", "merge_lora", "report_to", "output_dir", "resume_from", "gradient_checkpointing",
                      "micro_batch_size", "generation_batch_size", "fast")
 
 
@@ -107,6 +107,8 @@ class TrainConfig:
     top_k: int = arg(0, "Top-k sampling (0 = off); log-probs are scored on the same truncated distribution.")
     eval_every: int = arg(25, "Held-out greedy accuracy every N steps (and at start and end).")
     log_every: int = arg(10, "Print a metrics line and two samples every N steps (every step goes to metrics.jsonl).")
+    log_rollouts: int = arg(4, "Show N completions of step 1, each evaluation and the last step, token by token, in "
+                            "output_dir/rollouts.html (0 = off; docs/viewer.md).")
     report_to: str = arg("none", "Extra trackers: 'none', 'tensorboard' or 'wandb'.")
     save_steps: int = arg(0, "Write a resumable checkpoint every N steps (0 = only on Ctrl-C/SIGTERM).")
     save_total_limit: int = arg(2, "Keep the newest N complete checkpoints in --output_dir, delete older ones "
@@ -129,7 +131,7 @@ class TrainConfig:
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{name} must be > 0 (got {getattr(self, name)}).")
         for name in ("lora_r", "save_steps", "save_total_limit", "max_grad_norm", "top_k", "micro_batch_size",
-                     "generation_batch_size"):
+                     "generation_batch_size", "log_rollouts"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name} must be >= 0 (got {getattr(self, name)}).")
         check(self.keep_routing != "r2" or getattr(self, "num_epochs", 1) > 1 or hasattr(self, "num_mini_batches"),

@@ -26,7 +26,7 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 import common
-from support import checkpoint, fast, models, reward_functions, routing, run, tasks
+from support import checkpoint, fast, models, reward_functions, routing, run, tasks, view
 from support.rollout import MicroBatch, Rollout
 
 
@@ -110,6 +110,11 @@ class Trainer:
         self.logger, self.start_step, self.at_step = None, 0, 1  # at_step: the step running
         self.timer, self.generated = run.StepTimer(), 0
         self.update_loss, self.update_stats = 0.0, []  # the micro-batches' weighted losses and their statistics
+        # the rollout viewer (support/view.py, made by resume): on the steps it records, `kept` holds the recorded
+        # rows of what the step computed ((batch rows, recorded rows): kept_rows), `scored` the last log-probs
+        # with gradient, `update_agg` and `clip` the update's loss aggregation and clip range (micro_batches)
+        self.recorder, self.kept, self.kept_rows, self.scored, self.group_size = None, {}, (0, 0), None, 1
+        self.update_agg, self.clip = None, None
         # rollout_lag k: (step, trainable weights) at the start of the last k + 1 steps; the oldest samples
         self.past_weights = collections.deque(maxlen=(rollout_lag or 0) + 1)
         # sampling and scoring record no gradient: inference mode is cheaper than no_grad (their outputs are
@@ -122,6 +127,8 @@ class Trainer:
         log (a resumed run keeps its rows up to that step). The checkpoint's RNG states replace the seeds."""
         self.start_step = self.ckpt.resume()
         self.logger = run.MetricLogger(self.cfg, self.accelerator, self.start_step)
+        self.recorder = view.Recorder(self.cfg.output_dir, self.tokenizer, self.cfg.log_rollouts, self.cfg.num_steps,
+                                      self.cfg.eval_every, self.start_step, enabled=self.accelerator.is_main_process)
         return self.start_step
 
     def evaluate(self, step):
@@ -169,6 +176,7 @@ class Trainer:
                 self.ckpt.stop_if_broken(self.at_step - 1, model, tokenizer)
                 raise error if error is not None else SystemExit(1)
             k = len(completion_ids) // len(examples)
+            self.group_size = self.group_size if greedy else k  # the rollout viewer shows whole groups
             mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
             completions = tasks.decode_completions(tokenizer, completion_ids, mask)
         self.generated += len(completion_ids)
@@ -193,6 +201,10 @@ class Trainer:
                 rollout, lambda ids, mask: self.score(model, ids, mask, n, cfg.temperature, **sampling))
             if self.moe and model is self.policy.model:
                 rollout.old_routing = self._close_routing()
+        if self.recording:  # the policy before the update (pi_old), the sampler's copy, or the reference
+            role = "old_logp" if model is self.policy.model else "rollout_logp" if model is self.rollout_model \
+                else "ref_logp"
+            self.keep(rollout, role, logp, torch.arange(len(rollout), device=logp.device))
         return logp
 
     def values(self, value_model, rollout):
@@ -209,14 +221,17 @@ class Trainer:
             return out.clone()  # an ordinary tensor, which the loss may keep for its backward
 
     # ---- the update: micro-batches, backward, step ----
-    def micro_batches(self, rollout, loss_agg, rows=None):
+    def micro_batches(self, rollout, loss_agg, rows=None, clip=None):
         """The micro-batches of one optimizer step over the rollout's rows (all, or `rows`, a PPO minibatch's
         indices): --micro_batch_size rows each, and the weight of each one's loss for `loss_agg`, the
         aggregation the loss uses (common.micro_batch_weight): with token-mean the mean token count per process,
-        over every process, so that DDP's mean of the gradients is the gradient of the token-mean over all."""
+        over every process, so that DDP's mean of the gradients is the gradient of the token-mean over all.
+        clip: the loss's clip range (epsilon_low, epsilon_high) on the ratio pi_theta / pi_old, if it has one;
+        the rollout viewer shows where it stopped the gradient."""
         mask = rollout.mask
         index = torch.arange(len(rollout), device=mask.device) if rows is None else rows
         num_tokens = self.accelerator.reduce(mask[index].sum().float(), reduction="mean")
+        self.update_agg, self.clip = (loss_agg, num_tokens, len(index)), clip
         total = mask[index].sum().clamp(min=1)
         out = []
         for s in common.micro_batches(len(index), self.cfg.micro_batch_size):
@@ -232,16 +247,24 @@ class Trainer:
         cfg = self.cfg
         if self.moe:  # closed by backward, after the backward pass (which may run checkpointed layers again)
             self._open_routing(rollout, mb.rows)
+        kept_sizes = [] if self.recording and (cfg.top_k > 0 or cfg.top_p < 1) else None
         with self.timer("forward_backward"):
-            return self.score(self.policy.model, rollout.input_ids[mb.rows], rollout.attention_mask[mb.rows],
-                              rollout.mask.shape[1], cfg.temperature, with_entropy=True, top_k=cfg.top_k,
-                              top_p=cfg.top_p)
+            logp, entropy = self.score(self.policy.model, rollout.input_ids[mb.rows], rollout.attention_mask[mb.rows],
+                                       rollout.mask.shape[1], cfg.temperature, with_entropy=True, top_k=cfg.top_k,
+                                       top_p=cfg.top_p, kept_sizes=kept_sizes)
+        if self.recording:  # the last epoch's values stand; backward keeps the gradient at logp (the push)
+            logp.retain_grad()
+            self.keep(rollout, "logp", logp, mb.rows, entropy=entropy,
+                      kept_set=torch.cat(kept_sizes) if kept_sizes is not None else None)
+            self.scored = logp
+        return logp, entropy
 
     def backward(self, loss, mb, stats=None):
         """Backpropagate mb.weight * loss. Gradients of micro-batches add up locally; only the last one
         synchronises them across processes: DDP all-reduces, and DeepSpeed reduces (and steps its optimizer)
         inside this call. `stats`, the loss's statistics: means over the micro-batch's tokens, combined by
-        their token shares (a common.Extreme by its max or min)."""
+        their token shares (a common.Extreme by its max or min); a tensor with one value per row, (b,) or
+        (b, T), is no metric but for the rollout viewer (None: none)."""
         accelerator = self.accelerator
         with self.timer("forward_backward"):
             accelerator.sync_gradients = mb.last
@@ -250,10 +273,13 @@ class Trainer:
                     for trainable in self.trainables:
                         stack.enter_context(accelerator.no_sync(trainable.model))
                 accelerator.backward(mb.weight * loss)
+        per_row = {key: v for key, v in (stats or {}).items() if v is None or torch.is_tensor(v) and v.dim() > 0}
+        if self.recording:
+            self.keep(None, "push", self.push(mb), mb.rows, **per_row)
         if self.routing_pass is not None:
             self._close_routing()
         self.update_loss = self.update_loss + mb.weight * loss.detach()
-        self.update_stats.append((mb.share, stats or {}))
+        self.update_stats.append((mb.share, {key: v for key, v in (stats or {}).items() if key not in per_row}))
 
     def _open_routing(self, rollout, rows):
         """For a pass of the policy over these rows: replay the experts --keep_routing names (r3: the sampler's,
@@ -282,11 +308,11 @@ class Trainer:
         cfg, accelerator = self.cfg, self.accelerator
         with self.timer("optimizer"):
             max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-            norms = clip_grad_norms(accelerator, trainables, max_norm)
+            norms = models.clip_grad_norms(accelerator, trainables, max_norm)
             # a non-finite loss or gradient norm saves the last good state and stops, before the update
             self.ckpt.check_finite(self.at_step, self.update_loss, norms[0] if len(norms) == 1 else torch.stack(norms),
                                    self.policy.model, self.tokenizer)
-            step_optimizers(accelerator, trainables)
+            models.step_optimizers(accelerator, trainables)
         stats = {"loss": self.update_loss,
                  **{"grad_norm" if t is self.policy else f"{t.name}_grad_norm": n for t, n in zip(trainables, norms)}}
         stats.update(combine(self.update_stats))
@@ -294,14 +320,19 @@ class Trainer:
         return stats
 
     # ---- the end of a step ----
-    def end_step(self, step, metrics, rollout=None, rewards=None):
+    def end_step(self, step, metrics, rollout=None, rewards=None, adv=None, tokens=None):
         """After the step's updates: the learning-rate schedules step (once per rollout batch, so
         --warmup_steps counts steps in every script), the weights and logits are checked finite when a save
         follows (a checkpoint, or the final model after the last step), the metrics (with the engine's:
         sequences generated, completion length, phase times) are averaged over processes and logged with two
-        samples, a held-out evaluation runs when due, a checkpoint is written when due.
+        samples, a held-out evaluation runs when due, a checkpoint is written when due. On the steps the rollout
+        viewer records, the first rows of the batch go to its page with their advantage `adv` ((B,) or (B, T)),
+        what the step computed, and `tokens`, more (B, T) values of the loop's.
         Returns True when the run must stop (a signal arrived; the checkpoint is written)."""
         cfg, accelerator = self.cfg, self.accelerator
+        if self.recording and rollout is not None:
+            self.record(step, rollout, rewards, adv, tokens or {})
+        self.kept, self.scored = {}, None
         for trainable in self.trainables:
             trainable.scheduler.step()
         finite = None  # no save follows: broken weights stop the next sampling, or the next loss
@@ -330,42 +361,59 @@ class Trainer:
         self.at_step = step + 1
         return self.ckpt.step_end(step, self.policy.model, self.tokenizer, finite)
 
+    # ---- the rollout viewer: the recorded rows of what the step computed ----
+    @property
+    def recording(self):
+        """Whether the rollout viewer records this step (on the main process only)."""
+        return self.recorder is not None and self.recorder.due(self.at_step)
+
+    def keep(self, rollout, name, values, rows, **more):
+        """Keep the rows of values ((b,) or (b, T), those of the batch's `rows`) that the viewer records, and
+        those of each tensor in `more` (None: nothing); later values of a row replace earlier ones (the last
+        epoch's stand). `rollout` (None: the step's, already seen) sets the recorded rows."""
+        if rollout is not None:
+            self.kept_rows = (len(rollout), view.recorded_rows(len(rollout), self.cfg.log_rollouts, self.group_size))
+        B, recorded = self.kept_rows[0], rows < self.kept_rows[1]
+        for name, values in {name: values, **more}.items():
+            if values is not None:
+                if name not in self.kept:
+                    self.kept[name] = torch.full((B, *values.shape[1:]), float("nan"), device=values.device)
+                self.kept[name][rows[recorded]] = values[recorded].detach().float()
+
+    def push(self, mb):
+        """(b, T): -d loss / d logp at each token of the micro-batch, times the normaliser the loss's aggregation
+        divides that token's term by (common.aggregate_loss over the whole update): the weight the update gave
+        the token's log-prob, for a REINFORCE loss -w_t logp_t its w_t. None under fp16 loss scaling."""
+        grad = self.scored.grad if self.scored is not None else None
+        if grad is None or checkpoint.loss_scaling(self.accelerator):
+            return None
+        loss_agg, num_tokens, B = self.update_agg
+        lengths = mb.mask.sum(1, keepdim=True).float()  # (b, 1)
+        scale = {"token-mean": num_tokens, "seq-mean-token-mean": B * lengths, "seq-mean-token-sum": B,
+                 "seq-mean-token-sum-norm": B * self.cfg.max_new_tokens}[loss_agg]  # main() passes it as max_len
+        return -grad * scale
+
+    def record(self, step, rollout, rewards, adv, tokens):
+        """Give the recorded rows to the rollout viewer and rewrite its page."""
+        values = {**view.derived(self.kept, adv, self.clip, tokens), **tokens}
+        if rollout.routing_disagree is not None:
+            values["routing_disagree"] = rollout.routing_disagree
+        self.recorder.record(step, rollout, rewards, adv, {k: v for k, v in values.items() if v.dim() == 2},
+                             {k: v for k, v in values.items() if v.dim() == 1}, self.group_size)
+        self.recorder.write()
+
     def finish(self):
         """Summary and curves, the final policy with save_pretrained, and the process group closed on every
         rank."""
         cfg, accelerator = self.cfg, self.accelerator
         self.logger.finish(self.policy.model)
+        if self.recorder is not None and self.recorder.enabled:
+            print(f"the rollouts, token by token: {os.path.join(cfg.output_dir, 'rollouts.html')}", flush=True)
         if cfg.save_model:
             models.save_model(accelerator, self.policy.model, self.tokenizer, f"{cfg.output_dir}/final",
                               cfg.merge_lora)
         accelerator.wait_for_everyone()
         accelerator.end_training()  # close the process group on every rank before the interpreter exits
-
-
-def clip_grad_norms(accelerator, trainables, max_norm):
-    """Clip each trainable's gradient norm to max_norm; returns the norms before clipping. Under fp16 loss
-    scaling accelerate's clip_grad_norm_ unscales the gradients of every optimizer at each call, so a second
-    trainable would be unscaled twice (torch refuses): with several, they are unscaled once, then clipped."""
-    if accelerator.scaler is None or len(trainables) == 1:
-        return [accelerator.clip_grad_norm_(t.model.parameters(), max_norm) for t in trainables]
-    accelerator.unscale_gradients()
-    return [torch.nn.utils.clip_grad_norm_(t.model.parameters(), max_norm) for t in trainables]
-
-
-def step_optimizers(accelerator, trainables):
-    """Each trainable's optimizer steps, then its gradients are zeroed. One fp16 loss scaler serves every
-    optimizer, as torch's recipe for several: each steps (skipped when its gradients overflowed), then the scale
-    is updated once. accelerate's optimizer step updates the scale after its own step, so the others step first,
-    through the scaler, and the policy's step (accelerate's) updates it."""
-    if accelerator.scaler is not None:
-        for t in trainables[1:]:
-            accelerator.scaler.step(t.optimizer.optimizer)  # the optimizer inside accelerate's wrapper
-        trainables[0].optimizer.step()
-    else:
-        for t in trainables:
-            t.optimizer.step()
-    for t in trainables:
-        t.optimizer.zero_grad()
 
 
 def combine(shares_and_stats):

@@ -70,9 +70,10 @@ def completion_logits(model, input_ids, attention_mask, num_completion_tokens):
 
 
 def token_logprobs(model, input_ids, attention_mask, num_completion_tokens, temperature=1.0, with_entropy=False,
-                   top_k=0, top_p=1.0):
+                   top_k=0, top_p=1.0, kept_sizes=None):
     """common.token_logprobs, computed from `completion_logits` (a group's prompt once) a chunk of rows
-    at a time (LOGPROB_CHUNK_ELEMENTS bounds each chunk). Returns (B, C) fp32 log-probs (and entropies)."""
+    at a time (LOGPROB_CHUNK_ELEMENTS bounds each chunk). Returns (B, C) fp32 log-probs (and entropies);
+    `kept_sizes` receives each chunk's kept-set sizes."""
     c = num_completion_tokens
     logits = completion_logits(model, input_ids, attention_mask, c)  # (B, C, V)
     targets = input_ids[:, -c:]
@@ -86,6 +87,8 @@ def token_logprobs(model, input_ids, attention_mask, num_completion_tokens, temp
             kept = common.sampling_mask(chunk.detach(), top_k, top_p).isfinite()
             kept.scatter_(-1, chunk_targets, True)
             chunk = chunk.masked_fill(~kept, float("-inf"))
+            if kept_sizes is not None:
+                kept_sizes.append(kept.sum(-1))
         lse = torch.logsumexp(chunk, dim=-1)
         logps.append(chunk.gather(-1, chunk_targets).squeeze(-1) - lse)
         if with_entropy:

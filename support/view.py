@@ -1,17 +1,10 @@
 """The rollout viewer: a few steps' sampled completions, each token coloured by a value the update computed at
 it (advantage, ratio, clip, KL to the reference, entropy, sampler mismatch, ...), in one self-contained page,
 output_dir/rollouts.html (inline CSS and JavaScript: no server, no network). How to read it: docs/viewer.md.
-
-A loop records on the main process, on the steps `Recorder.due` names, tensors it already holds:
-
-    recorder = view.Recorder(cfg.output_dir, tokenizer, cfg.log_rollouts, cfg.num_steps, cfg.eval_every,
-                             enabled=accelerator.is_main_process)
-    if recorder.due(step):
-        recorder.record(step, rollout, rewards, adv, {"ratio": ratio, "kl_k3": kl}, group_size=G)
-        recorder.write()
-
-`python -m support.view RUN_DIR` rebuilds RUN_DIR/rollouts.html from RUN_DIR/rollouts.jsonl;
-`--screenshot PNG` also renders it to an image with headless Chromium.
+The engine records (support/engine.py: Trainer.keep, Trainer.record): on the steps `Recorder.due` names, the
+main process keeps the first rows of what the step computed, and `derived` turns log-probs into the page's values.
+`python -m support.view RUN_DIR` rebuilds RUN_DIR/rollouts.html from RUN_DIR/rollouts.jsonl; `--screenshot PNG`
+also renders it to an image with headless Chromium.
 """
 import argparse
 import html
@@ -39,19 +32,19 @@ class Quantity(NamedTuple):
 QUANTITIES = {
     "adv": Quantity("advantage", "signed", "The advantage the loss weighed this token's log-prob gradient with: "
                     "blue was pushed up, red pushed down."),
-    "return": Quantity("return", "signed", "The return from this token on: ReMax's reward-to-go with the k1 penalty, "
-                       "RLOO's and PPO's per-token returns."),
+    "return": Quantity("return", "signed", "PPO's return R_t = A_t + V_t from GAE, the critic's target."),
     "value": Quantity("value", "signed", "PPO's critic: the return it expected before this token."),
-    "ratio": Quantity("ratio π_θ/π_old", "ratio", "How much more (blue) or less (red) likely the token became since "
-                      "it was sampled, on a log scale around 1."),
+    "push": Quantity("push -∂L/∂log π", "signed", "The weight the update gave the token's log-prob (the gradient, "
+                     "times the loss's normaliser): ReMax's return, RLOO's A; with a clip, A·ratio or 0 where it bit."),
+    "ratio": Quantity("ratio π_θ/π_old", "ratio", "π_θ/π_old as the last epoch's loss saw it: how much more (blue) "
+                      "or less (red) likely the earlier epochs made the token, on a log scale around 1."),
     "clip": Quantity("clip", "clip", "Where the clip stopped the gradient: high (ratio above 1+ε, A > 0), "
                      "low (ratio below 1-ε, A < 0), or none."),
     "kl_k1": Quantity("KL k1", "signed", "log π_θ - log π_ref: the k1 estimate of the KL to the reference, signed "
                       "(its mean over samples is the KL)."),
     "kl_k3": Quantity("KL k3", "positive", "The k3 estimate of the KL to the reference, r - 1 - log r with "
                       "r = π_ref/π_θ: never negative, dark where the policy left the reference."),
-    "entropy": Quantity("entropy", "positive", "The policy's entropy at this position, in nats: dark where it "
-                        "was unsure."),
+    "entropy": Quantity("entropy", "positive", "The policy's entropy here, in nats: dark where it was unsure."),
     "mismatch": Quantity("mismatch log π_train - log π_rollout", "signed", "The trainer's log-prob of the token "
                          "minus that of the model that sampled it: 0 where they agree."),
     "tis_weight": Quantity("TIS weight", "ratio", "The truncated importance weight min(π_old/π_rollout, --tis_cap) "
@@ -80,6 +73,30 @@ def rounded(values):
         else:
             out.append(float(f"{v:.{SIGNIFICANT_DIGITS}g}"))
     return out
+
+
+def derived(kept, adv, clip=None, tokens=()):
+    """The page's values from what a step kept ({name: (B, T) or (B,) tensor}): the log-probs (logp: the last epoch's;
+    old_logp, ref_logp, rollout_logp: the scoring passes') become the KL to the reference (k1 unless `tokens` gives
+    it; k3 from k1), the ratio to pi_old with where the clip range (epsilon_low, epsilon_high) stopped it given adv,
+    and the trainer-sampler mismatch. The other values stay."""
+    kept = dict(kept)
+    logp, old, ref, sampler = (kept.pop(name, None) for name in ("logp", "old_logp", "ref_logp", "rollout_logp"))
+    if logp is None:
+        return kept
+    if ref is not None:
+        kept["kl_k1"] = logp - ref
+    k1 = dict(tokens).get("kl_k1", kept.get("kl_k1"))
+    if k1 is not None:
+        kept["kl_k3"] = torch.exp(-k1) + k1 - 1  # r - 1 - log r with r = pi_ref / pi_theta = exp(-k1)
+    if clip is not None and old is not None and adv is not None:
+        low, high = clip[0], clip[1] if clip[1] is not None else clip[0]
+        kept["ratio"] = ratio = torch.exp(logp - old)
+        adv = adv if adv.dim() == 2 else adv[:, None]
+        kept["clip"] = ((ratio > 1 + high) & (adv > 0)).float() - ((ratio < 1 - low) & (adv < 0)).float()
+    if sampler is not None:
+        kept["mismatch"] = (logp if old is None else old) - sampler
+    return kept
 
 
 def token_texts(tokenizer, ids):
@@ -111,13 +128,12 @@ class Recorder:
                  enabled=True):
         if num_rows < 0:
             raise ValueError(f"--log_rollouts must be >= 0 (got {num_rows}); 0 turns the rollout viewer off.")
-        self.output_dir, self.tokenizer, self.num_rows = output_dir, tokenizer, num_rows
-        self.num_steps, self.eval_every = num_steps, eval_every
+        self.output_dir, self.tokenizer, self.num_rows, self.num_steps = output_dir, tokenizer, num_rows, num_steps
+        self.eval_every = eval_every
         self.enabled = enabled and num_rows > 0
-        self.records = []
         path = os.path.join(output_dir, "rollouts.jsonl")
-        if self.enabled and start_step and os.path.exists(path):
-            self.records = [r for r in read_records(path) if r["step"] <= start_step]
+        resumed = self.enabled and start_step and os.path.exists(path)  # keeps the steps up to its checkpoint
+        self.records = [r for r in read_records(path) if r["step"] <= start_step] if resumed else []
         self.write()
 
     def due(self, step):
@@ -132,13 +148,11 @@ class Recorder:
         Only the recorded rows are copied to the CPU."""
         if not self.enabled:
             return
-        B, T = rollout.mask.shape
-        tokens, sequences = dict(tokens), dict(sequences or {})
+        (B, T), tokens, sequences = rollout.mask.shape, dict(tokens), dict(sequences or {})
         given = [*tokens, *sequences, *(["adv"] if adv is not None else [])]
-        twice = sorted({name for name in given if given.count(name) > 1})
-        if twice:
-            raise ValueError(f"rollout viewer: {twice} given twice (per token, per sequence or as adv); "
-                             "pass each once.")
+        if len(set(given)) < len(given):
+            raise ValueError(f"rollout viewer: {sorted({n for n in given if given.count(n) > 1})} given twice (per "
+                             "token, per sequence or as adv); pass each once.")
         if adv is not None:
             (tokens if adv.dim() == 2 else sequences)["adv"] = adv
         for name, t in [*tokens.items(), *sequences.items(), ("rewards", rewards)]:
@@ -156,9 +170,8 @@ class Recorder:
             texts, special = token_texts(self.tokenizer, ids[r][:length])
             answer = rollout.examples[r].get("answer") if isinstance(rollout.examples[r], dict) else None
             rows.append({"prompt": rollout.prompts[r], "answer": answer if isinstance(answer, str) else None,
-                         "group": r // group_size, "reward": rounded([rewards[r]])[0],
+                         "group": r // group_size, "reward": rounded([rewards[r]])[0], "pad": T - length,
                          "tokens": texts, "special": special, "mask": [int(m != 0) for m in mask[r][:length]],
-                         "pad": T - length,
                          "values": {name: rounded(cpu[name][r, :length].tolist()) for name in tokens},
                          "sequence": {name: rounded([cpu[name][r].item()])[0] for name in sequences}})
         record = {"step": step, "group_size": group_size, "rows": rows}
@@ -229,9 +242,7 @@ def write_page(run_dir, records=None):
     return page
 
 
-# ----------------------------------------------------------------------------------------
-# Headless Chromium: the screenshot for the docs, and the browser test
-# ----------------------------------------------------------------------------------------
+# ---- Headless Chromium: the screenshot for the docs, and the browser test ----
 def chromium_binary():
     """The path of Chromium (Debian's package `chromium`), or None."""
     return next(filter(None, map(shutil.which, ("chromium", "chromium-browser", "google-chrome"))), None)
@@ -249,8 +260,8 @@ def chromium(url, *args, timeout=60):
         cmd = [binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                "--disable-background-networking", "--disable-component-update", "--disable-sync",
                "--disable-dev-shm-usage", "--disable-crash-reporter", f"--user-data-dir={profile}", *args, url]
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True)  # its own process group: a timeout stops every process
+        # its own process group: a timeout stops every process
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -7,16 +7,14 @@ PAGE = """<!doctype html>
 <style>
 body{font:14px/1.45 system-ui,sans-serif;margin:0;color:#222;background:#fff}
 header{position:sticky;top:0;background:#f7f7f7;border-bottom:1px solid #ccc;padding:8px 16px;z-index:1}
-h1{font-size:18px;margin:0 8px 4px 0;display:inline-block}h2{font-size:16px;margin:18px 0 6px}
-main{padding:0 16px 24px}#read{margin:4px 0 0;color:#444;max-width:70em}
+h1{font-size:18px;margin:0 8px 4px 0;display:inline-block}h2{font-size:16px;margin:18px 0 6px}main{padding:0 16px 24px}
+#read{margin:4px 0 0;color:#444;max-width:70em}
 #legend{display:inline-flex;align-items:center;gap:6px;margin-left:12px;font-size:12px}
 .bar{display:inline-block;width:160px;height:12px;border:1px solid #999}
 .sw{display:inline-block;min-width:14px;height:12px;border:1px solid #999;padding:0 3px;line-height:12px}
-#errors{color:#b00;background:#fee;padding:6px 16px;margin:0;white-space:pre-wrap}
-nav a{margin-right:8px}
-.row{border-top:1px solid #e3e3e3;padding:6px 0}.head{font-size:12px;color:#555}
-.prompt{color:#777;margin-right:4px}.first{border-top:2px solid #aaa}
-.completion{font-family:ui-monospace,monospace;white-space:pre-wrap;line-height:1.9}
+#errors{color:#b00;background:#fee;padding:6px 16px;margin:0;white-space:pre-wrap}nav a{margin-right:8px}
+.row{border-top:1px solid #e3e3e3;padding:6px 0}.head{font-size:12px;color:#555}.prompt{color:#777;margin-right:4px}
+.first{border-top:2px solid #aaa}.completion{font-family:ui-monospace,monospace;white-space:pre-wrap;line-height:1.9}
 .tok{box-shadow:inset 0 0 0 1px rgba(0,0,0,.12);padding:1px 0;margin-right:1px;border-radius:2px}
 .special{font-weight:bold;font-size:11px;outline:1px solid #555}
 .off{color:#888;text-decoration:line-through;background:repeating-linear-gradient(45deg,#eee 0 3px,#fff 3px 6px)}
@@ -30,44 +28,32 @@ nav a{margin-right:8px}
 <script type="application/json" id="data">{data}</script>
 <script>
 var errors = document.getElementById("errors");
-window.onerror = function (message, source, line) {
-  errors.hidden = false; errors.textContent += message + " (line " + line + ")\\n";
-};
+window.onerror = function (m, src, line) { errors.hidden = false; errors.textContent += m + " (line " + line + ")\\n" };
 var D = JSON.parse(document.getElementById("data").textContent);
 var Q = D.quantities, names = Object.keys(Q), cells = [];
 var WHITE = [255, 255, 255], RED = [202, 0, 32], BLUE = [5, 113, 176], ORANGE = [166, 54, 3];
 var KEPT = [199, 233, 192], DROPPED = [215, 48, 39];
 
-function el(tag, cls, text) {
-  var e = document.createElement(tag);
-  if (cls) e.className = cls;
-  if (text !== undefined) e.textContent = text;
+function el(tag, cls, text) {  // a new element, with its class and text when given
+  var e = document.createElement(tag); if (cls) e.className = cls; if (text !== undefined) e.textContent = text;
   return e;
 }
 function fmt(v) {
   if (v === undefined || v === null) return "-";
-  if (typeof v === "string") return v;
-  return Number.isInteger(v) ? String(v) : String(Number(v.toPrecision(4)));
+  return typeof v === "string" || Number.isInteger(v) ? String(v) : String(Number(v.toPrecision(4)));
 }
-function mix(a, b, t) {
-  t = Math.max(0, Math.min(1, t));
-  return [0, 1, 2].map(function (i) { return Math.round(a[i] + (b[i] - a[i]) * t); });
+function mix(a, b, t) {  // the colour a fraction t of the way from a to b
+  t = Math.max(0, Math.min(1, t)); return [0, 1, 2].map(function (i) { return Math.round(a[i] + (b[i] - a[i]) * t); });
 }
 function colour(q, v) {  // an [r, g, b] for value v of quantity q, null when there is none
   if (v === undefined || v === null) return null;
   v = Number(v);
   if (!isFinite(v)) return [0, 0, 0];
-  var m;
   if (q.scale === "keep") return v > 0 ? KEPT : DROPPED;
   if (q.scale === "clip") return v < 0 ? RED : v > 0 ? BLUE : WHITE;
   if (q.scale === "positive") return mix(WHITE, ORANGE, q.max > 0 ? v / q.max : 0);
-  if (q.scale === "ratio") {
-    m = Math.max(Math.abs(Math.log(q.min)), Math.abs(Math.log(q.max))) || 1;
-    v = v > 0 ? Math.log(v) / m : -1;
-  } else {
-    m = Math.max(Math.abs(q.min), Math.abs(q.max)) || 1;
-    v = v / m;
-  }
+  if (q.scale === "ratio") v = v > 0 ? Math.log(v) / (Math.max(-Math.log(q.min), Math.log(q.max)) || 1) : -1;
+  else v = v / (Math.max(Math.abs(q.min), Math.abs(q.max)) || 1);
   return v < 0 ? mix(WHITE, RED, -v) : mix(WHITE, BLUE, v);
 }
 function rgb(c) { return "rgb(" + c.join(",") + ")"; }
@@ -85,8 +71,7 @@ function build() {
     a.onclick = function (e) { e.preventDefault(); document.getElementById("step-" + rec.step).scrollIntoView(); };
     nav.appendChild(a);
     var section = el("section"), h = el("h2", "", "Step " + rec.step);
-    h.id = "step-" + rec.step; section.appendChild(h);
-    var last = null;
+    var last = null; h.id = "step-" + rec.step; section.appendChild(h);
     rec.rows.forEach(function (row) {
       var div = el("div", "row" + (rec.group_size > 1 && row.group !== last ? " first" : "")), head = [];
       last = row.group;
@@ -101,9 +86,7 @@ function build() {
       div.appendChild(el("div", "head", head.join(" \\u00b7 ")));
       var comp = el("div", "completion"), prompt = row.prompt;
       if (prompt.length > 300) prompt = "\\u2026" + prompt.slice(-300);
-      var p = el("span", "prompt", prompt);
-      p.title = "prompt: " + row.prompt;
-      comp.appendChild(p);
+      var p = el("span", "prompt", prompt); p.title = "prompt: " + row.prompt; comp.appendChild(p);
       row.tokens.forEach(function (text, i) {
         var special = row.special.indexOf(i) >= 0, masked = !row.mask[i];
         var span = el("span", "tok" + (special ? " special" : "") + (masked ? " off" : ""),
@@ -113,17 +96,14 @@ function build() {
           var v = value(row, n, i);
           if (v !== undefined) tip.push(Q[n].label + ": " + fmt(v));
         });
-        span.title = tip.join("\\n");
-        comp.appendChild(span);
+        span.title = tip.join("\\n"); comp.appendChild(span);
         if (!masked) cells.push({span: span, row: row, i: i});
       });
       if (row.pad) {
-        var pad = el("span", "tok pad", "padding \\u00d7" + row.pad);
+        var pad = el("span", "tok pad", "padding \\u00d7" + row.pad); comp.appendChild(pad);
         pad.title = row.pad + " padding positions after the end: not in the loss";
-        comp.appendChild(pad);
       }
-      div.appendChild(comp);
-      section.appendChild(div);
+      div.appendChild(comp); section.appendChild(div);
     });
     main.appendChild(section);
   });
@@ -136,8 +116,7 @@ function current() {
   return n in Q ? n : ("adv" in Q ? "adv" : names[0]);
 }
 function legend(q) {
-  var box = document.getElementById("legend");
-  box.textContent = "";
+  var box = document.getElementById("legend"); box.textContent = "";
   var sw = function (c, text) { var s = el("span", "sw", text); s.style.background = rgb(c); box.appendChild(s); };
   if (q.scale === "keep") { sw(KEPT, "kept 1"); sw(DROPPED, "dropped 0"); }
   else if (q.scale === "clip") { sw(RED, "low -1"); sw(WHITE, "none 0"); sw(BLUE, "high +1"); }
@@ -145,26 +124,19 @@ function legend(q) {
     var lo, mid = "", hi, stops;
     if (q.scale === "positive") { lo = 0; hi = q.max; stops = [WHITE, ORANGE]; }
     else if (q.scale === "ratio") {
-      var m = Math.max(Math.abs(Math.log(q.min)), Math.abs(Math.log(q.max))) || 1;
-      lo = Math.exp(-m); mid = "1"; hi = Math.exp(m); stops = [RED, WHITE, BLUE];
-    } else {
-      var a = Math.max(Math.abs(q.min), Math.abs(q.max)) || 1;
-      lo = -a; mid = "0"; hi = a; stops = [RED, WHITE, BLUE];
-    }
-    box.appendChild(el("span", "", fmt(lo)));
-    var bar = el("span", "bar");
-    bar.style.background = "linear-gradient(to right," + stops.map(rgb).join(",") + ")";
+      var m = Math.max(-Math.log(q.min), Math.log(q.max)) || 1; lo = Math.exp(-m); mid = "1"; hi = Math.exp(m);
+    } else { hi = Math.max(Math.abs(q.min), Math.abs(q.max)) || 1; lo = -hi; mid = "0"; }
+    stops = stops || [RED, WHITE, BLUE];
+    var bar = el("span", "bar"); bar.style.background = "linear-gradient(to right," + stops.map(rgb).join(",") + ")";
     if (mid) bar.title = "centre: " + mid;
-    box.appendChild(bar);
-    box.appendChild(el("span", "", fmt(hi)));
+    box.appendChild(el("span", "", fmt(lo))); box.appendChild(bar); box.appendChild(el("span", "", fmt(hi)));
     box.appendChild(el("span", "", "(recorded: " + fmt(q.min) + " to " + fmt(q.max) + ")"));
   }
-  var off = el("span", "sw off", "masked"); box.appendChild(off);
+  box.appendChild(el("span", "sw off", "masked"));
   document.getElementById("read").textContent = q.read;
 }
 function paint() {
-  if (!names.length) return;
-  var n = current(), q = Q[n];
+  if (!names.length) return; var n = current(), q = Q[n];
   document.getElementById("q").value = n;
   cells.forEach(function (c) {
     var col = colour(q, value(c.row, n, c.i));
@@ -173,9 +145,7 @@ function paint() {
   });
   legend(q);
 }
-build();
-paint();
-window.addEventListener("hashchange", paint);
+build(); paint(); window.addEventListener("hashchange", paint);
 </script>
 </body></html>
 """

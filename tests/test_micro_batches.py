@@ -178,7 +178,7 @@ def test_two_optimizers_under_fp16_loss_scaling_step_once_each_on_gradients_unsc
     clipped and stepped on the true gradients, and the scale is updated once: as without a scaler."""
     from accelerate import Accelerator
 
-    from support import engine
+    from support import engine, models
 
     accelerator = Accelerator(cpu=True)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
@@ -188,25 +188,25 @@ def test_two_optimizers_under_fp16_loss_scaling_step_once_each_on_gradients_unsc
 
     def parts():
         torch.manual_seed(1)
-        models = [torch.nn.Linear(3, 2), torch.nn.Linear(3, 1)]
-        return models, [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+        nets = [torch.nn.Linear(3, 2), torch.nn.Linear(3, 1)]
+        return nets, [torch.optim.SGD(m.parameters(), lr=0.1) for m in nets]
 
-    models, optimizers = parts()  # the reference: no scaler
-    (models[0](x).square().sum() + models[1](x).sum()).backward()
-    norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5) for m in models]
+    nets, optimizers = parts()  # the reference: no scaler
+    (nets[0](x).square().sum() + nets[1](x).sum()).backward()
+    norms = [torch.nn.utils.clip_grad_norm_(m.parameters(), 0.5) for m in nets]
     for opt in optimizers:
         opt.step()
-    models_s, optimizers_s = parts()
-    prepared = accelerator.prepare(*models_s, *optimizers_s)  # the optimizers get the scaler
+    nets_s, optimizers_s = parts()
+    prepared = accelerator.prepare(*nets_s, *optimizers_s)  # the optimizers get the scaler
     monkeypatch.setattr(accelerator, "native_amp", True)  # after prepare: the forwards stay fp32, exact
     monkeypatch.setattr(type(accelerator), "mixed_precision", property(lambda self: "fp16"))
     trainables = [engine.Trainable(prepared[0], prepared[2], None), engine.Trainable(prepared[1], prepared[3], None,
                                                                                      "critic")]
     accelerator.backward(prepared[0](x).square().sum() + prepared[1](x).sum())  # scaled by 1024
-    norms_s = engine.clip_grad_norms(accelerator, trainables, 0.5)
-    engine.step_optimizers(accelerator, trainables)
+    norms_s = models.clip_grad_norms(accelerator, trainables, 0.5)
+    models.step_optimizers(accelerator, trainables)
     torch.testing.assert_close(torch.stack(norms_s), torch.stack(norms))
-    for m, m_s in zip(models, prepared[:2]):
+    for m, m_s in zip(nets, prepared[:2]):
         for p, p_s in zip(m.parameters(), m_s.parameters()):
             torch.testing.assert_close(p_s, p)
             assert p_s.grad is None or not p_s.grad.any()  # zeroed

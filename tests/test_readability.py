@@ -75,7 +75,7 @@ def test_an_algorithm_file_imports_no_other_algorithm_file(name):
 def test_common_is_the_math_alone():
     source = (ROOT / "common.py").read_text()
     assert local_imports(ROOT / "common.py") == set()
-    assert len(source.splitlines()) <= 370
+    assert len(source.splitlines()) <= 380  # with the sequence-level corrections and the kept-set sizes
     assert not re.search(r"past_key_values|cache", source)  # the key-value cache lives in support/fast.py
 
 

@@ -1,8 +1,10 @@
 """The rollout viewer (support/view.py): what is recorded equals what was passed, masked positions are marked,
 the due steps, and the page in a real browser (headless Chromium): it renders, holds every token, recolours when
 the quantity changes, and raises no JavaScript error."""
+import copy
 import json
 import math
+import sys
 import types
 from html.parser import HTMLParser
 
@@ -10,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+import common
 from support import config, view
 
 ROUNDING = 0.5 * 10 ** (1 - view.SIGNIFICANT_DIGITS)  # relative error of a value kept to 4 significant digits
@@ -235,3 +238,109 @@ def test_the_command_renders_a_screenshot(tokenizer, tmp_path, capsys):
     view.main([str(tmp_path), "--screenshot", str(tmp_path / "shot.png"), "--quantity", "entropy", "--size", "400x300"])
     assert capsys.readouterr().out.split() == [str(tmp_path / "rollouts.html"), str(tmp_path / "shot.png")]
     assert not one_colour(tmp_path / "shot.png")
+
+
+# ----------------------------------------------------------------------------------------
+# A real run: what the page shows is what the update computed
+# ----------------------------------------------------------------------------------------
+def recorded_step(script, args, tmp_path, monkeypatch):
+    """Run script's main() in-process for 2 steps (the second recorded) and return (the recorded rows of step 2,
+    what a recomputation needs: the step's rollout, rewards and advantage, and copies of the policy as the
+    update's first and last epoch scored it)."""
+    from support import engine, run, tasks
+
+    seen, end_step, policy_logprobs = {}, engine.Trainer.end_step, engine.Trainer.policy_logprobs
+
+    def copy_policy(trainer, rollout, mb):  # the weights each micro-batch's log-probs are taken with
+        if trainer.at_step == 2:
+            seen.setdefault("first", copy.deepcopy(trainer.accelerator.unwrap_model(trainer.policy.model)))
+            seen["last"] = copy.deepcopy(trainer.accelerator.unwrap_model(trainer.policy.model))
+        return policy_logprobs(trainer, rollout, mb)
+
+    def keep_step(trainer, step, metrics, rollout=None, rewards=None, adv=None, tokens=None):
+        if step == 2:
+            seen.update(rollout=rollout, rewards=rewards, adv=adv)
+        return end_step(trainer, step, metrics, rollout, rewards, adv, tokens)
+
+    monkeypatch.setattr(engine.Trainer, "policy_logprobs", copy_policy)
+    monkeypatch.setattr(engine.Trainer, "end_step", keep_step)
+    monkeypatch.setattr(tasks, "evaluate", lambda *args, **kwargs: {"eval/accuracy": 0.0})  # not under test: fast
+    monkeypatch.setattr(run, "plot_metrics", lambda *args, **kwargs: None)
+    monkeypatch.setattr(sys, "argv", [f"{script.__name__}.py", "--num_steps", "2", "--save_model", "False",
+                                      "--output_dir", str(tmp_path), *args])
+    script.main()
+    [record] = [r for r in view.read_records(tmp_path / "rollouts.jsonl") if r["step"] == 2]
+    return record["rows"], seen
+
+
+def assert_recorded(rows, name, want, mask):
+    """Each recorded row's values of `name` equal want's row at the positions in the loss, to the rounding."""
+    for r, row in enumerate(rows):
+        n = len(row["mask"])
+        got, expected = torch.tensor(row["values"][name], dtype=torch.float64), want[r, :n].double()
+        keep = mask[r, :n].bool()
+        torch.testing.assert_close(got[keep], expected[keep], rtol=2 * ROUNDING, atol=2e-6, msg=name)
+
+
+def test_grpo_records_what_its_update_computed(tmp_path, monkeypatch):
+    """mu = 2 with a stale sampler (--rollout_lag 1) and TIS, in micro-batches of 3 rows (the 4 recorded rows span
+    two): at step 2 the sampler and the reference are the embedded model, pi_old the policy after step 1 and the
+    last epoch's policy the one after step 2's first update. Each recorded value equals its definition recomputed
+    with the plain common.token_logprobs from copies of those models."""
+    import grpo
+    from transformers import AutoModelForCausalLM
+
+    cap, epsilon, beta, G, B = 2.0, 0.2, 0.04, 4, 8
+    rows, seen = recorded_step(grpo, ["--num_epochs", "2", "--rollout_lag", "1", "--tis_cap", str(cap),
+                                      "--batch_size", str(B), "--num_generations", str(G), "--micro_batch_size", "3",
+                                      "--top_p", "0.9", "--learning_rate", "1e-3", "--log_rollouts", str(B), "--seed", "3"],
+                                tmp_path, monkeypatch)
+    rollout, embedded = seen["rollout"], AutoModelForCausalLM.from_pretrained(config.EMBEDDED_MODEL)
+    assert len(rows) == B
+
+    def score(model, top_p=0.9):
+        with torch.no_grad():
+            return common.token_logprobs(model, rollout.input_ids, rollout.attention_mask, rollout.mask.shape[1],
+                                         with_entropy=True, top_p=top_p)
+    (logp, entropy), (old, _), (ref, _), (sampler, _) = (score(seen["last"]), score(seen["first"]),
+                                                          score(embedded, top_p=1.0), score(embedded))
+    grouped = seen["rewards"].view(-1, G)
+    adv = ((grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + 1e-6)).view(-1, 1)
+    assert [row["sequence"]["adv"] for row in rows] == pytest.approx(adv[:, 0].tolist(), rel=ROUNDING, abs=1e-6)
+    ratio, tis = torch.exp(logp - old), torch.exp(old - sampler).clamp(max=cap)
+    clip = ((ratio > 1 + epsilon) & (adv > 0)).double() - ((ratio < 1 - epsilon) & (adv < 0)).double()
+    mask = rollout.mask
+    # not a trivial case: the seed gives a mixed group, the clip bites on both sides, TIS weighs
+    assert (adv != 0).any() and set(clip[mask.bool()].tolist()) == {-1, 0, 1} and (tis - 1).abs().max() > 0.1
+    for name, want in {"entropy": entropy, "kl_k1": logp - ref, "kl_k3": torch.exp(ref - logp) - (ref - logp) - 1,
+                       "ratio": ratio, "clip": clip, "mismatch": old - sampler, "tis_weight": tis,
+                       # -dL/dlogp times B |y_i| (seq-mean-token-mean): A ratio w where unclipped, and the k3 term's
+                       "push": adv * ratio * tis * (clip == 0) - beta * (1 - torch.exp(ref - logp))}.items():
+        assert_recorded(rows, name, want, mask)
+    with torch.no_grad():  # the last epoch's kept sets, with the sampled token, as the loss scored them
+        logits = seen["last"](input_ids=rollout.input_ids, attention_mask=rollout.attention_mask,
+                              position_ids=common.position_ids_from_mask(rollout.attention_mask)).logits
+    kept = common.sampling_mask(logits[:, -mask.shape[1] - 1:-1].float(), top_p=0.9).isfinite()
+    assert_recorded(rows, "kept_set", kept.scatter(-1, rollout.completion_ids[..., None], True).sum(-1), mask)
+
+
+def test_remax_push_is_the_reward_to_go_return_its_loss_used(tmp_path, monkeypatch):
+    """ReMax's loss is -G_t log pi(y_t) with G_t = A - beta sum_{t' >= t} k1_t', token-mean over the batch: the
+    push the page shows, -dL/dlogp_t times the batch's token count (micro-batches of 3 rows here), is G_t."""
+    import remax
+    from transformers import AutoModelForCausalLM
+
+    beta = 0.05
+    rows, seen = recorded_step(remax, ["--batch_size", "8", "--micro_batch_size", "3", "--log_rollouts", "8",
+                                       "--learning_rate", "1e-3"], tmp_path, monkeypatch)
+    rollout, mask = seen["rollout"], seen["rollout"].mask
+    with torch.no_grad():
+        logp, entropy = common.token_logprobs(seen["last"], rollout.input_ids, rollout.attention_mask, mask.shape[1],
+                                              with_entropy=True)
+        ref = common.token_logprobs(AutoModelForCausalLM.from_pretrained(config.EMBEDDED_MODEL), rollout.input_ids,
+                                    rollout.attention_mask, mask.shape[1])
+    k1 = torch.where(mask.bool(), logp - ref, 0.0)
+    returns = seen["adv"][:, None] - beta * k1.flip(1).cumsum(1).flip(1)
+    assert (seen["adv"] != 0).any() and k1.abs().max() > 1e-3  # not a trivial case
+    for name, want in {"entropy": entropy, "kl_k1": logp - ref, "push": returns}.items():
+        assert_recorded(rows, name, want, mask)
