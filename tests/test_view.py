@@ -238,6 +238,10 @@ def test_the_command_renders_a_screenshot(tokenizer, tmp_path, capsys):
     view.main([str(tmp_path), "--screenshot", str(tmp_path / "shot.png"), "--quantity", "entropy", "--size", "400x300"])
     assert capsys.readouterr().out.split() == [str(tmp_path / "rollouts.html"), str(tmp_path / "shot.png")]
     assert not one_colour(tmp_path / "shot.png")
+    view.main([str(tmp_path), "--screenshot", str(tmp_path / "step.png"), "--step", "1", "--size", "400x300"])
+    assert not one_colour(tmp_path / "step.png")  # the step on a page of its own
+    with pytest.raises(SystemExit, match="recorded no step 2"):
+        view.main([str(tmp_path), "--screenshot", str(tmp_path / "none.png"), "--step", "2"])
 
 
 # ----------------------------------------------------------------------------------------
