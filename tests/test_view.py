@@ -1,6 +1,7 @@
 """The rollout viewer (support/view.py): what is recorded equals what was passed, masked positions are marked,
-the due steps, and the page in a real browser (headless Chromium): it renders, holds every token, recolours when
-the quantity changes, and raises no JavaScript error."""
+the due steps, the page in a real browser (headless Chromium): it renders, holds every token, recolours when
+the quantity changes, and raises no JavaScript error; and in real GRPO and ReMax runs every recorded value equals
+its definition recomputed from copies of the models."""
 import copy
 import json
 import math
