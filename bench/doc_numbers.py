@@ -4,6 +4,8 @@
         the mean of each metric over a run's first and last steps (docs/group_family.md, docs/ppo.md)
     python bench/doc_numbers.py critic
         the 7B critic's memory in bf16, frozen backbone (LoRA) against fully trained (docs/ppo.md)
+    python bench/doc_numbers.py tokens runs/grpo/rollouts.jsonl clip --step 200
+        a recorded quantity of the rollout viewer over the tokens in the loss, by position (docs/viewer.md)
 """
 import argparse
 import json
@@ -25,6 +27,23 @@ def window(path, first, last, keys):
         out[key] = (statistics.mean(v for _, v in head), statistics.mean(v for _, v in tail),
                     (head[0][0], head[-1][0]), (tail[0][0], tail[-1][0]))
     return out
+
+
+def tokens(path, name, steps=None):
+    """{group: [values]} of quantity `name` in a rollouts.jsonl (support/view.py) over the recorded tokens in the loss
+    of `steps` (default: every recorded step), grouped by position in the completion, the special tokens (EOS) apart:
+    "position 0", "position 1", ..., "EOS". A per-sequence quantity gives each token its sequence's value."""
+    groups = {}
+    for line in Path(path).read_text().splitlines():
+        record = json.loads(line)
+        if steps and record["step"] not in steps:
+            continue
+        for row in record["rows"]:
+            for i, in_loss in enumerate(row["mask"]):
+                value = row["values"][name][i] if name in row["values"] else row["sequence"].get(name)
+                if in_loss and value is not None:
+                    groups.setdefault(-1 if i in row["special"] else i, []).append(float(value))
+    return {"EOS" if i < 0 else f"position {i}": groups[i] for i in sorted(groups, key=lambda i: (i < 0, i))}
 
 
 def critic_gb():
@@ -50,10 +69,20 @@ def main(argv=None):
     w.add_argument("--first", type=int, default=50)
     w.add_argument("--last", type=int, default=50)
     sub.add_parser("critic", help="The 7B critic's memory in bf16, frozen against trained.")
+    t = sub.add_parser("tokens", help="A quantity of the rollout viewer over the tokens in the loss, by position.")
+    t.add_argument("rollouts", help="A run's rollouts.jsonl.")
+    t.add_argument("name", help="The quantity, e.g. kl_k3 (docs/viewer.md).")
+    t.add_argument("--step", type=int, action="append", help="Only this recorded step (repeatable).")
     args = parser.parse_args(argv)
     if args.what == "window":
         for key, (head, tail, (a, b), (c, d)) in window(args.metrics, args.first, args.last, args.keys).items():
             print(f"{key}: {head:.4g} (steps {a}-{b}) / {tail:.4g} (steps {c}-{d})")
+    elif args.what == "tokens":
+        for group, values in tokens(args.rollouts, args.name, args.step).items():
+            flags = all(v == int(v) for v in values) and len(set(values)) <= 3  # clip -1/0/+1, masks 0/1
+            counts = {int(v): values.count(v) for v in sorted(set(values))} if flags else None
+            print(f"{group}: {len(values)} tokens, mean {statistics.mean(values):.4g}, min {min(values):.4g}, "
+                  f"max {max(values):.4g}" + (f", counts {counts}" if counts else ""))
     else:
         n, frozen, trained = critic_gb()
         print(f"Qwen2.5-7B critic: {n / 1e9:.2f}B parameters; bf16 backbone frozen (LoRA) {frozen:.1f} GB, "

@@ -1,8 +1,8 @@
-"""The rollout viewer: a few steps' sampled completions, each token coloured by a value the update computed at
-it (advantage, ratio, clip, KL to the reference, entropy, sampler mismatch, ...), in one self-contained page,
+"""The rollout viewer: a few steps' sampled completions, each token coloured by a value the update computed at it
+(advantage, ratio, clip, KL to the reference, entropy, sampler mismatch, ...), in one self-contained page,
 output_dir/rollouts.html (inline CSS and JavaScript: no server, no network). How to read it: docs/viewer.md.
-The engine records (support/engine.py: Trainer.keep, Trainer.record): on the steps `Recorder.due` names, the
-main process keeps the first rows of what the step computed, and `derived` turns log-probs into the page's values.
+The engine records (support/engine.py: Trainer.keep, Trainer.record): on the steps `Recorder.due` names, the main
+process keeps the first rows of what the step computed, and `derived` turns log-probs into the page's values.
 `python -m support.view RUN_DIR` rebuilds RUN_DIR/rollouts.html from RUN_DIR/rollouts.jsonl; `--screenshot PNG`
 also renders it to an image with headless Chromium.
 """
@@ -38,10 +38,9 @@ QUANTITIES = {
                      "times the loss's normaliser): ReMax's return, RLOO's A; with a clip, A·ratio or 0 where it bit."),
     "ratio": Quantity("ratio π_θ/π_old", "ratio", "π_θ/π_old as the last epoch's loss saw it: how much more (blue) "
                       "or less (red) likely the earlier epochs made the token, on a log scale around 1."),
-    "clip": Quantity("clip", "clip", "Where the clip stopped the gradient: high (ratio above 1+ε, A > 0), "
-                     "low (ratio below 1-ε, A < 0), or none."),
-    "kl_k1": Quantity("KL k1", "signed", "log π_θ - log π_ref: the k1 estimate of the KL to the reference, signed "
-                      "(its mean over samples is the KL)."),
+    "clip": Quantity("clip", "clip", "Where the clip stopped the gradient: high (ratio > 1+ε, A > 0), low "
+                     "(ratio < 1-ε, A < 0)."),
+    "kl_k1": Quantity("KL k1", "signed", "log π_θ - log π_ref, the k1 estimate of the KL to the reference (its mean)."),
     "kl_k3": Quantity("KL k3", "positive", "The k3 estimate of the KL to the reference, r - 1 - log r with "
                       "r = π_ref/π_θ: never negative, dark where the policy left the reference."),
     "entropy": Quantity("entropy", "positive", "The policy's entropy here, in nats: dark where it was unsure."),
@@ -53,8 +52,8 @@ QUANTITIES = {
                          "log π_rollout/π_θ passed --geo_mask_delta, so the loss dropped it."),
     "veto": Quantity("veto", "keep", "1: the sequence was kept; 0: a token's ratio fell below the veto threshold "
                      "and the loss dropped the sequence."),
-    "kept_set": Quantity("kept-set size", "positive", "How many tokens the top-k / top-p filter kept at this "
-                         "position: 1 means the choice was forced."),
+    "kept_set": Quantity("kept-set size", "positive", "How many tokens top-k / top-p kept here: 1 means the "
+                         "choice was forced."),
     "routing_disagree": Quantity("routing disagreements", "positive", "How many MoE layers routed this token to "
                                  "other experts in the trainer than in the sampler."),
 }
@@ -64,15 +63,8 @@ SIGNIFICANT_DIGITS = 4  # values are stored rounded: the page stays small
 def rounded(values):
     """A list of floats to SIGNIFICANT_DIGITS digits (whole numbers as ints); inf and nan as the strings
     JavaScript's Number() reads, since JSON has no such numbers."""
-    out = []
-    for v in values:
-        if not math.isfinite(v):
-            out.append("NaN" if math.isnan(v) else "Infinity" if v > 0 else "-Infinity")
-        elif v == int(v) and abs(v) < 1e15:
-            out.append(int(v))
-        else:
-            out.append(float(f"{v:.{SIGNIFICANT_DIGITS}g}"))
-    return out
+    return [("NaN" if math.isnan(v) else "Infinity" if v > 0 else "-Infinity") if not math.isfinite(v)
+            else int(v) if v == int(v) and abs(v) < 1e15 else float(f"{v:.{SIGNIFICANT_DIGITS}g}") for v in values]
 
 
 def derived(kept, adv, clip=None, tokens=()):
@@ -287,13 +279,21 @@ def main(args=None):
     parser.add_argument("--screenshot", default="", help="Also render the page to this PNG (needs Chromium).")
     parser.add_argument("--quantity", default="", help="The colouring for the screenshot (default: the page's).")
     parser.add_argument("--size", default="1200x900", help="The screenshot's width x height in pixels.")
+    parser.add_argument("--step", type=int, help="Screenshot a page of this recorded step alone.")
     args = parser.parse_args(args)
     try:
         page = write_page(args.run_dir)
         print(page)
         if args.screenshot:
             width, height = map(int, args.size.split("x"))
-            print(screenshot(page, args.screenshot, args.quantity or None, width, height))
+            with tempfile.TemporaryDirectory() as tmp:
+                if args.step:  # the step on a page of its own: headless Chromium renders a scrolled page blank
+                    records = [r for r in read_records(page[:-len("html")] + "jsonl") if r["step"] == args.step]
+                    if not records:
+                        raise RuntimeError(f"{args.run_dir} recorded no step {args.step}.")
+                    page = os.path.join(tmp, "rollouts.html")
+                    replace_file(page, render_page(records, os.path.basename(os.path.abspath(args.run_dir))))
+                print(screenshot(page, args.screenshot, args.quantity or None, width, height))
     except (FileNotFoundError, RuntimeError) as e:
         sys.exit(f"error: {e}")
 

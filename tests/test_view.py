@@ -1,6 +1,7 @@
 """The rollout viewer (support/view.py): what is recorded equals what was passed, masked positions are marked,
-the due steps, and the page in a real browser (headless Chromium): it renders, holds every token, recolours when
-the quantity changes, and raises no JavaScript error."""
+the due steps, the page in a real browser (headless Chromium): it renders, holds every token, recolours when
+the quantity changes, and raises no JavaScript error; and in real GRPO and ReMax runs every recorded value equals
+its definition recomputed from copies of the models."""
 import copy
 import json
 import math
@@ -238,6 +239,10 @@ def test_the_command_renders_a_screenshot(tokenizer, tmp_path, capsys):
     view.main([str(tmp_path), "--screenshot", str(tmp_path / "shot.png"), "--quantity", "entropy", "--size", "400x300"])
     assert capsys.readouterr().out.split() == [str(tmp_path / "rollouts.html"), str(tmp_path / "shot.png")]
     assert not one_colour(tmp_path / "shot.png")
+    view.main([str(tmp_path), "--screenshot", str(tmp_path / "step.png"), "--step", "1", "--size", "400x300"])
+    assert not one_colour(tmp_path / "step.png")  # the step on a page of its own
+    with pytest.raises(SystemExit, match="recorded no step 2"):
+        view.main([str(tmp_path), "--screenshot", str(tmp_path / "none.png"), "--step", "2"])
 
 
 # ----------------------------------------------------------------------------------------
