@@ -149,7 +149,8 @@ class Trainer:
         """Sample num_samples completions of each example's prompt (or one greedy completion) with the
         current policy, or with its copy synced to it. Rows: each example's samples adjacent."""
         cfg, tokenizer = self.cfg, self.tokenizer
-        reward_functions.TRAINER_STATE.global_step = self.at_step - 1  # their trainer_state: the steps done so far
+        if cfg.reward_fn:  # their trainer_state: the steps done so far
+            reward_functions.trainer_state().global_step = self.at_step - 1
         with self.timer("generation"):
             prompt_ids, prompt_mask = tasks.tokenize_prompts(tokenizer, [ex["prompt"] for ex in examples],
                                                              self.accelerator.device)

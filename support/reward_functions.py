@@ -7,13 +7,22 @@ import math
 import numbers
 
 import torch
-from transformers import TrainerState
-
 from support import config
 
-# What reward functions receive as trainer_state, as TRL passes its trainer's: global_step (the optimizer steps
-# done before the one being sampled; the engine sets it) and max_steps (--num_steps).
-TRAINER_STATE = TrainerState()
+_TRAINER_STATE = []
+
+
+def trainer_state():
+    """What reward functions receive as trainer_state, as TRL passes its trainer's: a transformers TrainerState
+    whose global_step is the optimizer steps done before the one being sampled (the engine sets it) and max_steps
+    --num_steps. Made on first use: importing TrainerState costs a run without --reward_fn about 100 MiB."""
+    if not _TRAINER_STATE:
+        from transformers import TrainerState
+
+        _TRAINER_STATE.append(TrainerState())
+    return _TRAINER_STATE[0]
+
+
 CHECK_ROWS = 4  # the train rows each --reward_fn is tried on before any model loads
 
 
@@ -39,7 +48,7 @@ def reward_kwargs(cfg, examples, completions):
     return {**columns, "prompts": prompts,
             "completions": [[{"role": "assistant", "content": c}] if isinstance(p, list) else c
                             for p, c in zip(prompts, completions)],
-            "completion_ids": [getattr(c, "token_ids", None) for c in completions], "trainer_state": TRAINER_STATE}
+            "completion_ids": [getattr(c, "token_ids", None) for c in completions], "trainer_state": trainer_state()}
 
 
 def call_reward_function(name, function, kwargs, when="step not applied"):
@@ -96,7 +105,9 @@ def check_reward_functions(cfg, examples, tokenizer):
     completions (each row's answer, else ''), before any model loads: a function whose parameters do not take
     the keywords it is given, or that fails on them (raises, or returns other than one number or None per
     completion), stops the run here with one line."""
-    examples, TRAINER_STATE.max_steps = examples[:CHECK_ROWS], cfg.num_steps
+    if not cfg.reward_fn:
+        return
+    examples, trainer_state().max_steps = examples[:CHECK_ROWS], cfg.num_steps
     completions = [Completion(ex["answer"] or "", tokenizer(ex["answer"] or "", add_special_tokens=False)["input_ids"]
                               + [tokenizer.eos_token_id]) if tokenizer is not None else ex["answer"] or ""
                    for ex in examples]

@@ -263,7 +263,8 @@ def make_reward_fn(cfg, accelerator):
     functions = [(spec.rpartition(":")[2], config.reward_function(spec)) for spec in cfg.reward_fn]
     weights = cfg.reward_weights or [1.0] * len(functions)
     device = accelerator.device
-    reward_functions.TRAINER_STATE.max_steps = cfg.num_steps
+    if functions:
+        reward_functions.trainer_state().max_steps = cfg.num_steps
 
     def reward_fn(examples, completions):
         prompts = [ex.get("raw_prompt", ex["prompt"]) for ex in examples]

@@ -14,7 +14,7 @@ from accelerate import Accelerator
 from transformers import AutoTokenizer
 
 from support import config, tasks
-from support.reward_functions import TRAINER_STATE, Completion, reward_kwargs
+from support.reward_functions import Completion, reward_kwargs, trainer_state
 from support.run import read_metrics
 from conftest import ROOT
 
@@ -107,7 +107,7 @@ def reward_fn(examples_file, names, **flags):
 def test_trls_examples_get_trls_keywords_and_give_their_documented_values(examples_file):
     examples = [{"prompt": r["prompt"], "answer": None, "family": "all", "row": r} for r in ROWS]
     completions = [Completion("15", [4, 8, 1]), Completion(r"\boxed{5}", [16, 1])]
-    TRAINER_STATE.global_step = 50
+    trainer_state().global_step = 50
     fn = reward_fn(examples_file, STANDARD, num_steps=200)
     rewards, _, stats = fn(examples, completions)
     assert stats == {"train/reward/reward_len": (-18 - 11) / 2, "train/reward/reward_token_count": 2.5,
@@ -125,7 +125,7 @@ def test_a_conversation_gets_its_messages_and_completions_as_assistant_messages(
     kwargs = reward_kwargs(cfg, examples, [Completion("<think>1</think><answer>15</answer>", [4, 1])])
     assert kwargs["prompts"] == [prompt] and kwargs["task"] == ["math"] and "prompt" not in kwargs
     assert kwargs["completions"] == [[{"role": "assistant", "content": "<think>1</think><answer>15</answer>"}]]
-    assert kwargs["completion_ids"] == [[4, 1]] and kwargs["trainer_state"] is TRAINER_STATE
+    assert kwargs["completion_ids"] == [[4, 1]] and kwargs["trainer_state"] is trainer_state()
 
 
 def chat_model(folder):
