@@ -233,17 +233,22 @@ class Extreme(NamedTuple):
     reduce: str  # "max" or "min"
 
 
+class Correction(NamedTuple):
+    """rollout_correction's result: weight, the (B, T) detached weight on each token's policy-gradient term; stats,
+    the mismatch's statistics and is_ess; per_row, the viewer's TIS weight (B, T), geometric mask and veto (B,)."""
+    weight: torch.Tensor
+    stats: dict
+    per_row: dict
+
+
 def rollout_correction(logp, old_logp, rollout_logp, adv, mask, tis_cap=0.0, geo_mask_delta=0.0, tis_level="token",
                        tis_veto=0.0):
-    """The (B, T) detached weight on each token's policy-gradient term, and stats: the mismatch's, is_ess (the
-    effective sample size of the weights in use) and, for the rollout viewer, the TIS weight, geometric mask and
-    veto (None when off). logp: the policy being trained; old_logp: the trainer's at the start of the update
-    (pi_prox); rollout_logp: the sampler's, a low-precision copy or the policy of --rollout_lag steps ago (None:
-    the trainer sampled, they are old_logp). TIS weighs by min(old / rollout, tis_cap), per token or by the
-    truncated product over the sequence (tis_level); tis_veto drops a sequence with a token whose old / rollout is
-    below it; the geometric mask plays pi_old with rollout_logp, so it sees the mismatch and the updates since
-    sampling. 0 turns each off.
-    """
+    """A Correction (above). logp: the policy being trained; old_logp: the trainer's at the start of the update
+    (pi_prox); rollout_logp: the sampler's, a low-precision copy or the policy of --rollout_lag steps ago (None: the
+    trainer sampled, they are old_logp). TIS weighs by min(old / rollout, tis_cap), per token or by the truncated
+    product over the sequence (tis_level); tis_veto drops a sequence with a token whose old / rollout is below it;
+    the geometric mask plays pi_old with rollout_logp, so it sees the mismatch and the updates since sampling;
+    is_ess is the effective sample size of the weights in use. 0 turns each off (None in per_row)."""
     rollout_logp = old_logp if rollout_logp is None else rollout_logp
     tis = torch.ones_like(logp)
     if tis_cap > 0:
@@ -261,10 +266,10 @@ def rollout_correction(logp, old_logp, rollout_logp, adv, mask, tis_cap=0.0, geo
                  "tis_clip_frac": masked_mean((ratio > tis_cap).float(), mask) if tis_cap > 0 else 0.0,
                  "geo_masked_frac": 1 - keep.mean(), "tis_veto_frac": 1 - veto.mean(),
                  "is_ess": effective_sample_size(weight[:, 0]) if tis_level == "sequence" else
-                 effective_sample_size(weight, mask),
-                 "tis_weight": tis if tis_cap > 0 else None, "geo_mask": keep if geo_mask_delta > 0 else None,
-                 "veto": veto if tis_veto > 0 else None}
-    return weight, stats
+                 effective_sample_size(weight, mask)}
+    per_row = {"tis_weight": tis if tis_cap > 0 else None, "geo_mask": keep if geo_mask_delta > 0 else None,
+               "veto": veto if tis_veto > 0 else None}
+    return Correction(weight, stats, per_row)
 
 
 # ----------------------------------------------------------------------------------------

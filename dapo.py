@@ -198,15 +198,16 @@ def main():
             for mb in trainer.micro_batches(rollout, "token-mean", clip=(cfg.epsilon_low, cfg.epsilon_high)):
                 logp, entropy = trainer.policy_logprobs(rollout, mb)  # (b, T), with gradient
                 old = logp.detach() if old_logp is None else mb.of(old_logp)  # mu = 1: pi_old = pi_theta in value
-                pg_weight, correction = None, {}
+                pg_weight, correction, per_row = None, {}, {}
                 if rollout_logp is not None or cfg.geo_mask_delta > 0:  # a sampler that is not this policy: TIS, mask
-                    pg_weight, correction = common.rollout_correction(logp, old, mb.of(rollout_logp), mb.of(adv),
-                                                                      mb.mask, cfg.tis_cap, cfg.geo_mask_delta,
-                                                                      cfg.tis_level, cfg.tis_veto)
+                    pg_weight, correction, per_row = common.rollout_correction(
+                        logp, old, mb.of(rollout_logp), mb.of(adv), mb.mask, cfg.tis_cap, cfg.geo_mask_delta,
+                        cfg.tis_level, cfg.tis_veto)
                 loss, stats = dapo_loss(logp, old, mb.of(adv), mb.mask, epsilon_low=cfg.epsilon_low,
                                         epsilon_high=cfg.epsilon_high, dual_clip_c=cfg.dual_clip_c,
                                         pg_weight=pg_weight)
-                trainer.backward(loss, mb, {**stats, **correction, "entropy": common.masked_mean(entropy, mb.mask)})
+                stats = {**stats, **correction, "entropy": common.masked_mean(entropy, mb.mask)}
+                trainer.backward(loss, mb, stats, per_row)
             update = trainer.step(policy)  # clip, check finite, optimizer step, zero_grad
 
         # ---- log (PLUMBING: docs/metrics.md says what each metric means) ----

@@ -163,17 +163,18 @@ def main():
             for mb in trainer.micro_batches(rollout, cfg.loss_agg, clip=(cfg.epsilon, cfg.epsilon_high or cfg.epsilon)):
                 logp, entropy = trainer.policy_logprobs(rollout, mb)  # (b, T), with gradient
                 old = logp.detach() if old_logp is None else mb.of(old_logp)  # mu = 1: pi_old = pi_theta in value
-                pg_weight, correction = None, {}
+                pg_weight, correction, per_row = None, {}, {}
                 if rollout_logp is not None or cfg.geo_mask_delta > 0:  # a sampler that is not this policy: TIS, mask
-                    pg_weight, correction = common.rollout_correction(logp, old, mb.of(rollout_logp), mb.of(adv),
-                                                                      mb.mask, cfg.tis_cap, cfg.geo_mask_delta,
-                                                                      cfg.tis_level, cfg.tis_veto)
+                    pg_weight, correction, per_row = common.rollout_correction(
+                        logp, old, mb.of(rollout_logp), mb.of(adv), mb.mask, cfg.tis_cap, cfg.geo_mask_delta,
+                        cfg.tis_level, cfg.tis_veto)
                 loss, stats = grpo_loss(logp, old, mb.of(ref_logp), mb.of(adv), mb.mask, epsilon=cfg.epsilon,
                                         beta=cfg.beta, loss_agg=cfg.loss_agg, max_len=cfg.max_new_tokens,
                                         kl_estimator=cfg.kl_estimator, kl_is_weight=cfg.kl_is_weight,
                                         dual_clip_c=cfg.dual_clip_c, pg_weight=pg_weight, epsilon_high=cfg.epsilon_high,
                                         importance_sampling_level=cfg.importance_sampling_level)
-                trainer.backward(loss, mb, {**stats, **correction, "entropy": common.masked_mean(entropy, mb.mask)})
+                stats = {**stats, **correction, "entropy": common.masked_mean(entropy, mb.mask)}
+                trainer.backward(loss, mb, stats, per_row)
                 if ref_logp is not None:
                     kl_seq += common.masked_sum(common.kl_k1(logp.detach(), mb.of(ref_logp)), mb.mask) / len(rollout)
             update = trainer.step(policy)  # clip, check finite, optimizer step, zero_grad

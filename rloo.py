@@ -90,13 +90,14 @@ def main():
             kl = common.kl_k1(logp.detach(), mb.of(ref_logp)) if ref_logp is not None else torch.zeros_like(logp)
             rewards_kl.append(mb.of(rewards) - cfg.beta * common.masked_sum(kl, mb.mask, dim=1))  # r - beta sum_t k1_t
             adv.append(rloo_advantages(rewards_kl[-1], group_size))
-            pg_weight, correction = None, {}
+            pg_weight, correction, per_row = None, {}, {}
             if rollout_logp is not None or cfg.geo_mask_delta > 0:  # a sampler that is not this policy: TIS, mask
-                pg_weight, correction = common.rollout_correction(logp, logp.detach(), mb.of(rollout_logp), adv[-1],
-                                                                  mb.mask, cfg.tis_cap, cfg.geo_mask_delta,
-                                                                  cfg.tis_level, cfg.tis_veto)
+                pg_weight, correction, per_row = common.rollout_correction(
+                    logp, logp.detach(), mb.of(rollout_logp), adv[-1], mb.mask, cfg.tis_cap, cfg.geo_mask_delta,
+                    cfg.tis_level, cfg.tis_veto)
             loss, stats = rloo_loss(logp, adv[-1], mb.mask, pg_weight)
-            trainer.backward(loss, mb, {**stats, **correction, "entropy": common.masked_mean(entropy, mb.mask)})
+            stats = {**stats, **correction, "entropy": common.masked_mean(entropy, mb.mask)}
+            trainer.backward(loss, mb, stats, per_row)
             kl_seq += common.masked_sum(kl, mb.mask) / len(rollout)
         update = trainer.step(policy)  # clip, check finite, optimizer step, zero_grad
         adv, rewards_kl = torch.cat(adv), torch.cat(rewards_kl)

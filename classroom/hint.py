@@ -102,7 +102,7 @@ HINTS = {
                "a cumulative sum minus the position's own EOS.",
                "Keep a token when that count is 0."]),
     "aggregate_loss": Hint(
-        "one scalar from a (B, T) per-token loss, in three ways", MASKS + " (loss aggregation)",
+        "one scalar from a (B, T) per-token loss, in four ways", MASKS + " (loss aggregation)",
         "(B, T) loss and mask in, a scalar out; max_len an int or None",
         traps=["padding may hold NaN and never counts",
                "seq-mean-token-sum-norm divides by a constant: max_len, or the batch width T when None, "
@@ -110,6 +110,7 @@ HINTS = {
                "an unknown mode is an error, not a default"],
         steps=["token-mean: the masked sum of the whole batch over the number of valid tokens.",
                "seq-mean-token-mean: each row's masked mean, then the mean over rows.",
+               "seq-mean-token-sum: each row's masked sum, then the mean over rows.",
                "seq-mean-token-sum-norm: each row's masked sum divided by max_len (T if None), then the mean.",
                "Otherwise raise ValueError naming LOSS_AGG_MODES."]),
     "reward_to_go": Hint(

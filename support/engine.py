@@ -260,12 +260,12 @@ class Trainer:
             self.scored = logp
         return logp, entropy
 
-    def backward(self, loss, mb, stats=None):
+    def backward(self, loss, mb, stats=None, per_row=None):
         """Backpropagate mb.weight * loss. Gradients of micro-batches add up locally; only the last one
         synchronises them across processes: DDP all-reduces, and DeepSpeed reduces (and steps its optimizer)
         inside this call. `stats`, the loss's statistics: means over the micro-batch's tokens, combined by
-        their token shares (a common.Extreme by its max or min); a tensor with one value per row, (b,) or
-        (b, T), is no metric but for the rollout viewer (None: none)."""
+        their token shares (a common.Extreme by its max or min). `per_row`: values with one entry per row,
+        (b,) or (b, T), for the rollout viewer (common.Correction.per_row; None: none)."""
         accelerator = self.accelerator
         with self.timer("forward_backward"):
             accelerator.sync_gradients = mb.last
@@ -274,13 +274,12 @@ class Trainer:
                     for trainable in self.trainables:
                         stack.enter_context(accelerator.no_sync(trainable.model))
                 accelerator.backward(mb.weight * loss)
-        per_row = {key: v for key, v in (stats or {}).items() if v is None or torch.is_tensor(v) and v.dim() > 0}
         if self.recording:
-            self.keep(None, "push", self.push(mb), mb.rows, **per_row)
+            self.keep(None, "push", self.push(mb), mb.rows, **(per_row or {}))
         if self.routing_pass is not None:
             self._close_routing()
         self.update_loss = self.update_loss + mb.weight * loss.detach()
-        self.update_stats.append((mb.share, {key: v for key, v in (stats or {}).items() if key not in per_row}))
+        self.update_stats.append((mb.share, stats or {}))
 
     def _open_routing(self, rollout, rows):
         """For a pass of the policy over these rows: replay the experts --keep_routing names (r3: the sampler's,

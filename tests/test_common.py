@@ -36,6 +36,9 @@ def test_aggregate_loss_modes_hand_computed():
     assert aggregate_loss(loss, mask, "token-mean").item() == pytest.approx(40.0 / 6, rel=1e-6)  # float32
     # seq-mean-token-mean: ((10/4) + (30/2)) / 2
     assert aggregate_loss(loss, mask, "seq-mean-token-mean").item() == pytest.approx((2.5 + 15.0) / 2, rel=1e-6)
+    # seq-mean-token-sum: each sequence's sum, (10 + 30) / 2; the padding's values (set to 99) never count
+    padded = torch.where(mask.bool(), loss, 99.0)
+    assert aggregate_loss(padded, mask, "seq-mean-token-sum").item() == pytest.approx((10.0 + 30.0) / 2, rel=1e-6)
     # seq-mean-token-sum-norm with a constant max length 8: (10/8 + 30/8) / 2
     assert aggregate_loss(loss, mask, "seq-mean-token-sum-norm", max_len=8).item() == pytest.approx((10 / 8 + 30 / 8) / 2, rel=1e-6)
     assert aggregate_loss(loss, mask, "seq-mean-token-sum-norm").item() == pytest.approx((10 / 4 + 30 / 4) / 2, rel=1e-6)

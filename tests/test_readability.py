@@ -18,7 +18,7 @@ ALGORITHMS = ("remax", "rloo", "grpo", "dapo", "ppo")
 # reuse), which its two diffs show beside the idea that separates the files.
 # The update is written out in each main(): GRPO and DAPO nest it in their --num_epochs loop, which RLOO
 # (on-policy) does not, and DAPO's dynamic sampling is in dapo.py, not the engine.
-DIFF_BUDGET = {("remax", "rloo"): 120, ("rloo", "grpo"): 175, ("grpo", "dapo"): 200}
+DIFF_BUDGET = {("remax", "rloo"): 120, ("rloo", "grpo"): 177, ("grpo", "dapo"): 200}
 MAIN_BUDGET = {"ppo": 140}  # the others: 110
 # Lines of each module of support/ and of common.py, read in one sitting; a module that outgrows it is split by
 # topic. The algorithm files keep their own budgets: the diffs and main() above.
@@ -75,7 +75,7 @@ def test_an_algorithm_file_imports_no_other_algorithm_file(name):
 def test_common_is_the_math_alone():
     source = (ROOT / "common.py").read_text()
     assert local_imports(ROOT / "common.py") == set()
-    assert len(source.splitlines()) <= 380  # with the sequence-level corrections and the kept-set sizes
+    assert len(source.splitlines()) <= 385  # with the sequence-level corrections, the kept-set sizes, Correction
     assert not re.search(r"past_key_values|cache", source)  # the key-value cache lives in support/fast.py
 
 

@@ -50,7 +50,8 @@ def test_rollout_correction_weighs_by_tis_times_the_mask_and_reports_the_mismatc
     mask = torch.tensor([[1, 1], [1, 0]])
     adv = torch.tensor([1.0, -1.0], dtype=F64)
     logp = old_logp.clone().requires_grad_()  # one update per batch: pi_theta = pi_old
-    weight, stats = common.rollout_correction(logp, old_logp, rollout_logp, adv, mask, tis_cap=1.5, geo_mask_delta=0.1)
+    weight, stats, per_row = common.rollout_correction(logp, old_logp, rollout_logp, adv, mask, tis_cap=1.5,
+                                                       geo_mask_delta=0.1)
     # row 0: TIS min(2, 1.5), min(0.5, 1.5); row 1: mean log(rollout / theta) = 0 on its one valid token: kept
     torch.testing.assert_close(weight, torch.tensor([[1.5, 0.5], [1.0, 1.0 / 3]], dtype=F64))
     # k3 of the trainer under the sampler: r - 1 - log r for r = 2, 0.5, 1 (valid tokens only)
@@ -59,9 +60,13 @@ def test_rollout_correction_weighs_by_tis_times_the_mask_and_reports_the_mismatc
     assert stats["mismatch_ratio_max"] == (pytest.approx(2.0), "max")
     assert stats["mismatch_ratio_min"] == (pytest.approx(0.5), "min")
     assert stats["tis_clip_frac"].item() == pytest.approx(1 / 3) and stats["geo_masked_frac"].item() == 0.0
+    # per row, for the viewer: the TIS weight per token, the mask per sequence, no veto (off)
+    torch.testing.assert_close(per_row["tis_weight"][0], torch.tensor([1.5, 0.5], dtype=F64))
+    assert per_row["geo_mask"].tolist() == [1.0, 1.0] and per_row["veto"] is None
     # the trainer sampled: every weight is 1 and there is no mismatch
-    weight, stats = common.rollout_correction(logp, old_logp, None, adv, mask)
+    weight, stats, per_row = common.rollout_correction(logp, old_logp, None, adv, mask)
     assert torch.equal(weight, torch.ones_like(weight)) and stats["mismatch_k3"].item() == 0.0
+    assert all(value is None for value in per_row.values())
 
 
 def test_rollout_correction_per_sequence_with_a_veto_and_the_effective_sample_size():
@@ -71,16 +76,17 @@ def test_rollout_correction_per_sequence_with_a_veto_and_the_effective_sample_si
 
     def correct(**kw):
         return common.rollout_correction(old_logp.clone(), old_logp, rollout_logp, adv, mask, tis_cap=2.5, **kw)
-    weight, stats = correct()  # per token: min(r, 2.5) on 2, 1.5, 1; ESS = (sum w)^2 / (n sum w^2)
+    weight, stats, _ = correct()  # per token: min(r, 2.5) on 2, 1.5, 1; ESS = (sum w)^2 / (n sum w^2)
     assert weight[0].tolist() == pytest.approx([2.0, 1.5]) and weight[1, 0].item() == pytest.approx(1.0)
     assert stats["is_ess"].item() == pytest.approx(4.5 ** 2 / (3 * (4 + 2.25 + 1)), rel=1e-12)
-    weight, stats = correct(tis_level="sequence")  # min(2 * 1.5, 2.5) = 2.5 | 1: the padded 1/3 counts for nothing
+    weight, stats, _ = correct(tis_level="sequence")  # min(2 * 1.5, 2.5) = 2.5 | 1: the padded 1/3 counts for nothing
     torch.testing.assert_close(weight, torch.tensor([[2.5, 2.5], [1.0, 1.0]], dtype=F64))
     assert stats["is_ess"].item() == pytest.approx(3.5 ** 2 / (2 * (6.25 + 1)), rel=1e-12)
-    weight, stats = correct(tis_level="sequence", tis_veto=1.2)  # row 1's ratio 1 < 1.2: the row gets no gradient
+    weight, stats, per_row = correct(tis_level="sequence", tis_veto=1.2)  # row 1's ratio 1 < 1.2: no gradient
     torch.testing.assert_close(weight, torch.tensor([[2.5, 2.5], [0.0, 0.0]], dtype=F64))
+    assert per_row["veto"].tolist() == [1.0, 0.0]
     assert stats["tis_veto_frac"].item() == 0.5 and stats["is_ess"].item() == pytest.approx(0.5)
-    assert correct(tis_veto=0.5)[1]["tis_veto_frac"].item() == 0.0  # row 1's 1/3 is padding: no veto
+    assert correct(tis_veto=0.5).stats["tis_veto_frac"].item() == 0.0  # row 1's 1/3 is padding: no veto
 
 
 def test_geometric_mask_in_rollout_correction_plays_pi_old_with_the_samplers_log_probs():
@@ -88,8 +94,8 @@ def test_geometric_mask_in_rollout_correction_plays_pi_old_with_the_samplers_log
     only the sampler's log-probs reveal the drift."""
     old_logp = torch.full((2, 3), -1.0, dtype=F64)
     rollout_logp = old_logp + 0.5
-    weight, stats = common.rollout_correction(old_logp.clone(), old_logp, rollout_logp, torch.tensor([-1.0, 1.0]),
-                                              torch.ones(2, 3), geo_mask_delta=0.4)
+    weight, stats, _ = common.rollout_correction(old_logp.clone(), old_logp, rollout_logp, torch.tensor([-1.0, 1.0]),
+                                                 torch.ones(2, 3), geo_mask_delta=0.4)
     assert weight[:, 0].tolist() == [0.0, 1.0] and stats["geo_masked_frac"].item() == 0.5
 
 

@@ -149,7 +149,7 @@ def completion_mask(seed):
 def aggregate_loss(seed):
     g = generator(seed, 5)
     x, mask, _ = random_batch(g)
-    modes = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+    modes = ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
     cases = [Case(f"{mode}, padding {fill_name(fill)}", [padded(x, mask, fill), mask, mode])
              for mode in modes for fill in GARBAGE]
     short = widened(padded(x, mask, float("nan")), 3, float("nan")), widened(mask, 3)  # every row shorter
