@@ -160,7 +160,8 @@ def main():
         # ---- update: mu optimizer steps on the same batch, each summing its micro-batches' gradients ----
         for epoch in range(cfg.num_epochs):  # the stats are those of the last (most off-policy) update
             kl_seq = 0.0
-            for mb in trainer.micro_batches(rollout, cfg.loss_agg, clip=(cfg.epsilon, cfg.epsilon_high or cfg.epsilon)):
+            for mb in trainer.micro_batches(rollout, cfg.loss_agg, clip=(cfg.epsilon, cfg.epsilon_high or cfg.epsilon,
+                                                                         cfg.importance_sampling_level)):
                 logp, entropy = trainer.policy_logprobs(rollout, mb)  # (b, T), with gradient
                 old = logp.detach() if old_logp is None else mb.of(old_logp)  # mu = 1: pi_old = pi_theta in value
                 pg_weight, correction, per_row = None, {}, {}

@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import torch
 
+import common
 from support.view_page import PAGE
 
 
@@ -39,7 +40,7 @@ QUANTITIES = {
     "ratio": Quantity("ratio π_θ/π_old", "ratio", "π_θ/π_old as the last epoch's loss saw it: how much more (blue) "
                       "or less (red) likely the earlier epochs made the token, on a log scale around 1."),
     "clip": Quantity("clip", "clip", "Where the clip stopped the gradient: high (ratio > 1+ε, A > 0), low "
-                     "(ratio < 1-ε, A < 0)."),
+                     "(ratio < 1-ε, A < 0); under GSPO on the sequence's ratio, the same on all its tokens."),
     "kl_k1": Quantity("KL k1", "signed", "log π_θ - log π_ref, the k1 estimate of the KL to the reference (its mean)."),
     "kl_k3": Quantity("KL k3", "positive", "The k3 estimate of the KL to the reference, r - 1 - log r with "
                       "r = π_ref/π_θ: never negative, dark where the policy left the reference."),
@@ -67,11 +68,12 @@ def rounded(values):
             else int(v) if v == int(v) and abs(v) < 1e15 else float(f"{v:.{SIGNIFICANT_DIGITS}g}") for v in values]
 
 
-def derived(kept, adv, clip=None, tokens=()):
+def derived(kept, adv, clip=None, tokens=(), mask=None):
     """The page's values from what a step kept ({name: (B, T) or (B,) tensor}): the log-probs (logp: the last epoch's;
     old_logp, ref_logp, rollout_logp: the scoring passes') become the KL to the reference (k1 unless `tokens` gives
     it; k3 from k1), the ratio to pi_old with where the clip range (epsilon_low, epsilon_high) stopped it given adv,
-    and the trainer-sampler mismatch. The other values stay."""
+    and the trainer-sampler mismatch. The other values stay. A third entry "sequence" in `clip` (GSPO) clips each
+    row's geometric-mean ratio over its valid tokens (`mask`), the ratio the loss clipped, on every token."""
     kept = dict(kept)
     logp, old, ref, sampler = (kept.pop(name, None) for name in ("logp", "old_logp", "ref_logp", "rollout_logp"))
     if logp is None:
@@ -82,8 +84,10 @@ def derived(kept, adv, clip=None, tokens=()):
     if k1 is not None:
         kept["kl_k3"] = torch.exp(-k1) + k1 - 1  # r - 1 - log r with r = pi_ref / pi_theta = exp(-k1)
     if clip is not None and old is not None and adv is not None:
-        low, high = clip[0], clip[1] if clip[1] is not None else clip[0]
+        low, high, *level = clip
         kept["ratio"] = ratio = torch.exp(logp - old)
+        if level == ["sequence"]:
+            ratio = torch.exp(common.masked_mean(logp - old, mask, dim=1))[:, None].expand_as(logp)
         adv = adv if adv.dim() == 2 else adv[:, None]
         kept["clip"] = ((ratio > 1 + high) & (adv > 0)).float() - ((ratio < 1 - low) & (adv < 0)).float()
     if sampler is not None:

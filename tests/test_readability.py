@@ -18,7 +18,7 @@ ALGORITHMS = ("remax", "rloo", "grpo", "dapo", "ppo")
 # reuse), which its two diffs show beside the idea that separates the files.
 # The update is written out in each main(): GRPO and DAPO nest it in their --num_epochs loop, which RLOO
 # (on-policy) does not, and DAPO's dynamic sampling is in dapo.py, not the engine.
-DIFF_BUDGET = {("remax", "rloo"): 120, ("rloo", "grpo"): 177, ("grpo", "dapo"): 200}
+DIFF_BUDGET = {("remax", "rloo"): 120, ("rloo", "grpo"): 178, ("grpo", "dapo"): 200}
 MAIN_BUDGET = {"ppo": 140}  # the others: 110
 # Lines of each module of support/ and of common.py, read in one sitting; a module that outgrows it is split by
 # topic. The algorithm files keep their own budgets: the diffs and main() above.

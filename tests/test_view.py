@@ -287,6 +287,23 @@ def assert_recorded(rows, name, want, mask):
         torch.testing.assert_close(got[keep], expected[keep], rtol=2 * ROUNDING, atol=2e-6, msg=name)
 
 
+def test_the_clip_colouring_follows_the_level_the_loss_clips_at():
+    """Token level: each token's ratio against [1 - 0.2, 1 + 0.2]; GSPO: each row's geometric-mean ratio over its
+    valid tokens, on all of them, as grpo_loss clips it. Row 0: e^0.3 alone passes 1.2, but the row's mean log-ratio
+    0.1 does not; row 1: e^0.15 alone does not, but the mean 0.2 of its valid tokens does (its padding's 5 left out)."""
+    from grpo import grpo_loss
+
+    logp, old = torch.tensor([[0.3, -0.1, 0.0], [0.25, 0.15, 5.0]]), torch.zeros(2, 3)
+    mask, adv = torch.tensor([[1, 1, 0], [1, 1, 0]]), torch.tensor([1.0, 1.0])
+    kept = {"logp": logp, "old_logp": old}
+    token = view.derived(kept, adv, (0.2, 0.2), mask=mask)["clip"]
+    sequence = view.derived(kept, adv, (0.2, 0.2, "sequence"), mask=mask)["clip"]
+    assert token[mask.bool()].tolist() == [1.0, 0.0, 1.0, 0.0]
+    assert sequence[mask.bool()].tolist() == [0.0, 0.0, 1.0, 1.0]
+    _, stats = grpo_loss(logp, old, None, adv, mask, 0.2, 0.0, epsilon_high=0.2, importance_sampling_level="sequence")
+    assert stats["clip_frac_high"].item() == sequence[:, 0].mean().item() == 0.5
+
+
 def test_grpo_records_what_its_update_computed(tmp_path, monkeypatch):
     """mu = 2 with a stale sampler (--rollout_lag 1) and TIS, in micro-batches of 3 rows (the 4 recorded rows span
     two): at step 2 the sampler and the reference are the embedded model, pi_old the policy after step 1 and the
