@@ -227,8 +227,8 @@ class Trainer:
         indices): --micro_batch_size rows each, and the weight of each one's loss for `loss_agg`, the
         aggregation the loss uses (common.micro_batch_weight): with token-mean the mean token count per process,
         over every process, so that DDP's mean of the gradients is the gradient of the token-mean over all.
-        clip: the loss's clip range (epsilon_low, epsilon_high) on the ratio pi_theta / pi_old, if it has one, and
-        "sequence" third where the loss clips one ratio per sequence (GSPO); the rollout viewer shows where it bit."""
+        clip: the loss's clip range (epsilon_low, epsilon_high) on the ratio pi_theta / pi_old, if it has one, with
+        "sequence" as a third entry where it clips one ratio per sequence (GSPO); the viewer shows where it bit."""
         mask = rollout.mask
         index = torch.arange(len(rollout), device=mask.device) if rows is None else rows
         num_tokens = self.accelerator.reduce(mask[index].sum().float(), reduction="mean")
