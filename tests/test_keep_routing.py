@@ -127,6 +127,8 @@ def test_replay_runs_under_zero3_and_under_lora_on_two_processes(tmp_path):
         pass
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
     for name, out in zip(runs, run_together(list(runs.values()), env)):
+        if out.returncode != 0:  # the whole log of both ranks, in the failure's captured output
+            print(name, out.stdout, out.stderr, sep="\n")
         assert out.returncode == 0, (name, out.stderr[-3000:])
         summary = json.loads((tmp_path / name / "summary.json").read_text())
         assert summary["num_processes"] == 2 and len(set(summary["replica_weight_checksums"])) == 1
