@@ -201,7 +201,7 @@ class Trainer:
             logp = self._scoring_pass(
                 rollout, lambda ids, mask: self.score(model, ids, mask, n, cfg.temperature, **sampling))
             if self.moe and model is self.policy.model:
-                rollout.old_routing = self._close_routing()
+                rollout.old_routing = self._close_routing().used()
         if self.recording:  # the policy before the update (pi_old), the sampler's copy, or the reference
             role = "old_logp" if model is self.policy.model else "rollout_logp" if model is self.rollout_model \
                 else "ref_logp"
@@ -290,15 +290,16 @@ class Trainer:
 
     def _close_routing(self):
         """Close the pass's contexts; the routers' own choices of the rows not seen before are kept (the
-        trainer's side of train/routing_mismatch). Returns the experts the pass used and their token ids."""
+        trainer's side of train/routing_mismatch). Returns the closed routing.Pass (its used(): the experts)."""
         routing_pass, rollout, rows = self.routing_pass
         self.routing_pass = None
-        used, live = routing_pass.close()
+        routing_pass.close()
         if rollout.live_routing is None:
             rollout.live_routing = torch.full_like(rollout.routing[0], -1)
         new = (rollout.live_routing[rows, :, 0, 0] < 0).all(1)
-        rollout.live_routing[rows[new]] = live[new]
-        return used
+        if new.any():  # laid out only for the first pass over a row: later passes' updates need none of it
+            rollout.live_routing[rows[new]] = routing_pass.live()[new]
+        return routing_pass
 
     def step(self, *trainables):
         """One optimizer step of each trainable after the update's backward passes: clip its gradient norm to

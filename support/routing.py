@@ -132,8 +132,8 @@ def rows(model, block_rows=None, batch_rows=None):
 class Pass:
     """The routing of one pass of a trainer's model over `rows` of a batch laid out as `attention_mask` (B, S), held
     open from the forward to the end of the backward: a replay of `replayed` ((indices, token_ids) of the whole
-    batch, or None) and a recording. close() returns the experts the pass used and its routers' own choices, both
-    (b, S, L, k) in the layout of attention_mask[rows], with the token ids ((used, token_ids), live)."""
+    batch, or None) and a recording. Once closed, used() gives the experts the pass used with their token ids and
+    live() its routers' own choices, (b, S, L, k) in the layout of attention_mask[rows], each laid out when asked."""
 
     def __init__(self, model, attention_mask, rows, replayed=None):
         self.stack, self.attention_mask = ExitStack(), attention_mask[rows]
@@ -143,7 +143,12 @@ class Pass:
 
     def close(self):
         self.stack.close()
-        return self.recording.layout(self.attention_mask), self.recording.layout(self.attention_mask, live=True)[0]
+
+    def used(self):
+        return self.recording.layout(self.attention_mask)
+
+    def live(self):
+        return self.recording.layout(self.attention_mask, live=True)[0]
 
 
 # ----------------------------------------------------------------------------------------

@@ -25,9 +25,9 @@ def run(module, out_dir, *flags, steps=1):
 
     def close(self):
         rollout, rows = self.routing_pass[1:]
-        used = original(self)
-        passes.append((rollout, rows, used, len(rows) == len(rollout) and rollout.old_routing is None))
-        return used
+        closed = original(self)
+        passes.append((rollout, rows, closed.used(), len(rows) == len(rollout) and rollout.old_routing is None))
+        return closed
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(sys, "argv", [f"{module.__name__}.py", "--num_steps", str(steps), *FLAGS, *flags,
