@@ -5,6 +5,7 @@ import atexit
 import functools
 import importlib.util
 import json
+import logging
 import os
 import sys
 from dataclasses import dataclass, field
@@ -331,6 +332,20 @@ def make_accelerator(cfg):
     if accelerator.state.deepspeed_plugin is not None:
         deepspeed_settings(accelerator.state.deepspeed_plugin.deepspeed_config, cfg, accelerator.num_processes)
     return accelerator
+
+
+def leave_run(num_processes):
+    """The last call of a run, on every rank, after the process group is closed. One process returns. Several
+    leave at once (os._exit(0), after flushing what they printed) rather than tear the interpreter down: a
+    gloo worker thread can still be releasing the tensors of a finished collective (DeepSpeed's all-gathers
+    hold Python-owned views), which takes the GIL, and a thread that asks for it while the interpreter
+    finalizes is stopped inside a C++ destructor: the rank aborts (SIGABRT, "terminate called without an
+    active exception") after a complete run, about once in 50 two-process runs on 2 busy cores."""
+    if num_processes > 1:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 def close_process_group():

@@ -26,7 +26,7 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 import common
-from support import checkpoint, fast, models, reward_functions, routing, run, tasks, view
+from support import checkpoint, config, fast, models, reward_functions, routing, run, tasks, view
 from support.rollout import MicroBatch, Rollout
 
 
@@ -404,8 +404,8 @@ class Trainer:
         self.recorder.write()
 
     def finish(self):
-        """Summary and curves, the final policy with save_pretrained, and the process group closed on every
-        rank."""
+        """Summary and curves, the final policy with save_pretrained, the process group closed on every rank,
+        and, with several processes, the process ended (config.leave_run)."""
         cfg, accelerator = self.cfg, self.accelerator
         self.logger.finish(self.policy.model)
         if self.recorder is not None and self.recorder.enabled:
@@ -414,7 +414,8 @@ class Trainer:
             models.save_model(accelerator, self.policy.model, self.tokenizer, f"{cfg.output_dir}/final",
                               cfg.merge_lora)
         accelerator.wait_for_everyone()
-        accelerator.end_training()  # close the process group on every rank before the interpreter exits
+        accelerator.end_training()  # close the process group on every rank
+        config.leave_run(accelerator.num_processes)
 
 
 def combine(shares_and_stats):

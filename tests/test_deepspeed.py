@@ -184,6 +184,10 @@ def worker(out_dir):
     if out_dir:
         with open(os.path.join(out_dir, f"rank{dist.get_rank()}.json"), "w") as f:
             json.dump(result, f)
+    world_size = dist.get_world_size()
+    dist.barrier()
+    torch.distributed.destroy_process_group()
+    config.leave_run(world_size)  # as a run ends: a gloo thread may still hold an all-gather's tensors
 
 
 if __name__ == "__main__":
