@@ -334,9 +334,9 @@ def make_accelerator(cfg):
     return accelerator
 
 
-def leave_run(num_processes):
-    """The last call of a run, on every rank, after the process group is closed. One process returns. Several
-    leave at once (os._exit(0), after flushing what they printed) rather than tear the interpreter down: a
+def leave_run(num_processes, code=0):
+    """The last call of a run on every rank, after the process group is closed. One process returns. Several
+    leave at once (os._exit(code), after flushing what they printed) rather than tear the interpreter down: a
     gloo worker thread can still be releasing the tensors of a finished collective (DeepSpeed's all-gathers
     hold Python-owned views), which takes the GIL, and a thread that asks for it while the interpreter
     finalizes is stopped inside a C++ destructor: the rank aborts (SIGABRT, "terminate called without an
@@ -345,15 +345,17 @@ def leave_run(num_processes):
         logging.shutdown()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
+        os._exit(code)
 
 
 def close_process_group():
-    """Run at exit on every rank, the error path (SystemExit "error: ...") included: a rank that leaves the
-    interpreter with its process group open can abort (SIGABRT) instead of exiting with its own code. After
-    accelerator.end_training (the end of a run) there is no group left to close."""
+    """Run at exit on every rank. A run that reached its end has closed its group and left (leave_run); one
+    that did not (an error: SystemExit "error: ..." or a traceback, already printed) closes it here, where the
+    interpreter is still whole, and with several processes leaves with exit code 1 for leave_run's reason."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
+        num_processes = torch.distributed.get_world_size()
         torch.distributed.destroy_process_group()
+        leave_run(num_processes, code=1)
 
 
 def deepspeed_settings(ds_config, cfg, num_processes):

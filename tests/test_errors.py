@@ -152,7 +152,8 @@ def test_a_failure_ends_every_rank_of_a_two_process_run_with_exit_code_1(tmp_pat
     1e30 breaks the weights at step 1, which the sampling of step 2 meets on every rank. Either way every rank
     stops with exit code 1, and the main process prints the error line (once: the ranks agree on it). Under
     ZeRO-3 a rank that left the interpreter with its process group open could end by SIGABRT ("terminate
-    called without an active exception", exit code -6); config.make_accelerator closes it at exit. The two
+    called without an active exception", exit code -6); config.close_process_group closes it at exit and
+    leaves before the interpreter's teardown. The two
     ranks are started as torchrun starts them (its environment variables), not under a launcher: a launcher
     stops the other ranks (SIGTERM) as soon as one has failed, which hides the exit code each would have had."""
     if backend == "zero3":
@@ -175,3 +176,19 @@ def test_a_failure_ends_every_rank_of_a_two_process_run_with_exit_code_1(tmp_pat
         assert "Traceback" not in err and "terminate called" not in err, err[-3000:]
     assert errs[0].strip().splitlines()[-1].startswith(error), errs[0][-3000:]
     assert "error:" not in errs[1], errs[1][-3000:]
+
+
+def test_a_rank_leaves_with_its_output_flushed_and_its_own_exit_code():
+    """config.leave_run: one process returns; with several, what was printed (buffered, to a pipe) is flushed
+    and the process ends at once with the code given, running no line after it and no exit handler."""
+    script = ("import atexit, sys\n"
+              "from support import config\n"
+              "atexit.register(lambda: print('exit handler ran'))\n"
+              "config.leave_run(1)\n"
+              "print('one process returns', end=' ')\n"
+              "sys.stderr.write('to stderr')\n"
+              "config.leave_run(2, code=int(sys.argv[1]))\n"
+              "print('not reached')\n")
+    for code in (0, 1):
+        out = subprocess.run([sys.executable, "-c", script, str(code)], cwd=ROOT, capture_output=True, text=True)
+        assert (out.returncode, out.stdout, out.stderr) == (code, "one process returns ", "to stderr")
