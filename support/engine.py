@@ -384,10 +384,17 @@ class Trainer:
     def push(self, mb):
         """(b, T): -d loss / d logp at each token of the micro-batch, times the normaliser the loss's aggregation
         divides that token's term by (common.aggregate_loss over the whole update): the weight the update gave
-        the token's log-prob, for a REINFORCE loss -w_t logp_t its w_t. None under fp16 loss scaling."""
+        the token's log-prob, for a REINFORCE loss -w_t logp_t its w_t. Under fp16 loss scaling the gradient
+        is divided by the scale; None where it overflowed (the scaler skips that step) and under DeepSpeed's
+        fp16, whose scale lives in its optimizer."""
         grad = self.scored.grad if self.scored is not None else None
-        if grad is None or checkpoint.loss_scaling(self.accelerator):
+        scaler = self.accelerator.scaler
+        if grad is None or (scaler is None and checkpoint.loss_scaling(self.accelerator)):
             return None
+        if scaler is not None:
+            grad = grad / scaler.get_scale()  # accelerator.backward differentiated scale * loss
+            if not torch.isfinite(grad).all():
+                return None
         loss_agg, num_tokens, B = self.update_agg
         lengths = mb.mask.sum(1, keepdim=True).float()  # (b, 1)
         scale = {"token-mean": num_tokens, "seq-mean-token-mean": B * lengths, "seq-mean-token-sum": B,

@@ -346,12 +346,24 @@ def test_grpo_records_what_its_update_computed(tmp_path, monkeypatch):
     assert_recorded(rows, "kept_set", kept.scatter(-1, rollout.completion_ids[..., None], True).sum(-1), mask)
 
 
-def test_remax_push_is_the_reward_to_go_return_its_loss_used(tmp_path, monkeypatch):
+@pytest.mark.parametrize("loss_scale", [None, 1024.0], ids=["fp32", "fp16_loss_scaling"])
+def test_remax_push_is_the_reward_to_go_return_its_loss_used(tmp_path, monkeypatch, loss_scale):
     """ReMax's loss is -G_t log pi(y_t) with G_t = A - beta sum_{t' >= t} k1_t', token-mean over the batch: the
-    push the page shows, -dL/dlogp_t times the batch's token count (micro-batches of 3 rows here), is G_t."""
+    push the page shows, -dL/dlogp_t times the batch's token count (micro-batches of 3 rows here), is G_t. Under
+    fp16 loss scaling (the scaler accelerate builds on a GPU, on fp32 weights here: a power-of-two scale is exact)
+    the gradient at logp is the scale times that, and the page shows G_t all the same."""
     import remax
     from transformers import AutoModelForCausalLM
 
+    if loss_scale is not None:
+        make_accelerator = config.make_accelerator
+
+        def with_a_loss_scaler(cfg):
+            accelerator = make_accelerator(cfg)
+            accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=loss_scale)
+            return accelerator
+
+        monkeypatch.setattr(config, "make_accelerator", with_a_loss_scaler)
     beta = 0.05
     rows, seen = recorded_step(remax, ["--batch_size", "8", "--micro_batch_size", "3", "--log_rollouts", "8",
                                        "--learning_rate", "1e-3"], tmp_path, monkeypatch)
