@@ -389,7 +389,7 @@ class Trainer:
         fp16, whose scale lives in its optimizer."""
         grad = self.scored.grad if self.scored is not None else None
         scaler = self.accelerator.scaler
-        if grad is None or (scaler is None and checkpoint.loss_scaling(self.accelerator)):
+        if grad is None or (scaler is None and checkpoint.loss_scaling(self.accelerator)):  # DeepSpeed's fp16
             return None
         if scaler is not None:
             grad = grad / scaler.get_scale()  # accelerator.backward differentiated scale * loss
