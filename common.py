@@ -6,6 +6,7 @@ KL estimators, masking, loss aggregation and reward-to-go are pure functions: te
 versions, tested equal to them. The plumbing (config, tasks and rewards, model loading, logging, checkpoints) lives
 in support/. Equations and sign conventions: docs/algorithms.md.
 """
+import math
 from contextlib import contextmanager
 from typing import NamedTuple
 
@@ -23,6 +24,13 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "se
 # the sequence) gives the gradient of the sequence KL(pi_theta || pi_ref). tests/test_kl.py
 # proves both by enumerating every sequence of a 2-token model.
 # ----------------------------------------------------------------------------------------
+class KLTerm(NamedTuple):
+    """A KL term in the loss: its estimator (k1, k2, k3) and whether the ratio pi_theta / pi_old weighs it
+    (kl_penalty's old_logp; DeepSeek-V3.2)."""
+    estimator: str = "k3"
+    ratio_weight: bool = False
+
+
 def kl_k1(logp, ref_logp):
     """k1 = log q - log p, per token.
 
@@ -133,6 +141,16 @@ def completion_mask(completion_ids, eos_token_id):
     # END SOLUTION
 
 
+class Aggregation(NamedTuple):
+    """How a loss reduces its (B, T) per-token terms to a scalar, said once per update: `mode`, one of
+    LOSS_AGG_MODES; `max_len`, seq-mean-token-sum-norm's constant (None: the width T); `weight`, for a micro-batch
+    the share of the whole update's loss its aggregate is (micro_batch_weight; 1: the rows are the whole batch).
+    The loop builds it in its `trainer.micro_batches(...)` call; the loss, the weight and the viewer read it there."""
+    mode: str
+    max_len: int | None = None
+    weight: torch.Tensor | float = 1.0
+
+
 def aggregate_loss(per_token_loss, mask, mode, max_len=None):
     """Reduce a (B, T) per-token loss to a scalar.
 
@@ -141,7 +159,10 @@ def aggregate_loss(per_token_loss, mask, mode, max_len=None):
     seq-mean-token-sum:       mean over sequences of each sequence's token sum (RLOO: the sequence is one action).
     seq-mean-token-sum-norm:  mean over sequences of (token sum / max_len), max_len a constant
                               (Dr. GRPO: no per-sequence length normalisation). Default T.
+    `mode` may be an Aggregation: its mode and max_len, the result times its weight (a micro-batch's part).
     """
+    if isinstance(mode, Aggregation):  # a micro-batch: its aggregate, weighted to its part of the update's loss
+        return mode.weight * aggregate_loss(per_token_loss, mask, mode.mode, mode.max_len)
     # BEGIN SOLUTION
     if mode == "token-mean":
         return masked_sum(per_token_loss, mask) / mask.sum().clamp(min=1)
@@ -154,6 +175,23 @@ def aggregate_loss(per_token_loss, mask, mode, max_len=None):
         return (masked_sum(per_token_loss, mask, dim=1) / max_len).mean()
     raise ValueError(f"unknown loss aggregation {mode!r}; choose one of {LOSS_AGG_MODES}")
     # END SOLUTION
+
+
+class Clip(NamedTuple):
+    """The clip of a surrogate loss: the ratio pi_theta / pi_old kept in [1 - low, 1 + high]; dual_c > 1 bounds the
+    loss of a token with A < 0 at c |A| (dual clip; 0 = off); level "sequence" clips one ratio per sequence (GSPO),
+    "token" one per token. A script's Config builds it (cfg.clip): its loss and the rollout viewer read it there."""
+    low: float
+    high: float
+    dual_c: float = 0.0
+    level: str = "token"
+
+
+def per_sequence(loss_agg):
+    """loss_agg with each sequence counted once (seq-mean-token-mean): a string, or an Aggregation keeping its
+    micro-batch weight, the same for every mean over sequences."""
+    return loss_agg._replace(mode="seq-mean-token-mean") if isinstance(loss_agg, Aggregation) else \
+        "seq-mean-token-mean"
 
 
 def micro_batches(batch_size, micro_batch_size):
@@ -233,6 +271,23 @@ class Extreme(NamedTuple):
     reduce: str  # "max" or "min"
 
 
+class Sums(NamedTuple):
+    """A statistic that is a function of sums over the update's rows or tokens (a fraction of sequences, an
+    effective sample size): its micro-batches add their `sums`, and the value is finish(*sums) over the whole
+    batch, the same with or without --micro_batch_size."""
+    sums: tuple
+    finish: object = torch.div
+
+    def value(self):
+        return self.finish(*self.sums)
+
+
+def fraction(flags, mask=None):
+    """The fraction of rows ((B,) flags) or of valid tokens ((B, T) flags and their mask) where flags is true."""
+    mask = torch.ones_like(flags) if mask is None else mask
+    return Sums((masked_sum(flags.float(), mask), mask.sum().float()))
+
+
 class Correction(NamedTuple):
     """rollout_correction's result: weight, the (B, T) detached weight on each token's policy-gradient term; stats,
     the mismatch's statistics and is_ess; per_row, the viewer's TIS weight (B, T), geometric mask and veto (B,)."""
@@ -248,25 +303,30 @@ def rollout_correction(logp, old_logp, rollout_logp, adv, mask, tis_cap=0.0, geo
     trainer sampled, they are old_logp). TIS weighs by min(old / rollout, tis_cap), per token or by the truncated
     product over the sequence (tis_level); tis_veto drops a sequence with a token whose old / rollout is below it;
     the geometric mask plays pi_old with rollout_logp, so it sees the mismatch and the updates since sampling;
-    is_ess is the effective sample size of the weights in use. 0 turns each off (None in per_row)."""
+    is_ess is the effective sample size of the weights in use, tis_clip_frac the fraction of the weights (tokens
+    or sequences) the cap truncated. 0 turns each off (None in per_row)."""
     rollout_logp = old_logp if rollout_logp is None else rollout_logp
+    sequence = tis_level == "sequence"
     tis = torch.ones_like(logp)
     if tis_cap > 0:
-        tis = truncated_is_weight(old_logp, rollout_logp, tis_cap) if tis_level == "token" else \
-            sequence_is_weight(old_logp, rollout_logp, mask, tis_cap)[:, None].expand_as(logp)
+        tis = sequence_is_weight(old_logp, rollout_logp, mask, tis_cap)[:, None].expand_as(logp) if sequence else \
+            truncated_is_weight(old_logp, rollout_logp, tis_cap)
     keep = geometric_sequence_mask(logp, rollout_logp, adv, mask, geo_mask_delta) if geo_mask_delta > 0 else \
         torch.ones_like(adv, dtype=logp.dtype)
     veto = tis_veto_mask(old_logp, rollout_logp, mask, tis_veto) if tis_veto > 0 else torch.ones_like(keep)
     weight = tis * (keep * veto)[:, None]
     with torch.no_grad():
-        ratio = torch.exp(old_logp - rollout_logp)  # trainer over sampler, the same weights
+        log_ratio = torch.where(mask.bool(), old_logp - rollout_logp, 0.0)  # trainer over sampler, the same weights
+        ratio = torch.exp(log_ratio)
+        capped = masked_sum(log_ratio, mask, dim=1) > math.log(tis_cap) if sequence else ratio > tis_cap
+        w, valid = (weight[:, 0], torch.ones_like(keep)) if sequence else (weight, mask)
         stats = {"mismatch_k3": masked_mean(kl_k3(rollout_logp, old_logp), mask),  # KL(sampler || trainer)
                  "mismatch_ratio_max": Extreme(torch.where(mask.bool(), ratio, 0.0).max(), "max"),
                  "mismatch_ratio_min": Extreme(torch.where(mask.bool(), ratio, float("inf")).min(), "min"),
-                 "tis_clip_frac": masked_mean((ratio > tis_cap).float(), mask) if tis_cap > 0 else 0.0,
-                 "geo_masked_frac": 1 - keep.mean(), "tis_veto_frac": 1 - veto.mean(),
-                 "is_ess": effective_sample_size(weight[:, 0]) if tis_level == "sequence" else
-                 effective_sample_size(weight, mask)}
+                 "tis_clip_frac": fraction(capped, None if sequence else mask) if tis_cap > 0 else 0.0,
+                 "geo_masked_frac": fraction(keep == 0), "tis_veto_frac": fraction(veto == 0),
+                 "is_ess": Sums((masked_sum(w, valid), masked_sum(w ** 2, valid), valid.sum().float()),
+                                lambda s, s2, n: s ** 2 / (n * s2).clamp(min=1e-30))}  # effective_sample_size
     per_row = {"tis_weight": tis if tis_cap > 0 else None, "geo_mask": keep if geo_mask_delta > 0 else None,
                "veto": veto if tis_veto > 0 else None}
     return Correction(weight, stats, per_row)

@@ -40,12 +40,26 @@ class Config(config.GroupConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        config.rule("epsilon_low", self.epsilon_low, 0 < self.epsilon_low < 1, "in (0, 1)")
+        config.rule("epsilon_high", self.epsilon_high, self.epsilon_high > 0, "> 0")
+        config.rule("dual_clip_c", self.dual_clip_c, self.dual_clip_c == 0 or self.dual_clip_c > 1, "0 (off) or > 1")
+        config.rule("num_epochs", self.num_epochs, self.num_epochs >= 1, ">= 1")
+        config.rule("max_sampling_rounds", self.max_sampling_rounds, self.max_sampling_rounds >= 1, ">= 1")
+        config.choice("dynamic_sampling_metric", self.dynamic_sampling_metric, ("correct", "reward"))
         config.check(self.epsilon_high >= self.epsilon_low,
                      f"--epsilon_high ({self.epsilon_high}) must be >= --epsilon_low ({self.epsilon_low}).")
         config.check(self.dynamic_sampling_metric == "reward" or self.answer_column or self.dataset == "arithmetic",
                      "--answer_column '' gives no correctness to filter on: use --dynamic_sampling_metric reward.")
         config.check(0 <= self.overlong_cache_len <= self.max_new_tokens,
                      f"--overlong_cache_len must be in [0, --max_new_tokens] (got {self.overlong_cache_len}).")
+
+    @property
+    def clip(self):
+        return common.Clip(self.epsilon_low, self.epsilon_high, self.dual_clip_c)
+
+    @property
+    def reuses_batch(self):
+        return self.num_epochs > 1
 
 
 def grpo_advantages(rewards, group_size, scale_rewards="group", eps=1e-6):
@@ -97,8 +111,10 @@ def overlong_penalty(lengths, max_len, cache_len):
     # END SOLUTION
 
 
-def dapo_loss(logp, old_logp, adv, mask, epsilon_low, epsilon_high, dual_clip_c=0.0, pg_weight=None):
-    """Clipped surrogate with the decoupled clip range, token-mean over the whole batch (DAPO eq. 8).
+def dapo_loss(logp, old_logp, adv, mask, epsilon_low, epsilon_high, dual_clip_c=0.0, pg_weight=None,
+              loss_agg="token-mean"):
+    """Clipped surrogate with the decoupled clip range, token-mean over the whole batch (DAPO eq. 8): loss_agg,
+    token-mean or the micro-batch's common.Aggregation of it.
 
     logp: (B, T) log-probs under the policy being trained (with grad); old_logp: (B, T) at sampling
     time (detached); adv: (B,), the same for every token. dual_clip_c > 1 bounds a token's loss with
@@ -119,7 +135,7 @@ def dapo_loss(logp, old_logp, adv, mask, epsilon_low, epsilon_high, dual_clip_c=
         surrogate = torch.where(adv < 0, torch.max(surrogate, dual_clip_c * adv), surrogate)
     if pg_weight is not None:  # a padding weight may hold anything: keep it out of the gradient
         surrogate = torch.where(mask.bool(), pg_weight, 0.0) * surrogate
-    loss = common.aggregate_loss(-surrogate, mask, "token-mean")
+    loss = common.aggregate_loss(-surrogate, mask, loss_agg)
     with torch.no_grad():
         stats = {
             "clip_frac_low": common.masked_mean(((ratio < 1 - epsilon_low) & (adv < 0)).float(), mask),
@@ -187,15 +203,15 @@ def main():
         # ---- reward: overlong shaping, after the filter; the log-probs the loss compares with ----
         penalty = overlong_penalty(rollout.mask.sum(1), cfg.max_new_tokens, cfg.overlong_cache_len)
         rewards = rewards + penalty
-        old_logp = trainer.logprobs(policy.model, rollout) if cfg.num_epochs > 1 else None  # pi_old; mu = 1: logp
-        rollout_logp = trainer.logprobs(rollout_model, rollout)  # the sampler's, when it is a copy
+        old_logp = trainer.old_logprobs(rollout) if cfg.num_epochs > 1 else None  # pi_old; mu = 1: logp
+        rollout_logp = trainer.sampler_logprobs(rollout)  # the sampler's, when it is a copy
 
         # ---- advantages: each reward standardised within its group ----
         adv = grpo_advantages(rewards, group_size)
 
         # ---- update: mu optimizer steps on the same batch, each summing its micro-batches' gradients ----
         for epoch in range(cfg.num_epochs):  # the stats are those of the last (most off-policy) update
-            for mb in trainer.micro_batches(rollout, "token-mean", clip=(cfg.epsilon_low, cfg.epsilon_high)):
+            for mb in trainer.micro_batches(rollout, common.Aggregation("token-mean")):
                 logp, entropy = trainer.policy_logprobs(rollout, mb)  # (b, T), with gradient
                 old = logp.detach() if old_logp is None else mb.of(old_logp)  # mu = 1: pi_old = pi_theta in value
                 pg_weight, correction, per_row = None, {}, {}
@@ -203,9 +219,8 @@ def main():
                     pg_weight, correction, per_row = common.rollout_correction(
                         logp, old, mb.of(rollout_logp), mb.of(adv), mb.mask, cfg.tis_cap, cfg.geo_mask_delta,
                         cfg.tis_level, cfg.tis_veto)
-                loss, stats = dapo_loss(logp, old, mb.of(adv), mb.mask, epsilon_low=cfg.epsilon_low,
-                                        epsilon_high=cfg.epsilon_high, dual_clip_c=cfg.dual_clip_c,
-                                        pg_weight=pg_weight)
+                loss, stats = dapo_loss(logp, old, mb.of(adv), mb.mask, cfg.epsilon_low, cfg.epsilon_high,
+                                        cfg.dual_clip_c, pg_weight, mb.agg)
                 stats = {**stats, **correction, "entropy": common.masked_mean(entropy, mb.mask)}
                 trainer.backward(loss, mb, stats, per_row)
             update = trainer.step(policy)  # clip, check finite, optimizer step, zero_grad

@@ -42,6 +42,15 @@ class Config(config.GroupConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        config.rule("beta", self.beta, self.beta >= 0, ">= 0")
+        config.choice("kl_estimator", self.kl_estimator, ("k1", "k2", "k3"))
+        config.choice("importance_sampling_level", self.importance_sampling_level, ("token", "sequence"))
+        config.rule("epsilon", self.epsilon, self.epsilon is None or 0 < self.epsilon < 1, "in (0, 1)")
+        config.rule("epsilon_high", self.epsilon_high, self.epsilon_high is None or self.epsilon_high > 0, "> 0")
+        config.rule("dual_clip_c", self.dual_clip_c, self.dual_clip_c == 0 or self.dual_clip_c > 1, "0 (off) or > 1")
+        config.rule("num_epochs", self.num_epochs, self.num_epochs >= 1, ">= 1")
+        config.choice("scale_rewards", self.scale_rewards, ("group", "batch", "none"))
+        config.choice("loss_agg", self.loss_agg, common.LOSS_AGG_MODES)
         sequence = self.importance_sampling_level == "sequence"  # GSPO's clip range: v2 section 5.1
         config.check(sequence or self.epsilon_high is None, "--epsilon_high needs --importance_sampling_level sequence")
         if sequence and self.epsilon_high is None:
@@ -49,6 +58,19 @@ class Config(config.GroupConfig):
         self.epsilon = (3e-4 if sequence else 0.2) if self.epsilon is None else self.epsilon
         config.check(not sequence or self.loss_agg != "token-mean", "--importance_sampling_level sequence: one term "
                      "per sequence, which --loss_agg token-mean would weigh by its tokens.")
+
+    @property
+    def clip(self):
+        return common.Clip(self.epsilon, self.epsilon_high or self.epsilon, self.dual_clip_c,
+                           self.importance_sampling_level)
+
+    @property
+    def kl(self):
+        return common.KLTerm(self.kl_estimator, self.kl_is_weight)
+
+    @property
+    def reuses_batch(self):
+        return self.num_epochs > 1
 
 
 def grpo_advantages(rewards, group_size, scale_rewards="group", eps=1e-6):
@@ -73,56 +95,53 @@ def grpo_advantages(rewards, group_size, scale_rewards="group", eps=1e-6):
     # END SOLUTION
 
 
-def grpo_loss(logp, old_logp, ref_logp, adv, mask, epsilon, beta, loss_agg="seq-mean-token-mean", max_len=None,
-              kl_estimator="k3", kl_is_weight=False, dual_clip_c=0.0, pg_weight=None, *, epsilon_high=None,
-              importance_sampling_level="token"):
+def grpo_loss(logp, old_logp, ref_logp, adv, mask, clip, beta, loss_agg="seq-mean-token-mean", kl=common.KLTerm(),
+              pg_weight=None):
     """Clipped surrogate plus beta * KL to the reference, per token (DeepSeekMath eq. 3).
 
     logp: (B, T) log-probs under the policy being trained (with grad); old_logp: (B, T) at sampling
-    time (detached); adv: (B,), the same for every token. dual_clip_c > 1 bounds a token's loss with
-    A < 0 by c |A|; pg_weight (B, T), detached, multiplies the surrogate (TIS, masks).
-    ref_logp: (B, T) under the reference, or None when beta == 0; the KL term keeps its gradient through logp
-    (common.kl_penalty; kl_is_weight passes it the ratio). GSPO (importance_sampling_level "sequence"): each token
-    of sequence i gets s_i = exp(mean_t log rho_t), clipped to [1 - epsilon, 1 + epsilon_high], once per sequence.
+    time (detached); adv: (B,), the same for every token. clip: a common.Clip (its range, dual clip and level), or
+    epsilon, the range [1 - epsilon, 1 + epsilon] on each token's ratio. pg_weight (B, T), detached, multiplies the
+    surrogate (TIS, masks). ref_logp: (B, T) under the reference, or None when beta == 0; the KL term (kl: its
+    estimator and ratio weight, common.kl_penalty) keeps its gradient through logp. loss_agg: a mode of
+    common.aggregate_loss or the micro-batch's common.Aggregation. GSPO (clip.level "sequence"): each token of
+    sequence i gets s_i = exp(mean_t log rho_t), clipped once per sequence.
     Returns (loss, stats): clip_frac_low / clip_frac_high, the fraction of tokens clipped below
-    (ratio < 1 - epsilon, A < 0) and above (ratio > 1 + epsilon_high, A > 0), of sequences for GSPO; approx_kl,
-    k3 of the token ratio, an estimate of KL(pi_old || pi_theta); kl_k3, the mean k3 to the reference; kl_term,
-    the mean of the term beta multiplies (the KL term stays per token).
+    (ratio < 1 - clip.low, A < 0) and above (ratio > 1 + clip.high, A > 0); approx_kl, k3 of the token ratio, an
+    estimate of KL(pi_old || pi_theta); kl_k3, the mean k3 to the reference; kl_term, the mean of the term beta
+    multiplies (the KL term stays per token).
     """
+    clip = common.Clip(clip, clip) if isinstance(clip, (int, float)) else clip
     # the padding may hold anything (NaN, a gap past exp's range): there the detached inputs take logp's value,
     # so the gradient at a padded position is 0, not 0 * inf = NaN from an exp's backward
     old_logp = torch.where(mask.bool(), old_logp, logp.detach())
     ref_logp = None if ref_logp is None else torch.where(mask.bool(), ref_logp, logp.detach())
     # BEGIN SOLUTION
-    sequence = importance_sampling_level == "sequence"
     log_ratio = logp - old_logp  # (B, T)
     ratio = torch.exp(log_ratio)  # rho_t = pi_theta / pi_old
-    if sequence:  # GSPO (Zheng et al., 2025, eq. 7): s_i = exp(mean_t log rho_t) on every token of sequence i
+    sequence = clip.level == "sequence"  # GSPO (Zheng et al., 2025): one ratio and one term per sequence
+    if sequence:  # s_i = exp(mean_t log rho_t) on every token of sequence i (eq. 7)
         ratio = torch.exp(common.masked_mean(log_ratio, mask, dim=1))[:, None].expand_as(logp)
     adv = adv[:, None]
-    epsilon_high = epsilon if epsilon_high is None else epsilon_high
-    surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * adv)
-    if dual_clip_c > 0:  # dual clip (Ye et al., 2020): with A < 0 the min above is unbounded in rho
-        surrogate = torch.where(adv < 0, torch.max(surrogate, dual_clip_c * adv), surrogate)
+    surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - clip.low, 1 + clip.high) * adv)
+    if clip.dual_c > 0:  # dual clip (Ye et al., 2020): with A < 0 the min above is unbounded in rho
+        surrogate = torch.where(adv < 0, torch.max(surrogate, clip.dual_c * adv), surrogate)
     if pg_weight is not None:  # a padding weight may hold anything: keep it out of the gradient
         surrogate = torch.where(mask.bool(), pg_weight, 0.0) * surrogate
-    kl = torch.zeros_like(logp) if ref_logp is None else \
-        common.kl_penalty(logp, ref_logp, kl_estimator, old_logp if kl_is_weight else None)
-    if sequence:  # the surrogate once per sequence (the mean of its equal token terms), the KL term per token
-        loss = common.aggregate_loss(-surrogate, mask, "seq-mean-token-mean") + \
-            common.aggregate_loss(beta * kl, mask, loss_agg, max_len)
+    kl_term = torch.zeros_like(logp) if ref_logp is None else \
+        common.kl_penalty(logp, ref_logp, kl.estimator, old_logp if kl.ratio_weight else None)
+    if sequence:  # GSPO: the surrogate once per sequence (the mean of its equal token terms), the KL term per token
+        loss = common.aggregate_loss(-surrogate, mask, common.per_sequence(loss_agg)) + \
+            common.aggregate_loss(beta * kl_term, mask, loss_agg)
     else:
-        loss = common.aggregate_loss(-surrogate + beta * kl, mask, loss_agg, max_len)
+        loss = common.aggregate_loss(-surrogate + beta * kl_term, mask, loss_agg)
     with torch.no_grad():
-        def clipped(flag):  # the fraction of tokens, or (GSPO) of sequences: each one's tokens agree
-            flag = flag.float()
-            return common.masked_mean(flag, mask, dim=1).mean() if sequence else common.masked_mean(flag, mask)
         stats = {
-            "clip_frac_low": clipped((ratio < 1 - epsilon) & (adv < 0)),
-            "clip_frac_high": clipped((ratio > 1 + epsilon_high) & (adv > 0)),
+            "clip_frac_low": common.masked_mean(((ratio < 1 - clip.low) & (adv < 0)).float(), mask),
+            "clip_frac_high": common.masked_mean(((ratio > 1 + clip.high) & (adv > 0)).float(), mask),
             "approx_kl": common.masked_mean(torch.exp(log_ratio) - 1 - log_ratio, mask),
-            "kl_k3": common.masked_mean(common.kl_k3(logp, ref_logp) if ref_logp is not None else kl, mask),
-            "kl_term": common.masked_mean(kl, mask),
+            "kl_k3": common.masked_mean(common.kl_k3(logp, ref_logp) if ref_logp is not None else kl_term, mask),
+            "kl_term": common.masked_mean(kl_term, mask),
         }
     return loss, stats
     # END SOLUTION
@@ -149,9 +168,9 @@ def main():
         # ---- reward, and the log-probs the loss compares with ----
         with trainer.timer("reward"):
             rewards, correct, reward_stats = reward_fn(rollout.examples, rollout.completions)
-        ref_logp = trainer.logprobs(ref_model, rollout, sampling_mask=False)  # pi_ref (None when beta = 0)
-        old_logp = trainer.logprobs(policy.model, rollout) if cfg.num_epochs > 1 else None  # pi_old; mu = 1: logp
-        rollout_logp = trainer.logprobs(rollout_model, rollout)  # the sampler's, when it is a copy
+        ref_logp = trainer.reference_logprobs(ref_model, rollout)  # pi_ref (None when beta = 0)
+        old_logp = trainer.old_logprobs(rollout) if cfg.num_epochs > 1 else None  # pi_old; mu = 1: logp
+        rollout_logp = trainer.sampler_logprobs(rollout)  # the sampler's, when it is a copy
 
         # ---- advantages: each reward standardised within its group ----
         adv = grpo_advantages(accelerator.gather(rewards), group_size, cfg.scale_rewards)  # batch: every process's std
@@ -160,8 +179,7 @@ def main():
         # ---- update: mu optimizer steps on the same batch, each summing its micro-batches' gradients ----
         for epoch in range(cfg.num_epochs):  # the stats are those of the last (most off-policy) update
             kl_seq = 0.0
-            for mb in trainer.micro_batches(rollout, cfg.loss_agg, clip=(cfg.epsilon, cfg.epsilon_high or cfg.epsilon,
-                                                                         cfg.importance_sampling_level)):
+            for mb in trainer.micro_batches(rollout, common.Aggregation(cfg.loss_agg, cfg.max_new_tokens)):
                 logp, entropy = trainer.policy_logprobs(rollout, mb)  # (b, T), with gradient
                 old = logp.detach() if old_logp is None else mb.of(old_logp)  # mu = 1: pi_old = pi_theta in value
                 pg_weight, correction, per_row = None, {}, {}
@@ -169,11 +187,8 @@ def main():
                     pg_weight, correction, per_row = common.rollout_correction(
                         logp, old, mb.of(rollout_logp), mb.of(adv), mb.mask, cfg.tis_cap, cfg.geo_mask_delta,
                         cfg.tis_level, cfg.tis_veto)
-                loss, stats = grpo_loss(logp, old, mb.of(ref_logp), mb.of(adv), mb.mask, epsilon=cfg.epsilon,
-                                        beta=cfg.beta, loss_agg=cfg.loss_agg, max_len=cfg.max_new_tokens,
-                                        kl_estimator=cfg.kl_estimator, kl_is_weight=cfg.kl_is_weight,
-                                        dual_clip_c=cfg.dual_clip_c, pg_weight=pg_weight, epsilon_high=cfg.epsilon_high,
-                                        importance_sampling_level=cfg.importance_sampling_level)
+                loss, stats = grpo_loss(logp, old, mb.of(ref_logp), mb.of(adv), mb.mask, cfg.clip, cfg.beta, mb.agg,
+                                        cfg.kl, pg_weight)
                 stats = {**stats, **correction, "entropy": common.masked_mean(entropy, mb.mask)}
                 trainer.backward(loss, mb, stats, per_row)
                 if ref_logp is not None:

@@ -59,9 +59,27 @@ class Config(config.TrainConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        config.rule("beta", self.beta, self.beta >= 0, ">= 0")
+        for name in ("critic_learning_rate", "num_mini_batches", "epsilon_value", "vf_coef", "kl_target", "kl_horizon"):
+            config.rule(name, vars(self)[name], vars(self)[name] > 0, "> 0")
+        for name in ("gamma", "lam"):
+            config.rule(name, vars(self)[name], 0 <= vars(self)[name] <= 1, "in [0, 1]")
+        config.rule("lam_critic", self.lam_critic, self.lam_critic is None or 0 <= self.lam_critic <= 1, "in [0, 1]")
+        config.rule("lam_alpha", self.lam_alpha, self.lam_alpha >= 0, ">= 0")
+        config.rule("num_epochs", self.num_epochs, self.num_epochs >= 1, ">= 1")
+        config.rule("epsilon", self.epsilon, 0 < self.epsilon < 1, "in (0, 1)")
+        config.rule("dual_clip_c", self.dual_clip_c, self.dual_clip_c == 0 or self.dual_clip_c > 1, "0 (off) or > 1")
         config.check(not self.adaptive_kl or self.beta > 0, "--adaptive_kl needs --beta > 0 (it scales beta).")
         config.check(self.batch_size % self.num_mini_batches == 0,
                      f"--num_mini_batches ({self.num_mini_batches}) must divide --batch_size ({self.batch_size}).")
+
+    @property
+    def clip(self):
+        return common.Clip(self.epsilon, self.epsilon, self.dual_clip_c)
+
+    @property
+    def reuses_batch(self):
+        return True
 
 
 def gae(rewards, values, mask, gamma, lam):
@@ -109,8 +127,9 @@ def length_adaptive_lam(lengths, alpha):
     # END SOLUTION
 
 
-def ppo_policy_loss(logp, old_logp, adv, mask, epsilon, dual_clip_c=0.0):
-    """Clipped surrogate (Schulman et al., 2017, eq. 7), token-mean over the minibatch.
+def ppo_policy_loss(logp, old_logp, adv, mask, epsilon, dual_clip_c=0.0, loss_agg="token-mean"):
+    """Clipped surrogate (Schulman et al., 2017, eq. 7), token-mean over the minibatch (loss_agg: token-mean, or
+    the micro-batch's common.Aggregation of it).
 
     logp: (B, T) with grad; old_logp, adv: (B, T) from rollout time. Per token
     -min(rho A, clip(rho, 1 - epsilon, 1 + epsilon) A), rho = exp(logp - old_logp): once the ratio
@@ -129,7 +148,7 @@ def ppo_policy_loss(logp, old_logp, adv, mask, epsilon, dual_clip_c=0.0):
     surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - epsilon, 1 + epsilon) * adv)
     if dual_clip_c > 0:  # dual clip (Ye et al., 2020)
         surrogate = torch.where(adv < 0, torch.max(surrogate, dual_clip_c * adv), surrogate)
-    loss = common.masked_mean(-surrogate, mask)
+    loss = common.aggregate_loss(-surrogate, mask, loss_agg)
     with torch.no_grad():
         stats = {
             "clip_frac_low": common.masked_mean(((ratio < 1 - epsilon) & (adv < 0)).float(), mask),
@@ -140,8 +159,9 @@ def ppo_policy_loss(logp, old_logp, adv, mask, epsilon, dual_clip_c=0.0):
     # END SOLUTION
 
 
-def ppo_value_loss(values, old_values, returns, mask, epsilon_value):
-    """Clipped value loss, token-mean: 0.5 max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2).
+def ppo_value_loss(values, old_values, returns, mask, epsilon_value, loss_agg="token-mean"):
+    """Clipped value loss, token-mean (loss_agg: token-mean, or the micro-batch's common.Aggregation of it):
+    0.5 max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2).
 
     values: (B, T) with grad; old_values, returns: (B, T) from rollout time. Like the policy
     clip, it keeps the critic near the one that produced the advantages.
@@ -151,7 +171,7 @@ def ppo_value_loss(values, old_values, returns, mask, epsilon_value):
     values_clipped = old_values + torch.clamp(values - old_values, -epsilon_value, epsilon_value)
     unclipped = (values - returns) ** 2
     clipped = (values_clipped - returns) ** 2
-    loss = 0.5 * common.masked_mean(torch.max(unclipped, clipped), mask)
+    loss = 0.5 * common.aggregate_loss(torch.max(unclipped, clipped), mask, loss_agg)
     with torch.no_grad():
         stats = {"clip_frac": common.masked_mean((clipped > unclipped).float(), mask)}
     return loss, stats
@@ -252,9 +272,9 @@ def main():
         # ---- reward, and pi_old, V_old and pi_ref at rollout time, for every update below ----
         with trainer.timer("reward"):
             rewards, correct, reward_stats = reward_fn(rollout.examples, rollout.completions)
-        old_logp = trainer.logprobs(policy.model, rollout)
+        old_logp = trainer.old_logprobs(rollout)
         old_values = trainer.values(critic.model, rollout)
-        ref_logp = trainer.logprobs(ref_model, rollout, sampling_mask=False)  # pi_ref (None when beta = 0)
+        ref_logp = trainer.reference_logprobs(ref_model, rollout)  # pi_ref (None when beta = 0)
 
         # ---- advantages: per-token reward, GAE (the critic is the baseline), whitened ----
         with trainer.timer("gae"):
@@ -277,16 +297,17 @@ def main():
         updates = []
         for epoch in range(cfg.num_epochs):
             for rows in torch.randperm(cfg.batch_size, device=accelerator.device).chunk(cfg.num_mini_batches):
-                for mb in trainer.micro_batches(rollout, "token-mean", rows, clip=(cfg.epsilon, cfg.epsilon)):
+                for mb in trainer.micro_batches(rollout, common.Aggregation("token-mean"), rows):
                     logp, entropy = trainer.policy_logprobs(rollout, mb)  # (b, T), with gradient
-                    pg_loss, pg_stats = ppo_policy_loss(logp, mb.of(old_logp), mb.of(adv), mb.mask,
-                                                        epsilon=cfg.epsilon, dual_clip_c=cfg.dual_clip_c)
+                    pg_loss, pg_stats = ppo_policy_loss(logp, mb.of(old_logp), mb.of(adv), mb.mask, cfg.epsilon,
+                                                        cfg.dual_clip_c, mb.agg)
                     values = critic.model(mb.of(input_ids), mb.of(attention_mask), T)  # (b, T), with gradient
                     vf_loss, vf_stats = ppo_value_loss(values, mb.of(old_values), mb.of(returns), mb.mask,
-                                                       epsilon_value=cfg.epsilon_value)
+                                                       cfg.epsilon_value, mb.agg)
                     trainer.backward(pg_loss + cfg.vf_coef * vf_loss, mb, {
-                        "policy_loss": pg_loss.detach(), "value_loss": vf_loss.detach(),
-                        "value_clip_frac": vf_stats["clip_frac"], **pg_stats,
+                        "policy_loss": common.Sums((pg_loss.detach(),), float),  # the micro-batches' parts add up
+                        "value_loss": common.Sums((vf_loss.detach(),), float), "value_clip_frac": vf_stats["clip_frac"],
+                        **pg_stats,
                         "entropy": common.masked_mean(entropy, mb.mask)})
                 updates.append(trainer.step(policy, critic))  # clip each, check finite, both optimizers step
         stats = {key: torch.stack([torch.as_tensor(u[key]) for u in updates]).mean() for key in updates[0]}

@@ -29,6 +29,13 @@ class Config(config.TrainConfig):
     adv_clip: float = arg(5.0, "Clip the advantage r - r_greedy to [-adv_clip, adv_clip] (0 = off).")
     loss_agg: str = arg("token-mean", "Loss aggregation: token-mean | seq-mean-token-mean | seq-mean-token-sum-norm.")
 
+    def __post_init__(self):
+        super().__post_init__()
+        config.choice("baseline", self.baseline, ("greedy", "none"))
+        config.rule("beta", self.beta, self.beta >= 0, ">= 0")
+        config.rule("adv_clip", self.adv_clip, self.adv_clip >= 0, ">= 0")
+        config.choice("loss_agg", self.loss_agg, common.LOSS_AGG_MODES)
+
 
 def remax_advantages(rewards, greedy_rewards):
     """A_i = r(x_i, y_i) - r(x_i, y_greedy_i): the greedy response's reward as baseline. (B,)"""
@@ -37,22 +44,22 @@ def remax_advantages(rewards, greedy_rewards):
     # END SOLUTION
 
 
-def remax_loss(logp, adv, kl, mask, beta, loss_agg="token-mean", max_len=None):
+def remax_loss(logp, adv, kl, mask, beta, loss_agg="token-mean"):
     """REINFORCE loss with the k1 penalty folded into the return.
 
     logp, kl: (B, T) per-token log-probs (with grad) and k1 = logp - ref_logp (detached);
     adv: (B,) sequence advantage. Per-token return G_t = A - beta * sum_{t'>=t} k1_t'
     (reward-to-go: the penalty on earlier tokens does not depend on later actions).
-    Loss = aggregate(-G_t * logp_t); max_len is the seq-mean-token-sum-norm constant
-    (--max_new_tokens). Only with that constant normaliser is the expected gradient of the KL part
-    that of beta * KL_seq(pi || ref) (divided by max_len); token-mean (the default, as the official
-    code) divides by the batch's token count, a ratio estimator biased at small batches, and
-    seq-mean-token-mean weighs each sequence by 1/|y| (docs/algorithms.md). Returns (loss, stats)
-    with stats: return_mean (mean G_t over tokens).
+    Loss = aggregate(-G_t * logp_t); loss_agg: a mode of common.aggregate_loss, or the micro-batch's
+    common.Aggregation (with seq-mean-token-sum-norm's constant, --max_new_tokens). Only with that constant
+    normaliser is the expected gradient of the KL part that of beta * KL_seq(pi || ref) (divided by max_len);
+    token-mean (the default, as the official code) divides by the batch's token count, a ratio estimator biased
+    at small batches, and seq-mean-token-mean weighs each sequence by 1/|y| (docs/algorithms.md). Returns
+    (loss, stats) with stats: return_mean (mean G_t over tokens).
     """
     # BEGIN SOLUTION
     returns = (adv[:, None] - beta * common.reward_to_go(kl, mask)).detach()
-    loss = common.aggregate_loss(-returns * logp, mask, loss_agg, max_len)
+    loss = common.aggregate_loss(-returns * logp, mask, loss_agg)
     return loss, {"return_mean": common.masked_mean(returns, mask)}
     # END SOLUTION
 
@@ -78,7 +85,7 @@ def main():
         # ---- reward, and the log-probs the loss compares with ----
         with trainer.timer("reward"):
             rewards, correct, reward_stats = reward_fn(rollout.examples, rollout.completions)
-        ref_logp = trainer.logprobs(ref_model, rollout, sampling_mask=False)  # pi_ref (None when beta = 0)
+        ref_logp = trainer.reference_logprobs(ref_model, rollout)  # pi_ref (None when beta = 0)
 
         # ---- advantages: the reward of the greedy response is the baseline (ReMax), or none (REINFORCE) ----
         if cfg.baseline == "greedy":
@@ -93,11 +100,10 @@ def main():
 
         # ---- update: one on-policy optimizer step, the batch's gradient summed over its micro-batches ----
         kl_seq = 0.0
-        for mb in trainer.micro_batches(rollout, cfg.loss_agg):  # rows, and their weight in the batch's loss
+        for mb in trainer.micro_batches(rollout, common.Aggregation(cfg.loss_agg, cfg.max_new_tokens)):
             logp, entropy = trainer.policy_logprobs(rollout, mb)  # (b, T), with gradient
             kl = common.kl_k1(logp.detach(), mb.of(ref_logp)) if ref_logp is not None else torch.zeros_like(logp)
-            loss, stats = remax_loss(logp, mb.of(adv), kl, mb.mask, beta=cfg.beta, loss_agg=cfg.loss_agg,
-                                     max_len=cfg.max_new_tokens)
+            loss, stats = remax_loss(logp, mb.of(adv), kl, mb.mask, cfg.beta, mb.agg)
             trainer.backward(loss, mb, {**stats, "entropy": common.masked_mean(entropy, mb.mask)})
             kl_seq += common.masked_sum(kl, mb.mask) / len(rollout)
         update = trainer.step(policy)  # clip, check finite, optimizer step, zero_grad

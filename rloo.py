@@ -29,6 +29,7 @@ class Config(config.GroupConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        config.rule("beta", self.beta, self.beta >= 0, ">= 0")
         config.check(self.micro_batch_size % self.num_generations == 0, f"--micro_batch_size ({self.micro_batch_size}) "
                      f"must be a multiple of --num_generations ({self.num_generations}): a sample's leave-one-out "
                      "baseline needs its group's KL penalties, so a micro-batch holds whole groups.")
@@ -45,16 +46,18 @@ def rloo_advantages(rewards, group_size):
     # END SOLUTION
 
 
-def rloo_loss(logp, adv, mask, pg_weight=None):
+def rloo_loss(logp, adv, mask, pg_weight=None, loss_agg="seq-mean-token-sum"):
     """REINFORCE with the whole completion as one action: mean_i of -A_i * sum_t logp_{i,t}.
 
     logp: (B, T) per-token log-probs (with grad); adv: (B,) detached; mask: (B, T); pg_weight
-    (B, T), detached, multiplies each token's log-prob (TIS, masks).
+    (B, T), detached, multiplies each token's log-prob (TIS, masks). loss_agg: seq-mean-token-sum, the mean over
+    sequences of their sums, or the micro-batch's common.Aggregation of it.
     Returns (loss, stats) with stats: seq_logp_mean, the mean sequence log-prob log pi(y_i|x)."""
     # BEGIN SOLUTION
     seq_logp = common.masked_sum(logp, mask, dim=1)  # log pi(y_i | x)
-    weighted = seq_logp if pg_weight is None else common.masked_sum(pg_weight * logp, mask, dim=1)
-    loss = -(adv.detach() * weighted).mean()
+    if pg_weight is not None:  # a padding weight may hold anything: keep it out of the gradient
+        logp = torch.where(mask.bool(), pg_weight, 0.0) * logp
+    loss = common.aggregate_loss(-adv.detach()[:, None] * logp, mask, loss_agg)
     return loss, {"seq_logp_mean": seq_logp.detach().mean()}
     # END SOLUTION
 
@@ -80,12 +83,12 @@ def main():
         # ---- reward, and the log-probs the loss compares with ----
         with trainer.timer("reward"):
             rewards, correct, reward_stats = reward_fn(rollout.examples, rollout.completions)
-        ref_logp = trainer.logprobs(ref_model, rollout, sampling_mask=False)  # pi_ref (None when beta = 0)
-        rollout_logp = trainer.logprobs(rollout_model, rollout)  # the sampler's, when it is a copy
+        ref_logp = trainer.reference_logprobs(ref_model, rollout)  # pi_ref (None when beta = 0)
+        rollout_logp = trainer.sampler_logprobs(rollout)  # the sampler's, when it is a copy
 
         # ---- update: one on-policy optimizer step, the batch's gradient summed over its micro-batches ----
         adv, rewards_kl, kl_seq = [], [], 0.0
-        for mb in trainer.micro_batches(rollout, "seq-mean-token-sum"):  # whole groups: a multiple of G rows
+        for mb in trainer.micro_batches(rollout, common.Aggregation("seq-mean-token-sum")):  # whole groups
             logp, entropy = trainer.policy_logprobs(rollout, mb)  # (b, T), with gradient
             kl = common.kl_k1(logp.detach(), mb.of(ref_logp)) if ref_logp is not None else torch.zeros_like(logp)
             rewards_kl.append(mb.of(rewards) - cfg.beta * common.masked_sum(kl, mb.mask, dim=1))  # r - beta sum_t k1_t
@@ -95,7 +98,7 @@ def main():
                 pg_weight, correction, per_row = common.rollout_correction(
                     logp, logp.detach(), mb.of(rollout_logp), adv[-1], mb.mask, cfg.tis_cap, cfg.geo_mask_delta,
                     cfg.tis_level, cfg.tis_veto)
-            loss, stats = rloo_loss(logp, adv[-1], mb.mask, pg_weight)
+            loss, stats = rloo_loss(logp, adv[-1], mb.mask, pg_weight, mb.agg)
             stats = {**stats, **correction, "entropy": common.masked_mean(entropy, mb.mask)}
             trainer.backward(loss, mb, stats, per_row)
             kl_seq += common.masked_sum(kl, mb.mask) / len(rollout)

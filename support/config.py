@@ -8,11 +8,10 @@ import json
 import logging
 import os
 import sys
+import types
 from dataclasses import dataclass, field
 
 import torch
-
-from common import LOSS_AGG_MODES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EMBEDDED_MODEL = os.path.join(ROOT, "embedded_model")
@@ -28,35 +27,6 @@ RESUMABLE_CHANGES = ("num_steps", "eval_every", "log_every", "log_rollouts", "sa
 def arg(default, help):
     """A config field with its --help text."""
     return field(default=default, metadata={"help": help})
-
-
-# What a flag's value must be, in whichever script has the flag: one name, one meaning (checked by
-# TrainConfig.__post_init__; a script checks only what ties its flags together).
-FLAG_RULES = {
-    "beta": (lambda v: v >= 0, ">= 0"),
-    "num_epochs": (lambda v: v >= 1, ">= 1"),
-    "epsilon": (lambda v: v is None or 0 < v < 1, "in (0, 1)"),
-    "epsilon_low": (lambda v: 0 < v < 1, "in (0, 1)"),
-    "epsilon_high": (lambda v: v is None or v > 0, "> 0"),
-    "dual_clip_c": (lambda v: v == 0 or v > 1, "0 (off) or > 1"),
-    "kl_estimator": (lambda v: v in ("k1", "k2", "k3"), "k1, k2 or k3"),
-    "loss_agg": (lambda v: v in LOSS_AGG_MODES, " or ".join(LOSS_AGG_MODES)),
-    "scale_rewards": (lambda v: v in ("group", "batch", "none"), "group, batch or none"),
-    "importance_sampling_level": (lambda v: v in ("token", "sequence"), "token or sequence"),
-    "baseline": (lambda v: v in ("greedy", "none"), "greedy or none"),
-    "adv_clip": (lambda v: v >= 0, ">= 0"),
-    "max_sampling_rounds": (lambda v: v >= 1, ">= 1"),
-    "dynamic_sampling_metric": (lambda v: v in ("correct", "reward"), "correct or reward"),
-    "gamma": (lambda v: 0 <= v <= 1, "in [0, 1]"),
-    "lam": (lambda v: 0 <= v <= 1, "in [0, 1]"),
-    "lam_critic": (lambda v: v is None or 0 <= v <= 1, "in [0, 1]"),
-    "lam_alpha": (lambda v: v >= 0, ">= 0"),
-    "keep_routing": (lambda v: v in ("none", "r2", "r3"), "none, r2 or r3"),
-    "tis_level": (lambda v: v in ("token", "sequence"), "token or sequence"),
-    "tis_veto": (lambda v: 0 <= v < 1, "in [0, 1)"),
-    **{name: (lambda v: v > 0, "> 0") for name in ("critic_learning_rate", "num_mini_batches", "epsilon_value",
-                                                   "vf_coef", "kl_target", "kl_horizon")},
-}
 
 
 @dataclass
@@ -123,19 +93,26 @@ class TrainConfig:
                             "router's | r3: the sampler's, replayed | r2: the pi_old pass's, replayed in the updates "
                             "(docs/stability.md).")
 
+    @property
+    def clip(self):
+        """The clip of the script's loss (common.Clip), which the rollout viewer shows; None: its loss has none."""
+        return None
+
+    @property
+    def reuses_batch(self):
+        """Whether an update follows the first on the same batch (a pi_old pass): --num_epochs > 1, PPO's epochs."""
+        return False
+
     def __post_init__(self):
-        for name, (ok, text) in FLAG_RULES.items():
-            check(not hasattr(self, name) or ok(getattr(self, name)),
-                  f"--{name} must be {text} (got {getattr(self, name, None)!r}).")
+        flags = vars(self)
         for name in ("num_steps", "batch_size", "learning_rate", "max_new_tokens", "temperature", "eval_every",
                      "log_every", "max_prompt_length", "eval_size"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"--{name} must be > 0 (got {getattr(self, name)}).")
+            rule(name, flags[name], flags[name] > 0, "> 0")
         for name in ("lora_r", "save_steps", "save_total_limit", "max_grad_norm", "top_k", "micro_batch_size",
                      "generation_batch_size", "log_rollouts"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{name} must be >= 0 (got {getattr(self, name)}).")
-        check(self.keep_routing != "r2" or getattr(self, "num_epochs", 1) > 1 or hasattr(self, "num_mini_batches"),
+            rule(name, flags[name], flags[name] >= 0, ">= 0")
+        choice("keep_routing", self.keep_routing, ("none", "r2", "r3"))
+        check(self.keep_routing != "r2" or self.reuses_batch,
               "--keep_routing r2 replays the routing of the pi_old pass in the updates that follow it, and this run "
               "makes one update per batch (no pi_old pass): give --num_epochs > 1, or --keep_routing r3.")
         if not 0 < self.top_p <= 1:
@@ -151,8 +128,8 @@ class TrainConfig:
             if not os.path.isfile(self.dataset):
                 raise ValueError(f"--dataset {self.dataset!r}: no such file.")
         for name in ("torch_dtype", "reward_model_dtype"):
-            if getattr(self, name) not in DTYPES:
-                raise ValueError(f"--{name} must be one of {sorted(DTYPES)} (got {getattr(self, name)!r}).")
+            if flags[name] not in DTYPES:
+                raise ValueError(f"--{name} must be one of {sorted(DTYPES)} (got {flags[name]!r}).")
         if self.resume_from not in ("", "latest"):
             if not os.path.isdir(self.resume_from):
                 raise ValueError(f"--resume_from {self.resume_from!r}: no such folder (give output_dir/checkpoint-N "
@@ -211,6 +188,8 @@ class GroupConfig(TrainConfig):
 
     def __post_init__(self):
         super().__post_init__()
+        choice("tis_level", self.tis_level, ("token", "sequence"))
+        rule("tis_veto", self.tis_veto, 0 <= self.tis_veto < 1, "in [0, 1)")
         if self.rollout_dtype not in DTYPES:
             raise ValueError(f"--rollout_dtype must be one of {sorted(DTYPES)} (got {self.rollout_dtype!r}).")
         if self.tis_cap < 0 or 0 < self.tis_cap < 1:
@@ -228,7 +207,7 @@ class GroupConfig(TrainConfig):
               "unlikely for the trainer: give --rollout_dtype other than --torch_dtype or --rollout_lag > 0.")
         if self.geo_mask_delta < 0:
             raise ValueError(f"--geo_mask_delta must be >= 0 (got {self.geo_mask_delta}).")
-        if self.geo_mask_delta > 0 and same_sampler and getattr(self, "num_epochs", 1) == 1:
+        if self.geo_mask_delta > 0 and same_sampler and not self.reuses_batch:
             raise ValueError("--geo_mask_delta masks off-policy samples, and these are on-policy: give --rollout_dtype "
                              "other than --torch_dtype, --rollout_lag > 0 or --num_epochs > 1.")
         if self.num_generations < 2:
@@ -292,9 +271,9 @@ def reward_function(spec):
         found.loader.exec_module(module)
     except Exception as e:
         raise ValueError(f"--reward_fn {spec!r}: importing {path} raised {type(e).__name__}: {e}") from e
-    function = getattr(module, name, None)
+    function = vars(module).get(name)
     if not callable(function):
-        defined = [k for k, v in vars(module).items() if callable(v) and getattr(v, "__module__", "") == found.name]
+        defined = [k for k, v in vars(module).items() if isinstance(v, types.FunctionType) and v.__module__ == found.name]
         raise ValueError(f"--reward_fn {spec!r}: {path} defines no function {name!r} (it defines {defined}).")
     return function
 
@@ -372,6 +351,16 @@ def deepspeed_settings(ds_config, cfg, num_processes):
     ds_config["train_batch_size"] = ds_config["train_micro_batch_size_per_gpu"] * num_processes
     ds_config["gradient_clipping"] = cfg.max_grad_norm  # 0 = off, as the flag
     return ds_config
+
+
+def rule(name, value, ok, text):
+    """The check of one flag's value: unless ok, "--name must be text (got value)"."""
+    check(ok, f"--{name} must be {text} (got {value!r}).")
+
+
+def choice(name, value, choices):
+    """The check of a flag that takes one of `choices`."""
+    rule(name, value, value in choices, " or ".join(choices))
 
 
 def check(ok, message):

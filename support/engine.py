@@ -1,15 +1,16 @@
 """The engine behind every training loop: what a step needs in order to run at scale, and nothing of the
 algorithm. The update itself is written out in each algorithm file, as nanoGPT writes gradient accumulation:
 
-    for mb in trainer.micro_batches(rollout, cfg.loss_agg):    # rows of one forward/backward, and their weight
+    for mb in trainer.micro_batches(rollout, agg):             # rows of one forward/backward; mb.agg: agg, weighted
         logp, entropy = trainer.policy_logprobs(rollout, mb)  # (b, T), with gradient
-        loss, stats = grpo_loss(logp, mb.of(old_logp), ...)   # the algorithm's loss over these rows
-        trainer.backward(loss, mb, stats)                     # weight * loss; DDP syncs on the last one
+        loss, stats = grpo_loss(logp, mb.of(old_logp), ..., mb.agg)  # the loss over these rows, aggregated once
+        trainer.backward(loss, mb, stats)                     # DDP syncs on the last one
     update = trainer.step(policy)                             # clip, check finite, optimizer step, zero_grad
 
-A micro-batch's loss is aggregated over its own rows and weighted (common.micro_batch_weight) so that the
-weighted losses add up to the whole batch's loss and their gradients to its gradient
-(tests/test_micro_batches.py). Around the update: loading, sampling (`generate`), scoring (`logprobs`), and
+The aggregation is said once, in the micro_batches call: each micro-batch carries it with its weight
+(common.Aggregation), so that the losses aggregated with it add up to the whole batch's loss and their gradients
+to its gradient (tests/test_micro_batches.py). Around the update: loading, sampling (`generate`), scoring (one
+method per role: `reference_logprobs`, `old_logprobs`, `sampler_logprobs`), and
 the end of a step (`end_step`: metrics, evaluation, learning-rate schedules, checkpoints). --fast picks the
 sampler and the scorer: support/fast.py's (the default), or the plain definitions in common.py, which
 fast.py is tested equal to (tests/test_fast.py).
@@ -94,27 +95,22 @@ class Trainer:
     `rollout_model` (its low-precision or stale copy) does, synced to it before each rollout: to this step's
     weights, or with `rollout_lag` k to those of k steps ago. `others`: more Trainables stepped with the
     policy (PPO's critic); their gradients are synchronised with the policy's and their schedules step with
-    its schedule."""
+    its schedule. The rollout viewer (`viewer`, support/view.py) watches the step's values from outside."""
 
     def __init__(self, cfg, accelerator, tokenizer, sampler, eval_data, policy, rollout_model=None,
                  rollout_lag=None, others=()):
         self.cfg, self.accelerator, self.tokenizer, self.eval_data = cfg, accelerator, tokenizer, eval_data
         self.policy, self.rollout_model, self.rollout_lag = policy, rollout_model, rollout_lag
         self.trainables = (policy, *others)
-        self.moe, self.routing_pass = routing.is_moe(policy.model), None  # keep routing: docs/stability.md
+        self.moe = routing.is_moe(policy.model)  # keep routing: docs/stability.md
         # --fast False: the plain definitions, to read or step through in a debugger; same draws, same values
         self.sample, self.score = (fast.generate, fast.token_logprobs) if cfg.fast else \
             (common.generate, common.token_logprobs)
         set_seed(cfg.seed + accelerator.process_index)  # each rank samples different completions
         self.ckpt = checkpoint.Checkpointer(cfg, accelerator, sampler)
-        self.logger, self.start_step, self.at_step = None, 0, 1  # at_step: the step running
+        self.logger, self.viewer, self.start_step, self.at_step = None, None, 0, 1  # at_step: the step running
         self.timer, self.generated = run.StepTimer(), 0
-        self.update_loss, self.update_stats = 0.0, []  # the micro-batches' weighted losses and their statistics
-        # the rollout viewer (support/view.py, made by resume): on the steps it records, `kept` holds the recorded
-        # rows of what the step computed ((batch rows, recorded rows): kept_rows), `scored` the last log-probs
-        # with gradient, `update_agg` and `clip` the update's loss aggregation and clip range (micro_batches)
-        self.recorder, self.kept, self.kept_rows, self.scored, self.group_size = None, {}, (0, 0), None, 1
-        self.update_agg, self.clip = None, None
+        self.update_loss, self.update_stats = 0.0, []  # the micro-batches' losses and their statistics
         # rollout_lag k: (step, trainable weights) at the start of the last k + 1 steps; the oldest samples
         self.past_weights = collections.deque(maxlen=(rollout_lag or 0) + 1)
         # sampling and scoring record no gradient: inference mode is cheaper than no_grad (their outputs are
@@ -124,11 +120,11 @@ class Trainer:
 
     def resume(self):
         """Load the checkpoint --resume_from names and return its step (0 when there is none); open the metrics
-        log (a resumed run keeps its rows up to that step). The checkpoint's RNG states replace the seeds."""
+        log (a resumed run keeps its rows up to that step) and the rollout viewer. The checkpoint's RNG states
+        replace the seeds."""
         self.start_step = self.ckpt.resume()
         self.logger = run.MetricLogger(self.cfg, self.accelerator, self.start_step)
-        self.recorder = view.Recorder(self.cfg.output_dir, self.tokenizer, self.cfg.log_rollouts, self.cfg.num_steps,
-                                      self.cfg.eval_every, self.start_step, enabled=self.accelerator.is_main_process)
+        self.viewer = view.Watcher(self.cfg, self.accelerator, self.tokenizer, self.start_step)
         return self.start_step
 
     def evaluate(self, step):
@@ -177,36 +173,48 @@ class Trainer:
                 self.ckpt.stop_if_broken(self.at_step - 1, model, tokenizer)
                 raise error if error is not None else SystemExit(1)
             k = len(completion_ids) // len(examples)
-            self.group_size = self.group_size if greedy else k  # the rollout viewer shows whole groups
             mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
             completions = tasks.decode_completions(tokenizer, completion_ids, mask)
         self.generated += len(completion_ids)
         prompt_ids, prompt_mask = prompt_ids.repeat_interleave(k, dim=0), prompt_mask.repeat_interleave(k, dim=0)
         experts = recording.layout(torch.cat([prompt_mask, mask], 1)) if self.moe else None  # the sampler's
         return Rollout([ex for ex in examples for _ in range(k)], prompt_ids, prompt_mask, completion_ids, mask,
-                       completions, experts)
+                       completions, experts, group_size=k)
 
-    def logprobs(self, model, rollout, sampling_mask=True):
-        """(B, T) log-probs of the rollout's completions under `model` (None gives None), in micro-batches,
-        at the sampling temperature, and (sampling_mask) on the truncated distribution that was sampled."""
-        if model is None:
+    def reference_logprobs(self, ref_model, rollout):
+        """(B, T) log-probs of the rollout's completions under the frozen reference (None gives None), on its whole
+        distribution at the sampling temperature."""
+        if ref_model is None:
             return None
+        return self.viewer.scored(self.at_step, "ref_logp", rollout, self._logprobs(ref_model, rollout, False))
+
+    def old_logprobs(self, rollout):
+        """(B, T) log-probs under the policy before the update (pi_old), scored as it samples; on a mixture of
+        experts with the sampler's experts under --keep_routing r3, and its own kept for r2 (rollout.old_routing)."""
+        model = self.policy.model
+        with routing.Pass(model, rollout, torch.arange(len(rollout), device=rollout.mask.device),
+                          self.cfg.keep_routing) if self.moe else ExitStack() as routing_pass:
+            logp = self._logprobs(model, rollout)
+        if self.moe:
+            rollout.old_routing = routing_pass.used()
+        return self.viewer.scored(self.at_step, "old_logp", rollout, logp)
+
+    def sampler_logprobs(self, rollout):
+        """(B, T) log-probs under the sampler's copy of the policy, scored as it samples (on a mixture of experts
+        with the experts it sampled with); None when the policy samples itself."""
+        if self.rollout_model is None:
+            return None
+        with routing.replay(self.rollout_model, *rollout.routing) if self.moe else ExitStack():
+            logp = self._logprobs(self.rollout_model, rollout)
+        return self.viewer.scored(self.at_step, "rollout_logp", rollout, logp)
+
+    def _logprobs(self, model, rollout, sampling_mask=True):
+        """(B, T) log-probs of the rollout's completions under `model`, in micro-batches, at the sampling
+        temperature, and (sampling_mask) on the truncated distribution that was sampled."""
         cfg, n = self.cfg, rollout.mask.shape[1]
         sampling = {"top_k": cfg.top_k, "top_p": cfg.top_p} if sampling_mask else {}
-        with ExitStack() as stack:
-            if self.moe and model is self.rollout_model:  # the sampler's copy: with the experts it sampled with
-                stack.enter_context(routing.replay(model, *rollout.routing))
-            if self.moe and model is self.policy.model:  # pi_old: r3 with the sampler's; its own kept for r2
-                self._open_routing(rollout, torch.arange(len(rollout), device=rollout.mask.device))
-            logp = self._scoring_pass(
-                rollout, lambda ids, mask: self.score(model, ids, mask, n, cfg.temperature, **sampling))
-            if self.moe and model is self.policy.model:
-                rollout.old_routing = self._close_routing().used()
-        if self.recording:  # the policy before the update (pi_old), the sampler's copy, or the reference
-            role = "old_logp" if model is self.policy.model else "rollout_logp" if model is self.rollout_model \
-                else "ref_logp"
-            self.keep(rollout, role, logp, torch.arange(len(rollout), device=logp.device))
-        return logp
+        return self._scoring_pass(rollout, lambda ids, mask: self.score(model, ids, mask, n, cfg.temperature,
+                                                                        **sampling))
 
     def values(self, value_model, rollout):
         """(B, T) outputs of value_model(input_ids, attention_mask, T) (a critic's values before each completion
@@ -222,84 +230,77 @@ class Trainer:
             return out.clone()  # an ordinary tensor, which the loss may keep for its backward
 
     # ---- the update: micro-batches, backward, step ----
-    def micro_batches(self, rollout, loss_agg, rows=None, clip=None):
+    def micro_batches(self, rollout, loss_agg, rows=None):
         """The micro-batches of one optimizer step over the rollout's rows (all, or `rows`, a PPO minibatch's
-        indices): --micro_batch_size rows each, and the weight of each one's loss for `loss_agg`, the
-        aggregation the loss uses (common.micro_batch_weight): with token-mean the mean token count per process,
-        over every process, so that DDP's mean of the gradients is the gradient of the token-mean over all.
-        clip: the loss's clip range (epsilon_low, epsilon_high) on the ratio pi_theta / pi_old, if it has one, with
-        "sequence" as a third entry where it clips one ratio per sequence (GSPO); the viewer shows where it bit."""
+        indices), --micro_batch_size rows each. loss_agg, the update's aggregation (a common.Aggregation, or its
+        mode), is said here once: each micro-batch carries it as mb.agg with its weight (common.micro_batch_weight),
+        so that the micro-batches' losses, aggregated with mb.agg, add up to the whole batch's loss and their
+        gradients to its gradient. With token-mean the normaliser is the mean token count per process, over every
+        process, so that DDP's mean of the gradients is the gradient of the token-mean over all."""
+        agg = common.Aggregation(loss_agg) if isinstance(loss_agg, str) else loss_agg
         mask = rollout.mask
         index = torch.arange(len(rollout), device=mask.device) if rows is None else rows
         num_tokens = self.accelerator.reduce(mask[index].sum().float(), reduction="mean")
-        self.update_agg, self.clip = (loss_agg, num_tokens, len(index)), clip
         total = mask[index].sum().clamp(min=1)
         out = []
         for s in common.micro_batches(len(index), self.cfg.micro_batch_size):
             rows = index[s]
-            out.append(MicroBatch(rows, mask[rows], common.micro_batch_weight(mask[rows], loss_agg, num_tokens,
-                                                                              len(index)),
-                                  mask[rows].sum() / total, s.stop == len(index)))
+            weight = common.micro_batch_weight(mask[rows], agg.mode, num_tokens, len(index))
+            out.append(MicroBatch(rows, mask[rows], agg._replace(weight=weight), mask[rows].sum() / total,
+                                  s.stop == len(index)))
         return out
 
     def policy_logprobs(self, rollout, mb):
         """(b, T) log-probs of the micro-batch's completions under the policy, with gradient, and their
-        entropies (no gradient), scored as they were sampled (temperature, top-k, top-p)."""
+        entropies (no gradient), scored as they were sampled (temperature, top-k, top-p). Once per micro-batch:
+        what the forward keeps for the backward (a mixture of experts' routing, the viewer's log-probs) stays on
+        `mb` until trainer.backward(loss, mb)."""
         cfg = self.cfg
+        if mb.stage != "new":
+            raise SystemExit(f"error: trainer.policy_logprobs: this micro-batch (rows {loop_rows(mb)}) was already "
+                             "scored; score each micro-batch once, then trainer.backward(loss, mb).")
         if self.moe:  # closed by backward, after the backward pass (which may run checkpointed layers again)
-            self._open_routing(rollout, mb.rows)
-        kept_sizes = [] if self.recording and (cfg.top_k > 0 or cfg.top_p < 1) else None
+            try:
+                mb.routing = routing.Pass(self.policy.model, rollout, mb.rows, cfg.keep_routing)
+            except RuntimeError as e:
+                raise SystemExit(f"error: trainer.policy_logprobs: {e}.") from None
+        recording = self.viewer.due(self.at_step)
+        kept_sizes = [] if recording and (cfg.top_k > 0 or cfg.top_p < 1) else None
         with self.timer("forward_backward"):
             logp, entropy = self.score(self.policy.model, rollout.input_ids[mb.rows], rollout.attention_mask[mb.rows],
                                        rollout.mask.shape[1], cfg.temperature, with_entropy=True, top_k=cfg.top_k,
                                        top_p=cfg.top_p, kept_sizes=kept_sizes)
-        if self.recording:  # the last epoch's values stand; backward keeps the gradient at logp (the push)
-            logp.retain_grad()
-            self.keep(rollout, "logp", logp, mb.rows, entropy=entropy,
-                      kept_set=torch.cat(kept_sizes) if kept_sizes is not None else None)
-            self.scored = logp
+        mb.stage = "scored"
+        if recording:  # backward keeps the gradient at logp (the push)
+            mb.logp = logp
+            self.viewer.forward(rollout, mb, logp, entropy, kept_sizes)
         return logp, entropy
 
     def backward(self, loss, mb, stats=None, per_row=None):
-        """Backpropagate mb.weight * loss. Gradients of micro-batches add up locally; only the last one
-        synchronises them across processes: DDP all-reduces, and DeepSpeed reduces (and steps its optimizer)
-        inside this call. `stats`, the loss's statistics: means over the micro-batch's tokens, combined by
-        their token shares (a common.Extreme by its max or min). `per_row`: values with one entry per row,
-        (b,) or (b, T), for the rollout viewer (common.Correction.per_row; None: none)."""
+        """Backpropagate the micro-batch's loss, aggregated with mb.agg (so weighted to its part of the update's
+        loss). Gradients of micro-batches add up locally; only the last one synchronises them across processes:
+        DDP all-reduces, and DeepSpeed reduces (and steps its optimizer) inside this call. `stats`, the loss's
+        statistics (combine). `per_row`: values with one entry per row, (b,) or (b, T), for the rollout viewer
+        (common.Correction.per_row; None: none)."""
         accelerator = self.accelerator
+        if mb.stage != "scored":
+            raise SystemExit(f"error: trainer.backward: the micro-batch (rows {loop_rows(mb)}) was " +
+                             ("already back-propagated." if mb.stage == "done" else
+                              "not scored: call trainer.policy_logprobs(rollout, mb) first."))
         with self.timer("forward_backward"):
             accelerator.sync_gradients = mb.last
             with ExitStack() as stack:
                 if not mb.last:
                     for trainable in self.trainables:
                         stack.enter_context(accelerator.no_sync(trainable.model))
-                accelerator.backward(mb.weight * loss)
-        if self.recording:
-            self.keep(None, "push", self.push(mb), mb.rows, **(per_row or {}))
-        if self.routing_pass is not None:
-            self._close_routing()
-        self.update_loss = self.update_loss + mb.weight * loss.detach()
+                accelerator.backward(loss)
+        mb.stage = "done"
+        if mb.routing is not None:
+            mb.routing = mb.routing.close()
+        if mb.logp is not None:
+            self.viewer.backward(mb, per_row)
+        self.update_loss = self.update_loss + loss.detach()
         self.update_stats.append((mb.share, stats or {}))
-
-    def _open_routing(self, rollout, rows):
-        """For a pass of the policy over these rows: replay the experts --keep_routing names (r3: the sampler's,
-        r2: those of the pi_old pass, once it ran), and record what its routers choose."""
-        keep = self.cfg.keep_routing
-        replayed = rollout.routing if keep == "r3" else rollout.old_routing if keep == "r2" else None
-        self.routing_pass = (routing.Pass(self.policy.model, rollout.attention_mask, rows, replayed), rollout, rows)
-
-    def _close_routing(self):
-        """Close the pass's contexts; the routers' own choices of the rows not seen before are kept (the
-        trainer's side of train/routing_mismatch). Returns the closed routing.Pass (its used(): the experts)."""
-        routing_pass, rollout, rows = self.routing_pass
-        self.routing_pass = None
-        routing_pass.close()
-        if rollout.live_routing is None:
-            rollout.live_routing = torch.full_like(rollout.routing[0], -1)
-        new = (rollout.live_routing[rows, :, 0, 0] < 0).all(1)
-        if new.any():  # laid out only for the first pass over a row: later passes' updates need none of it
-            rollout.live_routing[rows[new]] = routing_pass.live()[new]
-        return routing_pass
 
     def step(self, *trainables):
         """One optimizer step of each trainable after the update's backward passes: clip its gradient norm to
@@ -331,9 +332,7 @@ class Trainer:
         what the step computed, and `tokens`, more (B, T) values of the loop's.
         Returns True when the run must stop (a signal arrived; the checkpoint is written)."""
         cfg, accelerator = self.cfg, self.accelerator
-        if self.recording and rollout is not None:
-            self.record(step, rollout, rewards, adv, tokens or {})
-        self.kept, self.scored = {}, None
+        self.viewer.end_step(step, rollout, rewards, adv, tokens or {})
         for trainable in self.trainables:
             trainable.scheduler.step()
         finite = None  # no save follows: broken weights stop the next sampling, or the next loss
@@ -362,60 +361,12 @@ class Trainer:
         self.at_step = step + 1
         return self.ckpt.step_end(step, self.policy.model, self.tokenizer, finite)
 
-    # ---- the rollout viewer: the recorded rows of what the step computed ----
-    @property
-    def recording(self):
-        """Whether the rollout viewer records this step (on the main process only)."""
-        return self.recorder is not None and self.recorder.due(self.at_step)
-
-    def keep(self, rollout, name, values, rows, **more):
-        """Keep the rows of values ((b,) or (b, T), those of the batch's `rows`) that the viewer records, and
-        those of each tensor in `more` (None: nothing); later values of a row replace earlier ones (the last
-        epoch's stand). `rollout` (None: the step's, already seen) sets the recorded rows."""
-        if rollout is not None:
-            self.kept_rows = (len(rollout), view.recorded_rows(len(rollout), self.cfg.log_rollouts, self.group_size))
-        B, recorded = self.kept_rows[0], rows < self.kept_rows[1]
-        for name, values in {name: values, **more}.items():
-            if values is not None:
-                if name not in self.kept:
-                    self.kept[name] = torch.full((B, *values.shape[1:]), float("nan"), device=values.device)
-                self.kept[name][rows[recorded]] = values[recorded].detach().float()
-
-    def push(self, mb):
-        """(b, T): -d loss / d logp at each token of the micro-batch, times the normaliser the loss's aggregation
-        divides that token's term by (common.aggregate_loss over the whole update): the weight the update gave
-        the token's log-prob, for a REINFORCE loss -w_t logp_t its w_t. Under fp16 loss scaling the gradient
-        is divided by the scale; None where it overflowed (the scaler skips that step) and under DeepSpeed's
-        fp16, whose scale lives in its optimizer."""
-        grad = self.scored.grad if self.scored is not None else None
-        scaler = self.accelerator.scaler
-        if grad is None or (scaler is None and checkpoint.loss_scaling(self.accelerator)):  # DeepSpeed's fp16
-            return None
-        if scaler is not None:
-            grad = grad / scaler.get_scale()  # accelerator.backward differentiated scale * loss
-            if not torch.isfinite(grad).all():
-                return None
-        loss_agg, num_tokens, B = self.update_agg
-        lengths = mb.mask.sum(1, keepdim=True).float()  # (b, 1)
-        scale = {"token-mean": num_tokens, "seq-mean-token-mean": B * lengths, "seq-mean-token-sum": B,
-                 "seq-mean-token-sum-norm": B * self.cfg.max_new_tokens}[loss_agg]  # main() passes it as max_len
-        return -grad * scale
-
-    def record(self, step, rollout, rewards, adv, tokens):
-        """Give the recorded rows to the rollout viewer and rewrite its page."""
-        values = {**view.derived(self.kept, adv, self.clip, tokens, rollout.mask), **tokens}
-        if rollout.routing_disagree is not None:
-            values["routing_disagree"] = rollout.routing_disagree
-        self.recorder.record(step, rollout, rewards, adv, {k: v for k, v in values.items() if v.dim() == 2},
-                             {k: v for k, v in values.items() if v.dim() == 1}, self.group_size)
-        self.recorder.write()
-
     def finish(self):
         """Summary and curves, the final policy with save_pretrained, the process group closed on every rank,
         and, with several processes, the process ended (config.leave_run)."""
         cfg, accelerator = self.cfg, self.accelerator
         self.logger.finish(self.policy.model)
-        if self.recorder is not None and self.recorder.enabled:
+        if self.viewer.enabled:
             print(f"the rollouts, token by token: {os.path.join(cfg.output_dir, 'rollouts.html')}", flush=True)
         if cfg.save_model:
             models.save_model(accelerator, self.policy.model, self.tokenizer, f"{cfg.output_dir}/final",
@@ -425,16 +376,24 @@ class Trainer:
         config.leave_run(accelerator.num_processes)
 
 
+def loop_rows(mb):
+    """The micro-batch's rows, as an error message names them."""
+    return f"{int(mb.rows[0])}-{int(mb.rows[-1])}" if len(mb.rows) else "none"
+
+
 def combine(shares_and_stats):
-    """One value per statistic of an update from its micro-batches' (token share, stats): the mean weighted by
-    the token shares (exact for a mean over tokens, as the clip fractions and KL estimates are; a mean over
-    sequences is exact with one micro-batch, the default), or for a common.Extreme its max or min."""
+    """One value per statistic of an update from its micro-batches' (token share, stats): a plain value is a mean
+    over the micro-batch's tokens, combined by the token shares; a common.Extreme takes the max or min; a
+    common.Sums adds its sums over the micro-batches, then finishes (a fraction of sequences, an effective sample
+    size): each the same with or without --micro_batch_size."""
     out = {}
     for key in shares_and_stats[0][1] if shares_and_stats else ():
         values = [stats[key] for _, stats in shares_and_stats]
         if isinstance(values[0], common.Extreme):
             stacked = torch.stack([torch.as_tensor(v.value, dtype=torch.float32) for v in values])
             out[key] = stacked.max() if values[0].reduce == "max" else stacked.min()
+        elif isinstance(values[0], common.Sums):
+            out[key] = values[0]._replace(sums=[sum(parts) for parts in zip(*(v.sums for v in values))]).value()
         else:
             out[key] = sum(share * v for (share, _), v in zip(shares_and_stats, values))
     return out

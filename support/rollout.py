@@ -4,6 +4,7 @@ from dataclasses import dataclass
 
 import torch
 
+from common import Aggregation
 from support.routing import layers_differing
 
 
@@ -21,6 +22,7 @@ class Rollout:
     routing: tuple = None               # the sampler's experts and the token ids it saw
     old_routing: tuple = None           # those of the trainer's pi_old pass
     live_routing: torch.Tensor = None   # the trainer's routers' own choice, in its first pass over each row
+    group_size: int = 1                 # samples per prompt, adjacent rows (the rollout viewer shows whole groups)
 
     def __len__(self):
         return len(self.examples)
@@ -51,7 +53,8 @@ class Rollout:
         rows = keep.nonzero().flatten()
         return Rollout([self.examples[i] for i in rows.tolist()], self.prompt_ids[rows], self.prompt_mask[rows],
                        self.completion_ids[rows], self.mask[rows], [self.completions[i] for i in rows.tolist()],
-                       None if self.routing is None else tuple(x[rows] for x in self.routing))
+                       None if self.routing is None else tuple(x[rows] for x in self.routing),
+                       group_size=self.group_size)
 
     @staticmethod
     def cat(rollouts, pad_token_id, limit=None):
@@ -82,17 +85,22 @@ class Rollout:
                        pad([r.prompt_mask for r in parts], 0, prompt_width, left=True),
                        pad([r.completion_ids for r in parts], pad_token_id),
                        pad([r.mask for r in parts], 0), [c for r in parts for c in r.completions],
-                       None if parts[0].routing is None else (pad_routing(0), pad_routing(1)))
+                       None if parts[0].routing is None else (pad_routing(0), pad_routing(1)),
+                       group_size=parts[0].group_size)
 
 
 @dataclass
 class MicroBatch:
-    """The rows of one forward/backward pass of an update, and what the update needs of them."""
+    """The rows of one forward/backward pass of an update, what the update needs of them, and what their forward
+    keeps for their backward: trainer.policy_logprobs scores them once, trainer.backward ends them."""
     rows: torch.Tensor    # (b,) indices into the rollout
     mask: torch.Tensor    # (b, T) their completion mask
-    weight: torch.Tensor  # common.micro_batch_weight: the weighted losses add up to the batch's loss
+    agg: Aggregation      # the update's loss aggregation; its weight: their loss's part of the update's loss
     share: torch.Tensor   # their share of the update's tokens (the weight of their statistics)
     last: bool            # the last micro-batch of the update: gradients are synchronised after it
+    stage: str = "new"    # "new" -> "scored" (policy_logprobs) -> "done" (backward)
+    routing: object = None         # a mixture-of-experts policy's routing.Pass, open until the backward
+    logp: torch.Tensor = None      # the log-probs scored with gradient, kept for the rollout viewer's push
 
     def __len__(self):
         return len(self.rows)

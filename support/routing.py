@@ -130,25 +130,45 @@ def rows(model, block_rows=None, batch_rows=None):
 
 
 class Pass:
-    """The routing of one pass of a trainer's model over `rows` of a batch laid out as `attention_mask` (B, S), held
-    open from the forward to the end of the backward: a replay of `replayed` ((indices, token_ids) of the whole
-    batch, or None) and a recording. Once closed, used() gives the experts the pass used with their token ids and
-    live() its routers' own choices, (b, S, L, k) in the layout of attention_mask[rows], each laid out when asked."""
+    """The routing of one pass of a trainer's model over `rows` of a rollout, held open from the forward to the end
+    of the backward: a replay of the experts `keep` names (r3: the sampler's, rollout.routing; r2: those of the
+    pi_old pass, rollout.old_routing, once it ran; none: nothing) and a recording. One pass at a time per model: a
+    second one would record the first one's rows. close() ends it and keeps its routers' own choices of the rows
+    not seen before in rollout.live_routing (the trainer's side of train/routing_mismatch: under r3 the choices of
+    routers whose inputs come from replayed earlier layers); used() then gives the experts the pass used with their
+    token ids, (b, S, L, k) in the layout of the rows' input_ids."""
 
-    def __init__(self, model, attention_mask, rows, replayed=None):
-        self.stack, self.attention_mask = ExitStack(), attention_mask[rows]
+    def __init__(self, model, rollout, rows, keep="none"):
+        hooks = _OPEN.get(id(_decoder(model)))
+        if hooks is not None and any(isinstance(r, _PassRecording) for r in hooks.recordings):
+            raise RuntimeError("a forward of the policy over other rows is still open: back-propagate each "
+                               "micro-batch's loss (trainer.backward) before scoring the next one")
+        self.rollout, self.rows, self.attention_mask = rollout, rows, rollout.attention_mask[rows]
+        replayed = rollout.routing if keep == "r3" else rollout.old_routing if keep == "r2" else None
+        self.stack = ExitStack()
         if replayed is not None:
             self.stack.enter_context(replay(model, replayed[0][rows], replayed[1][rows]))
-        self.recording = self.stack.enter_context(record(model))
+        self.recording = _PassRecording()
+        self.stack.enter_context(_opened(model, self.recording))
 
     def close(self):
         self.stack.close()
+        rollout, rows = self.rollout, self.rows
+        if rollout.live_routing is None:
+            rollout.live_routing = torch.full_like(rollout.routing[0], -1)
+        new = (rollout.live_routing[rows, :, 0, 0] < 0).all(1)
+        if new.any():  # laid out only for the first pass over a row: later passes' updates need none of it
+            rollout.live_routing[rows[new]] = self.recording.layout(self.attention_mask, live=True)[0][new]
+        return self
 
     def used(self):
         return self.recording.layout(self.attention_mask)
 
-    def live(self):
-        return self.recording.layout(self.attention_mask, live=True)[0]
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
 
 
 # ----------------------------------------------------------------------------------------
@@ -216,6 +236,10 @@ class Recording(_Blocks):
             token_ids[rows, cols] = entry["ids"][entry["batch_rows"]]
         keep = positions(attention_mask)
         return indices.masked_fill(~keep[..., None, None], -1), token_ids.masked_fill(~keep, -1)
+
+
+class _PassRecording(Recording):
+    """A Pass's recording (one open per model at a time)."""
 
 
 class Replay(_Blocks):

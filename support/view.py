@@ -21,6 +21,7 @@ from typing import NamedTuple
 import torch
 
 import common
+from support import checkpoint
 from support.view_page import PAGE
 
 
@@ -71,9 +72,10 @@ def rounded(values):
 def derived(kept, adv, clip=None, tokens=(), mask=None):
     """The page's values from what a step kept ({name: (B, T) or (B,) tensor}): the log-probs (logp: the last epoch's;
     old_logp, ref_logp, rollout_logp: the scoring passes') become the KL to the reference (k1 unless `tokens` gives
-    it; k3 from k1), the ratio to pi_old with where the clip range (epsilon_low, epsilon_high) stopped it given adv,
-    and the trainer-sampler mismatch. The other values stay. A third entry "sequence" in `clip` (GSPO) clips each
-    row's geometric-mean ratio over its valid tokens (`mask`), the ratio the loss clipped, on every token."""
+    it; k3 from k1), the ratio to pi_old with where the clip range stopped it given adv,
+    and the trainer-sampler mismatch. The other values stay. `clip`, a common.Clip: at level "sequence" (GSPO) each
+    row's geometric-mean ratio over its valid tokens (`mask`) is clipped, the ratio the loss clipped, on every
+    token."""
     kept = dict(kept)
     logp, old, ref, sampler = (kept.pop(name, None) for name in ("logp", "old_logp", "ref_logp", "rollout_logp"))
     if logp is None:
@@ -84,9 +86,9 @@ def derived(kept, adv, clip=None, tokens=(), mask=None):
     if k1 is not None:
         kept["kl_k3"] = torch.exp(-k1) + k1 - 1  # r - 1 - log r with r = pi_ref / pi_theta = exp(-k1)
     if clip is not None and old is not None and adv is not None:
-        low, high, *level = clip
+        low, high = clip.low, clip.high
         kept["ratio"] = ratio = torch.exp(logp - old)
-        if level == ["sequence"]:
+        if clip.level == "sequence":
             ratio = torch.exp(common.masked_mean(logp - old, mask, dim=1))[:, None].expand_as(logp)
         adv = adv if adv.dim() == 2 else adv[:, None]
         kept["clip"] = ((ratio > 1 + high) & (adv > 0)).float() - ((ratio < 1 - low) & (adv < 0)).float()
@@ -182,6 +184,82 @@ class Recorder:
         path = os.path.join(self.output_dir, "rollouts.jsonl")
         replace_file(path, "".join(json.dumps(r, separators=(",", ":")) + "\n" for r in self.records))
         return write_page(self.output_dir, self.records)
+
+
+class Watcher:
+    """The rollout viewer's side of a run: on the steps it records (Recorder.due), on the main process, it keeps the
+    recorded rows of what the trainer computed (the scoring passes' log-probs, each micro-batch's log-probs,
+    entropies and the gradient at them after its backward) and, at the end of the step, gives them to the
+    Recorder with the loop's values. The trainer tells it what it computed; it changes nothing. The clip it shows
+    is the script's (cfg.clip); the push takes each micro-batch's aggregation from mb.agg."""
+
+    def __init__(self, cfg, accelerator, tokenizer, start_step):
+        self.cfg, self.accelerator, self.clip = cfg, accelerator, cfg.clip
+        self.recorder = Recorder(cfg.output_dir, tokenizer, cfg.log_rollouts, cfg.num_steps, cfg.eval_every,
+                                 start_step, enabled=accelerator.is_main_process)
+        self.enabled = self.recorder.enabled
+        self.kept, self.rows = {}, (0, 0)  # the recorded rows' values; (batch rows, recorded rows)
+
+    def due(self, step):
+        return self.recorder.due(step)
+
+    def scored(self, step, role, rollout, logp):
+        """A scoring pass's (B, T) log-probs (role: ref_logp, old_logp, rollout_logp); returns them."""
+        if self.due(step):
+            self.keep(rollout, role, logp, torch.arange(len(rollout), device=logp.device))
+        return logp
+
+    def forward(self, rollout, mb, logp, entropy, kept_sizes=None):
+        """A micro-batch's log-probs with gradient (their gradient kept for the push) and entropies; the last
+        epoch's values stand."""
+        logp.retain_grad()
+        self.keep(rollout, "logp", logp, mb.rows, entropy=entropy,
+                  kept_set=torch.cat(kept_sizes) if kept_sizes is not None else None)
+
+    def backward(self, mb, per_row=None):
+        """After the micro-batch's backward: the push, and the loop's per-row values (common.Correction.per_row)."""
+        self.keep(None, "push", self.push(mb), mb.rows, **(per_row or {}))
+
+    def push(self, mb):
+        """(b, T): -d loss / d logp at each token of the micro-batch divided by d aggregate / d (token's term) of
+        its aggregation mb.agg (common.aggregate_loss differentiated): the weight the update gave the token's
+        log-prob, for a REINFORCE loss -w_t logp_t its w_t. Under fp16 loss scaling the gradient is divided by the
+        scale; None where it overflowed (the scaler skips that step) and under DeepSpeed's fp16, whose scale lives
+        in its optimizer."""
+        grad, scaler = mb.logp.grad, self.accelerator.scaler
+        if grad is None or (scaler is None and checkpoint.loss_scaling(self.accelerator)):  # DeepSpeed's fp16
+            return None
+        if scaler is not None:
+            grad = grad / scaler.get_scale()  # accelerator.backward differentiated scale * loss
+            if not torch.isfinite(grad).all():
+                return None
+        terms = torch.zeros(mb.mask.shape, dtype=torch.float64, device=grad.device, requires_grad=True)
+        (normaliser,) = torch.autograd.grad(common.aggregate_loss(terms, mb.mask, mb.agg), terms)
+        return torch.where(mb.mask.bool(), -grad / normaliser.clamp(min=1e-300), float("nan"))
+
+    def keep(self, rollout, name, values, rows, **more):
+        """Keep the rows of values ((b,) or (b, T), those of the batch's `rows`) that the viewer records, and
+        those of each tensor in `more` (None: nothing); later values of a row replace earlier ones. `rollout`
+        (None: the step's, already seen) sets the recorded rows."""
+        if rollout is not None:
+            self.rows = (len(rollout), recorded_rows(len(rollout), self.cfg.log_rollouts, rollout.group_size))
+        B, recorded = self.rows[0], rows < self.rows[1]
+        for name, values in {name: values, **more}.items():
+            if values is not None:
+                if name not in self.kept:
+                    self.kept[name] = torch.full((B, *values.shape[1:]), float("nan"), device=values.device)
+                self.kept[name][rows[recorded]] = values[recorded].detach().float()
+
+    def end_step(self, step, rollout, rewards, adv, tokens):
+        """Give the recorded rows to the Recorder and rewrite its page (a step it records), then forget them."""
+        if self.due(step) and rollout is not None:
+            values = {**derived(self.kept, adv, self.clip, tokens, rollout.mask), **tokens}
+            if rollout.routing_disagree is not None:
+                values["routing_disagree"] = rollout.routing_disagree
+            self.recorder.record(step, rollout, rewards, adv, {k: v for k, v in values.items() if v.dim() == 2},
+                                 {k: v for k, v in values.items() if v.dim() == 1}, rollout.group_size)
+            self.recorder.write()
+        self.kept = {}
 
 
 def replace_file(path, text):
