@@ -159,10 +159,11 @@ def aggregate_loss(per_token_loss, mask, mode, max_len=None):
     seq-mean-token-sum:       mean over sequences of each sequence's token sum (RLOO: the sequence is one action).
     seq-mean-token-sum-norm:  mean over sequences of (token sum / max_len), max_len a constant
                               (Dr. GRPO: no per-sequence length normalisation). Default T.
-    `mode` may be an Aggregation: its mode and max_len, the result times its weight (a micro-batch's part).
+    `mode` may be an Aggregation (or a tuple of its fields): its mode and max_len, the result times its weight.
     """
-    if isinstance(mode, Aggregation):  # a micro-batch: its aggregate, weighted to its part of the update's loss
-        return mode.weight * aggregate_loss(per_token_loss, mask, mode.mode, mode.max_len)
+    if isinstance(mode, tuple):  # a micro-batch's Aggregation: its aggregate, weighted to its part of the loss
+        mode, max_len, weight = Aggregation(*mode)
+        return weight * aggregate_loss(per_token_loss, mask, mode, max_len)
     # BEGIN SOLUTION
     if mode == "token-mean":
         return masked_sum(per_token_loss, mask) / mask.sum().clamp(min=1)
@@ -190,7 +191,7 @@ class Clip(NamedTuple):
 def per_sequence(loss_agg):
     """loss_agg with each sequence counted once (seq-mean-token-mean): a string, or an Aggregation keeping its
     micro-batch weight, the same for every mean over sequences."""
-    return loss_agg._replace(mode="seq-mean-token-mean") if isinstance(loss_agg, Aggregation) else \
+    return Aggregation(*loss_agg)._replace(mode="seq-mean-token-mean") if isinstance(loss_agg, tuple) else \
         "seq-mean-token-mean"
 
 

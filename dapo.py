@@ -40,12 +40,10 @@ class Config(config.GroupConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        config.rule("epsilon_low", self.epsilon_low, 0 < self.epsilon_low < 1, "in (0, 1)")
-        config.rule("epsilon_high", self.epsilon_high, self.epsilon_high > 0, "> 0")
-        config.rule("dual_clip_c", self.dual_clip_c, self.dual_clip_c == 0 or self.dual_clip_c > 1, "0 (off) or > 1")
-        config.rule("num_epochs", self.num_epochs, self.num_epochs >= 1, ">= 1")
-        config.rule("max_sampling_rounds", self.max_sampling_rounds, self.max_sampling_rounds >= 1, ">= 1")
-        config.choice("dynamic_sampling_metric", self.dynamic_sampling_metric, ("correct", "reward"))
+        config.check_rules(self, dual_clip_c=config.DUAL_CLIP, num_epochs=config.AT_LEAST_ONE)
+        config.check_rules(self, epsilon_low=config.FRACTION, epsilon_high=config.POSITIVE,
+                           max_sampling_rounds=config.AT_LEAST_ONE,
+                           dynamic_sampling_metric=config.one_of("correct", "reward"))
         config.check(self.epsilon_high >= self.epsilon_low,
                      f"--epsilon_high ({self.epsilon_high}) must be >= --epsilon_low ({self.epsilon_low}).")
         config.check(self.dynamic_sampling_metric == "reward" or self.answer_column or self.dataset == "arithmetic",
@@ -111,18 +109,18 @@ def overlong_penalty(lengths, max_len, cache_len):
     # END SOLUTION
 
 
-def dapo_loss(logp, old_logp, adv, mask, epsilon_low, epsilon_high, dual_clip_c=0.0, pg_weight=None,
-              loss_agg="token-mean"):
-    """Clipped surrogate with the decoupled clip range, token-mean over the whole batch (DAPO eq. 8): loss_agg,
-    token-mean or the micro-batch's common.Aggregation of it.
+def dapo_loss(logp, old_logp, adv, mask, clip, pg_weight=None, loss_agg="token-mean"):
+    """Clipped surrogate with the decoupled clip range, token-mean over the whole batch (DAPO eq. 8).
 
     logp: (B, T) log-probs under the policy being trained (with grad); old_logp: (B, T) at sampling
-    time (detached); adv: (B,), the same for every token. dual_clip_c > 1 bounds a token's loss with
-    A < 0 by c |A|; pg_weight (B, T), detached, multiplies the surrogate (TIS, masks).
+    time (detached); adv: (B,), the same for every token. clip: a common.Clip (or a tuple of its fields), the
+    range [1 - epsilon_low, 1 + epsilon_high] and its dual clip. pg_weight (B, T), detached, multiplies the
+    surrogate (TIS, masks). loss_agg: token-mean, or the micro-batch's common.Aggregation of it.
     Returns (loss, stats): clip_frac_low / clip_frac_high, the fraction of tokens clipped below
-    (ratio < 1 - epsilon_low, A < 0) and above (ratio > 1 + epsilon_high, A > 0); approx_kl, k3 of
+    (ratio < 1 - clip.low, A < 0) and above (ratio > 1 + clip.high, A > 0); approx_kl, k3 of
     the token ratio, an estimate of KL(pi_old || pi_theta).
     """
+    clip = common.Clip(*clip)
     # the padding may hold anything (NaN, a gap past exp's range): there the detached inputs take logp's value,
     # so the gradient at a padded position is 0, not 0 * inf = NaN from an exp's backward
     old_logp = torch.where(mask.bool(), old_logp, logp.detach())
@@ -130,16 +128,16 @@ def dapo_loss(logp, old_logp, adv, mask, epsilon_low, epsilon_high, dual_clip_c=
     log_ratio = logp - old_logp  # (B, T)
     ratio = torch.exp(log_ratio)  # rho_t = pi_theta / pi_old
     adv = adv[:, None]
-    surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * adv)
-    if dual_clip_c > 0:  # dual clip (Ye et al., 2020): with A < 0 the min above is unbounded in rho
-        surrogate = torch.where(adv < 0, torch.max(surrogate, dual_clip_c * adv), surrogate)
+    surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - clip.low, 1 + clip.high) * adv)
+    if clip.dual_c > 0:  # dual clip (Ye et al., 2020): with A < 0 the min above is unbounded in rho
+        surrogate = torch.where(adv < 0, torch.max(surrogate, clip.dual_c * adv), surrogate)
     if pg_weight is not None:  # a padding weight may hold anything: keep it out of the gradient
         surrogate = torch.where(mask.bool(), pg_weight, 0.0) * surrogate
     loss = common.aggregate_loss(-surrogate, mask, loss_agg)
     with torch.no_grad():
         stats = {
-            "clip_frac_low": common.masked_mean(((ratio < 1 - epsilon_low) & (adv < 0)).float(), mask),
-            "clip_frac_high": common.masked_mean(((ratio > 1 + epsilon_high) & (adv > 0)).float(), mask),
+            "clip_frac_low": common.masked_mean(((ratio < 1 - clip.low) & (adv < 0)).float(), mask),
+            "clip_frac_high": common.masked_mean(((ratio > 1 + clip.high) & (adv > 0)).float(), mask),
             "approx_kl": common.masked_mean(ratio - 1 - log_ratio, mask),
         }
     return loss, stats
@@ -219,8 +217,7 @@ def main():
                     pg_weight, correction, per_row = common.rollout_correction(
                         logp, old, mb.of(rollout_logp), mb.of(adv), mb.mask, cfg.tis_cap, cfg.geo_mask_delta,
                         cfg.tis_level, cfg.tis_veto)
-                loss, stats = dapo_loss(logp, old, mb.of(adv), mb.mask, cfg.epsilon_low, cfg.epsilon_high,
-                                        cfg.dual_clip_c, pg_weight, mb.agg)
+                loss, stats = dapo_loss(logp, old, mb.of(adv), mb.mask, cfg.clip, pg_weight, mb.agg)
                 stats = {**stats, **correction, "entropy": common.masked_mean(entropy, mb.mask)}
                 trainer.backward(loss, mb, stats, per_row)
             update = trainer.step(policy)  # clip, check finite, optimizer step, zero_grad

@@ -42,15 +42,11 @@ class Config(config.GroupConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        config.rule("beta", self.beta, self.beta >= 0, ">= 0")
-        config.choice("kl_estimator", self.kl_estimator, ("k1", "k2", "k3"))
-        config.choice("importance_sampling_level", self.importance_sampling_level, ("token", "sequence"))
-        config.rule("epsilon", self.epsilon, self.epsilon is None or 0 < self.epsilon < 1, "in (0, 1)")
-        config.rule("epsilon_high", self.epsilon_high, self.epsilon_high is None or self.epsilon_high > 0, "> 0")
-        config.rule("dual_clip_c", self.dual_clip_c, self.dual_clip_c == 0 or self.dual_clip_c > 1, "0 (off) or > 1")
-        config.rule("num_epochs", self.num_epochs, self.num_epochs >= 1, ">= 1")
-        config.choice("scale_rewards", self.scale_rewards, ("group", "batch", "none"))
-        config.choice("loss_agg", self.loss_agg, common.LOSS_AGG_MODES)
+        config.check_rules(self, dual_clip_c=config.DUAL_CLIP, num_epochs=config.AT_LEAST_ONE)
+        config.check_rules(self, beta=config.NON_NEGATIVE, kl_estimator=config.one_of("k1", "k2", "k3"),
+                           importance_sampling_level=config.one_of("token", "sequence"), epsilon=config.FRACTION,
+                           epsilon_high=config.POSITIVE, scale_rewards=config.one_of("group", "batch", "none"),
+                           loss_agg=config.one_of(*common.LOSS_AGG_MODES))
         sequence = self.importance_sampling_level == "sequence"  # GSPO's clip range: v2 section 5.1
         config.check(sequence or self.epsilon_high is None, "--epsilon_high needs --importance_sampling_level sequence")
         if sequence and self.epsilon_high is None:
@@ -63,10 +59,6 @@ class Config(config.GroupConfig):
     def clip(self):
         return common.Clip(self.epsilon, self.epsilon_high or self.epsilon, self.dual_clip_c,
                            self.importance_sampling_level)
-
-    @property
-    def kl(self):
-        return common.KLTerm(self.kl_estimator, self.kl_is_weight)
 
     @property
     def reuses_batch(self):
@@ -95,23 +87,23 @@ def grpo_advantages(rewards, group_size, scale_rewards="group", eps=1e-6):
     # END SOLUTION
 
 
-def grpo_loss(logp, old_logp, ref_logp, adv, mask, clip, beta, loss_agg="seq-mean-token-mean", kl=common.KLTerm(),
-              pg_weight=None):
+def grpo_loss(logp, old_logp, ref_logp, adv, mask, clip, beta, loss_agg="seq-mean-token-mean",
+              kl_term=common.KLTerm(), pg_weight=None):
     """Clipped surrogate plus beta * KL to the reference, per token (DeepSeekMath eq. 3).
 
-    logp: (B, T) log-probs under the policy being trained (with grad); old_logp: (B, T) at sampling
-    time (detached); adv: (B,), the same for every token. clip: a common.Clip (its range, dual clip and level), or
-    epsilon, the range [1 - epsilon, 1 + epsilon] on each token's ratio. pg_weight (B, T), detached, multiplies the
-    surrogate (TIS, masks). ref_logp: (B, T) under the reference, or None when beta == 0; the KL term (kl: its
-    estimator and ratio weight, common.kl_penalty) keeps its gradient through logp. loss_agg: a mode of
-    common.aggregate_loss or the micro-batch's common.Aggregation. GSPO (clip.level "sequence"): each token of
-    sequence i gets s_i = exp(mean_t log rho_t), clipped once per sequence.
+    logp: (B, T) log-probs under the policy being trained (with grad); old_logp: (B, T) at sampling time
+    (detached); adv: (B,), the same for every token. clip: a common.Clip (its range, dual clip and level; or a tuple
+    of its fields), or epsilon, the range [1 - epsilon, 1 + epsilon] on each token's ratio. pg_weight (B, T),
+    detached, multiplies the surrogate (TIS, masks). ref_logp: (B, T) under the reference, or None when beta == 0;
+    the KL term (kl_term: its estimator and ratio weight, common.kl_penalty) keeps its gradient through logp.
+    loss_agg: a mode of common.aggregate_loss, or the micro-batch's common.Aggregation. GSPO (clip.level
+    "sequence"): each token of sequence i gets s_i = exp(mean_t log rho_t), clipped once per sequence.
     Returns (loss, stats): clip_frac_low / clip_frac_high, the fraction of tokens clipped below
     (ratio < 1 - clip.low, A < 0) and above (ratio > 1 + clip.high, A > 0); approx_kl, k3 of the token ratio, an
     estimate of KL(pi_old || pi_theta); kl_k3, the mean k3 to the reference; kl_term, the mean of the term beta
     multiplies (the KL term stays per token).
     """
-    clip = common.Clip(clip, clip) if isinstance(clip, (int, float)) else clip
+    clip, kl_term = common.Clip(*clip) if isinstance(clip, tuple) else common.Clip(clip, clip), common.KLTerm(*kl_term)
     # the padding may hold anything (NaN, a gap past exp's range): there the detached inputs take logp's value,
     # so the gradient at a padded position is 0, not 0 * inf = NaN from an exp's backward
     old_logp = torch.where(mask.bool(), old_logp, logp.detach())
@@ -128,20 +120,20 @@ def grpo_loss(logp, old_logp, ref_logp, adv, mask, clip, beta, loss_agg="seq-mea
         surrogate = torch.where(adv < 0, torch.max(surrogate, clip.dual_c * adv), surrogate)
     if pg_weight is not None:  # a padding weight may hold anything: keep it out of the gradient
         surrogate = torch.where(mask.bool(), pg_weight, 0.0) * surrogate
-    kl_term = torch.zeros_like(logp) if ref_logp is None else \
-        common.kl_penalty(logp, ref_logp, kl.estimator, old_logp if kl.ratio_weight else None)
+    kl = torch.zeros_like(logp) if ref_logp is None else \
+        common.kl_penalty(logp, ref_logp, kl_term.estimator, old_logp if kl_term.ratio_weight else None)
     if sequence:  # GSPO: the surrogate once per sequence (the mean of its equal token terms), the KL term per token
         loss = common.aggregate_loss(-surrogate, mask, common.per_sequence(loss_agg)) + \
-            common.aggregate_loss(beta * kl_term, mask, loss_agg)
+            common.aggregate_loss(beta * kl, mask, loss_agg)
     else:
-        loss = common.aggregate_loss(-surrogate + beta * kl_term, mask, loss_agg)
+        loss = common.aggregate_loss(-surrogate + beta * kl, mask, loss_agg)
     with torch.no_grad():
         stats = {
             "clip_frac_low": common.masked_mean(((ratio < 1 - clip.low) & (adv < 0)).float(), mask),
             "clip_frac_high": common.masked_mean(((ratio > 1 + clip.high) & (adv > 0)).float(), mask),
             "approx_kl": common.masked_mean(torch.exp(log_ratio) - 1 - log_ratio, mask),
-            "kl_k3": common.masked_mean(common.kl_k3(logp, ref_logp) if ref_logp is not None else kl_term, mask),
-            "kl_term": common.masked_mean(kl_term, mask),
+            "kl_k3": common.masked_mean(common.kl_k3(logp, ref_logp) if ref_logp is not None else kl, mask),
+            "kl_term": common.masked_mean(kl, mask),
         }
     return loss, stats
     # END SOLUTION
@@ -188,7 +180,7 @@ def main():
                         logp, old, mb.of(rollout_logp), mb.of(adv), mb.mask, cfg.tis_cap, cfg.geo_mask_delta,
                         cfg.tis_level, cfg.tis_veto)
                 loss, stats = grpo_loss(logp, old, mb.of(ref_logp), mb.of(adv), mb.mask, cfg.clip, cfg.beta, mb.agg,
-                                        cfg.kl, pg_weight)
+                                        common.KLTerm(cfg.kl_estimator, cfg.kl_is_weight), pg_weight)
                 stats = {**stats, **correction, "entropy": common.masked_mean(entropy, mb.mask)}
                 trainer.backward(loss, mb, stats, per_row)
                 if ref_logp is not None:

@@ -59,16 +59,12 @@ class Config(config.TrainConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        config.rule("beta", self.beta, self.beta >= 0, ">= 0")
-        for name in ("critic_learning_rate", "num_mini_batches", "epsilon_value", "vf_coef", "kl_target", "kl_horizon"):
-            config.rule(name, vars(self)[name], vars(self)[name] > 0, "> 0")
-        for name in ("gamma", "lam"):
-            config.rule(name, vars(self)[name], 0 <= vars(self)[name] <= 1, "in [0, 1]")
-        config.rule("lam_critic", self.lam_critic, self.lam_critic is None or 0 <= self.lam_critic <= 1, "in [0, 1]")
-        config.rule("lam_alpha", self.lam_alpha, self.lam_alpha >= 0, ">= 0")
-        config.rule("num_epochs", self.num_epochs, self.num_epochs >= 1, ">= 1")
-        config.rule("epsilon", self.epsilon, 0 < self.epsilon < 1, "in (0, 1)")
-        config.rule("dual_clip_c", self.dual_clip_c, self.dual_clip_c == 0 or self.dual_clip_c > 1, "0 (off) or > 1")
+        config.check_rules(self, dual_clip_c=config.DUAL_CLIP, num_epochs=config.AT_LEAST_ONE)
+        config.check_rules(self, beta=config.NON_NEGATIVE, gamma=config.PROBABILITY, lam=config.PROBABILITY,
+                           lam_critic=config.PROBABILITY, lam_alpha=config.NON_NEGATIVE, epsilon=config.FRACTION,
+                           **{name: config.POSITIVE for name in ("num_steps", "learning_rate", "critic_learning_rate",
+                                                                 "num_mini_batches", "epsilon_value", "vf_coef",
+                                                                 "kl_target", "kl_horizon")})
         config.check(not self.adaptive_kl or self.beta > 0, "--adaptive_kl needs --beta > 0 (it scales beta).")
         config.check(self.batch_size % self.num_mini_batches == 0,
                      f"--num_mini_batches ({self.num_mini_batches}) must divide --batch_size ({self.batch_size}).")

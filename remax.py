@@ -31,10 +31,8 @@ class Config(config.TrainConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        config.choice("baseline", self.baseline, ("greedy", "none"))
-        config.rule("beta", self.beta, self.beta >= 0, ">= 0")
-        config.rule("adv_clip", self.adv_clip, self.adv_clip >= 0, ">= 0")
-        config.choice("loss_agg", self.loss_agg, common.LOSS_AGG_MODES)
+        config.check_rules(self, baseline=config.one_of("greedy", "none"), beta=config.NON_NEGATIVE,
+                           adv_clip=config.NON_NEGATIVE, loss_agg=config.one_of(*common.LOSS_AGG_MODES))
 
 
 def remax_advantages(rewards, greedy_rewards):

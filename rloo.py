@@ -29,7 +29,7 @@ class Config(config.GroupConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        config.rule("beta", self.beta, self.beta >= 0, ">= 0")
+        config.check_rules(self, beta=config.NON_NEGATIVE)
         config.check(self.micro_batch_size % self.num_generations == 0, f"--micro_batch_size ({self.micro_batch_size}) "
                      f"must be a multiple of --num_generations ({self.num_generations}): a sample's leave-one-out "
                      "baseline needs its group's KL penalties, so a micro-batch holds whole groups.")

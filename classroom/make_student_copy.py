@@ -91,7 +91,8 @@ VISIBLE_TESTS = {
     "rloo.py::rloo_loss": ("tests/test_rloo.py", [
         "test_rloo_loss_treats_the_whole_sequence_as_one_action",
         "test_rloo_loss_does_not_backpropagate_into_the_advantage",
-        "test_rloo_loss_pg_weight_scales_each_tokens_log_prob"]),
+        "test_rloo_loss_pg_weight_scales_each_tokens_log_prob",
+        "test_rloo_loss_keeps_a_junk_padding_weight_out_of_the_gradient"]),
     "grpo.py::grpo_advantages": ("tests/test_grpo.py", [
         "test_group_advantage_uses_bessel_std_and_eps", "test_group_advantage_eps_keeps_a_tiny_std_finite",
         "test_all_equal_group_gives_exactly_zero_advantage", "test_scale_rewards_group_batch_none",

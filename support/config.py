@@ -10,6 +10,7 @@ import os
 import sys
 import types
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -27,6 +28,24 @@ RESUMABLE_CHANGES = ("num_steps", "eval_every", "log_every", "log_rollouts", "sa
 def arg(default, help):
     """A config field with its --help text."""
     return field(default=default, metadata={"help": help})
+
+
+class Rule(NamedTuple):
+    """What a flag's value must be: ok(value), said as "--name must be <text>" (check_rules)."""
+    ok: object
+    text: str
+
+
+def one_of(*choices):
+    return Rule(lambda v: v in choices, " or ".join([", ".join(choices[:-1]), choices[-1]] if choices[1:] else choices))
+
+
+POSITIVE = Rule(lambda v: v > 0, "> 0")
+NON_NEGATIVE = Rule(lambda v: v >= 0, ">= 0")
+FRACTION = Rule(lambda v: 0 < v < 1, "in (0, 1)")
+PROBABILITY = Rule(lambda v: 0 <= v <= 1, "in [0, 1]")
+AT_LEAST_ONE = Rule(lambda v: v >= 1, ">= 1")
+DUAL_CLIP = Rule(lambda v: v == 0 or v > 1, "0 (off) or > 1")
 
 
 @dataclass
@@ -105,18 +124,16 @@ class TrainConfig:
 
     def __post_init__(self):
         flags = vars(self)
-        for name in ("num_steps", "batch_size", "learning_rate", "max_new_tokens", "temperature", "eval_every",
-                     "log_every", "max_prompt_length", "eval_size"):
-            rule(name, flags[name], flags[name] > 0, "> 0")
-        for name in ("lora_r", "save_steps", "save_total_limit", "max_grad_norm", "top_k", "micro_batch_size",
-                     "generation_batch_size", "log_rollouts"):
-            rule(name, flags[name], flags[name] >= 0, ">= 0")
-        choice("keep_routing", self.keep_routing, ("none", "r2", "r3"))
+        check_rules(self, **{name: POSITIVE for name in ("num_steps", "batch_size", "learning_rate", "max_new_tokens",
+                                                        "temperature", "eval_every", "log_every", "max_prompt_length",
+                                                        "eval_size")})
+        check_rules(self, **{name: NON_NEGATIVE for name in ("lora_r", "save_steps", "save_total_limit",
+                                                            "max_grad_norm", "top_k", "micro_batch_size",
+                                                            "generation_batch_size", "log_rollouts")})
+        check_rules(self, keep_routing=one_of("none", "r2", "r3"), top_p=Rule(lambda v: 0 < v <= 1, "in (0, 1]"))
         check(self.keep_routing != "r2" or self.reuses_batch,
               "--keep_routing r2 replays the routing of the pi_old pass in the updates that follow it, and this run "
               "makes one update per batch (no pi_old pass): give --num_epochs > 1, or --keep_routing r3.")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"--top_p must be in (0, 1] (got {self.top_p}).")
         if self.reward_scales not in ("uniform", "hetero"):
             raise ValueError(f"--reward_scales must be 'uniform' or 'hetero' (got {self.reward_scales!r}).")
         if self.report_to not in ("none", "tensorboard", "wandb"):
@@ -188,8 +205,7 @@ class GroupConfig(TrainConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        choice("tis_level", self.tis_level, ("token", "sequence"))
-        rule("tis_veto", self.tis_veto, 0 <= self.tis_veto < 1, "in [0, 1)")
+        check_rules(self, tis_level=one_of("token", "sequence"), tis_veto=Rule(lambda v: 0 <= v < 1, "in [0, 1)"))
         if self.rollout_dtype not in DTYPES:
             raise ValueError(f"--rollout_dtype must be one of {sorted(DTYPES)} (got {self.rollout_dtype!r}).")
         if self.tis_cap < 0 or 0 < self.tis_cap < 1:
@@ -273,7 +289,8 @@ def reward_function(spec):
         raise ValueError(f"--reward_fn {spec!r}: importing {path} raised {type(e).__name__}: {e}") from e
     function = vars(module).get(name)
     if not callable(function):
-        defined = [k for k, v in vars(module).items() if isinstance(v, types.FunctionType) and v.__module__ == found.name]
+        defined = [k for k, v in vars(module).items()
+                   if isinstance(v, types.FunctionType) and v.__module__ == found.name]
         raise ValueError(f"--reward_fn {spec!r}: {path} defines no function {name!r} (it defines {defined}).")
     return function
 
@@ -353,14 +370,12 @@ def deepspeed_settings(ds_config, cfg, num_processes):
     return ds_config
 
 
-def rule(name, value, ok, text):
-    """The check of one flag's value: unless ok, "--name must be text (got value)"."""
-    check(ok, f"--{name} must be {text} (got {value!r}).")
-
-
-def choice(name, value, choices):
-    """The check of a flag that takes one of `choices`."""
-    rule(name, value, value in choices, " or ".join(choices))
+def check_rules(cfg, **rules):
+    """Check the flags named, each against its Rule: --name must be <text> (got value). A flag left unset (None)
+    passes."""
+    for name, rule in rules.items():
+        value = vars(cfg)[name]
+        check(value is None or rule.ok(value), f"--{name} must be {rule.text} (got {value!r}).")
 
 
 def check(ok, message):

@@ -106,7 +106,8 @@ def test_advantage_is_grpos_group_advantage():
 
 def one_token_grad(ratio, adv, epsilon_low=0.2, epsilon_high=0.28):
     logp = torch.tensor([[math.log(ratio)]], dtype=F64, requires_grad=True)
-    loss, stats = dapo_loss(logp, torch.zeros(1, 1, dtype=F64), torch.tensor([adv], dtype=F64), torch.ones(1, 1), epsilon_low, epsilon_high)
+    loss, stats = dapo_loss(logp, torch.zeros(1, 1, dtype=F64), torch.tensor([adv], dtype=F64), torch.ones(1, 1),
+                            (epsilon_low, epsilon_high))
     loss.backward()
     return logp.grad.item(), stats
 
@@ -138,7 +139,7 @@ def test_dapo_loss_is_a_token_mean_over_the_batch():
     response counts per token (GRPO's seq-mean-token-mean would give -A_i / (L_i * B))."""
     logp = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -50.0, -50.0]], dtype=F64, requires_grad=True)
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
-    loss, stats = dapo_loss(logp, logp.detach(), torch.tensor([2.0, -1.0], dtype=F64), mask, 0.2, 0.28)
+    loss, stats = dapo_loss(logp, logp.detach(), torch.tensor([2.0, -1.0], dtype=F64), mask, (0.2, 0.28))
     loss.backward()
     assert loss.item() == pytest.approx(-(3 * 2.0 - 1.0) / 4, rel=1e-12)
     assert logp.grad.tolist() == [[-0.5, -0.5, -0.5], [0.25, 0.0, 0.0]]
@@ -150,7 +151,7 @@ def test_dual_clip_and_pg_weight():
     pg_weight (TIS, masks) scales each token's surrogate."""
     logp = torch.tensor([[math.log(5.0), 0.0]], dtype=F64, requires_grad=True)
     loss, _ = dapo_loss(logp, torch.zeros(1, 2, dtype=F64), torch.tensor([-1.0], dtype=F64), torch.ones(1, 2),
-                        0.2, 0.28, dual_clip_c=3.0, pg_weight=torch.tensor([[1.0, 0.5]], dtype=F64))
+                        (0.2, 0.28, 3.0), pg_weight=torch.tensor([[1.0, 0.5]], dtype=F64))
     loss.backward()
     assert loss.item() == pytest.approx((3.0 + 0.5 * 1.0) / 2, rel=1e-12)
     assert logp.grad.tolist() == [[0.0, 0.25]]

@@ -10,6 +10,7 @@ import subprocess  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+import common  # noqa: E402
 from support import config, models  # noqa: E402
 from support.run import read_metrics  # noqa: E402
 from conftest import launch_two_processes  # noqa: E402
@@ -124,13 +125,13 @@ def seqs():
     return logits, logp, mask
 
 
-@pytest.mark.parametrize("loss_agg", config.LOSS_AGG_MODES)
+@pytest.mark.parametrize("loss_agg", common.LOSS_AGG_MODES)
 def test_with_one_iteration_ratio_is_one_and_gradient_is_the_policy_gradient(loss_agg):
     """mu = 1: old_logp = logp.detach(), so rho == 1 in value, and the gradient equals that of
     REINFORCE with the advantage, -A_i log pi(y_i,t), aggregated the same way."""
     logits, logp, mask = seqs()
     adv = torch.tensor([1.5, -0.5], dtype=F64)
-    loss, stats = grpo_loss(logp, logp.detach(), None, adv, mask, epsilon=0.2, beta=0.0, loss_agg=loss_agg, max_len=8)
+    loss, stats = grpo_loss(logp, logp.detach(), None, adv, mask, 0.2, 0.0, common.Aggregation(loss_agg, 8))
     (grad,) = torch.autograd.grad(loss, logits, retain_graph=True)
     pg = {"seq-mean-token-mean": -(1.5 * logp[0].sum() / 3 - 0.5 * logp[1, 0]) / 2,
           "token-mean": -(1.5 * logp[0].sum() - 0.5 * logp[1, 0]) / 4,
@@ -163,7 +164,7 @@ def test_kl_estimator_k2_and_k3_with_the_ratio_weight_give_the_k2_gradient():
     the weighted k3 keeps k3's value (docs/algorithms.md, off-policy)."""
     ref_logp = torch.log(torch.tensor([[0.25, 0.4]], dtype=F64))
     expected = 0.04 * (torch.log(torch.tensor([[0.5, 0.2]], dtype=F64)) - ref_logp) / 2  # the mean of 2 tokens
-    for kwargs in ({"kl_estimator": "k2"}, {"kl_estimator": "k3", "kl_is_weight": True}):
+    for kwargs in ({"kl_term": common.KLTerm("k2")}, {"kl_term": common.KLTerm("k3", ratio_weight=True)}):
         logp = torch.log(torch.tensor([[0.5, 0.2]], dtype=F64)).requires_grad_()
         loss, stats = grpo_loss(logp, logp.detach(), ref_logp, torch.zeros(1, dtype=F64), torch.ones(1, 2), 0.2, 0.04,
                                 **kwargs)
@@ -181,7 +182,7 @@ def test_kl_estimator_k2_and_k3_with_the_ratio_weight_give_the_k2_gradient():
 def test_dual_clip_bounds_the_loss_of_a_negative_advantage_token(ratio, adv, surrogate, grad):
     logp = torch.tensor([[math.log(ratio)]], dtype=F64, requires_grad=True)
     loss, _ = grpo_loss(logp, torch.zeros(1, 1, dtype=F64), None, torch.tensor([adv], dtype=F64), torch.ones(1, 1),
-                        0.2, 0.0, dual_clip_c=3.0)
+                        common.Clip(0.2, 0.2, dual_c=3.0), 0.0)
     loss.backward()
     assert loss.item() == pytest.approx(-surrogate, rel=1e-12) and logp.grad.item() == pytest.approx(grad, rel=1e-12)
 
@@ -311,7 +312,7 @@ def test_junk_in_the_padding_of_the_detached_inputs_gives_a_finite_gradient():
         old[0, 2] = ref[0, 2] = junk
         losses = {
             "grpo": lambda o, r, lp: grpo_loss(lp, o, r, torch.tensor([0.7]), mask, 0.2, 0.04)[0],
-            "dapo": lambda o, r, lp: dapo_loss(lp, o, torch.tensor([0.7]), mask, 0.2, 0.28)[0],
+            "dapo": lambda o, r, lp: dapo_loss(lp, o, torch.tensor([0.7]), mask, (0.2, 0.28))[0],
             "ppo": lambda o, r, lp: ppo_policy_loss(lp, o, torch.tensor([[0.7, -0.3, 0.0]]), mask, 0.2)[0],
         }
         for name, loss in losses.items():

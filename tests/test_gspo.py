@@ -14,12 +14,11 @@ F64 = torch.float64
 NAN = float("nan")
 
 
-def sequence_loss(log_ratio, adv, mask, **kwargs):
+def sequence_loss(log_ratio, adv, mask, epsilon=3e-4, epsilon_high=4e-4, dual_clip_c=0.0, **kwargs):
     """grpo_loss at sequence level, beta 0, with logp - old_logp = log_ratio; returns (loss, d loss / d logp, stats)."""
     logp = torch.tensor(log_ratio, dtype=F64, requires_grad=True)
-    kwargs = {"epsilon": 3e-4, "epsilon_high": 4e-4, **kwargs}
     loss, stats = grpo_loss(logp, torch.zeros_like(logp), None, torch.tensor(adv, dtype=F64), torch.tensor(mask),
-                            kwargs.pop("epsilon"), 0.0, importance_sampling_level="sequence", **kwargs)
+                            common.Clip(epsilon, epsilon_high, dual_clip_c, "sequence"), 0.0, **kwargs)
     loss.backward()
     return loss, logp.grad, stats
 
@@ -62,18 +61,20 @@ def test_sequence_clip_zeroes_the_whole_sequences_gradient_exactly_where_it_bind
     else:
         torch.testing.assert_close(grad[0], torch.full((3,), -adv * s / (3 * 2), dtype=F64), rtol=1e-9, atol=0)
         assert loss.item() == pytest.approx(-(s * adv + 0.5 * 1.0001) / 2, rel=1e-9)
-    assert stats["clip_frac_high"].item() == (0.5 if clipped and adv > 0 else 0.0)  # 1 of 2 sequences
-    assert stats["clip_frac_low"].item() == (0.5 if clipped and adv < 0 else 0.0)
+    # 3 of 5 tokens, a float32 fraction
+    assert stats["clip_frac_high"].item() == pytest.approx(0.6 if clipped and adv > 0 else 0.0, rel=1e-6)
+    assert stats["clip_frac_low"].item() == pytest.approx(0.6 if clipped and adv < 0 else 0.0, rel=1e-6)
 
 
-def test_clip_fractions_count_sequences_not_tokens():
-    """A 5-token sequence clipped above and two 1-token sequences inside the range: 1 of 3 sequences
-    (a token count would say 5 of 7)."""
+def test_clip_fractions_count_the_tokens_of_the_clipped_sequences():
+    """A 5-token sequence clipped above and two 1-token sequences inside the range: 5 of 7 tokens carry a clipped
+    ratio (1 of 3 sequences). A mean over tokens, like every token statistic, so that the update's value is the
+    same in micro-batches (docs/metrics.md); the rollout viewer colours the same tokens."""
     up, inside = math.log(1.01), 0.0
     log_ratio = [[up] * 5, [inside] + [NAN] * 4, [inside] + [NAN] * 4]
     mask = [[1] * 5, [1, 0, 0, 0, 0], [1, 0, 0, 0, 0]]
     _, _, stats = sequence_loss(log_ratio, [1.0, 1.0, -1.0], mask)
-    assert stats["clip_frac_high"].item() == pytest.approx(1 / 3, rel=1e-6)  # a float32 fraction
+    assert stats["clip_frac_high"].item() == pytest.approx(5 / 7, rel=1e-6)  # a float32 fraction
     assert stats["clip_frac_low"].item() == 0.0
 
 
@@ -94,8 +95,7 @@ def test_with_one_update_the_gradient_is_grpos_with_seq_mean_token_mean():
     logits, logp, mask = seqs()
     adv = torch.tensor([1.5, -0.5, 0.7], dtype=F64)
     ref_logp = logp.detach() + torch.tensor([[0.3, -0.2, 0.5], [0.1, 0.0, 0.0], [-0.4, 0.2, 0.0]], dtype=F64)
-    loss, _ = grpo_loss(logp, logp.detach(), ref_logp, adv, mask, 3e-4, 0.04, importance_sampling_level="sequence",
-                        epsilon_high=4e-4)
+    loss, _ = grpo_loss(logp, logp.detach(), ref_logp, adv, mask, common.Clip(3e-4, 4e-4, level="sequence"), 0.04)
     (grad,) = torch.autograd.grad(loss, logits, retain_graph=True)
     lengths = mask.sum(1)
     pg = -(adv * common.masked_sum(logp, mask, dim=1) / lengths).mean()
@@ -108,15 +108,15 @@ def test_with_one_update_the_gradient_is_grpos_with_seq_mean_token_mean():
     assert loss.item() == pytest.approx(-adv.mean().item() + kl.item(), rel=1e-12)
 
 
-@pytest.mark.parametrize("loss_agg", config.LOSS_AGG_MODES)
+@pytest.mark.parametrize("loss_agg", common.LOSS_AGG_MODES)
 def test_a_long_sequence_counts_once_not_once_per_token(loss_agg):
     """Lengths 5 and 1, A = 1 each, on-policy, beta 0: each sequence's tokens share -A / B = -0.5 of gradient,
     whatever loss_agg says (it aggregates the KL term only). One term per token under token-mean would give
     the long sequence -5/6 and the short one -1/6."""
     logp = torch.tensor([[-1.0, -2.0, -0.5, -1.5, -0.3], [-0.7, NAN, NAN, NAN, NAN]], dtype=F64, requires_grad=True)
     mask = torch.tensor([[1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
-    loss, _ = grpo_loss(logp, logp.detach(), None, torch.ones(2, dtype=F64), mask, 3e-4, 0.0, loss_agg, 8,
-                        importance_sampling_level="sequence")
+    loss, _ = grpo_loss(logp, logp.detach(), None, torch.ones(2, dtype=F64), mask,
+                        common.Clip(3e-4, 3e-4, level="sequence"), 0.0, common.Aggregation(loss_agg, 8))
     loss.backward()
     torch.testing.assert_close(logp.grad, torch.tensor([[-0.1] * 5, [-0.5, 0, 0, 0, 0]], dtype=F64), rtol=1e-12, atol=0)
 
@@ -127,8 +127,8 @@ def test_the_kl_term_stays_per_token(loss_agg, norm):
     k3 = r - log r - 1 with r = pi_ref / pi = 0.5 and 2, sum 0.5; d/dlogp = beta (1 - r) / norm."""
     logp = torch.log(torch.tensor([[0.5, 0.2]], dtype=F64)).requires_grad_()
     ref_logp = torch.log(torch.tensor([[0.25, 0.4]], dtype=F64))
-    loss, stats = grpo_loss(logp, logp.detach(), ref_logp, torch.zeros(1, dtype=F64), torch.ones(1, 2), 3e-4, 0.04,
-                            loss_agg, 4, importance_sampling_level="sequence")
+    loss, stats = grpo_loss(logp, logp.detach(), ref_logp, torch.zeros(1, dtype=F64), torch.ones(1, 2),
+                            common.Clip(3e-4, 3e-4, level="sequence"), 0.04, common.Aggregation(loss_agg, 4))
     loss.backward()
     assert loss.item() == pytest.approx(0.04 * 0.5 / norm, rel=1e-12)
     assert stats["kl_k3"].item() == pytest.approx(0.25, rel=1e-12)
@@ -167,8 +167,9 @@ def test_micro_batches_weighed_by_their_sequences_add_up_to_the_whole_batch(loss
     adv, weight = torch.tensor([1.5, -0.5, 0.7], dtype=F64), torch.tensor([[1.0, 2.0, 0.5]] * 3, dtype=F64)
 
     def loss(rows):
-        return grpo_loss(logp[rows], old_logp[rows], ref_logp[rows], adv[rows], mask[rows], 3e-4, 0.04, loss_agg, 4,
-                         pg_weight=weight[rows], importance_sampling_level="sequence", epsilon_high=4e-4)[0]
+        return grpo_loss(logp[rows], old_logp[rows], ref_logp[rows], adv[rows], mask[rows],
+                         common.Clip(3e-4, 4e-4, level="sequence"), 0.04, common.Aggregation(loss_agg, 4),
+                         pg_weight=weight[rows])[0]
 
     (whole,) = torch.autograd.grad(loss(slice(0, 3)), logits, retain_graph=True)
     parts = [slice(0, 1), slice(1, 3)]

@@ -10,7 +10,7 @@ import torch
 
 import dapo
 import grpo
-from support import config, engine
+from support import config, routing
 from support.run import read_metrics
 
 MOE = os.path.join(config.ROOT, "embedded_model", "moe")
@@ -21,18 +21,18 @@ FLAGS = ["--model_name_or_path", MOE, "--rollout_dtype", "bfloat16", "--batch_si
 
 def run(module, out_dir, *flags, steps=1):
     """Run `module`; returns its metrics and, per pass of the policy, (rollout, rows, experts used, is pi_old)."""
-    passes, original = [], engine.Trainer._close_routing
+    passes, original = [], routing.Pass.close
 
     def close(self):
-        rollout, rows = self.routing_pass[1:]
         closed = original(self)
-        passes.append((rollout, rows, closed.used(), len(rows) == len(rollout) and rollout.old_routing is None))
+        passes.append((self.rollout, self.rows, closed.used(),
+                       len(self.rows) == len(self.rollout) and self.rollout.old_routing is None))
         return closed
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(sys, "argv", [f"{module.__name__}.py", "--num_steps", str(steps), *FLAGS, *flags,
                                  "--output_dir", str(out_dir)])
-        mp.setattr(engine.Trainer, "_close_routing", close)
+        mp.setattr(routing.Pass, "close", close)
         module.main()
     return read_metrics(out_dir / "metrics.jsonl")[1:], passes
 

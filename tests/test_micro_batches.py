@@ -47,17 +47,18 @@ def loss_fn(name, loss_agg):
     def remax_(b, rows, w, vw):
         logp = logprobs(b, rows, w)
         kl = common.kl_k1(logp.detach(), logp.detach() - b["ref_shift"][rows])
-        return remax.remax_loss(logp, b["adv"][rows], kl, b["mask"][rows], 0.1, loss_agg, max_len=T)[0]
+        return remax.remax_loss(logp, b["adv"][rows], kl, b["mask"][rows], 0.1, common.Aggregation(loss_agg, T))[0]
 
     def grpo_(b, rows, w, vw):
         logp = logprobs(b, rows, w)
         old = logp.detach() + b["old_shift"][rows]
-        return grpo.grpo_loss(logp, old, old + b["ref_shift"][rows], b["adv"][rows], b["mask"][rows], 0.2, 0.04,
-                              loss_agg, T, dual_clip_c=3.0)[0]
+        return grpo.grpo_loss(logp, old, old + b["ref_shift"][rows], b["adv"][rows], b["mask"][rows],
+                              common.Clip(0.2, 0.2, dual_c=3.0), 0.04, common.Aggregation(loss_agg, T))[0]
 
     def dapo_(b, rows, w, vw):
         logp = logprobs(b, rows, w)
-        return dapo.dapo_loss(logp, logp.detach() + b["old_shift"][rows], b["adv"][rows], b["mask"][rows], 0.2, 0.28)[0]
+        return dapo.dapo_loss(logp, logp.detach() + b["old_shift"][rows], b["adv"][rows], b["mask"][rows],
+                              (0.2, 0.28), loss_agg=common.Aggregation(loss_agg))[0]
 
     def rloo_(b, rows, w, vw):
         return rloo.rloo_loss(logprobs(b, rows, w), b["adv"][rows], b["mask"][rows])[0]

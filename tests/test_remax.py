@@ -5,6 +5,7 @@ import sys
 import pytest
 import torch
 
+import common
 from support import run
 from conftest import launch_two_processes  # noqa: E402
 from conftest import assert_params_changed  # noqa: E402
@@ -65,10 +66,10 @@ def test_remax_loss_gradient_is_reinforce_with_baseline():
 
 
 def test_remax_loss_seq_mean_token_sum_norm_divides_by_max_len_not_the_batch_width():
-    """main() passes max_len = --max_new_tokens (8): a batch padded to 3 tokens still divides by 8."""
+    """main() aggregates with max_len = --max_new_tokens (8): a batch padded to 3 tokens still divides by 8."""
     logp = torch.zeros(2, 3, requires_grad=True)
     loss, _ = remax_loss(logp, torch.tensor([1.0, 2.0]), torch.zeros(2, 3), torch.tensor([[1, 1, 1], [1, 0, 0]]), 0.05,
-                         "seq-mean-token-sum-norm", max_len=8)
+                         common.Aggregation("seq-mean-token-sum-norm", 8))
     loss.backward()
     assert torch.allclose(logp.grad, torch.tensor([[-1.0, -1.0, -1.0], [-2.0, 0.0, 0.0]]) / 8 / 2)
 

@@ -90,6 +90,25 @@ def test_rloo_loss_pg_weight_scales_each_tokens_log_prob():
     assert stats["seq_logp_mean"].item() == -3.0  # the unweighted log pi(y | x)
 
 
+def test_rloo_loss_keeps_a_junk_padding_weight_out_of_the_gradient():
+    """A per-token weight (TIS) may hold anything in the padding, NaN included: the loss and its gradient at every
+    log-prob are those of the weight with 0 there, finite, and 0 at each padded position."""
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.tensor([5, 3, 1, 4])
+    mask = (torch.arange(5)[None] < lengths[:, None]).long()
+    weight = torch.rand(4, 5, dtype=F64, generator=g) + 0.5
+    adv = torch.randn(4, dtype=F64, generator=g)
+    grads = []
+    for padding in (float("nan"), 0.0):
+        logp = (-torch.rand(4, 5, dtype=F64, generator=torch.Generator().manual_seed(1))).requires_grad_()
+        loss, _ = rloo_loss(logp, adv, mask, torch.where(mask.bool(), weight, padding))
+        loss.backward()
+        grads.append((loss.detach(), logp.grad))
+    (nan_loss, nan_grad), (zero_loss, zero_grad) = grads
+    assert torch.isfinite(nan_grad).all() and torch.equal(nan_grad, zero_grad) and torch.equal(nan_loss, zero_loss)
+    assert (nan_grad[mask == 0] == 0).all() and torch.equal(nan_grad[mask == 1], (-adv[:, None] * weight / 4)[mask == 1])
+
+
 @pytest.mark.parametrize("kwargs, flags", [
     ({"batch_size": 12, "num_generations": 8}, ["--batch_size", "--num_generations"]),
     ({"num_generations": 1, "batch_size": 8}, ["--num_generations"]),

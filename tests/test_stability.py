@@ -59,7 +59,7 @@ def test_rollout_correction_weighs_by_tis_times_the_mask_and_reports_the_mismatc
     # the extremes, which combine over micro-batches by their max and min
     assert stats["mismatch_ratio_max"] == (pytest.approx(2.0), "max")
     assert stats["mismatch_ratio_min"] == (pytest.approx(0.5), "min")
-    assert stats["tis_clip_frac"].item() == pytest.approx(1 / 3) and stats["geo_masked_frac"].item() == 0.0
+    assert stats["tis_clip_frac"].value().item() == pytest.approx(1 / 3) and stats["geo_masked_frac"].value() == 0.0
     # per row, for the viewer: the TIS weight per token, the mask per sequence, no veto (off)
     torch.testing.assert_close(per_row["tis_weight"][0], torch.tensor([1.5, 0.5], dtype=F64))
     assert per_row["geo_mask"].tolist() == [1.0, 1.0] and per_row["veto"] is None
@@ -78,15 +78,15 @@ def test_rollout_correction_per_sequence_with_a_veto_and_the_effective_sample_si
         return common.rollout_correction(old_logp.clone(), old_logp, rollout_logp, adv, mask, tis_cap=2.5, **kw)
     weight, stats, _ = correct()  # per token: min(r, 2.5) on 2, 1.5, 1; ESS = (sum w)^2 / (n sum w^2)
     assert weight[0].tolist() == pytest.approx([2.0, 1.5]) and weight[1, 0].item() == pytest.approx(1.0)
-    assert stats["is_ess"].item() == pytest.approx(4.5 ** 2 / (3 * (4 + 2.25 + 1)), rel=1e-12)
+    assert stats["is_ess"].value().item() == pytest.approx(4.5 ** 2 / (3 * (4 + 2.25 + 1)), rel=1e-12)
     weight, stats, _ = correct(tis_level="sequence")  # min(2 * 1.5, 2.5) = 2.5 | 1: the padded 1/3 counts for nothing
     torch.testing.assert_close(weight, torch.tensor([[2.5, 2.5], [1.0, 1.0]], dtype=F64))
-    assert stats["is_ess"].item() == pytest.approx(3.5 ** 2 / (2 * (6.25 + 1)), rel=1e-12)
+    assert stats["is_ess"].value().item() == pytest.approx(3.5 ** 2 / (2 * (6.25 + 1)), rel=1e-12)
     weight, stats, per_row = correct(tis_level="sequence", tis_veto=1.2)  # row 1's ratio 1 < 1.2: no gradient
     torch.testing.assert_close(weight, torch.tensor([[2.5, 2.5], [0.0, 0.0]], dtype=F64))
     assert per_row["veto"].tolist() == [1.0, 0.0]
-    assert stats["tis_veto_frac"].item() == 0.5 and stats["is_ess"].item() == pytest.approx(0.5)
-    assert correct(tis_veto=0.5).stats["tis_veto_frac"].item() == 0.0  # row 1's 1/3 is padding: no veto
+    assert stats["tis_veto_frac"].value() == 0.5 and stats["is_ess"].value().item() == pytest.approx(0.5)
+    assert correct(tis_veto=0.5).stats["tis_veto_frac"].value() == 0.0  # row 1's 1/3 is padding: no veto
 
 
 def test_geometric_mask_in_rollout_correction_plays_pi_old_with_the_samplers_log_probs():
@@ -96,7 +96,51 @@ def test_geometric_mask_in_rollout_correction_plays_pi_old_with_the_samplers_log
     rollout_logp = old_logp + 0.5
     weight, stats, _ = common.rollout_correction(old_logp.clone(), old_logp, rollout_logp, torch.tensor([-1.0, 1.0]),
                                                  torch.ones(2, 3), geo_mask_delta=0.4)
-    assert weight[:, 0].tolist() == [0.0, 1.0] and stats["geo_masked_frac"].item() == 0.5
+    assert weight[:, 0].tolist() == [0.0, 1.0] and stats["geo_masked_frac"].value() == 0.5
+
+
+def split_stats(old_logp, rollout_logp, mask, rows_per_micro_batch, **kw):
+    """rollout_correction's statistics of the whole batch, and those of its micro-batches combined as the trainer
+    combines them (support/engine.py: combine, each micro-batch's share of the tokens)."""
+    from support.engine import combine
+
+    def stats(rows):
+        adv = torch.ones(len(old_logp[rows]), dtype=F64)
+        return common.rollout_correction(old_logp[rows].clone(), old_logp[rows], rollout_logp[rows], adv, mask[rows],
+                                         **kw).stats
+    parts = [slice(i, i + rows_per_micro_batch) for i in range(0, len(mask), rows_per_micro_batch)]
+    whole = combine([(torch.tensor(1.0), stats(slice(None)))])
+    split = combine([(mask[p].sum() / mask.sum(), stats(p)) for p in parts])
+    return whole, split
+
+
+def test_the_effective_sample_size_and_the_veto_fraction_are_the_whole_batchs_in_micro_batches():
+    """4 sequences of 2 tokens, the second one's ratio 10 on a token, truncated at 5 (per sequence): the batch's ESS is
+    (1 + 5 + 1 + 1)^2 / (4 (1 + 25 + 1 + 1)) = 4/7; micro-batches of 2 rows averaged by their tokens would say
+    (36/52 + 1) / 2 = 0.846. One vetoed sequence of 32 in micro-batches of 10, 10, 10 and 2 rows: 1/32."""
+    old_logp = torch.zeros(4, 2, dtype=F64)
+    rollout_logp = old_logp.clone()
+    rollout_logp[1, 0] = -math.log(10.0)
+    mask = torch.ones(4, 2)
+    whole, split = split_stats(old_logp, rollout_logp, mask, 2, tis_cap=5.0, tis_level="sequence")
+    assert whole["is_ess"].item() == pytest.approx(4 / 7, rel=1e-12) and split["is_ess"] == whole["is_ess"]
+    old_logp, mask = torch.zeros(32, 3, dtype=F64), torch.ones(32, 3)
+    rollout_logp = old_logp.clone()
+    rollout_logp[5, 1] = math.log(4.0)  # pi_train / pi_rollout = 1/4 on a token of row 5: below the veto 0.5
+    mask[20:, 2] = 0  # the micro-batches hold different token counts
+    whole, split = split_stats(old_logp, rollout_logp, mask, 10, tis_cap=2.0, tis_level="sequence", tis_veto=0.5)
+    assert whole["tis_veto_frac"] == split["tis_veto_frac"] == 1 / 32
+    assert split["is_ess"].item() == pytest.approx(whole["is_ess"].item(), rel=1e-12)
+
+
+def test_tis_clip_frac_counts_at_the_level_the_weight_is_applied():
+    """Token ratios 1.5 and 1.5, cap 2: no token is capped, but the sequence's ratio 2.25 is."""
+    old_logp = torch.zeros(1, 2, dtype=F64)
+    rollout_logp = old_logp - math.log(1.5)
+    for level, capped in (("token", 0.0), ("sequence", 1.0)):
+        stats = common.rollout_correction(old_logp.clone(), old_logp, rollout_logp, torch.ones(1, dtype=F64),
+                                          torch.ones(1, 2), tis_cap=2.0, tis_level=level).stats
+        assert stats["tis_clip_frac"].value() == capped
 
 
 @pytest.mark.parametrize("top_k, top_p", [(0, 0.7), (4, 1.0), (4, 0.8), (1, 1.0), (0, 0.999)])

@@ -296,12 +296,12 @@ def test_the_clip_colouring_follows_the_level_the_loss_clips_at():
     logp, old = torch.tensor([[0.3, -0.1, 0.0], [0.25, 0.15, 5.0]]), torch.zeros(2, 3)
     mask, adv = torch.tensor([[1, 1, 0], [1, 1, 0]]), torch.tensor([1.0, 1.0])
     kept = {"logp": logp, "old_logp": old}
-    token = view.derived(kept, adv, (0.2, 0.2), mask=mask)["clip"]
-    sequence = view.derived(kept, adv, (0.2, 0.2, "sequence"), mask=mask)["clip"]
+    token = view.derived(kept, adv, common.Clip(0.2, 0.2), mask=mask)["clip"]
+    sequence = view.derived(kept, adv, common.Clip(0.2, 0.2, level="sequence"), mask=mask)["clip"]
     assert token[mask.bool()].tolist() == [1.0, 0.0, 1.0, 0.0]
     assert sequence[mask.bool()].tolist() == [0.0, 0.0, 1.0, 1.0]
-    _, stats = grpo_loss(logp, old, None, adv, mask, 0.2, 0.0, epsilon_high=0.2, importance_sampling_level="sequence")
-    assert stats["clip_frac_high"].item() == sequence[:, 0].mean().item() == 0.5
+    _, stats = grpo_loss(logp, old, None, adv, mask, common.Clip(0.2, 0.2, level="sequence"), 0.0)
+    assert stats["clip_frac_high"].item() == sequence[mask.bool()].mean().item() == 0.5
 
 
 def test_grpo_records_what_its_update_computed(tmp_path, monkeypatch):

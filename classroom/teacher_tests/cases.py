@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from common import Aggregation, Clip, KLTerm
 from teacher_tests.batches import F64, GARBAGE, lengths, prefix_mask
 
 F32 = torch.float32
@@ -251,7 +252,9 @@ def remax_loss(seed):
         cases.append(Case(f"{mode}, with gradient", [logp, adv, kl, mask, 0.3, mode], grad=(0, 1, 2)))
     cases.append(Case("seq-mean-token-sum-norm, max_len 8, three padding columns",
                       [widened(logp, 3), adv, widened(kl, 3, float("nan")), widened(mask, 3), 0.5,
-                       "seq-mean-token-sum-norm", 8], grad=(0,)))
+                       fields(Aggregation, "seq-mean-token-sum-norm", 8)], grad=(0,)))
+    cases.append(Case("a micro-batch's aggregation: token-mean, weight 0.25",
+                      [logp, adv, kl, mask, 0.3, fields(Aggregation, "token-mean", None, 0.25)], grad=(0,)))
     return cases
 
 
@@ -293,10 +296,16 @@ def grpo_advantages(seed):
     return cases
 
 
-def loss_cases(seed, salt, loss, configs, grid):
-    """Cases of a clipped loss: `configs` (label, kwargs) on a rollout with NaN and inf padding and with
-    random padding and a gradient; `grid`, cases of hand values. loss(logp, old_logp, ref_logp, adv,
-    token_adv, mask) -> the arguments (token_adv: (B, T) advantages, PPO's)."""
+def fields(kind, *args, **kwargs):
+    """A common.Aggregation, Clip or KLTerm as the plain tuple of its fields (how a case's arguments travel; the
+    losses take either)."""
+    return tuple(kind(*args, **kwargs))
+
+
+def loss_cases(seed, salt, loss, configs, grid, defaults=None):
+    """Cases of a clipped loss: `configs` (label, kwargs, over the keyword arguments `defaults`) on a rollout with
+    NaN and inf padding and with random padding and a gradient; `grid`, cases of hand values. loss(logp, old_logp,
+    ref_logp, adv, token_adv, mask) -> the arguments (token_adv: (B, T) advantages, PPO's)."""
     logp, old_logp, ref_logp, adv, mask = rollout(seed, salt)
     weight = torch.rand(B, T, dtype=F64, generator=generator(seed, salt + 1)) * 2
     token_adv = adv[:, None] * torch.rand(B, T, dtype=F64, generator=generator(seed, salt + 2))
@@ -305,7 +314,7 @@ def loss_cases(seed, salt, loss, configs, grid):
         for fill in (float("nan"), float("inf"), None):
             spoilt = spoil(mask, fill, logp, old_logp, ref_logp, token_adv)
             args = loss(*spoilt[:3], adv, spoilt[3], mask)
-            kw = dict(kwargs)
+            kw = {**(defaults or {}), **kwargs}
             if kw.get("pg_weight") == "weight":
                 kw["pg_weight"] = spoil(mask, fill, weight)[0]
             cases.append(Case(f"{label}, padding {fill_name(fill)}", args, kw, grad=(0,) if fill is None else ()))
@@ -321,33 +330,39 @@ DUAL_LOG_RATIO = torch.log(torch.tensor([10.0, 0.1], dtype=F64))[:, None].clone(
 
 
 def grpo_loss(seed):
+    norm8 = fields(Aggregation, "seq-mean-token-sum-norm", 8)  # as the loop passes it, with --max_new_tokens 8
+    gspo = fields(Clip, 0.2, 0.2, level="sequence")
     configs = [("token-mean", {"loss_agg": "token-mean"}),
                ("the defaults", {}),
-               ("seq-mean-token-sum-norm, max_len 8", {"loss_agg": "seq-mean-token-sum-norm", "max_len": 8}),
+               ("seq-mean-token-sum-norm, max_len 8", {"loss_agg": norm8}),
                ("seq-mean-token-sum-norm", {"loss_agg": "seq-mean-token-sum-norm"}),
-               ("k2 with the ratio weight", {"kl_estimator": "k2", "kl_is_weight": True}),
-               ("k3 with the ratio weight", {"kl_is_weight": True, "loss_agg": "token-mean"}),
-               ("k1", {"kl_estimator": "k1"}),
-               ("dual clip 3, pg_weight", {"dual_clip_c": 3.0, "pg_weight": "weight"}),
-               ("epsilon_high 0.28", {"epsilon_high": 0.28, "loss_agg": "token-mean"}),
-               ("GSPO", {"importance_sampling_level": "sequence"}),
-               ("GSPO, seq-mean-token-sum-norm, max_len 8", {"importance_sampling_level": "sequence",
-                                                            "loss_agg": "seq-mean-token-sum-norm", "max_len": 8}),
-               ("GSPO, dual clip 3, pg_weight, token-mean", {"importance_sampling_level": "sequence",
-                                                            "dual_clip_c": 3.0, "pg_weight": "weight",
-                                                            "loss_agg": "token-mean"})]
+               ("a micro-batch: seq-mean-token-mean, weight 0.5",
+                {"loss_agg": fields(Aggregation, "seq-mean-token-mean", None, 0.5)}),
+               ("k2 with the ratio weight", {"kl_term": fields(KLTerm, "k2", True)}),
+               ("k3 with the ratio weight", {"kl_term": fields(KLTerm, "k3", True), "loss_agg": "token-mean"}),
+               ("k1", {"kl_term": fields(KLTerm, "k1")}),
+               ("dual clip 3, pg_weight", {"clip": fields(Clip, 0.2, 0.2, 3.0), "pg_weight": "weight"}),
+               ("epsilon_high 0.28", {"clip": fields(Clip, 0.2, 0.28), "loss_agg": "token-mean"}),
+               ("GSPO", {"clip": gspo}),
+               ("GSPO, seq-mean-token-sum-norm, max_len 8", {"clip": gspo, "loss_agg": norm8}),
+               ("GSPO, a micro-batch's seq-mean-token-sum-norm, weight 0.5",
+                {"clip": gspo, "loss_agg": fields(Aggregation, "seq-mean-token-sum-norm", 8, 0.5)}),
+               ("GSPO, dual clip 3, pg_weight, token-mean", {"clip": fields(Clip, 0.2, 0.2, 3.0, "sequence"),
+                                                            "pg_weight": "weight", "loss_agg": "token-mean"})]
     ones = torch.ones(3, 3, dtype=torch.long)
     grid = [Case("hand values: the clip grid", [GRID_LOG_RATIO, torch.zeros(3, 3, dtype=F64), None, GRID_ADV, ones,
                                                 0.2, 0.0, "token-mean"], grad=(0,)),
             Case("on-policy, epsilon 0", [torch.zeros(3, 3, dtype=F64), torch.zeros(3, 3, dtype=F64), None, GRID_ADV,
                                           ones, 0.0, 0.0, "token-mean"], grad=(0,)),
             Case("hand values: the dual clip", [DUAL_LOG_RATIO, torch.zeros(2, 1, dtype=F64), None, DUAL_ADV,
-                                                torch.ones(2, 1, dtype=torch.long), 0.2, 0.0, "token-mean"],
-                 {"dual_clip_c": 3.0}, grad=(0,))]
-    cases = loss_cases(seed, 11, lambda logp, old, ref, adv, token_adv, mask: [logp, old, ref, adv, mask, 0.2, 0.05],
-                       configs, grid)
+                                                torch.ones(2, 1, dtype=torch.long), fields(Clip, 0.2, 0.2, 3.0), 0.0,
+                                                "token-mean"], grad=(0,))]
+    cases = loss_cases(seed, 11, lambda logp, old, ref, adv, token_adv, mask: [logp, old, ref, adv, mask],
+                       configs, grid, defaults={"clip": 0.2, "beta": 0.05})
     logp, old_logp, _, adv, mask = rollout(seed, 12)
     cases.append(Case("no reference (beta 0)", [logp, old_logp, None, adv, mask, 0.2, 0.0], grad=(0,)))
+    cases.append(Case("a Clip's fields as a plain tuple", [logp, old_logp, None, adv, mask, (0.1, 0.3), 0.0],
+                      grad=(0,)))
     return cases
 
 
@@ -380,22 +395,24 @@ def overlong_penalty(seed):
 
 
 def dapo_loss(seed):
-    configs = [("epsilons 0.2 and 0.28", {}), ("dual clip 3", {"dual_clip_c": 3.0}),
-               ("pg_weight", {"pg_weight": "weight"})]
+    configs = [("epsilons 0.2 and 0.28", {}), ("dual clip 3", {"clip": fields(Clip, 0.2, 0.28, 3.0)}),
+               ("pg_weight", {"pg_weight": "weight"}),
+               ("a micro-batch's token-mean, weight 0.5", {"loss_agg": fields(Aggregation, "token-mean", None, 0.5)})]
     ones = torch.ones(3, 3, dtype=torch.long)
-    grid = [Case("hand values: the clip grid", [GRID_LOG_RATIO, torch.zeros(3, 3, dtype=F64), GRID_ADV, ones, 0.2,
-                                                0.28], grad=(0,)),
-            Case("equal epsilons", [GRID_LOG_RATIO, torch.zeros(3, 3, dtype=F64), GRID_ADV, ones, 0.2, 0.2], grad=(0,)),
+    grid = [Case("hand values: the clip grid", [GRID_LOG_RATIO, torch.zeros(3, 3, dtype=F64), GRID_ADV, ones,
+                                                (0.2, 0.28)], grad=(0,)),
+            Case("equal epsilons", [GRID_LOG_RATIO, torch.zeros(3, 3, dtype=F64), GRID_ADV, ones, (0.2, 0.2)],
+                 grad=(0,)),
             Case("on-policy, epsilons 0", [torch.zeros(3, 3, dtype=F64), torch.zeros(3, 3, dtype=F64), GRID_ADV, ones,
-                                           0.0, 0.0], grad=(0,)),
+                                           (0.0, 0.0)], grad=(0,)),
             Case("hand values: the dual clip", [DUAL_LOG_RATIO, torch.zeros(2, 1, dtype=F64), DUAL_ADV,
-                                                torch.ones(2, 1, dtype=torch.long), 0.2, 0.28, 3.0], grad=(0,)),
+                                                torch.ones(2, 1, dtype=torch.long), (0.2, 0.28, 3.0)], grad=(0,)),
             Case("ratios between the two clips", [torch.log(torch.tensor([[1.25], [0.78], [1.1]], dtype=F64)),
                                                   torch.zeros(3, 1, dtype=F64), torch.tensor([0.5, -0.5, 0.5],
                                                                                              dtype=F64),
-                                                  torch.ones(3, 1, dtype=torch.long), 0.2, 0.28], grad=(0,))]
-    return loss_cases(seed, 13, lambda logp, old, ref, adv, token_adv, mask: [logp, old, adv, mask, 0.2, 0.28],
-                      configs, grid)
+                                                  torch.ones(3, 1, dtype=torch.long), (0.2, 0.28)], grad=(0,))]
+    return loss_cases(seed, 13, lambda logp, old, ref, adv, token_adv, mask: [logp, old, adv, mask],
+                      configs, grid, defaults={"clip": (0.2, 0.28)})
 
 
 # ---------------------------------------------------------------------------------------------- ppo

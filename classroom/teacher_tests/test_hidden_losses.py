@@ -71,7 +71,7 @@ def test_grpo_loss_statistics_ignore_the_padding_and_weigh_every_valid_token(fil
     adv_col = adv[:, None].expand(B, T).clone()
 
     def call(logp, old_logp, ref_logp, adv_col, mask):
-        return grpo.grpo_loss(logp, old_logp, ref_logp, adv_col[:, 0], mask, epsilon=0.2, beta=0.05,
+        return grpo.grpo_loss(logp, old_logp, ref_logp, adv_col[:, 0], mask, clip=0.2, beta=0.05,
                               loss_agg="token-mean")
     _, stats = check_stats_and_loss(call, [logp, old_logp, ref_logp, adv_col], mask, n, fill)
     assert 0 < stats["clip_frac_low"] < 1 and 0 < stats["clip_frac_high"] < 1  # both clips bind somewhere
@@ -83,7 +83,7 @@ def test_grpo_loss_means_over_sequences_ignore_the_padding(loss_agg):
     adv_col = adv[:, None].expand(B, T).clone()
     if loss_agg == "seq-mean-token-sum-norm":  # a row alone has the same max_len
         def call(logp, old_logp, ref_logp, adv_col, mask):
-            return grpo.grpo_loss(logp, old_logp, ref_logp, adv_col[:, 0], mask, 0.2, 0.05, loss_agg, max_len=8)
+            return grpo.grpo_loss(logp, old_logp, ref_logp, adv_col[:, 0], mask, 0.2, 0.05, (loss_agg, 8))
     else:
         def call(logp, old_logp, ref_logp, adv_col, mask):
             return grpo.grpo_loss(logp, old_logp, ref_logp, adv_col[:, 0], mask, 0.2, 0.05, loss_agg)
@@ -96,7 +96,7 @@ def test_dapo_loss_statistics_ignore_the_padding_and_weigh_every_valid_token(fil
     adv_col = adv[:, None].expand(B, T).clone()
 
     def call(logp, old_logp, adv_col, mask):
-        return dapo.dapo_loss(logp, old_logp, adv_col[:, 0], mask, epsilon_low=0.2, epsilon_high=0.28)
+        return dapo.dapo_loss(logp, old_logp, adv_col[:, 0], mask, (0.2, 0.28))
     _, stats = check_stats_and_loss(call, [logp, old_logp, adv_col], mask, n, fill)
     assert 0 < stats["clip_frac_low"] < 1 and 0 < stats["clip_frac_high"] < 1
 
@@ -181,12 +181,12 @@ def clipped_losses():
     """name -> loss(log_ratio (B, T), adv (B,), epsilon, dual_clip_c), over (B, T) with one advantage per row."""
     def grpo_call(log_ratio, adv, epsilon, c):
         old = torch.zeros_like(log_ratio)
-        return grpo.grpo_loss(log_ratio, old, None, adv, torch.ones_like(log_ratio), epsilon, 0.0, "token-mean",
-                              dual_clip_c=c)
+        return grpo.grpo_loss(log_ratio, old, None, adv, torch.ones_like(log_ratio), (epsilon, epsilon, c), 0.0,
+                              "token-mean")
 
     def dapo_call(log_ratio, adv, epsilon, c):
         old = torch.zeros_like(log_ratio)
-        return dapo.dapo_loss(log_ratio, old, adv, torch.ones_like(log_ratio), epsilon, 1.4 * epsilon, c)
+        return dapo.dapo_loss(log_ratio, old, adv, torch.ones_like(log_ratio), (epsilon, 1.4 * epsilon, c))
 
     def ppo_call(log_ratio, adv, epsilon, c):
         old = torch.zeros_like(log_ratio)
