@@ -1,11 +1,8 @@
-"""The math the five algorithms share, and the two model calls at its heart.
-
-KL estimators, masking, loss aggregation and reward-to-go are pure functions: tensors in, tensors out.
-`token_logprobs` scores completions under a model and `generate` samples them; what is sampled is what is scored
-(same temperature, same masks). Both are written plainly, as the definition; the loops run support/fast.py's
-versions, tested equal to them. The plumbing (config, tasks and rewards, model loading, logging, checkpoints) lives
-in support/. Equations and sign conventions: docs/algorithms.md.
-"""
+"""The math the five algorithms share, and the two model calls at its heart. KL estimators, masking, loss
+aggregation, reward-to-go and off-policy corrections are pure functions: tensors in, tensors out. `token_logprobs`
+scores completions and `generate` samples them, written plainly as the definition (same temperature, same masks:
+what is sampled is what is scored); the loops run support/fast.py's versions, tested equal. The plumbing lives in
+support/. Equations and sign conventions: docs/algorithms.md."""
 import math
 from contextlib import contextmanager
 from typing import NamedTuple
@@ -24,9 +21,7 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "se
 # the sequence) gives the gradient of the sequence KL(pi_theta || pi_ref). tests/test_kl.py
 # proves both by enumerating every sequence of a 2-token model.
 # ----------------------------------------------------------------------------------------
-class KLTerm(NamedTuple):
-    """A KL term in the loss: its estimator (k1, k2, k3) and whether the ratio pi_theta / pi_old weighs it
-    (kl_penalty's old_logp; DeepSeek-V3.2)."""
+class KLTerm(NamedTuple):  # a KL term in a loss: kl_penalty's estimator, and old_logp given (DeepSeek-V3.2)
     estimator: str = "k3"
     ratio_weight: bool = False
 
@@ -78,16 +73,12 @@ def kl_k3(logp, ref_logp):
 
 
 def kl_penalty(logp, ref_logp, estimator="k3", old_logp=None):
-    """Per-token KL term for a loss, gradient through logp: k1, k2 or k3 of (logp, ref_logp).
-
-    With old_logp (the tokens were sampled by pi_old) the term is multiplied by the ratio
-    pi_theta / pi_old WITH its gradient (DeepSeek-V3.2): E_old[ratio * k] = E_theta[k] as a
-    function of theta, so k1 and k3 give the per-state reverse-KL gradient (grad(ratio * k3)
-    = ratio * k1 * score). A detached ratio would keep k3's forward-KL gradient. ratio * k3 must
-    keep that gradient in fp32: written as the plain product, autograd gets ratio * k1 as the
-    difference of two terms of size ref / pi_old, which cancel to nothing once log(ref / pi)
-    passes about 20 (docs/algorithms.md, KL estimators).
-    """
+    """Per-token KL term for a loss, gradient through logp: k1, k2 or k3 of (logp, ref_logp). With old_logp (the
+    tokens were sampled by pi_old) the term is multiplied by the ratio pi_theta / pi_old WITH its gradient
+    (DeepSeek-V3.2): E_old[ratio * k] = E_theta[k] as a function of theta, so k1 and k3 give the per-state
+    reverse-KL gradient (grad(ratio * k3) = ratio * k1 * score); a detached ratio would keep k3's forward-KL
+    gradient. ratio * k3 keeps that gradient in fp32 below: the plain product would give autograd ratio * k1 as the
+    difference of two terms of size ref / pi_old, which cancel to nothing once log(ref / pi) passes about 20."""
     # BEGIN SOLUTION
     kl = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}[estimator]
     if old_logp is None:
@@ -99,9 +90,7 @@ def kl_penalty(logp, ref_logp, estimator="k3", old_logp=None):
     # END SOLUTION
 
 
-# ----------------------------------------------------------------------------------------
-# Masking and loss aggregation
-# ----------------------------------------------------------------------------------------
+# ---- Masking and loss aggregation -------------------------------------------------
 def masked_sum(x, mask, dim=None):
     """Sum of x where mask is 1 (masked entries may hold anything, even NaN)."""
     # BEGIN SOLUTION
@@ -142,10 +131,9 @@ def completion_mask(completion_ids, eos_token_id):
 
 
 class Aggregation(NamedTuple):
-    """How a loss reduces its (B, T) per-token terms to a scalar, said once per update: `mode`, one of
-    LOSS_AGG_MODES; `max_len`, seq-mean-token-sum-norm's constant (None: the width T); `weight`, for a micro-batch
-    the share of the whole update's loss its aggregate is (micro_batch_weight; 1: the rows are the whole batch).
-    The loop builds it in its `trainer.micro_batches(...)` call; the loss, the weight and the viewer read it there."""
+    """How a loss reduces its per-token terms, said once per update (the loop's trainer.micro_batches call): a mode
+    of LOSS_AGG_MODES, seq-mean-token-sum-norm's max_len (None: T), and the micro-batch's weight (its part of the
+    update's loss, micro_batch_weight; 1: the whole batch). The loss, the weight and the viewer read it there."""
     mode: str
     max_len: int | None = None
     weight: torch.Tensor | float = 1.0
@@ -179,9 +167,8 @@ def aggregate_loss(per_token_loss, mask, mode, max_len=None):
 
 
 class Clip(NamedTuple):
-    """The clip of a surrogate loss: the ratio pi_theta / pi_old kept in [1 - low, 1 + high]; dual_c > 1 bounds the
-    loss of a token with A < 0 at c |A| (dual clip; 0 = off); level "sequence" clips one ratio per sequence (GSPO),
-    "token" one per token. A script's Config builds it (cfg.clip): its loss and the rollout viewer read it there."""
+    """A surrogate's clip: the ratio in [1 - low, 1 + high]; dual_c > 1 bounds a token's loss with A < 0 at c |A|
+    (0 = off); level "sequence": one ratio per sequence (GSPO). cfg.clip: the loss and the viewer read it there."""
     low: float
     high: float
     dual_c: float = 0.0
@@ -189,28 +176,16 @@ class Clip(NamedTuple):
 
 
 def per_sequence(loss_agg):
-    """loss_agg with each sequence counted once (seq-mean-token-mean): a string, or an Aggregation keeping its
-    micro-batch weight, the same for every mean over sequences."""
-    return Aggregation(*loss_agg)._replace(mode="seq-mean-token-mean") if isinstance(loss_agg, tuple) else \
-        "seq-mean-token-mean"
-
-
-def micro_batches(batch_size, micro_batch_size):
-    """Slices of consecutive rows that cover range(batch_size), micro_batch_size rows each (the last may be
-    smaller); 0 gives one slice, the whole batch."""
-    size = micro_batch_size or batch_size
-    return [slice(start, min(start + size, batch_size)) for start in range(0, batch_size, size)]
+    """loss_agg counting each sequence once (seq-mean-token-mean), a micro-batch's weight kept (the same b / B)."""
+    mode = "seq-mean-token-mean"
+    return Aggregation(*loss_agg)._replace(mode=mode) if isinstance(loss_agg, tuple) else mode
 
 
 def micro_batch_weight(mask, loss_agg, num_tokens, num_sequences):
-    """Weight of one micro-batch's loss, aggregated over that micro-batch alone, such that the weighted
-    losses of all micro-batches add up to the loss aggregated over the whole batch (so do their gradients).
-
-    mask: the micro-batch's (b, T) completion mask. token-mean divides by the token count of the whole
-    batch, num_tokens; every other mode is a mean over sequences, of which the batch has num_sequences.
-    Under data parallelism pass as num_tokens the mean token count per process: DDP averages the
-    processes' gradients, so the loss becomes the token-mean over every process's tokens.
-    """
+    """Weight of a micro-batch's loss, aggregated over it alone (mask: its (b, T)), such that the weighted losses
+    of all micro-batches add up to the whole batch's loss (so do their gradients): token-mean divides by the whole
+    batch's num_tokens (under data parallelism the mean per process, as DDP averages the gradients); every other
+    mode is a mean over the batch's num_sequences."""
     if loss_agg == "token-mean":
         return mask.sum() / num_tokens
     return mask.shape[0] / num_sequences
@@ -224,10 +199,8 @@ def reward_to_go(x, mask):
     # END SOLUTION
 
 
-# ----------------------------------------------------------------------------------------
-# Off-policy corrections: the sampler mu (an inference engine, or the policy before the
-# updates) is not the policy being trained (docs/stability.md)
-# ----------------------------------------------------------------------------------------
+# ---- Off-policy corrections: the sampler mu (an inference engine, or the policy before the updates) is not
+# the policy being trained (docs/stability.md) ----
 def truncated_is_weight(logp, rollout_logp, cap):
     """Truncated importance sampling, per token: min(pi_train / pi_rollout, cap), detached.
     It reweights each token's policy-gradient term towards the trainer's distribution."""
@@ -259,23 +232,14 @@ def tis_veto_mask(logp, rollout_logp, mask, threshold):
     return 1.0 - (low & mask.bool()).any(dim=1).to(logp.dtype)
 
 
-def effective_sample_size(weights, mask=None):
-    """(sum w)^2 / (n sum w^2) over the n valid weights, token-level (B, T) with their mask or per sequence (B,):
-    1 when all are equal, 1/n when one carries everything."""
-    mask = torch.ones_like(weights) if mask is None else mask
-    return masked_sum(weights, mask) ** 2 / (mask.sum() * masked_sum(weights ** 2, mask)).clamp(min=1e-30)
-
-
-class Extreme(NamedTuple):
-    """A statistic whose micro-batches combine by their max or min, not by their token-weighted mean."""
+class Extreme(NamedTuple):  # a statistic whose micro-batches combine by their max or min
     value: torch.Tensor
     reduce: str  # "max" or "min"
 
 
 class Sums(NamedTuple):
-    """A statistic that is a function of sums over the update's rows or tokens (a fraction of sequences, an
-    effective sample size): its micro-batches add their `sums`, and the value is finish(*sums) over the whole
-    batch, the same with or without --micro_batch_size."""
+    """A statistic that is finish(*sums) of sums over the update's rows or tokens: its micro-batches add their sums,
+    so its value is the whole batch's with or without --micro_batch_size."""
     sums: tuple
     finish: object = torch.div
 
@@ -289,23 +253,27 @@ def fraction(flags, mask=None):
     return Sums((masked_sum(flags.float(), mask), mask.sum().float()))
 
 
+def effective_sample_size(weights, mask=None):
+    """(sum w)^2 / (n sum w^2) over the n valid weights, token-level (B, T) with their mask or per sequence (B,):
+    1 when all are equal, 1/n when one carries everything. As Sums (.value())."""
+    mask = torch.ones_like(weights) if mask is None else mask
+    return Sums((masked_sum(weights, mask), masked_sum(weights ** 2, mask), mask.sum().float()),
+                lambda s, s2, n: s ** 2 / (n * s2).clamp(min=1e-30))
+
+
 class Correction(NamedTuple):
-    """rollout_correction's result: weight, the (B, T) detached weight on each token's policy-gradient term; stats,
-    the mismatch's statistics and is_ess; per_row, the viewer's TIS weight (B, T), geometric mask and veto (B,)."""
-    weight: torch.Tensor
-    stats: dict
-    per_row: dict
+    weight: torch.Tensor  # (B, T), detached, on each token's policy-gradient term
+    stats: dict           # the mismatch's statistics, is_ess
+    per_row: dict         # for the viewer: the TIS weight (B, T), geometric mask and veto (B,)
 
 
 def rollout_correction(logp, old_logp, rollout_logp, adv, mask, tis_cap=0.0, geo_mask_delta=0.0, tis_level="token",
                        tis_veto=0.0):
-    """A Correction (above). logp: the policy being trained; old_logp: the trainer's at the start of the update
-    (pi_prox); rollout_logp: the sampler's, a low-precision copy or the policy of --rollout_lag steps ago (None: the
-    trainer sampled, they are old_logp). TIS weighs by min(old / rollout, tis_cap), per token or by the truncated
-    product over the sequence (tis_level); tis_veto drops a sequence with a token whose old / rollout is below it;
-    the geometric mask plays pi_old with rollout_logp, so it sees the mismatch and the updates since sampling;
-    is_ess is the effective sample size of the weights in use, tis_clip_frac the fraction of the weights (tokens
-    or sequences) the cap truncated. 0 turns each off (None in per_row)."""
+    """A Correction. logp: the policy trained; old_logp: the trainer's at the start of the update (pi_prox);
+    rollout_logp: the sampler's, a low-precision copy or the --rollout_lag policy (None: old_logp). TIS weighs by
+    min(old / rollout, tis_cap), per token or the sequence's product (tis_level); tis_veto drops a sequence with a
+    token whose old / rollout is below it; the geometric mask plays pi_old with rollout_logp (the mismatch and the
+    updates since sampling). is_ess, tis_clip_frac: of the weights in use, at their level. 0 turns each off."""
     rollout_logp = old_logp if rollout_logp is None else rollout_logp
     sequence = tis_level == "sequence"
     tis = torch.ones_like(logp)
@@ -320,22 +288,18 @@ def rollout_correction(logp, old_logp, rollout_logp, adv, mask, tis_cap=0.0, geo
         log_ratio = torch.where(mask.bool(), old_logp - rollout_logp, 0.0)  # trainer over sampler, the same weights
         ratio = torch.exp(log_ratio)
         capped = masked_sum(log_ratio, mask, dim=1) > math.log(tis_cap) if sequence else ratio > tis_cap
-        w, valid = (weight[:, 0], torch.ones_like(keep)) if sequence else (weight, mask)
         stats = {"mismatch_k3": masked_mean(kl_k3(rollout_logp, old_logp), mask),  # KL(sampler || trainer)
                  "mismatch_ratio_max": Extreme(torch.where(mask.bool(), ratio, 0.0).max(), "max"),
                  "mismatch_ratio_min": Extreme(torch.where(mask.bool(), ratio, float("inf")).min(), "min"),
                  "tis_clip_frac": fraction(capped, None if sequence else mask) if tis_cap > 0 else 0.0,
                  "geo_masked_frac": fraction(keep == 0), "tis_veto_frac": fraction(veto == 0),
-                 "is_ess": Sums((masked_sum(w, valid), masked_sum(w ** 2, valid), valid.sum().float()),
-                                lambda s, s2, n: s ** 2 / (n * s2).clamp(min=1e-30))}  # effective_sample_size
+                 "is_ess": effective_sample_size(weight[:, 0]) if sequence else effective_sample_size(weight, mask)}
     per_row = {"tis_weight": tis if tis_cap > 0 else None, "geo_mask": keep if geo_mask_delta > 0 else None,
                "veto": veto if tis_veto > 0 else None}
     return Correction(weight, stats, per_row)
 
 
-# ----------------------------------------------------------------------------------------
-# Log-probs and generation
-# ----------------------------------------------------------------------------------------
+# ---- Log-probs and generation -----------------------------------------------------
 def position_ids_from_mask(attention_mask):
     """Positions that skip left padding, the same ones `generate` uses."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -359,15 +323,11 @@ def sampling_mask(logits, top_k=0, top_p=1.0):
 
 def token_logprobs(model, input_ids, attention_mask, num_completion_tokens, temperature=1.0, with_entropy=False,
                    top_k=0, top_p=1.0, kept_sizes=None):
-    """Log-probs of the last `num_completion_tokens` tokens of `input_ids` under `model`, at the sampling
-    temperature, in fp32: log softmax(logits / T) at each sampled token. Returns (B, C) log-probs, and with
-    `with_entropy` the (B, C) entropies of the same distribution (no gradient). With top_k / top_p they are those
-    of the truncated, renormalised distribution the sampler drew from (DeepSeek-V3.2's "keep sampling mask"; a
-    list `kept_sizes` receives the (B, C) sizes of the kept sets); pass the defaults for the reference. With
-    --num_epochs > 1 or a rollout copy, that mask is recomputed from the model being scored, not the sampler's.
-
-    This is the definition; the loops run support/fast.py's, equal to it (tests/test_fast.py).
-    """
+    """(B, C) log-probs of the last C = num_completion_tokens tokens of `input_ids` under `model`, at the sampling
+    temperature, in fp32: log softmax(logits / T) at each sampled token; with `with_entropy` also the (B, C)
+    entropies (no gradient). With top_k / top_p, of the truncated, renormalised distribution the sampler drew from
+    (DeepSeek-V3.2's "keep sampling mask", recomputed from the model scored; `kept_sizes`, a list, receives the
+    kept sets' sizes); the reference takes the defaults. The definition; the loops run support/fast.py's, equal."""
     c = num_completion_tokens
     logits = model(input_ids=input_ids, attention_mask=attention_mask,
                    position_ids=position_ids_from_mask(attention_mask)).logits  # (B, T, V)
@@ -390,16 +350,11 @@ def token_logprobs(model, input_ids, attention_mask, num_completion_tokens, temp
 
 @torch.no_grad()
 def generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=1, greedy=False):
-    """Sample `num_samples` completions per prompt (or one greedy completion), in generate calls of at
-    most --generation_batch_size sequences. Prompts are left-padded; returns completion ids
-    (B * num_samples, C), each prompt's samples adjacent, padded after EOS.
-
-    The sampler is exactly temperature, top-k and top-p, as token_logprobs scores it: the generation
-    config is built whole (the library's defaults plus these), and the checkpoint's
-    generation_config.json, whose repetition penalty or min_p would change the distribution, is set aside
-    for the call. Works for a bare, DDP-unwrapped (accelerator.unwrap_model) or peft model. This is the
-    definition; the loops run support/fast.py's, equal to it (tests/test_fast.py).
-    """
+    """Sample `num_samples` completions per left-padded prompt (or one greedy completion), in generate calls of at
+    most --generation_batch_size sequences: (B * num_samples, C) ids, each prompt's samples adjacent, padded after
+    EOS. The sampler is exactly temperature, top-k and top-p, as token_logprobs scores it: the generation config is
+    built whole and the checkpoint's (its repetition penalty, min_p) set aside. A bare, unwrapped or peft model.
+    The definition; the loops run support/fast.py's, equal to it (tests/test_fast.py)."""
     gen = generation_config(tokenizer, cfg, greedy, num_return_sequences=1 if greedy else num_samples)
     n = max(1, cfg.generation_batch_size // gen.num_return_sequences) if cfg.generation_batch_size else len(prompt_ids)
     with sampling_mode(model):
@@ -422,8 +377,7 @@ def generation_config(tokenizer, cfg, greedy=False, num_return_sequences=1):
 
 @contextmanager
 def sampling_mode(model):
-    """Eval mode, and the checkpoint's generation_config.json set aside (its repetition penalty or min_p would
-    change the distribution the log-probs score), for a bare, DDP-unwrapped or peft model; restored after."""
+    """Eval mode and the checkpoint's generation_config.json (its min_p...) set aside, for a bare or peft model."""
     from transformers import GenerationConfig
 
     hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model  # under a peft wrapper
@@ -438,8 +392,7 @@ def sampling_mode(model):
 
 
 def pad_completions(chunks, pad_token_id):
-    """The completions of several generate calls in one (B, C) tensor: a call whose every completion ended
-    early is shorter, padded after its EOS (which the completion mask drops)."""
+    """Several generate calls' completions in one (B, C) tensor, each padded after its EOS to the widest."""
     width = max(chunk.shape[1] for chunk in chunks)
     return torch.cat([torch.nn.functional.pad(chunk, (0, width - chunk.shape[1]), value=pad_token_id)
                       for chunk in chunks])

@@ -39,6 +39,7 @@ class Config(config.GroupConfig):
     overlong_cache_len: int = arg(3, "Overlong shaping: penalty from max_new_tokens - cache_len tokens on (0 = off).")
 
     def __post_init__(self):
+        self.reuses_batch = self.num_epochs > 1
         super().__post_init__()
         config.check_rules(self, dual_clip_c=config.DUAL_CLIP, num_epochs=config.AT_LEAST_ONE)
         config.check_rules(self, epsilon_low=config.FRACTION, epsilon_high=config.POSITIVE,
@@ -50,14 +51,7 @@ class Config(config.GroupConfig):
                      "--answer_column '' gives no correctness to filter on: use --dynamic_sampling_metric reward.")
         config.check(0 <= self.overlong_cache_len <= self.max_new_tokens,
                      f"--overlong_cache_len must be in [0, --max_new_tokens] (got {self.overlong_cache_len}).")
-
-    @property
-    def clip(self):
-        return common.Clip(self.epsilon_low, self.epsilon_high, self.dual_clip_c)
-
-    @property
-    def reuses_batch(self):
-        return self.num_epochs > 1
+        self.clip = common.Clip(self.epsilon_low, self.epsilon_high, self.dual_clip_c)
 
 
 def grpo_advantages(rewards, group_size, scale_rewards="group", eps=1e-6):
@@ -113,12 +107,12 @@ def dapo_loss(logp, old_logp, adv, mask, clip, pg_weight=None, loss_agg="token-m
     """Clipped surrogate with the decoupled clip range, token-mean over the whole batch (DAPO eq. 8).
 
     logp: (B, T) log-probs under the policy being trained (with grad); old_logp: (B, T) at sampling
-    time (detached); adv: (B,), the same for every token. clip: a common.Clip (or a tuple of its fields), the
-    range [1 - epsilon_low, 1 + epsilon_high] and its dual clip. pg_weight (B, T), detached, multiplies the
-    surrogate (TIS, masks). loss_agg: token-mean, or the micro-batch's common.Aggregation of it.
+    time (detached); adv: (B,), the same for every token. pg_weight (B, T), detached, multiplies the
+    surrogate (TIS, masks). clip: a common.Clip (or a tuple of its fields), the range of the ratio and its dual
+    clip: [1 - epsilon_low, 1 + epsilon_high]. loss_agg: token-mean, or the micro-batch's common.Aggregation of it.
     Returns (loss, stats): clip_frac_low / clip_frac_high, the fraction of tokens clipped below
-    (ratio < 1 - clip.low, A < 0) and above (ratio > 1 + clip.high, A > 0); approx_kl, k3 of
-    the token ratio, an estimate of KL(pi_old || pi_theta).
+    (ratio < 1 - clip.low, A < 0) and above (ratio > 1 + clip.high, A > 0); approx_kl, k3 of the token ratio, an
+    estimate of KL(pi_old || pi_theta).
     """
     clip = common.Clip(*clip)
     # the padding may hold anything (NaN, a gap past exp's range): there the detached inputs take logp's value,

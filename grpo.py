@@ -41,12 +41,13 @@ class Config(config.GroupConfig):
                         "seq-mean-token-sum-norm (Dr. GRPO).")
 
     def __post_init__(self):
+        self.reuses_batch = self.num_epochs > 1
         super().__post_init__()
+        config.check_rules(self, beta=config.NON_NEGATIVE)
         config.check_rules(self, dual_clip_c=config.DUAL_CLIP, num_epochs=config.AT_LEAST_ONE)
-        config.check_rules(self, beta=config.NON_NEGATIVE, kl_estimator=config.one_of("k1", "k2", "k3"),
-                           importance_sampling_level=config.one_of("token", "sequence"), epsilon=config.FRACTION,
-                           epsilon_high=config.POSITIVE, scale_rewards=config.one_of("group", "batch", "none"),
-                           loss_agg=config.one_of(*common.LOSS_AGG_MODES))
+        config.check_rules(self, kl_estimator=config.one_of("k1", "k2", "k3"), epsilon=config.FRACTION, epsilon_high=
+                           config.POSITIVE, importance_sampling_level=config.one_of("token", "sequence"), scale_rewards=
+                           config.one_of("group", "batch", "none"), loss_agg=config.one_of(*common.LOSS_AGG_MODES))
         sequence = self.importance_sampling_level == "sequence"  # GSPO's clip range: v2 section 5.1
         config.check(sequence or self.epsilon_high is None, "--epsilon_high needs --importance_sampling_level sequence")
         if sequence and self.epsilon_high is None:
@@ -54,15 +55,8 @@ class Config(config.GroupConfig):
         self.epsilon = (3e-4 if sequence else 0.2) if self.epsilon is None else self.epsilon
         config.check(not sequence or self.loss_agg != "token-mean", "--importance_sampling_level sequence: one term "
                      "per sequence, which --loss_agg token-mean would weigh by its tokens.")
-
-    @property
-    def clip(self):
-        return common.Clip(self.epsilon, self.epsilon_high or self.epsilon, self.dual_clip_c,
-                           self.importance_sampling_level)
-
-    @property
-    def reuses_batch(self):
-        return self.num_epochs > 1
+        self.clip = common.Clip(self.epsilon, self.epsilon_high or self.epsilon, self.dual_clip_c,
+                                self.importance_sampling_level)
 
 
 def grpo_advantages(rewards, group_size, scale_rewards="group", eps=1e-6):
@@ -91,13 +85,13 @@ def grpo_loss(logp, old_logp, ref_logp, adv, mask, clip, beta, loss_agg="seq-mea
               kl_term=common.KLTerm(), pg_weight=None):
     """Clipped surrogate plus beta * KL to the reference, per token (DeepSeekMath eq. 3).
 
-    logp: (B, T) log-probs under the policy being trained (with grad); old_logp: (B, T) at sampling time
-    (detached); adv: (B,), the same for every token. clip: a common.Clip (its range, dual clip and level; or a tuple
-    of its fields), or epsilon, the range [1 - epsilon, 1 + epsilon] on each token's ratio. pg_weight (B, T),
-    detached, multiplies the surrogate (TIS, masks). ref_logp: (B, T) under the reference, or None when beta == 0;
-    the KL term (kl_term: its estimator and ratio weight, common.kl_penalty) keeps its gradient through logp.
-    loss_agg: a mode of common.aggregate_loss, or the micro-batch's common.Aggregation. GSPO (clip.level
-    "sequence"): each token of sequence i gets s_i = exp(mean_t log rho_t), clipped once per sequence.
+    logp: (B, T) log-probs under the policy being trained (with grad); old_logp: (B, T) at sampling
+    time (detached); adv: (B,), the same for every token. pg_weight (B, T), detached, multiplies the
+    surrogate (TIS, masks). clip: a common.Clip (or a tuple of its fields), the range of the ratio and its dual
+    clip, or a number epsilon: [1 - epsilon, 1 + epsilon]; at clip.level "sequence" (GSPO) each token of sequence
+    i gets s_i = exp(mean_t log rho_t), clipped once per sequence. ref_logp: (B, T) under the reference, or None
+    when beta == 0; the KL term (kl_term: its estimator and ratio weight, common.kl_penalty) keeps its gradient
+    through logp. loss_agg: a mode of common.aggregate_loss, or the micro-batch's common.Aggregation.
     Returns (loss, stats): clip_frac_low / clip_frac_high, the fraction of tokens clipped below
     (ratio < 1 - clip.low, A < 0) and above (ratio > 1 + clip.high, A > 0); approx_kl, k3 of the token ratio, an
     estimate of KL(pi_old || pi_theta); kl_k3, the mean k3 to the reference; kl_term, the mean of the term beta

@@ -56,6 +56,7 @@ class Config(config.TrainConfig):
     dual_clip_c: float = arg(0.0, "Dual clip: a token with A < 0 loses at most c |A|, whatever its ratio (0 = off).")
     epsilon_value: float = arg(0.2, "Clip the new value to V_old +- epsilon_value in the value loss.")
     vf_coef: float = arg(0.1, "Weight of the value loss (it only scales the critic's gradient before clipping).")
+    reuses_batch = True  # num_epochs x num_mini_batches updates on each batch (config.TrainConfig)
 
     def __post_init__(self):
         super().__post_init__()
@@ -68,14 +69,7 @@ class Config(config.TrainConfig):
         config.check(not self.adaptive_kl or self.beta > 0, "--adaptive_kl needs --beta > 0 (it scales beta).")
         config.check(self.batch_size % self.num_mini_batches == 0,
                      f"--num_mini_batches ({self.num_mini_batches}) must divide --batch_size ({self.batch_size}).")
-
-    @property
-    def clip(self):
-        return common.Clip(self.epsilon, self.epsilon, self.dual_clip_c)
-
-    @property
-    def reuses_batch(self):
-        return True
+        self.clip = common.Clip(self.epsilon, self.epsilon, self.dual_clip_c)
 
 
 def gae(rewards, values, mask, gamma, lam):

@@ -31,8 +31,9 @@ class Config(config.TrainConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        config.check_rules(self, baseline=config.one_of("greedy", "none"), beta=config.NON_NEGATIVE,
-                           adv_clip=config.NON_NEGATIVE, loss_agg=config.one_of(*common.LOSS_AGG_MODES))
+        config.check_rules(self, beta=config.NON_NEGATIVE)
+        config.check_rules(self, baseline=config.one_of("greedy", "none"), adv_clip=config.NON_NEGATIVE,
+                           loss_agg=config.one_of(*common.LOSS_AGG_MODES))
 
 
 def remax_advantages(rewards, greedy_rewards):

@@ -112,15 +112,11 @@ class TrainConfig:
                             "router's | r3: the sampler's, replayed | r2: the pi_old pass's, replayed in the updates "
                             "(docs/stability.md).")
 
-    @property
-    def clip(self):
-        """The clip of the script's loss (common.Clip), which the rollout viewer shows; None: its loss has none."""
-        return None
-
-    @property
-    def reuses_batch(self):
-        """Whether an update follows the first on the same batch (a pi_old pass): --num_epochs > 1, PPO's epochs."""
-        return False
+    # Set by a script's __post_init__ where they apply: the clip of its loss (a common.Clip, which the rollout viewer
+    # shows), and whether an update follows the first on the same batch (a pi_old pass, which --keep_routing r2
+    # replays and which makes the samples off-policy for --geo_mask_delta). Not flags.
+    clip = None
+    reuses_batch = False
 
     def __post_init__(self):
         flags = vars(self)

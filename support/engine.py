@@ -15,7 +15,6 @@ the end of a step (`end_step`: metrics, evaluation, learning-rate schedules, che
 sampler and the scorer: support/fast.py's (the default), or the plain definitions in common.py, which
 fast.py is tested equal to (tests/test_fast.py).
 """
-import collections
 import os
 import sys
 from contextlib import ExitStack
@@ -27,8 +26,9 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 import common
-from support import checkpoint, config, fast, models, reward_functions, routing, run, tasks, view
-from support.rollout import MicroBatch, Rollout
+from support import checkpoint, config, fast, models, reward_functions, routing, run, sampling, tasks, view
+from support.rollout import MicroBatch, Rollout, micro_batches
+from support.sampling import any_process  # noqa: F401  (dapo.py: engine.any_process)
 
 
 def load_data(cfg, accelerator):
@@ -74,11 +74,6 @@ def load_models(cfg, accelerator, reference, rollout_copy=False):
     return Models(Trainable(policy, optimizer, scheduler), ref_model, rollout_model)
 
 
-def any_process(accelerator, flag):
-    """True on every process when `flag` is True on one of them."""
-    return bool(accelerator.reduce(torch.tensor(float(flag), device=accelerator.device), "sum") > 0)
-
-
 def mean_over_processes(accelerator, value):
     """The mean of a scalar over the processes."""
     return accelerator.reduce(torch.as_tensor(value, dtype=torch.float32, device=accelerator.device), "mean").item()
@@ -90,38 +85,32 @@ def fewest(accelerator, n):
 
 
 class Trainer:
-    """The run around one algorithm's loop: sampling, scoring, the pieces of the update (micro-batches,
-    backward, step), timing, logging, evaluation and checkpoints. `policy` (a Trainable) samples, unless
-    `rollout_model` (its low-precision or stale copy) does, synced to it before each rollout: to this step's
-    weights, or with `rollout_lag` k to those of k steps ago. `others`: more Trainables stepped with the
-    policy (PPO's critic); their gradients are synchronised with the policy's and their schedules step with
-    its schedule. The rollout viewer (`viewer`, support/view.py) watches the step's values from outside."""
+    """The run around one algorithm's loop: sampling (support/sampling.py), scoring, the pieces of the update
+    (micro-batches, backward, step), timing, logging, evaluation and checkpoints. `rollout_model`, `rollout_lag`: the
+    sampler's copy of `policy` (a Trainable) and its staleness; `others`: Trainables stepped with the policy (PPO's
+    critic). The rollout viewer (`viewer`, support/view.py) watches what the step computed."""
 
     def __init__(self, cfg, accelerator, tokenizer, sampler, eval_data, policy, rollout_model=None,
                  rollout_lag=None, others=()):
         self.cfg, self.accelerator, self.tokenizer, self.eval_data = cfg, accelerator, tokenizer, eval_data
-        self.policy, self.rollout_model, self.rollout_lag = policy, rollout_model, rollout_lag
-        self.trainables = (policy, *others)
+        self.policy, self.rollout_model, self.trainables = policy, rollout_model, (policy, *others)
         self.moe = routing.is_moe(policy.model)  # keep routing: docs/stability.md
         # --fast False: the plain definitions, to read or step through in a debugger; same draws, same values
         self.sample, self.score = (fast.generate, fast.token_logprobs) if cfg.fast else \
             (common.generate, common.token_logprobs)
+        self.sampler = sampling.RolloutSampler(self, policy, rollout_model, rollout_lag, self.sample)
         set_seed(cfg.seed + accelerator.process_index)  # each rank samples different completions
         self.ckpt = checkpoint.Checkpointer(cfg, accelerator, sampler)
         self.logger, self.viewer, self.start_step, self.at_step = None, None, 0, 1  # at_step: the step running
-        self.timer, self.generated = run.StepTimer(), 0
-        self.update_loss, self.update_stats = 0.0, []  # the micro-batches' losses and their statistics
-        # rollout_lag k: (step, trainable weights) at the start of the last k + 1 steps; the oldest samples
-        self.past_weights = collections.deque(maxlen=(rollout_lag or 0) + 1)
+        self.timer, self.generated, self.update_loss, self.update_stats = run.StepTimer(), 0, 0.0, []  # this step's
         # sampling and scoring record no gradient: inference mode is cheaper than no_grad (their outputs are
         # cloned into ordinary tensors before a loss reads them). Not under DeepSpeed: ZeRO-3 gathers weights
         # inside these passes, and one it keeps gathered must not become an inference tensor.
         self.inference = torch.no_grad if accelerator.state.deepspeed_plugin is not None else torch.inference_mode
 
     def resume(self):
-        """Load the checkpoint --resume_from names and return its step (0 when there is none); open the metrics
-        log (a resumed run keeps its rows up to that step) and the rollout viewer. The checkpoint's RNG states
-        replace the seeds."""
+        """Load the checkpoint --resume_from names (its RNG states replace the seeds) and return its step (0: none);
+        open the metrics log (a resumed run keeps its rows up to that step) and the rollout viewer."""
         self.start_step = self.ckpt.resume()
         self.logger = run.MetricLogger(self.cfg, self.accelerator, self.start_step)
         self.viewer = view.Watcher(self.cfg, self.accelerator, self.tokenizer, self.start_step)
@@ -139,69 +128,34 @@ class Trainer:
         return tqdm(range(self.start_step + 1, self.cfg.num_steps + 1), desc=name,
                     disable=not self.accelerator.is_main_process)
 
-    # ---- sampling and scoring (no gradient) ----
-    @torch.no_grad()
+    # ---- sampling and scoring, with no gradient ----
     def generate(self, examples, num_samples=1, greedy=False):
-        """Sample num_samples completions of each example's prompt (or one greedy completion) with the
-        current policy, or with its copy synced to it. Rows: each example's samples adjacent."""
-        cfg, tokenizer = self.cfg, self.tokenizer
-        if cfg.reward_fn:  # their trainer_state: the steps done so far
+        """num_samples completions of each example's prompt (or one greedy completion), each example's adjacent."""
+        if self.cfg.reward_fn:  # their trainer_state: the steps done so far
             reward_functions.trainer_state().global_step = self.at_step - 1
-        with self.timer("generation"):
-            prompt_ids, prompt_mask = tasks.tokenize_prompts(tokenizer, [ex["prompt"] for ex in examples],
-                                                             self.accelerator.device)
-            model = self.accelerator.unwrap_model(self.policy.model)
-            if self.rollout_model is not None and not greedy:  # the sampler gets this step's weights, in its dtype
-                weights = None
-                if self.rollout_lag:  # or those of k steps ago; saved once per step (DAPO samples in rounds)
-                    if not self.past_weights or self.past_weights[-1][0] != self.at_step:
-                        weights = models.trainable_weights(model, self.rollout_model.dtype)
-                        self.past_weights.append((self.at_step, weights))
-                    weights = self.past_weights[0][1]
-                model = models.sync_rollout_model(self.rollout_model, model, weights)
-            error = None
-            try:
-                with self.inference(), routing.record(model) if self.moe else ExitStack() as recording:
-                    completion_ids = self.sample(model, tokenizer, prompt_ids, prompt_mask, cfg,
-                                                 num_samples=num_samples, greedy=greedy)
-                completion_ids = completion_ids.clone()  # an ordinary tensor: the loss's input
-            except RuntimeError as e:  # e.g. NaN probabilities: are the weights broken? Every rank checks
-                error = e
-            if any_process(self.accelerator, error is not None):
-                # the weights are checked between saves only, so an update may have broken them: then every rank
-                # stops with one message (checkpoint.finite_weights_and_logits); else the error stands
-                self.ckpt.stop_if_broken(self.at_step - 1, model, tokenizer)
-                raise error if error is not None else SystemExit(1)
-            k = len(completion_ids) // len(examples)
-            mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
-            completions = tasks.decode_completions(tokenizer, completion_ids, mask)
-        self.generated += len(completion_ids)
-        prompt_ids, prompt_mask = prompt_ids.repeat_interleave(k, dim=0), prompt_mask.repeat_interleave(k, dim=0)
-        experts = recording.layout(torch.cat([prompt_mask, mask], 1)) if self.moe else None  # the sampler's
-        return Rollout([ex for ex in examples for _ in range(k)], prompt_ids, prompt_mask, completion_ids, mask,
-                       completions, experts, group_size=k)
+        rollout = self.sampler.generate(examples, num_samples, greedy)
+        self.generated += len(rollout)
+        return rollout
 
     def reference_logprobs(self, ref_model, rollout):
-        """(B, T) log-probs of the rollout's completions under the frozen reference (None gives None), on its whole
-        distribution at the sampling temperature."""
+        """(B, T) log-probs of the completions under the frozen reference (None: None), on its whole distribution."""
         if ref_model is None:
             return None
         return self.viewer.scored(self.at_step, "ref_logp", rollout, self._logprobs(ref_model, rollout, False))
 
     def old_logprobs(self, rollout):
-        """(B, T) log-probs under the policy before the update (pi_old), scored as it samples; on a mixture of
-        experts with the sampler's experts under --keep_routing r3, and its own kept for r2 (rollout.old_routing)."""
-        model = self.policy.model
-        with routing.Pass(model, rollout, torch.arange(len(rollout), device=rollout.mask.device),
+        """(B, T) log-probs under the policy before the update (pi_old), scored as it samples; a mixture of experts
+        replays the sampler's experts under --keep_routing r3, and keeps its own for r2 (rollout.old_routing)."""
+        with routing.Pass(self.policy.model, rollout, torch.arange(len(rollout), device=rollout.mask.device),
                           self.cfg.keep_routing) if self.moe else ExitStack() as routing_pass:
-            logp = self._logprobs(model, rollout)
+            logp = self._logprobs(self.policy.model, rollout)
         if self.moe:
             rollout.old_routing = routing_pass.used()
         return self.viewer.scored(self.at_step, "old_logp", rollout, logp)
 
     def sampler_logprobs(self, rollout):
-        """(B, T) log-probs under the sampler's copy of the policy, scored as it samples (on a mixture of experts
-        with the experts it sampled with); None when the policy samples itself."""
+        """(B, T) log-probs under the sampler's copy, scored as it samples (a mixture of experts with the experts it
+        sampled with); None when the policy samples itself."""
         if self.rollout_model is None:
             return None
         with routing.replay(self.rollout_model, *rollout.routing) if self.moe else ExitStack():
@@ -209,41 +163,35 @@ class Trainer:
         return self.viewer.scored(self.at_step, "rollout_logp", rollout, logp)
 
     def _logprobs(self, model, rollout, sampling_mask=True):
-        """(B, T) log-probs of the rollout's completions under `model`, in micro-batches, at the sampling
-        temperature, and (sampling_mask) on the truncated distribution that was sampled."""
+        """At the sampling temperature, and (sampling_mask) on the truncated distribution that was sampled."""
         cfg, n = self.cfg, rollout.mask.shape[1]
         sampling = {"top_k": cfg.top_k, "top_p": cfg.top_p} if sampling_mask else {}
         return self._scoring_pass(rollout, lambda ids, mask: self.score(model, ids, mask, n, cfg.temperature,
                                                                         **sampling))
 
     def values(self, value_model, rollout):
-        """(B, T) outputs of value_model(input_ids, attention_mask, T) (a critic's values before each completion
-        token), in micro-batches."""
+        """(B, T) values of a critic, value_model(input_ids, attention_mask, T), before each completion token."""
         return self._scoring_pass(rollout, lambda ids, mask: value_model(ids, mask, rollout.mask.shape[1]))
 
     def _scoring_pass(self, rollout, fn):
         """fn(input_ids, attention_mask) over the rollout's micro-batches, concatenated, with no gradient."""
-        with self.timer("scoring"):
-            with self.inference():
-                out = torch.cat([fn(rollout.input_ids[mb], rollout.attention_mask[mb])
-                                 for mb in common.micro_batches(len(rollout), self.cfg.micro_batch_size)])
-            return out.clone()  # an ordinary tensor, which the loss may keep for its backward
+        with self.timer("scoring"), self.inference():
+            out = torch.cat([fn(rollout.input_ids[mb], rollout.attention_mask[mb])
+                             for mb in micro_batches(len(rollout), self.cfg.micro_batch_size)])
+        return out.clone()  # an ordinary tensor, which the loss may keep for its backward
 
     # ---- the update: micro-batches, backward, step ----
     def micro_batches(self, rollout, loss_agg, rows=None):
-        """The micro-batches of one optimizer step over the rollout's rows (all, or `rows`, a PPO minibatch's
-        indices), --micro_batch_size rows each. loss_agg, the update's aggregation (a common.Aggregation, or its
-        mode), is said here once: each micro-batch carries it as mb.agg with its weight (common.micro_batch_weight),
-        so that the micro-batches' losses, aggregated with mb.agg, add up to the whole batch's loss and their
-        gradients to its gradient. With token-mean the normaliser is the mean token count per process, over every
-        process, so that DDP's mean of the gradients is the gradient of the token-mean over all."""
+        """The micro-batches of one optimizer step over the rollout's rows (all, or `rows`: a PPO minibatch),
+        --micro_batch_size rows each. loss_agg, the update's common.Aggregation (or its mode), said here once: each
+        micro-batch carries it as mb.agg with its weight (common.micro_batch_weight; token-mean: over the mean token
+        count per process, as DDP averages), so the losses aggregated with it add up to the batch's loss."""
         agg = common.Aggregation(loss_agg) if isinstance(loss_agg, str) else loss_agg
         mask = rollout.mask
         index = torch.arange(len(rollout), device=mask.device) if rows is None else rows
         num_tokens = self.accelerator.reduce(mask[index].sum().float(), reduction="mean")
-        total = mask[index].sum().clamp(min=1)
-        out = []
-        for s in common.micro_batches(len(index), self.cfg.micro_batch_size):
+        total, out = mask[index].sum().clamp(min=1), []
+        for s in micro_batches(len(index), self.cfg.micro_batch_size):
             rows = index[s]
             weight = common.micro_batch_weight(mask[rows], agg.mode, num_tokens, len(index))
             out.append(MicroBatch(rows, mask[rows], agg._replace(weight=weight), mask[rows].sum() / total,
@@ -251,19 +199,17 @@ class Trainer:
         return out
 
     def policy_logprobs(self, rollout, mb):
-        """(b, T) log-probs of the micro-batch's completions under the policy, with gradient, and their
-        entropies (no gradient), scored as they were sampled (temperature, top-k, top-p). Once per micro-batch:
-        what the forward keeps for the backward (a mixture of experts' routing, the viewer's log-probs) stays on
-        `mb` until trainer.backward(loss, mb)."""
+        """(b, T) log-probs of the micro-batch's completions under the policy, with gradient, and their entropies,
+        scored as sampled (temperature, top-k, top-p). Once per micro-batch: what the forward keeps for the
+        backward (a mixture of experts' routing, the viewer's log-probs) stays on `mb` until trainer.backward."""
         cfg = self.cfg
         if mb.stage != "new":
             raise SystemExit(f"error: trainer.policy_logprobs: this micro-batch (rows {loop_rows(mb)}) was already "
                              "scored; score each micro-batch once, then trainer.backward(loss, mb).")
-        if self.moe:  # closed by backward, after the backward pass (which may run checkpointed layers again)
-            try:
-                mb.routing = routing.Pass(self.policy.model, rollout, mb.rows, cfg.keep_routing)
-            except RuntimeError as e:
-                raise SystemExit(f"error: trainer.policy_logprobs: {e}.") from None
+        try:  # the routing is held open until the backward, which may run checkpointed layers again
+            mb.routing = routing.Pass(self.policy.model, rollout, mb.rows, cfg.keep_routing) if self.moe else None
+        except RuntimeError as e:
+            raise SystemExit(f"error: trainer.policy_logprobs: {e}.") from None
         recording = self.viewer.due(self.at_step)
         kept_sizes = [] if recording and (cfg.top_k > 0 or cfg.top_p < 1) else None
         with self.timer("forward_backward"):
@@ -277,41 +223,36 @@ class Trainer:
         return logp, entropy
 
     def backward(self, loss, mb, stats=None, per_row=None):
-        """Backpropagate the micro-batch's loss, aggregated with mb.agg (so weighted to its part of the update's
-        loss). Gradients of micro-batches add up locally; only the last one synchronises them across processes:
-        DDP all-reduces, and DeepSpeed reduces (and steps its optimizer) inside this call. `stats`, the loss's
-        statistics (combine). `per_row`: values with one entry per row, (b,) or (b, T), for the rollout viewer
-        (common.Correction.per_row; None: none)."""
+        """Backpropagate the micro-batch's loss (aggregated with mb.agg: its part of the update's loss). Only the last
+        micro-batch synchronises the gradients across processes (DeepSpeed also steps its optimizer there). stats:
+        the loss's statistics (combine); per_row: (b,) or (b, T) values for the viewer (Correction.per_row)."""
         accelerator = self.accelerator
         if mb.stage != "scored":
             raise SystemExit(f"error: trainer.backward: the micro-batch (rows {loop_rows(mb)}) was " +
                              ("already back-propagated." if mb.stage == "done" else
                               "not scored: call trainer.policy_logprobs(rollout, mb) first."))
-        with self.timer("forward_backward"):
+        with self.timer("forward_backward"), ExitStack() as stack:
             accelerator.sync_gradients = mb.last
-            with ExitStack() as stack:
-                if not mb.last:
-                    for trainable in self.trainables:
-                        stack.enter_context(accelerator.no_sync(trainable.model))
-                accelerator.backward(loss)
+            if not mb.last:
+                for trainable in self.trainables:
+                    stack.enter_context(accelerator.no_sync(trainable.model))
+            accelerator.backward(loss)
         mb.stage = "done"
         if mb.routing is not None:
-            mb.routing = mb.routing.close()
+            mb.routing.close()
         if mb.logp is not None:
             self.viewer.backward(mb, per_row)
         self.update_loss = self.update_loss + loss.detach()
         self.update_stats.append((mb.share, stats or {}))
 
     def step(self, *trainables):
-        """One optimizer step of each trainable after the update's backward passes: clip its gradient norm to
-        --max_grad_norm, check the loss and the norms finite (else save the last good state and stop, before
-        any update), step, zero the gradients. Returns the update's statistics: the loss, the gradient norm of
-        each model before clipping (Trainable.name), and the micro-batches' statistics."""
+        """One optimizer step of each trainable: clip its gradient norm to --max_grad_norm, check the loss and the
+        norms finite (else save the last good state and stop, before any update), step, zero the gradients. Returns
+        the loss, each model's gradient norm before clipping (Trainable.name) and the micro-batches' statistics."""
         cfg, accelerator = self.cfg, self.accelerator
         with self.timer("optimizer"):
             max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
             norms = models.clip_grad_norms(accelerator, trainables, max_norm)
-            # a non-finite loss or gradient norm saves the last good state and stops, before the update
             self.ckpt.check_finite(self.at_step, self.update_loss, norms[0] if len(norms) == 1 else torch.stack(norms),
                                    self.policy.model, self.tokenizer)
             models.step_optimizers(accelerator, trainables)
@@ -323,14 +264,10 @@ class Trainer:
 
     # ---- the end of a step ----
     def end_step(self, step, metrics, rollout=None, rewards=None, adv=None, tokens=None):
-        """After the step's updates: the learning-rate schedules step (once per rollout batch, so
-        --warmup_steps counts steps in every script), the weights and logits are checked finite when a save
-        follows (a checkpoint, or the final model after the last step), the metrics (with the engine's:
-        sequences generated, completion length, phase times) are averaged over processes and logged with two
-        samples, a held-out evaluation runs when due, a checkpoint is written when due. On the steps the rollout
-        viewer records, the first rows of the batch go to its page with their advantage `adv` ((B,) or (B, T)),
-        what the step computed, and `tokens`, more (B, T) values of the loop's.
-        Returns True when the run must stop (a signal arrived; the checkpoint is written)."""
+        """After the step's updates: the viewer records (adv: (B,) or (B, T); tokens: more (B, T) values), the
+        schedules step (once per rollout batch), the weights are checked finite when a save follows, the metrics
+        (with the engine's) are averaged over processes and logged with two samples, an evaluation and a checkpoint
+        run when due. Returns True when the run must stop (a signal arrived; the checkpoint is written)."""
         cfg, accelerator = self.cfg, self.accelerator
         self.viewer.end_step(step, rollout, rewards, adv, tokens or {})
         for trainable in self.trainables:
@@ -341,17 +278,11 @@ class Trainer:
                 finite = checkpoint.finite_weights_and_logits(accelerator.unwrap_model(self.policy.model),
                                                               self.tokenizer, self.ckpt.probe_prompts)
         metrics = {**metrics, "train/generated": self.generated, **self.timer.metrics()}
-        if self.rollout_lag is not None:  # the steps between the sampler's weights and the trainer's
-            metrics["train/staleness"] = step - self.past_weights[0][0] if self.past_weights else 0
-        self.generated = 0
-        samples = []
-        if rollout is not None and rollout.live_routing is not None:  # the completion tokens' positions
-            predicting = torch.nn.functional.pad(rollout.mask, (rollout.prompt_ids.shape[1] - 1, 1))
-            metrics["train/routing_mismatch"] = routing.mismatch(rollout.routing[0], rollout.live_routing, predicting)
+        if self.sampler.rollout_lag is not None:  # the steps between the sampler's weights and the trainer's
+            metrics["train/staleness"] = self.sampler.staleness(step)
+        self.generated, samples = 0, []
         if rollout is not None:
-            lengths = rollout.mask.sum(1).float()
-            metrics["train/completion_len"] = lengths.mean()
-            metrics["time/tokens_per_s"] = lengths.sum() / metrics["time/step_s"]
+            metrics.update(run.rollout_metrics(rollout, metrics["time/step_s"]))
             samples = zip(rollout.prompts, rollout.completions, rewards.tolist())
         metrics = run.reduce_metrics(accelerator, metrics)
         if step % cfg.eval_every == 0 or step == cfg.num_steps:
@@ -362,8 +293,7 @@ class Trainer:
         return self.ckpt.step_end(step, self.policy.model, self.tokenizer, finite)
 
     def finish(self):
-        """Summary and curves, the final policy with save_pretrained, the process group closed on every rank,
-        and, with several processes, the process ended (config.leave_run)."""
+        """Summary and curves, the final policy saved, the process group closed, several processes ended."""
         cfg, accelerator = self.cfg, self.accelerator
         self.logger.finish(self.policy.model)
         if self.viewer.enabled:
@@ -373,7 +303,7 @@ class Trainer:
                               cfg.merge_lora)
         accelerator.wait_for_everyone()
         accelerator.end_training()  # close the process group on every rank
-        config.leave_run(accelerator.num_processes)
+        config.leave_run(accelerator.num_processes)  # several processes: os._exit, see its docstring
 
 
 def loop_rows(mb):

@@ -89,6 +89,13 @@ class Rollout:
                        group_size=parts[0].group_size)
 
 
+def micro_batches(batch_size, micro_batch_size):
+    """Slices of consecutive rows that cover range(batch_size), micro_batch_size rows each (the last may be
+    smaller); 0 gives one slice, the whole batch."""
+    size = micro_batch_size or batch_size
+    return [slice(start, min(start + size, batch_size)) for start in range(0, batch_size, size)]
+
+
 @dataclass
 class MicroBatch:
     """The rows of one forward/backward pass of an update, what the update needs of them, and what their forward

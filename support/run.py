@@ -11,7 +11,7 @@ from dataclasses import asdict
 import torch
 from tqdm.auto import tqdm
 
-from support import models
+from support import models, routing
 
 
 class StepTimer:
@@ -35,6 +35,17 @@ class StepTimer:
         out, self.times = {f"time/{k}_s": v for k, v in self.times.items()}, {}
         out["time/step_s"] = sum(out.values())
         return out
+
+
+def rollout_metrics(rollout, step_s):
+    """The engine's metrics of a step's rollout: completion length, tokens per second and, on a mixture of experts,
+    train/routing_mismatch over the positions that predict a completion token."""
+    lengths = rollout.mask.sum(1).float()
+    metrics = {"train/completion_len": lengths.mean(), "time/tokens_per_s": lengths.sum() / step_s}
+    if rollout.live_routing is not None:
+        predicting = torch.nn.functional.pad(rollout.mask, (rollout.prompt_ids.shape[1] - 1, 1))
+        metrics["train/routing_mismatch"] = routing.mismatch(rollout.routing[0], rollout.live_routing, predicting)
+    return metrics
 
 
 def reduce_metrics(accelerator, metrics):

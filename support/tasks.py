@@ -14,6 +14,7 @@ import common
 from support import config, fast, reward_functions
 from support.config import DTYPES
 from support.models import check_model_path, prepare_frozen
+from support.rollout import micro_batches
 
 # ----------------------------------------------------------------------------------------
 # The built-in task: arithmetic in families of different difficulty
@@ -246,7 +247,7 @@ class RewardModel:
             texts = [("\n\n".join(m["content"] for m in p) if isinstance(p, list) else p) + c
                      for p, c in zip(prompts, completions)]
         scores = []
-        for mb in common.micro_batches(len(texts), self.micro_batch_size):
+        for mb in micro_batches(len(texts), self.micro_batch_size):
             enc = self.tokenizer(texts[mb], return_tensors="pt", padding=True, truncation=True,
                                  add_special_tokens=not self.tokenizer.chat_template)
             scores.append(self.model(**enc.to(self.device)).logits[:, 0].float())

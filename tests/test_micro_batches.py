@@ -14,6 +14,7 @@ import ppo
 import remax
 import rloo
 from conftest import run_together
+from support.rollout import micro_batches
 from support.run import read_metrics
 
 B, T, V, D = 8, 5, 6, 4
@@ -103,7 +104,7 @@ def test_micro_batch_gradients_add_up_to_the_whole_batch_gradient(name, loss_agg
     fn(batch, slice(0, B), w, vw).backward()
     whole = flat_grads(w, vw)
     num_tokens = batch["mask"].sum().double()
-    parts = [(mb, num_tokens, B, loss_agg) for mb in common.micro_batches(B, micro_batch_size)]
+    parts = [(mb, num_tokens, B, loss_agg) for mb in micro_batches(B, micro_batch_size)]
     assert whole.abs().max() > 1e-3
     torch.testing.assert_close(gradients(batch, fn, parts), whole, rtol=0, atol=1e-12)
 
@@ -113,9 +114,9 @@ def test_averaging_each_micro_batchs_token_mean_is_not_the_token_mean():
     weighs a token of a short micro-batch more than one of a long micro-batch."""
     batch, fn = make_batch(), loss_fn("dapo", "token-mean")
     num_tokens = batch["mask"].sum().double()
-    right = gradients(batch, fn, [(mb, num_tokens, B, "token-mean") for mb in common.micro_batches(B, 2)])
+    right = gradients(batch, fn, [(mb, num_tokens, B, "token-mean") for mb in micro_batches(B, 2)])
     naive = gradients(batch, fn, [(mb, batch["mask"][mb].sum() * 4, B, "token-mean")  # each micro-batch's mean / 4
-                                  for mb in common.micro_batches(B, 2)])
+                                  for mb in micro_batches(B, 2)])
     assert (right - naive).abs().max() > 1e-3
 
 
@@ -135,15 +136,15 @@ def test_loss_across_processes_is_the_loss_of_the_global_batch(name, loss_agg):
     num_tokens = batch["mask"].sum().double() / 2
     per_process = []
     for half in halves:
-        rows = [slice(half.start + mb.start, half.start + mb.stop) for mb in common.micro_batches(4, 3)]
+        rows = [slice(half.start + mb.start, half.start + mb.stop) for mb in micro_batches(4, 3)]
         per_process.append(gradients(batch, fn, [(r, num_tokens, 4, loss_agg) for r in rows]))
     torch.testing.assert_close((per_process[0] + per_process[1]) / 2, whole, rtol=0, atol=1e-12)
 
 
 def test_micro_batches_cover_the_batch_in_order():
-    assert common.micro_batches(7, 3) == [slice(0, 3), slice(3, 6), slice(6, 7)]
-    assert common.micro_batches(7, 0) == [slice(0, 7)]
-    assert common.micro_batches(4, 8) == [slice(0, 4)]
+    assert micro_batches(7, 3) == [slice(0, 3), slice(3, 6), slice(6, 7)]
+    assert micro_batches(7, 0) == [slice(0, 7)]
+    assert micro_batches(4, 8) == [slice(0, 4)]
 
 
 def command(script, micro_batch_size, out_dir):

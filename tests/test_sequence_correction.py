@@ -96,10 +96,10 @@ def test_tis_veto_drops_a_sequence_with_one_valid_token_below_the_threshold():
 
 
 def test_effective_sample_size_is_one_for_equal_weights_and_one_over_n_for_one_weight():
-    assert common.effective_sample_size(torch.tensor([0.7, 0.7, 0.7, 0.7])).item() == pytest.approx(1.0)
-    assert common.effective_sample_size(torch.tensor([3.0, 0.0, 0.0, 0.0])).item() == pytest.approx(0.25)
-    assert common.effective_sample_size(torch.tensor([2.0, 1.0, 1.0])).item() == pytest.approx(16 / 18)
+    assert common.effective_sample_size(torch.tensor([0.7, 0.7, 0.7, 0.7])).value().item() == pytest.approx(1.0)
+    assert common.effective_sample_size(torch.tensor([3.0, 0.0, 0.0, 0.0])).value().item() == pytest.approx(0.25)
+    assert common.effective_sample_size(torch.tensor([2.0, 1.0, 1.0])).value().item() == pytest.approx(16 / 18)
     # token-level weights: the masked entries do not count; (2 + 1 + 1)^2 / (3 * (4 + 1 + 1))
     weights = torch.tensor([[2.0, 1.0, 50.0], [1.0, 0.0, 0.0]])
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
-    assert common.effective_sample_size(weights, mask).item() == pytest.approx(16 / 18)
+    assert common.effective_sample_size(weights, mask).value().item() == pytest.approx(16 / 18)

@@ -1,0 +1,76 @@
+"""Sampling a rollout: the policy, or the sampler's copy of it (a lower precision, or the weights of k steps ago),
+generates completions of a batch of prompts with support/fast.py's decode loop or the plain common.generate, and a
+mixture of experts' routing is recorded as it samples. The trainer (support/engine.py) asks for a rollout once per
+step (DAPO: once per round of dynamic sampling) and trains on it."""
+import collections
+from contextlib import ExitStack
+
+import torch
+
+import common
+from support import models, routing, tasks
+from support.rollout import Rollout
+
+
+def any_process(accelerator, flag):
+    """True on every process when `flag` is True on one of them."""
+    return bool(accelerator.reduce(torch.tensor(float(flag), device=accelerator.device), "sum") > 0)
+
+
+class RolloutSampler:
+    """Samples with `policy` (a Trainable), unless `rollout_model` (its low-precision or stale copy) does, synced to
+    it before each rollout: to this step's weights, or with `rollout_lag` k to those of k steps ago. `sample` is
+    fast.generate or common.generate; `inference`, the context the passes run in; `trainer` gives the timer, the
+    step running and, when sampling fails, the check that stops a run whose weights broke."""
+
+    def __init__(self, trainer, policy, rollout_model, rollout_lag, sample):
+        self.trainer, self.policy, self.rollout_model, self.rollout_lag = trainer, policy, rollout_model, rollout_lag
+        self.sample, self.moe = sample, routing.is_moe(policy.model)
+        # rollout_lag k: (step, trainable weights) at the start of the last k + 1 steps; the oldest samples
+        self.past_weights = collections.deque(maxlen=(rollout_lag or 0) + 1)
+
+    def model(self, step, greedy):
+        """The model that samples at `step`: the policy, or (not for a greedy completion) its copy synced to it."""
+        model = self.trainer.accelerator.unwrap_model(self.policy.model)
+        if self.rollout_model is None or greedy:
+            return model
+        weights = None
+        if self.rollout_lag:  # the weights of k steps ago; saved once per step (DAPO samples in rounds)
+            if not self.past_weights or self.past_weights[-1][0] != step:
+                self.past_weights.append((step, models.trainable_weights(model, self.rollout_model.dtype)))
+            weights = self.past_weights[0][1]
+        return models.sync_rollout_model(self.rollout_model, model, weights)
+
+    def staleness(self, step):
+        """The optimizer steps between the weights that sampled at `step` and the trainer's (--rollout_lag)."""
+        return step - self.past_weights[0][0] if self.past_weights else 0
+
+    @torch.no_grad()
+    def generate(self, examples, num_samples=1, greedy=False):
+        """A Rollout: num_samples completions of each example's prompt (or one greedy completion), each example's
+        samples adjacent."""
+        trainer = self.trainer
+        cfg, tokenizer, accelerator = trainer.cfg, trainer.tokenizer, trainer.accelerator
+        with trainer.timer("generation"):
+            prompt_ids, prompt_mask = tasks.tokenize_prompts(tokenizer, [ex["prompt"] for ex in examples],
+                                                             accelerator.device)
+            model, error = self.model(trainer.at_step, greedy), None
+            try:
+                with trainer.inference(), routing.record(model) if self.moe else ExitStack() as recording:
+                    completion_ids = self.sample(model, tokenizer, prompt_ids, prompt_mask, cfg,
+                                                 num_samples=num_samples, greedy=greedy)
+                completion_ids = completion_ids.clone()  # an ordinary tensor: the loss's input
+            except RuntimeError as e:  # e.g. NaN probabilities: are the weights broken? Every rank checks
+                error = e
+            if any_process(accelerator, error is not None):
+                # the weights are checked between saves only, so an update may have broken them: then every rank
+                # stops with one message (checkpoint.finite_weights_and_logits); else the error stands
+                trainer.ckpt.stop_if_broken(trainer.at_step - 1, model, tokenizer)
+                raise error if error is not None else SystemExit(1)
+            k = len(completion_ids) // len(examples)
+            mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
+            completions = tasks.decode_completions(tokenizer, completion_ids, mask)
+        prompt_ids, prompt_mask = prompt_ids.repeat_interleave(k, dim=0), prompt_mask.repeat_interleave(k, dim=0)
+        experts = recording.layout(torch.cat([prompt_mask, mask], 1)) if self.moe else None  # the sampler's
+        return Rollout([ex for ex in examples for _ in range(k)], prompt_ids, prompt_mask, completion_ids, mask,
+                       completions, experts, group_size=k)
