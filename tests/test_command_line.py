@@ -75,7 +75,7 @@ def test_help_opens_with_the_scripts_purpose_and_gives_each_flag_and_its_default
 
 def test_the_spellings_that_work_still_work(tmp_path):
     Config = importlib.import_module("remax").Config
-    cfg = config.parse_config(Config, ["--num-steps=4", "--no_fast", "--save_model", "False", "--gradient_checkpointing",
-                                       "--output_dir", str(tmp_path)])
+    cfg = config.parse_config(Config, ["--num-steps=4", "--no_fast", "--save_model", "False",
+                                       "--gradient_checkpointing", "--output_dir", str(tmp_path)])
     assert (cfg.num_steps, cfg.fast, cfg.save_model, cfg.gradient_checkpointing) == (4, False, False, True)
     assert config.parse_config(Config, ["--fast", "--output_dir", str(tmp_path)]).fast is True
