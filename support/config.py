@@ -250,7 +250,8 @@ def command_line(config_class):
     class Formatter(argparse.HelpFormatter):
         def _get_help_string(self, action):
             # the help texts that name their default in words ("(default: the embedded model)") keep only that
-            if DEFAULT_SAID.search(action.help) or action.default is argparse.SUPPRESS or not action.option_strings:
+            said = DEFAULT_SAID.search(action.help or "")
+            if said or action.default is argparse.SUPPRESS or not action.option_strings:
                 return action.help
             default = {"": "''", "[]": "none"}.get(str(action.default), action.default)
             return f"{action.help} (default: {default})"
@@ -285,6 +286,7 @@ def command_line(config_class):
 
 def unknown_flag(unknown, parser):
     """The error for arguments no flag took: the first unknown flag and the flag closest to it, or the stray value."""
+    import argparse
     import difflib
 
     flag = next((a for a in unknown if a.startswith("-")), None)
@@ -292,7 +294,7 @@ def unknown_flag(unknown, parser):
         return (f"unexpected value {unknown[0]!r}: every setting is a flag with its value, e.g. --num_steps 4 "
                 f"({parser.prog} --help lists the flags)")
     name = "--" + flag.lstrip("-").split("=")[0].replace("-", "_")
-    flags = [a.option_strings[0] for a in parser._actions if a.option_strings and a.help != "==SUPPRESS=="]
+    flags = [a.option_strings[0] for a in parser._actions if a.option_strings and a.help != argparse.SUPPRESS]
     close = difflib.get_close_matches(name, flags, n=1)
     return f"unknown flag {flag.split('=')[0]}; " + (f"did you mean {close[0]}?" if close else
                                                        f"{parser.prog} --help lists the flags.")
