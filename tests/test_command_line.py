@@ -30,13 +30,22 @@ def script(name, *args, timeout=120):
                           timeout=timeout)
 
 
-@pytest.mark.parametrize("mistake", list(MISTAKES))
-def test_a_flag_that_is_not_one_is_one_line_naming_the_flag_before_any_model_loads(tmp_path, mistake):
+@pytest.mark.parametrize("mistake", ["abbreviation", "typo"])
+def test_a_misspelt_or_abbreviated_flag_stops_the_script_with_one_line_before_any_model_loads(tmp_path, mistake):
     args, line = MISTAKES[mistake]
     out = script("remax", *args, "--output_dir", str(tmp_path / "run"))
     assert out.returncode != 0 and out.stdout == "", out.stdout[-2000:]
     assert out.stderr.strip() == line, out.stderr[-2000:]
     assert not (tmp_path / "run").exists()  # nothing was loaded or written
+
+
+@pytest.mark.parametrize("mistake", list(MISTAKES))
+def test_a_flag_that_is_not_one_is_one_line_naming_the_flag(tmp_path, mistake, monkeypatch):
+    args, line = MISTAKES[mistake]
+    monkeypatch.setattr(sys, "argv", ["remax.py"])
+    with pytest.raises(SystemExit) as e:
+        config.parse_config(importlib.import_module("remax").Config, [*args, "--output_dir", str(tmp_path / "run")])
+    assert str(e.value) == line
 
 
 def help_entries(text):
