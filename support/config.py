@@ -7,6 +7,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import sys
 import types
 from dataclasses import dataclass, field
@@ -233,17 +234,82 @@ class GroupConfig(TrainConfig):
 def parse_config(config_class, args=None):
     """Parse the command line into `config_class`; a bad value exits with one clear line. (What needs a
     checkpoint's files, --resume_from latest among them, is checked by checkpoint.Checkpointer.resume.)"""
-    from transformers import HfArgumentParser
-
     script = os.path.basename(sys.argv[0])
+    parser = command_line(config_class)
     try:
-        (cfg,) = HfArgumentParser(config_class).parse_args_into_dataclasses(args=args)
+        cfg, unknown = parser.parse_args_into_dataclasses(args=args, return_remaining_strings=True)
+        if unknown:
+            raise ValueError(unknown_flag(unknown, parser))
         if not cfg.output_dir:
             cfg.output_dir = os.path.join("runs", os.path.splitext(script)[0])
         check_output_dir(cfg, script)
     except ValueError as e:
         sys.exit(f"error: {e}")
     return cfg
+
+
+DEFAULT_SAID = re.compile(r"\(default[: ]")  # a help text that says its default: "(default 0.2; ...)"
+
+
+def command_line(config_class):
+    """The parser of a script's flags: its --help opens with the first paragraph of the script's docstring and
+    gives each flag once, with its default once; a flag must be spelled whole (argparse would otherwise take
+    --num_step as --num_steps), and a value it cannot read is one error line, without the usage."""
+    import argparse
+
+    from transformers import HfArgumentParser
+
+    class Formatter(argparse.HelpFormatter):
+        def _get_help_string(self, action):
+            # the help texts that name their default in words ("(default: the embedded model)") keep only that
+            said = DEFAULT_SAID.search(action.help or "")
+            if said or action.default is argparse.SUPPRESS or not action.option_strings:
+                return action.help
+            default = {"": "''", "[]": "none"}.get(str(action.default), action.default)
+            return f"{action.help} (default: {default})"
+
+        def _format_action_invocation(self, action):
+            # --num_steps NUM_STEPS, without HfArgumentParser's dashed twin --num-steps (which works too)
+            flags = ", ".join(s for s in action.option_strings if "-" not in s.lstrip("-"))
+            return flags if action.nargs == 0 else f"{flags} {self._format_args(action, action.dest.upper())}"
+
+    class Parser(HfArgumentParser):
+        def format_help(self):
+            return f"{purpose}\n\n{super().format_help()}"
+
+        def error(self, message):  # argparse's error prints the whole usage first
+            # "argument --num_steps/--num-steps: invalid int value: 'abc'" -> "--num_steps: invalid ..."
+            raise SystemExit("error: " + re.sub(r"^argument (--\w+)(/--[\w-]+)?", r"\1", message))
+
+    module = sys.modules.get(config_class.__module__)
+    purpose = " ".join(((module and module.__doc__) or "").strip().split("\n\n")[0].split())
+    parser = Parser(config_class, prog=os.path.basename(sys.argv[0]), allow_abbrev=False, formatter_class=Formatter,
+                    usage="%(prog)s [--flag value ...]   (--flag-name works as --flag_name)")
+    for action in parser._actions:
+        if action.const is True and action.nargs == "?":  # a boolean: --fast, --fast True, --fast False
+            action.metavar = "True|False"
+        if action.option_strings and action.option_strings[0].startswith("--no_") and action.const is False:
+            # HfArgumentParser's --no_fast repeats --fast's help: --fast says it once
+            positive = next(a for a in parser._actions if a.dest == action.dest and a is not action)
+            positive.help = f"{positive.help} {action.option_strings[0]} is {positive.option_strings[0]} False."
+            action.help = argparse.SUPPRESS
+    return parser
+
+
+def unknown_flag(unknown, parser):
+    """The error for arguments no flag took: the first unknown flag and the flag closest to it, or the stray value."""
+    import argparse
+    import difflib
+
+    flag = next((a for a in unknown if a.startswith("-")), None)
+    if flag is None:
+        return (f"unexpected value {unknown[0]!r}: every setting is a flag with its value, e.g. --num_steps 4 "
+                f"({parser.prog} --help lists the flags)")
+    name = "--" + flag.lstrip("-").split("=")[0].replace("-", "_")
+    flags = [a.option_strings[0] for a in parser._actions if a.option_strings and a.help != argparse.SUPPRESS]
+    close = difflib.get_close_matches(name, flags, n=1)
+    return f"unknown flag {flag.split('=')[0]}; " + (f"did you mean {close[0]}?" if close else
+                                                       f"{parser.prog} --help lists the flags.")
 
 
 def say(message):

@@ -132,7 +132,7 @@ class MetricLogger:
 # (metric, console name) of the metrics line; every metric is in metrics.jsonl and docs/metrics.md
 CONSOLE_KEYS = (("train/reward", "reward"), ("train/correct", "correct"), ("train/kl_seq", "kl_seq"),
                 ("train/kl_k3", "kl_k3"), ("train/entropy", "entropy"), ("train/grad_norm", "grad_norm"),
-                ("train/completion_len", "len"))
+                ("train/completion_len", "len"), ("train/routing_mismatch", "routing_mismatch"))
 PLOT_KEYS = ("train/reward", "eval/accuracy", "train/kl_seq", "train/entropy", "train/grad_norm",
              "train/completion_len")
 

@@ -33,7 +33,8 @@ class Quantity(NamedTuple):
 
 QUANTITIES = {
     "adv": Quantity("advantage", "signed", "The advantage the loss weighed this token's log-prob gradient with: "
-                    "blue was pushed up, red pushed down."),
+                    "blue was pushed up, red pushed down, white not at all (in ReMax, a sample that scored as the "
+                    "greedy answer did)."),
     "return": Quantity("return", "signed", "PPO's return R_t = A_t + V_t from GAE, the critic's target."),
     "value": Quantity("value", "signed", "PPO's critic: the return it expected before this token."),
     "push": Quantity("push -∂L/∂log π", "signed", "The weight the update gave the token's log-prob (the gradient, "
@@ -60,6 +61,9 @@ QUANTITIES = {
                                  "other experts in the trainer than in the sampler."),
 }
 SIGNIFICANT_DIGITS = 4  # values are stored rounded: the page stays small
+# A token "shows" a quantity when its colour is at least this far from white (a fraction of the full colour): the
+# page opens on a quantity that shows on the first recorded step's rows, not on a nearly white page.
+VISIBLE = 0.1
 
 
 def rounded(values):
@@ -297,9 +301,55 @@ def quantity_info(records):
     return info
 
 
+def shade(q, v):
+    """How far from white the page colours value v of quantity q (its quantity_info entry), from 0 to 1: the
+    fraction of the full colour, as the page's colour() computes it."""
+    if not isinstance(v, (int, float)) or not math.isfinite(v):
+        return 1.0 if isinstance(v, str) else 0.0  # "NaN", "Infinity": black
+    if q["scale"] == "keep":
+        return float(v == 0)  # a dropped sequence stands out; every kept one is the same green
+    if q["scale"] == "clip":
+        return float(v != 0)
+    if q["scale"] == "positive":
+        return min(1.0, v / q["max"]) if q["max"] > 0 else 0.0
+    if q["scale"] == "ratio":
+        extent = max(-math.log(q["min"]), math.log(q["max"])) if q["max"] > 0 else 0
+        return min(1.0, abs(math.log(v)) / extent) if v > 0 and extent else float(v <= 0)
+    extent = max(abs(q["min"]), abs(q["max"]))
+    return min(1.0, abs(v) / extent) if extent else 0.0
+
+
+def opening_quantity(records, info):
+    """The colouring the page opens on, and a note saying why when it is not the first: the first quantity, in
+    QUANTITIES' order, that shows (VISIBLE) on at least half the rows of the first recorded step, else the one that
+    shows on most of them. The advantage comes first, but in ReMax it is 0 on every row whose sample scored as the
+    greedy answer did, most rows of a run that goes well: its page would open nearly white."""
+    if not records or not info:
+        return next(iter(info), ""), ""
+    first = min(records, key=lambda r: r["step"])
+
+    def rows_shown(name):
+        shown = 0
+        for row in first["rows"]:
+            values = ([v for v, m in zip(row["values"][name], row["mask"]) if m] if name in row["values"]
+                      else [row["sequence"][name]] if name in row["sequence"] else [])
+            shown += any(shade(info[name], v) >= VISIBLE for v in values)
+        return shown
+
+    counts = {name: rows_shown(name) for name in info}
+    name = next((n for n in info if 2 * counts[n] >= len(first["rows"]) > 0), max(info, key=counts.get))
+    if name == next(iter(info)):
+        return name, ""
+    passed = [info[n]["label"] for n in list(info)[:list(info).index(name)]]
+    return name, f"Opened on {info[name]['label']}: {', '.join(passed)} leave most rows of step {first['step']} white."
+
+
 def render_page(records, title):
     """The self-contained HTML page for the records."""
-    data = {"title": title, "quantities": quantity_info(records), "steps": sorted(records, key=lambda r: r["step"])}
+    info = quantity_info(records)
+    opening, note = opening_quantity(records, info)
+    data = {"title": title, "quantities": info, "opening": opening, "opening_note": note,
+            "steps": sorted(records, key=lambda r: r["step"])}
     data = json.dumps(data, separators=(",", ":"), ensure_ascii=False).replace("<", "\\u003c")  # no </script>
     return PAGE.replace("{title}", html.escape(title)).replace("{data}", data)
 

@@ -1,14 +1,14 @@
 """The rollout viewer's page, which support/view.py fills in: {title}, and in the script tag "data" the recorded
 steps as JSON. The script builds the rows and colours the tokens by the quantity named in the URL's hash
-(#q=kl_k3) or the selector. Errors are shown in #errors (the browser test reads it). Inline CSS and JavaScript:
-no server, no network."""
+(#q=kl_k3) or the selector, else by the one view.opening_quantity chose ("opening"). Errors are shown in #errors
+(the browser test reads it). Inline CSS and JavaScript: no server, no network."""
 PAGE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>Rollouts: {title}</title>
 <style>
 body{font:14px/1.45 system-ui,sans-serif;margin:0;color:#222;background:#fff}
 header{position:sticky;top:0;background:#f7f7f7;border-bottom:1px solid #ccc;padding:8px 16px;z-index:1}
 h1{font-size:18px;margin:0 8px 4px 0;display:inline-block}h2{font-size:16px;margin:18px 0 6px}main{padding:0 16px 24px}
-#read{margin:4px 0 0;color:#444;max-width:70em}
+#read,#hint{margin:4px 0 0;color:#444;max-width:70em}#hint{font-size:12px}
 #legend{display:inline-flex;align-items:center;gap:6px;margin-left:12px;font-size:12px}
 .bar{display:inline-block;width:160px;height:12px;border:1px solid #999}
 .sw{display:inline-block;min-width:14px;height:12px;border:1px solid #999;padding:0 3px;line-height:12px}
@@ -22,7 +22,8 @@ h1{font-size:18px;margin:0 8px 4px 0;display:inline-block}h2{font-size:16px;marg
 </style></head>
 <body>
 <header><h1>Rollouts: {title}</h1><label>colour by <select id="q"></select></label><span id="legend"></span>
-<p id="read"></p><nav id="nav"></nav></header>
+<p id="read"></p><p id="hint">Hover a token for its text, its position and every recorded value; the
+selector, or #q= in the address, changes the colouring.</p><nav id="nav"></nav></header>
 <pre id="errors" hidden></pre>
 <main id="steps"></main>
 <script type="application/json" id="data">{data}</script>
@@ -79,7 +80,7 @@ function build() {
       head.push("reward " + fmt(row.reward));
       if ("adv" in row.sequence) head.push("advantage " + fmt(row.sequence.adv));
       else if ("adv" in row.values) head.push("advantage at the first token " + fmt(row.values.adv[0]));
-      if (row.answer !== null) head.push("answer " + JSON.stringify(row.answer));
+      if (row.answer !== null) head.push("reference answer " + JSON.stringify(row.answer));  // the dataset's
       Object.keys(row.sequence).forEach(function (n) {
         if (n !== "adv") head.push((Q[n] ? Q[n].label : n) + " " + fmt(row.sequence[n]));
       });
@@ -113,7 +114,7 @@ function build() {
 }
 function current() {
   var m = /q=([^&]+)/.exec(location.hash), n = m ? decodeURIComponent(m[1]) : "";
-  return n in Q ? n : ("adv" in Q ? "adv" : names[0]);
+  return n in Q ? n : (D.opening in Q ? D.opening : names[0]);
 }
 function legend(q) {
   var box = document.getElementById("legend"); box.textContent = "";
@@ -133,7 +134,8 @@ function legend(q) {
     box.appendChild(el("span", "", "(recorded: " + fmt(q.min) + " to " + fmt(q.max) + ")"));
   }
   box.appendChild(el("span", "sw off", "masked"));
-  document.getElementById("read").textContent = q.read;
+  var opened = !/q=/.test(location.hash) && D.opening_note;  // why the page opened on this colouring
+  document.getElementById("read").textContent = q.read + (opened ? " " + D.opening_note : "");
 }
 function paint() {
   if (!names.length) return; var n = current(), q = Q[n];

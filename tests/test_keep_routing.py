@@ -66,8 +66,10 @@ def test_each_pass_of_the_trainer_uses_the_experts_keep_routing_names(keep, tmp_
             assert torch.equal(used[seen[mb_rows]], rollout.old_routing[0][mb_rows][seen[mb_rows]])
 
 
-def test_routing_mismatch_is_the_mean_of_the_layers_that_disagree_per_completion_token(tmp_path):
+def test_routing_mismatch_is_the_mean_of_the_layers_that_disagree_per_completion_token(tmp_path, capsys):
     rows, passes = run(grpo, tmp_path)
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step 1 |")]
+    assert len(printed) == 1 and f"routing_mismatch {rows[0]['train/routing_mismatch']:.4g} |" in printed[0]
     rollout = passes[0][0]
     layers = rollout.routing[0].shape[2]
     disagree = rollout.routing_disagree  # (B, T): what the rollout viewer shows per token

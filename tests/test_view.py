@@ -3,8 +3,10 @@ the due steps, the page in a real browser (headless Chromium): it renders, holds
 the quantity changes, and raises no JavaScript error; and in real GRPO and ReMax runs every recorded value equals
 its definition recomputed from copies of the models."""
 import copy
+import html
 import json
 import math
+import re
 import sys
 import types
 from html.parser import HTMLParser
@@ -123,6 +125,32 @@ def test_the_command_rebuilds_the_page(tokenizer, tmp_path, capsys):
     assert "entropy" in (tmp_path / "rollouts.html").read_text()
 
 
+def remax_like_page(tmp_path):
+    """A page whose first step looks like the ReMax demo's: the advantage is 0 on three rows of four (their samples
+    scored as the greedy answers did) and the policy still equals the reference (KL 0), but its entropy shows."""
+    recorder = view.Recorder(tmp_path, FakeTokenizer(), num_rows=4)
+    rollout = fake_rollout([[4, 5, 1]] * 4, [[1, 1, 1]] * 4, ["1+1=", "1+2=", "2+2=", "2+1="])
+    entropy = torch.tensor([[0.9, 0.2, 0.0], [0.1, 0.8, 0.0], [0.7, 0.0, 0.0], [0.0, 0.5, 0.01]])
+    recorder.record(1, rollout, torch.tensor([1.0, 0.0, 1.0, 1.0]), torch.tensor([0.0, -1.0, 0.0, 0.0]),
+                    {"kl_k3": torch.zeros(4, 3), "entropy": entropy})
+    recorder.record(25, rollout, torch.ones(4), torch.tensor([1.0, 0.0, -1.0, 1.0]),
+                    {"kl_k3": entropy, "entropy": entropy})
+    return recorder
+
+
+def test_the_page_opens_on_the_first_quantity_that_colours_half_the_first_steps_rows(tmp_path):
+    records = remax_like_page(tmp_path).records
+    info = view.quantity_info(records)
+    assert list(info) == ["adv", "kl_k3", "entropy"]
+    assert view.opening_quantity(records, info) == (
+        "entropy", "Opened on entropy: advantage, KL k3 leave most rows of step 1 white.")
+    assert view.opening_quantity(records[1:], info) == ("adv", "")  # step 25: three rows of four pushed
+    records[0]["rows"][0]["sequence"]["adv"] = 0.05  # a colour, but below VISIBLE of the scale (1): still white
+    assert view.opening_quantity(records, info)[0] == "entropy"
+    records[0]["rows"][0]["sequence"]["adv"] = 0.5
+    assert view.opening_quantity(records, info) == ("adv", "")  # two rows of four show it
+
+
 # ----------------------------------------------------------------------------------------
 # In a real browser
 # ----------------------------------------------------------------------------------------
@@ -169,6 +197,11 @@ def background(style):
     if "background" not in style:
         return None
     return tuple(int(x) for x in style.split("rgb(")[1].split(")")[0].split(","))
+
+
+def read_line(dom):
+    """The text of the header's line on how to read the colours."""
+    return html.unescape(re.search(r'<p id="read">(.*?)</p>', dom, re.S).group(1))
 
 
 def one_colour(png):
@@ -228,6 +261,21 @@ def test_the_page_renders_every_token_recolours_and_raises_no_error(tmp_path):
     broken.write_text(open(page).read().replace("</body>", "<script>throw new Error('probe')</script></body>"))
     _, dom, _ = view.chromium(f"file://{broken}", "--dump-dom", "--virtual-time-budget=2000")
     assert "probe" in Spans(dom).errors
+
+
+@needs_chromium
+def test_the_first_view_is_coloured_says_hover_and_labels_the_reference_answer(tmp_path):
+    page = remax_like_page(tmp_path).write()
+    code, dom, err = view.chromium(f"file://{page}", "--dump-dom", "--virtual-time-budget=2000")
+    assert code == 0 and Spans(dom).errors == "", err[-2000:]
+    step1 = [s for s in Spans(dom).spans if "pad" not in s[0]][:12]
+    shown = [s for s in step1 if background(s[1]) not in (None, (255, 255, 255))]
+    assert len(shown) >= 6, step1  # by the advantage, 0 on three rows of four, only the second row had a colour
+    assert read_line(dom).endswith(" Opened on entropy: advantage, KL k3 leave most rows of step 1 white.")
+    assert "Hover a token for its text, its position and every recorded value" in dom
+    assert 'reference answer "0"' in dom and 'answer "0"' not in dom.replace('reference answer "0"', "")
+    _, picked, _ = view.chromium(f"file://{page}#q=adv", "--dump-dom", "--virtual-time-budget=2000")
+    assert read_line(picked) == view.QUANTITIES["adv"].read  # a colouring the reader chose needs no note
 
 
 @needs_chromium

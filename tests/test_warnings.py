@@ -31,8 +31,8 @@ def test_a_short_run_raises_no_warning(tmp_path, script, args):
 
 
 def test_the_quick_starts_launch_prints_no_notice_of_defaults(tmp_path):
-    """`accelerate launch --config_file configs/one_process.yaml` (the README's demo) sets every value accelerate
-    would otherwise fill in and list in a six-line notice before the run's first line."""
+    """`accelerate launch --config_file configs/one_process.yaml` (the README's demo without the notice) sets every
+    value accelerate would otherwise fill in and list in a six-line notice before the run's first line."""
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/one_process.yaml", "remax.py",
            "--num_steps", "1", "--batch_size", "8", "--max_new_tokens", "4", "--eval_every", "100",
            "--save_model", "False", "--output_dir", str(tmp_path / "run")]
