@@ -103,7 +103,8 @@ HINTS = {
                "Keep a token when that count is 0."]),
     "aggregate_loss": Hint(
         "one scalar from a (B, T) per-token loss, in four ways", MASKS + " (loss aggregation)",
-        "(B, T) loss and mask in, a scalar out; max_len an int or None",
+        "(B, T) loss and mask in, a scalar out; max_len an int or None (the lines above the solution unpack a "
+        "micro-batch's Aggregation)",
         traps=["padding may hold NaN and never counts",
                "seq-mean-token-sum-norm divides by a constant: max_len, or the batch width T when None, "
                "never each row's length nor the longest row",
@@ -146,7 +147,7 @@ HINTS = {
                "the return is a constant of the loss (no gradient through it)",
                STATS_TRAP + "; return_mean is a mean over tokens, not over rows"],
         steps=["G = adv[:, None] - beta * reward_to_go(kl, mask), detached.",
-               "loss = aggregate_loss(-G * logp, mask, loss_agg, max_len).",
+               "loss = aggregate_loss(-G * logp, mask, loss_agg) (loss_agg may be a micro-batch's Aggregation).",
                "stats: return_mean = masked mean of G over all valid tokens of the batch."]),
     "rloo_advantages": Hint(
         "RLOO's advantage: each reward against the mean of the other rewards of its group",
@@ -160,8 +161,10 @@ HINTS = {
         "docs/algorithms.md, RLOO, and the docstring", "logp, mask (B, T), adv (B,); a scalar and a dict",
         traps=["a sequence's log-prob is a sum over its valid tokens (padding may hold -inf or NaN)",
                "the advantage is a constant of the loss"],
-        steps=["seq_logp = masked sum of logp along dim 1; with pg_weight, the masked sum of pg_weight * logp.",
-               "loss = -mean over rows of adv.detach() * that sum.",
+        steps=["seq_logp = masked sum of logp along dim 1 (for the statistic).",
+               "With pg_weight: logp = pg_weight * logp, the weight set to 0 on the padding first (it may hold NaN).",
+               "loss = aggregate_loss(-adv.detach()[:, None] * logp, mask, loss_agg): seq-mean-token-sum, the mean "
+               "over rows of each row's sum.",
                "stats: seq_logp_mean = mean of the unweighted seq_logp."]),
     "grpo_advantages": Hint(
         "GRPO's group-normalised advantage, with three ways to scale it",
@@ -185,18 +188,18 @@ HINTS = {
                STATS_TRAP],
         work="two levels of ratio and five statistics, each with its own condition (clip below needs A < 0)",
         steps=["ratio = exp(logp - old_logp); A = adv[:, None] (one advantage per row).",
-               "At sequence level: ratio = exp(masked mean over the row of logp - old_logp), the same on every "
-               "token of the row; epsilon_high (None: epsilon) is the upper clip.",
-               "surrogate = min(ratio * A, clamp(ratio, 1 - epsilon, 1 + epsilon_high) * A).",
-               "dual clip (dual_clip_c > 0): where A < 0, surrogate = max(surrogate, dual_clip_c * A).",
+               "At clip.level 'sequence': ratio = exp(masked mean over the row of logp - old_logp), the same on "
+               "every token of the row.",
+               "surrogate = min(ratio * A, clamp(ratio, 1 - clip.low, 1 + clip.high) * A).",
+               "dual clip (clip.dual_c > 0): where A < 0, surrogate = max(surrogate, clip.dual_c * A).",
                "pg_weight: surrogate = pg_weight * surrogate.",
-               "kl = kl_penalty(logp, ref_logp, kl_estimator, old_logp if kl_is_weight else None), 0 without ref.",
-               "loss = aggregate_loss(-surrogate + beta * kl, mask, loss_agg, max_len); at sequence level the "
-               "surrogate's part with seq-mean-token-mean (once per sequence) and the KL's with loss_agg.",
-               "stats, each a masked mean over the valid tokens (the clip fractions over sequences at sequence "
-               "level), without gradient: clip_frac_low "
-               "(ratio < 1 - eps and A < 0), clip_frac_high (ratio > 1 + eps and A > 0), approx_kl "
-               "(ratio - 1 - log ratio), kl_k3 (kl_k3(logp, ref_logp)), kl_term (kl)."]),
+               "kl = kl_penalty(logp, ref_logp, kl_term.estimator, old_logp if kl_term.ratio_weight else None), "
+               "0 without ref.",
+               "loss = aggregate_loss(-surrogate + beta * kl, mask, loss_agg); at sequence level the "
+               "surrogate's part with per_sequence(loss_agg) (once per sequence) and the KL's with loss_agg.",
+               "stats, each a masked mean over the valid tokens, without gradient: clip_frac_low "
+               "(ratio < 1 - clip.low and A < 0), clip_frac_high (ratio > 1 + clip.high and A > 0), approx_kl "
+               "(ratio - 1 - log ratio of the token ratio), kl_k3 (kl_k3(logp, ref_logp)), kl_term (kl)."]),
     "dynamic_sampling_filter": Hint(
         "which groups DAPO keeps: those whose correctness is mixed", "docs/algorithms.md, DAPO",
         "(B,) 0/1 correctness with each group's G samples adjacent in, (B / G,) bool out",
@@ -213,14 +216,14 @@ HINTS = {
         "DAPO's clipped surrogate with a decoupled clip range, token-mean over the batch, and three statistics",
         "docs/algorithms.md, DAPO (eq. 8), and the docstring",
         "logp, old_logp, mask (B, T), adv (B,); a scalar loss and a dict of scalars",
-        traps=["the range is [1 - epsilon_low, 1 + epsilon_high]", "the mean is over every valid token of the batch",
-               STATS_TRAP],
+        traps=["the range is [1 - clip.low, 1 + clip.high]: epsilon_low and epsilon_high",
+               "the mean is over every valid token of the batch", STATS_TRAP],
         steps=["ratio = exp(logp - old_logp); A = adv[:, None].",
-               "surrogate = min(ratio * A, clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) * A);",
+               "surrogate = min(ratio * A, clamp(ratio, 1 - clip.low, 1 + clip.high) * A);",
                "dual clip and pg_weight as in grpo_loss.",
-               "loss = aggregate_loss(-surrogate, mask, 'token-mean').",
-               "stats (masked means, no gradient): clip_frac_low (ratio < 1 - epsilon_low and A < 0), "
-               "clip_frac_high (ratio > 1 + epsilon_high and A > 0), approx_kl (ratio - 1 - log ratio)."]),
+               "loss = aggregate_loss(-surrogate, mask, loss_agg) (token-mean, or a micro-batch's Aggregation).",
+               "stats (masked means, no gradient): clip_frac_low (ratio < 1 - clip.low and A < 0), "
+               "clip_frac_high (ratio > 1 + clip.high and A > 0), approx_kl (ratio - 1 - log ratio)."]),
     "gae": Hint(
         "generalized advantage estimates and the critic's targets, per token", "docs/algorithms.md, PPO (GAE)",
         "rewards, values, mask (B, T), lam a number or (B,); two (B, T) tensors out",

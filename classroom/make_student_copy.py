@@ -107,7 +107,7 @@ VISIBLE_TESTS = {
         "test_pg_weight_multiplies_the_surrogate_and_not_the_kl_term",
         "tests/test_gspo.py::test_sequence_ratio_is_the_geometric_mean_of_the_valid_token_ratios",
         "tests/test_gspo.py::test_sequence_clip_zeroes_the_whole_sequences_gradient_exactly_where_it_binds",
-        "tests/test_gspo.py::test_clip_fractions_count_sequences_not_tokens",
+        "tests/test_gspo.py::test_clip_fractions_count_the_tokens_of_the_clipped_sequences",
         "tests/test_gspo.py::test_with_one_update_the_gradient_is_grpos_with_seq_mean_token_mean",
         "tests/test_gspo.py::test_a_long_sequence_counts_once_not_once_per_token",
         "tests/test_gspo.py::test_the_kl_term_stays_per_token",

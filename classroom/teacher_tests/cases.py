@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from common import Aggregation, Clip, KLTerm
 from teacher_tests.batches import F64, GARBAGE, lengths, prefix_mask
 
 F32 = torch.float32
@@ -252,9 +251,9 @@ def remax_loss(seed):
         cases.append(Case(f"{mode}, with gradient", [logp, adv, kl, mask, 0.3, mode], grad=(0, 1, 2)))
     cases.append(Case("seq-mean-token-sum-norm, max_len 8, three padding columns",
                       [widened(logp, 3), adv, widened(kl, 3, float("nan")), widened(mask, 3), 0.5,
-                       fields(Aggregation, "seq-mean-token-sum-norm", 8)], grad=(0,)))
+                       ("seq-mean-token-sum-norm", 8)], grad=(0,)))
     cases.append(Case("a micro-batch's aggregation: token-mean, weight 0.25",
-                      [logp, adv, kl, mask, 0.3, fields(Aggregation, "token-mean", None, 0.25)], grad=(0,)))
+                      [logp, adv, kl, mask, 0.3, ("token-mean", None, 0.25)], grad=(0,)))
     return cases
 
 
@@ -273,7 +272,7 @@ def rloo_loss(seed):
     cases += [Case("with gradient", [padded(logp, mask, None), adv, mask], grad=(0, 1)),
               Case("pg_weight, with gradient", [logp, adv, mask, weight], grad=(0, 1)),
               Case("pg_weight, padding nan", [padded(logp, mask, float("nan")), adv, mask,
-                                              padded(weight, mask, float("nan"))]),
+                                              padded(weight, mask, float("nan"))], grad=(0,)),
               Case("three padding columns", [widened(logp, 3, float("nan")), adv, widened(mask, 3)], grad=())]
     return cases
 
@@ -296,12 +295,8 @@ def grpo_advantages(seed):
     return cases
 
 
-def fields(kind, *args, **kwargs):
-    """A common.Aggregation, Clip or KLTerm as the plain tuple of its fields (how a case's arguments travel; the
-    losses take either)."""
-    return tuple(kind(*args, **kwargs))
-
-
+# A common.Aggregation (mode, max_len, weight), Clip (low, high, dual_c, level) or KLTerm (estimator, ratio_weight)
+# travels to the student's process as the plain tuple of its fields, which the losses take as well.
 def loss_cases(seed, salt, loss, configs, grid, defaults=None):
     """Cases of a clipped loss: `configs` (label, kwargs, over the keyword arguments `defaults`) on a rollout with
     NaN and inf padding and with random padding and a gradient; `grid`, cases of hand values. loss(logp, old_logp,
@@ -330,24 +325,24 @@ DUAL_LOG_RATIO = torch.log(torch.tensor([10.0, 0.1], dtype=F64))[:, None].clone(
 
 
 def grpo_loss(seed):
-    norm8 = fields(Aggregation, "seq-mean-token-sum-norm", 8)  # as the loop passes it, with --max_new_tokens 8
-    gspo = fields(Clip, 0.2, 0.2, level="sequence")
+    norm8 = ("seq-mean-token-sum-norm", 8)  # as the loop passes it, with --max_new_tokens 8
+    gspo = (0.2, 0.2, 0.0, "sequence")
     configs = [("token-mean", {"loss_agg": "token-mean"}),
                ("the defaults", {}),
                ("seq-mean-token-sum-norm, max_len 8", {"loss_agg": norm8}),
                ("seq-mean-token-sum-norm", {"loss_agg": "seq-mean-token-sum-norm"}),
                ("a micro-batch: seq-mean-token-mean, weight 0.5",
-                {"loss_agg": fields(Aggregation, "seq-mean-token-mean", None, 0.5)}),
-               ("k2 with the ratio weight", {"kl_term": fields(KLTerm, "k2", True)}),
-               ("k3 with the ratio weight", {"kl_term": fields(KLTerm, "k3", True), "loss_agg": "token-mean"}),
-               ("k1", {"kl_term": fields(KLTerm, "k1")}),
-               ("dual clip 3, pg_weight", {"clip": fields(Clip, 0.2, 0.2, 3.0), "pg_weight": "weight"}),
-               ("epsilon_high 0.28", {"clip": fields(Clip, 0.2, 0.28), "loss_agg": "token-mean"}),
+                {"loss_agg": ("seq-mean-token-mean", None, 0.5)}),
+               ("k2 with the ratio weight", {"kl_term": ("k2", True)}),
+               ("k3 with the ratio weight", {"kl_term": ("k3", True), "loss_agg": "token-mean"}),
+               ("k1", {"kl_term": ("k1",)}),
+               ("dual clip 3, pg_weight", {"clip": (0.2, 0.2, 3.0), "pg_weight": "weight"}),
+               ("epsilon_high 0.28", {"clip": (0.2, 0.28), "loss_agg": "token-mean"}),
                ("GSPO", {"clip": gspo}),
                ("GSPO, seq-mean-token-sum-norm, max_len 8", {"clip": gspo, "loss_agg": norm8}),
                ("GSPO, a micro-batch's seq-mean-token-sum-norm, weight 0.5",
-                {"clip": gspo, "loss_agg": fields(Aggregation, "seq-mean-token-sum-norm", 8, 0.5)}),
-               ("GSPO, dual clip 3, pg_weight, token-mean", {"clip": fields(Clip, 0.2, 0.2, 3.0, "sequence"),
+                {"clip": gspo, "loss_agg": ("seq-mean-token-sum-norm", 8, 0.5)}),
+               ("GSPO, dual clip 3, pg_weight, token-mean", {"clip": (0.2, 0.2, 3.0, "sequence"),
                                                             "pg_weight": "weight", "loss_agg": "token-mean"})]
     ones = torch.ones(3, 3, dtype=torch.long)
     grid = [Case("hand values: the clip grid", [GRID_LOG_RATIO, torch.zeros(3, 3, dtype=F64), None, GRID_ADV, ones,
@@ -355,7 +350,7 @@ def grpo_loss(seed):
             Case("on-policy, epsilon 0", [torch.zeros(3, 3, dtype=F64), torch.zeros(3, 3, dtype=F64), None, GRID_ADV,
                                           ones, 0.0, 0.0, "token-mean"], grad=(0,)),
             Case("hand values: the dual clip", [DUAL_LOG_RATIO, torch.zeros(2, 1, dtype=F64), None, DUAL_ADV,
-                                                torch.ones(2, 1, dtype=torch.long), fields(Clip, 0.2, 0.2, 3.0), 0.0,
+                                                torch.ones(2, 1, dtype=torch.long), (0.2, 0.2, 3.0), 0.0,
                                                 "token-mean"], grad=(0,))]
     cases = loss_cases(seed, 11, lambda logp, old, ref, adv, token_adv, mask: [logp, old, ref, adv, mask],
                        configs, grid, defaults={"clip": 0.2, "beta": 0.05})
@@ -395,9 +390,9 @@ def overlong_penalty(seed):
 
 
 def dapo_loss(seed):
-    configs = [("epsilons 0.2 and 0.28", {}), ("dual clip 3", {"clip": fields(Clip, 0.2, 0.28, 3.0)}),
+    configs = [("epsilons 0.2 and 0.28", {}), ("dual clip 3", {"clip": (0.2, 0.28, 3.0)}),
                ("pg_weight", {"pg_weight": "weight"}),
-               ("a micro-batch's token-mean, weight 0.5", {"loss_agg": fields(Aggregation, "token-mean", None, 0.5)})]
+               ("a micro-batch's token-mean, weight 0.5", {"loss_agg": ("token-mean", None, 0.5)})]
     ones = torch.ones(3, 3, dtype=torch.long)
     grid = [Case("hand values: the clip grid", [GRID_LOG_RATIO, torch.zeros(3, 3, dtype=F64), GRID_ADV, ones,
                                                 (0.2, 0.28)], grad=(0,)),
