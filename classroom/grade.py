@@ -7,20 +7,21 @@
 For each exercise the grader draws the inputs (classroom/teacher_tests/cases.py, from --seed, random by
 default) and starts one process under bubblewrap that sees the Python environment read-only, a copy of
 the student's Python files, the inputs and a scratch /tmp, and nothing else of this machine: no network,
-its own process and IPC namespaces, limits on memory, CPU time, processes and file size. There
-classroom/runner.py imports the student's module (the student's other functions and files with it) and
-prints what the function returns on each input, with the gradients a case names, as plain data. This
-process, which never runs the student's code, compares that with what the reference returns: type,
-shape, dtype, values and gradients. An exercise scores its stars when every case agrees, and 0 otherwise
-with the first disagreement (or the crash, the time limit, the memory limit) as the reason.
+its own process and IPC namespaces, a user of its own, limits on memory, CPU time, file size and /tmp's
+files, no second process. There classroom/runner.py imports the student's module (the student's other
+functions and files with it) and prints what the function returns on each input, with the gradients a case
+names, as plain data. This process, which never runs the student's code, reads that answer (1 MiB at most)
+and compares it with what the reference returns: type, shape, dtype, values and gradients. An exercise scores
+its stars when every case agrees, and 0 otherwise with the first disagreement (or the crash, the time limit,
+the memory limit) as the reason.
 """
 import argparse
 import concurrent.futures
+import ctypes
 import importlib.util
 import json
 import math
 import os
-import queue
 import random
 import re
 import shutil
@@ -40,8 +41,10 @@ from teacher_tests.cases import CASES  # noqa: E402
 
 ROOT = msc.ROOT
 FILE_LIMIT = 1 << 20  # the largest student file read, bytes
-ANSWER_LIMIT = runner.FILE_BYTES  # the largest answer read back
-TMP_BYTES = 64 << 20  # the sandbox's /tmp
+ANSWER_LIMIT = 1 << 20  # the largest answer read back: the reference's largest is 40 kB
+VERDICT_SECONDS = 10.0  # the longest the comparison of one answer may take (milliseconds, normally)
+UIDS = 0x70000000  # as root, grade.py with pid P gives its sandboxes the users UIDS + 64 P + 0..63 (none repeats)
+TMP_BYTES = runner.TMP_BYTES  # the sandbox's /tmp
 INSTALL = ("bubblewrap (bwrap) is needed to run the students' code in a sandbox: `apt-get install -y bubblewrap` "
            "(Debian, Ubuntu) or `dnf install bubblewrap`; inside a per-submission container (Gradescope's) pass "
            "--no-sandbox instead (docs/classroom.md, For teachers)")
@@ -171,28 +174,59 @@ def sandbox_command():
             for parent in reversed(parents[:-1]):
                 cmd += ["--perms", "0755", "--dir", str(parent)]
         cmd += ["--ro-bind", real, real] + (["--symlink", real, where] if where != real else [])
-    cmd += ["--chdir", "/tmp"]
-    if os.geteuid() == 0:  # root: the runner becomes a user of its own (limits on processes do not bind root)
-        cmd += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+    # The runner keeps CAP_SYS_ADMIN only to cap /tmp's files and, as root, CAP_SETUID and CAP_SETGID only to become
+    # a user of its own; it drops them before the student's module is imported (runner.lock_down). As another user
+    # the sandbox has a user namespace of its own, where the runner is uid 0 (another uid there would take bubblewrap
+    # a second namespace, which does not own the mounts) without a capability once locked down.
+    cmd += ["--chdir", "/tmp", "--cap-drop", "ALL", "--cap-add", "CAP_SYS_ADMIN"]
+    if os.geteuid() == 0:
+        cmd += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     else:
-        cmd += ["--unshare-user", "--uid", "65534", "--gid", "65534", "--disable-userns"]
-    probe = subprocess.run([*cmd, "/bin/true"], capture_output=True, text=True)
+        cmd += ["--unshare-user", "--uid", "0", "--gid", "0"]
+    # the runner locks itself down and stops, as it will before each exercise
+    probe = subprocess.run([*cmd, "--ro-bind", runner.__file__, "/grader/runner.py",
+                            *runner_command("/grader", None, 5, True, sandbox_uid(0))],
+                           capture_output=True, text=True, env=ENV)
     if probe.returncode != 0:
         why = (probe.stderr.strip().splitlines() or [f"status {probe.returncode}"])[-1]
         raise SystemExit(f"error: bubblewrap does not work here ({why}); {INSTALL}.")
     return cmd
 
 
+def check_machine():
+    """SystemExit with one line where runner.py's seccomp filter does not know the machine's system calls."""
+    if os.uname().machine not in runner.SYSCALLS:
+        raise SystemExit(f"error: the grader's seccomp filter (classroom/runner.py) knows the system calls of "
+                         f"{' and '.join(runner.SYSCALLS)} machines, not {os.uname().machine}.")
+
+
+def sandbox_uid(n):
+    """As root, the user of this grade's sandbox n (0: the probe's): UIDS + 64 * pid + n. A pid is below 2**22,
+    so the users run to 0x80000000; two grades at once have different pids, so no two sandboxes share one, and no
+    key, file or process count of one is another's."""
+    if os.geteuid() != 0:
+        return None
+    assert 0 <= n < 64 and os.getpid() < 1 << 22
+    return UIDS + 64 * os.getpid() + n
+
+
+def runner_command(inside, key, timeout, sandbox, uid):
+    """The command line of classroom/runner.py (in the folder `inside`) on the exercise `key`, or (None) the
+    probe's, which locks down and stops."""
+    file, name = key.split("::") if key else ("", "")
+    exercise = [f"{inside}/cases.json", f"{inside}/student", Path(file).stem, name] if key else ["", "", "", ""]
+    return [sys.executable, "-I", "-B", f"{inside}/runner.py", *exercise, str(math.ceil(timeout)),
+            *(["--tmp"] if sandbox else []), *(["--uid", str(uid)] if uid is not None else []),
+            *(["--probe"] if key is None else [])]
+
+
 def run_child(job, key, timeout, sandbox, uid):
     """Run classroom/runner.py on one exercise: (answers or None, why there are none)."""
-    file, name = key.split("::")
     out_path, err_path = job / "answer.json", job / "stderr.txt"
     inside = "/grader" if sandbox else str(job / "grader")
-    command = [sys.executable, "-I", "-B", f"{inside}/runner.py", f"{inside}/cases.json", f"{inside}/student",
-               Path(file).stem, name, str(math.ceil(timeout))]
+    command = runner_command(inside, key, timeout, bool(sandbox), uid if sandbox else None)
     if sandbox:
-        command = [*sandbox, "--ro-bind", str(job / "grader"), "/grader", *command,
-                   *([str(uid)] if os.geteuid() == 0 else [])]
+        command = [*sandbox, "--ro-bind", str(job / "grader"), "/grader", *command]
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
         proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True,
                                 env=ENV, cwd=job)
@@ -203,15 +237,17 @@ def run_child(job, key, timeout, sandbox, uid):
             proc.wait()
             return None, f"time limit: still running after {timeout:g} s"
     try:
+        size = os.stat(out_path).st_size
+        if size > ANSWER_LIMIT:  # refused unread: neither the parser's time nor its memory depends on the student
+            return None, f"an answer of {size / 2**20:.1f} MiB, more than the {ANSWER_LIMIT >> 20} MiB one may have"
         answers = json.loads(read_file(out_path, ANSWER_LIMIT))
         if not isinstance(answers, dict):
             raise ValueError("not an object")
         return answers, ""
     except (ValueError, RecursionError, MemoryError):
-        try:
-            err = read_file(err_path, ANSWER_LIMIT)[-4096:].decode("utf-8", "replace")
-        except ValueError:
-            err = ""
+        with open(err_path, "rb") as f:  # its last lines only: a flood of output is the student's to keep
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 4096))
+            err = f.read().decode("utf-8", "replace")
         last = printable((err.strip().splitlines() or [""])[-1])
         if code < 0 or code > 128:  # a signal (bwrap reports its child's as 128 + the signal)
             signum = -code if code < 0 else code - 128
@@ -290,8 +326,12 @@ def close(expected, got, dtype, where, what="values"):
     return f"{where}: {what} differ (entry {i}: {g[i]:.6g}, expected {e[i]:.6g})"
 
 
-def compare(expected, got, where="the result", statistic=False):
-    """The first way an encoded answer differs from the reference's encoded answer, or None."""
+def compare(expected, got, where="the result", statistic=False, deadline=math.inf):
+    """The first way an encoded answer differs from the reference's encoded answer, or None. Its work follows
+    the reference's answer, not the student's: a list is compared only once its length is the reference's, a dict
+    only once its keys are as many strings; TimeoutError past `deadline` (time.monotonic())."""
+    if time.monotonic() > deadline:
+        raise TimeoutError
     if not isinstance(got, dict) or got.get("type") != expected["type"]:
         return f"{where} is {kind(got)}, not {kind(expected)}"
     t = expected["type"]
@@ -315,17 +355,21 @@ def compare(expected, got, where="the result", statistic=False):
         if not isinstance(items, list) or len(items) != len(expected["items"]):
             return f"{where} is {kind(got)}, not {kind(expected)}"
         for i, (e, g) in enumerate(zip(expected["items"], items)):
-            problem = compare(e, g, f"{where}[{i}]", statistic)
+            problem = compare(e, g, f"{where}[{i}]", statistic, deadline)
             if problem:
                 return problem
         return None
     if t == "dict":
-        items = dict(got.get("items") or [])
-        if set(items) != {k for k, _ in expected["items"]}:
-            return f"{where} has the keys {printable(sorted(map(str, items)), 120)}, not " \
-                   f"{sorted(k for k, _ in expected['items'])}"
+        pairs, keys = got.get("items"), sorted(k for k, _ in expected["items"])
+        if not isinstance(pairs, list) or len(pairs) != len(keys):
+            return f"{where} has {len(pairs) if isinstance(pairs, list) else 'no'} keys, not {len(keys)}: {keys}"
+        if not all(isinstance(p, list) and len(p) == 2 and type(p[0]) is str for p in pairs):
+            return f"{where} is not a dict of strings"
+        items = dict(pairs)  # as many strings as the reference's keys: hashing them costs nothing
+        if sorted(items) != keys:
+            return f"{where} has the keys {printable(sorted(items), 120)}, not {keys}"
         for k, e in expected["items"]:
-            problem = compare(e, items[k], f"{where}[{k!r}]", statistic=True)
+            problem = compare(e, items[k], f"{where}[{k!r}]", True, deadline)
             if problem:
                 return problem
         return None
@@ -364,9 +408,10 @@ def reference_answers(key, cases, root=ROOT):
     return [runner.call(function, case) for case in cases]
 
 
-def verdict(key, cases, expected, answers):
-    """(passed, status): the student's answers (runner.py's output) against the reference's."""
+def verdict(key, cases, expected, answers, seconds=VERDICT_SECONDS):
+    """(passed, status): the student's answers (runner.py's output) against the reference's, within `seconds`."""
     name = key.split("::")[1]
+    deadline = time.monotonic() + seconds
     if "import_error" in answers:
         return False, f"{key.split('::')[0]} does not import: {printable(answers['import_error'])}"
     got = answers.get("cases")
@@ -389,11 +434,13 @@ def verdict(key, cases, expected, answers):
         if "raised" in e:
             return False, f"{where}: returns instead of raising {e['raised'][0]}"
         try:
-            problem = compare(e["value"], g.get("value"))
+            problem = compare(e["value"], g.get("value"), deadline=deadline)
             if not problem and e.get("grads") is not None:
                 problem = compare_grads(e["grads"], g.get("grads"), e["value"])
         except (TypeError, ValueError, KeyError, AttributeError, OverflowError, RecursionError):
             problem = "an unreadable answer"
+        except TimeoutError:
+            problem = f"the answer took more than {seconds:g} s to check"
         if problem:
             return False, f"{where}: {problem}"
     if len(got) < len(cases):
@@ -411,7 +458,7 @@ def check_function(key, function, seed, root=ROOT):
 
 # ---------------------------------------------------------------------------------------- grading
 
-def grade_one(key, cases, expected, student_copy, copy_problems, work, timeout, sandbox, uids):
+def grade_one(key, cases, expected, student_copy, copy_problems, work, timeout, sandbox, uid):
     file, name = key.split("::")
     result = Result(key, msc.EXERCISES[key][0])
     t0 = time.time()
@@ -424,11 +471,7 @@ def grade_one(key, cases, expected, student_copy, copy_problems, work, timeout, 
     shutil.copy(Path(runner.__file__), job / "grader" / "runner.py")
     cases_file = [{**case, "reference_raises": "raised" in e} for case, e in zip(cases, expected)]
     (job / "grader" / "cases.json").write_text(json.dumps(cases_file), encoding="utf-8")
-    uid = uids.get()
-    try:
-        answers, why = run_child(job, key, timeout, sandbox, uid)
-    finally:
-        uids.put(uid)
+    answers, why = run_child(job, key, timeout, sandbox, uid)
     shutil.rmtree(job, ignore_errors=True)
     if answers is None:
         result.status = why
@@ -444,10 +487,9 @@ def grade(student, only=None, seed=None, timeout=60.0, jobs=None, progress=None,
     keys = [k for k in msc.EXERCISES if only is None or msc.exercise_name(k) in only]
     seed = random.randrange(2**31) if seed is None else seed
     jobs = jobs or max(1, min(4, os.cpu_count() or 1))
+    check_machine()
     command = sandbox_command() if sandbox else None
-    uids = queue.Queue()
-    for slot in range(jobs):  # a user per concurrent process (as root): its process limit counts only its own
-        uids.put(3_000_000 + (os.getpid() % 100_000) * 1000 + slot)
+    uids = {k: sandbox_uid(n) for n, k in enumerate(keys, start=1)}  # a user per exercise (as root)
     with tempfile.TemporaryDirectory(prefix="grade-") as tmp:
         work = Path(tmp)
         copy = work / "student"
@@ -457,7 +499,7 @@ def grade(student, only=None, seed=None, timeout=60.0, jobs=None, progress=None,
         expected = {k: reference_answers(k, cases[k]) for k in keys}  # here, before the threads (imports)
         with concurrent.futures.ThreadPoolExecutor(jobs) as pool:
             futures = {k: pool.submit(grade_one, k, cases[k], expected[k], copy, problems, work, timeout, command,
-                                      uids) for k in keys}
+                                      uids[k]) for k in keys}
             results = []
             for k in keys:
                 try:
@@ -467,6 +509,46 @@ def grade(student, only=None, seed=None, timeout=60.0, jobs=None, progress=None,
                 if progress:
                     progress(results[-1])
     return results, seed
+
+
+# ---------------------------------------------------------------------------------------- without the sandbox
+
+PR_SET_DUMPABLE, PR_SET_CHILD_SUBREAPER = 4, 36
+
+
+def guard_without_sandbox():
+    """--no-sandbox: this process becomes the subreaper of what it starts (a process whose parent ends is
+    given to it, not to init, double-forked and setsid or not), and not dumpable (a process of the same user
+    cannot ptrace it or write its memory through /proc)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0 or libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl")
+
+
+def end_orphans():
+    """SIGKILL every process that is this one's child now (the runners have been waited for: what is left was
+    given to this subreaper), then reap them, until none is left."""
+    while True:
+        children = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                stat_line = Path(f"/proc/{pid}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat_line.rsplit(")", 1)[1].split()[1]) == os.getpid():  # the field after the state: ppid
+                children.append(int(pid))
+        if not children:
+            return
+        for pid in children:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        for pid in children:
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
 
 
 def results_json(results, seed, sandbox=True):
@@ -501,22 +583,39 @@ def main():
         parser.error(f"{args.student_dir} is not a folder")
     if args.timeout <= 0 or (args.jobs is not None and args.jobs < 1):
         parser.error("--timeout and --jobs must be positive")
-    if not args.no_sandbox:
+    check_machine()
+    if args.no_sandbox:
+        guard_without_sandbox()
+    else:
         sandbox_command()  # stops here, with one line, when bubblewrap is missing or does not work
-    print("| Exercise | File | Score | Result |\n|---|---|---|---|", flush=True)
+    for stream in (sys.stdout, sys.stderr):  # a student's text the terminal cannot encode is printed escaped
+        if stream is not None:
+            stream.reconfigure(errors="backslashreplace")
+    say("| Exercise | File | Score | Result |\n|---|---|---|---|")
 
     def row(r):
-        print(f"| `{r.name}` | `{r.key.split('::')[0]}` | {r.score} / {r.stars} | {r.status} |", flush=True)
+        say(f"| `{r.name}` | `{r.key.split('::')[0]}` | {r.score} / {r.stars} | {r.status} |")
 
     results, seed = grade(args.student_dir, only, args.seed, args.timeout, args.jobs, progress=row,
                           sandbox=not args.no_sandbox)
-    total, most = sum(r.score for r in results), sum(r.stars for r in results)
-    print(f"\nscore {total} / {most} ({len([r for r in results if r.score])} of {len(results)} exercises); "
-          f"seed {seed}" + ("" if not args.no_sandbox else "; NOT sandboxed (--no-sandbox)"))
+    if args.no_sandbox:
+        end_orphans()  # before the report: nothing of the student's is left to rewrite it
     if args.json:
         Path(args.json).write_text(json.dumps(results_json(results, seed, not args.no_sandbox), indent=1) + "\n",
                                    encoding="utf-8")
-        print(f"\nwrote {args.json}")
+    total, most = sum(r.score for r in results), sum(r.stars for r in results)
+    say(f"\nscore {total} / {most} ({len([r for r in results if r.score])} of {len(results)} exercises); "
+        f"seed {seed}" + ("" if not args.no_sandbox else "; NOT sandboxed (--no-sandbox)"))
+    if args.json:
+        say(f"\nwrote {args.json}")
+
+
+def say(text):
+    """print, for a report that must be written whatever becomes of the output (closed, a broken pipe)."""
+    try:
+        print(text, flush=True)
+    except (OSError, ValueError):
+        pass
 
 
 if __name__ == "__main__":

@@ -6,12 +6,14 @@ the student copy leaves this file out."""
 import hashlib
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import pytest
 
@@ -365,3 +367,199 @@ def test_without_bubblewrap_grading_stops_with_one_line_saying_how_to_install_it
     assert proc.returncode != 0 and not (tmp_path / "r.json").exists()
     assert len(proc.stderr.strip().splitlines()) == 1 and "apt-get install -y bubblewrap" in proc.stderr
     assert "--no-sandbox" in proc.stderr
+
+
+# Answers written straight to the runner's answer file (the one regular file it holds open for writing), then exit.
+FORGED_ANSWER = """
+        import json, os, stat
+        answer = {answer}
+        for fd in range(3, 64):
+            try:
+                if stat.S_ISREG(os.fstat(fd).st_mode):
+                    os.write(fd, answer)
+            except OSError:
+                pass
+        os._exit(0)"""
+# Dict entries whose integer keys all hash alike (n * (2**61 - 1) hashes to 0): building a dict of them is quadratic.
+COLLIDING = 'json.dumps({{"cases": [{{"value": {{"type": "dict", "items": ' \
+            '[[i * (2**61 - 1), {{"type": "none"}}] for i in range({n})]}}}}]}}).encode()'
+# The kernel's keyring, through ctypes: its syscalls' numbers, then KEYCTL_READ of a keyring lists its keys' ids.
+KEYCTL = """
+        import ctypes, os
+        libc = ctypes.CDLL(None, use_errno=True)
+        add_key, keyctl = {"x86_64": (248, 250), "aarch64": (217, 219)}[os.uname().machine]
+        SESSION, USER, USER_SESSION = ctypes.c_long(-3), ctypes.c_long(-4), ctypes.c_long(-5)
+        buffer = ctypes.create_string_buffer(4096)
+
+        def read(key):
+            n = libc.syscall(keyctl, 11, key, buffer, 4096)
+            return buffer.raw[:max(n, 0)]"""
+LAST_HOLES = {
+    "two_arm_baselines": FORGED_ANSWER.format(answer=COLLIDING.format(n=80_000)),
+    "softmax_baselines": FORGED_ANSWER.format(answer=COLLIDING.format(n=20_000)),  # under the answer's size cap
+    "gae": FORGED_ANSWER.format(answer='b\'{"cases": [\' + b"{}," * ((63 << 20) // 3) + b"{}]}"'),
+    "decoupled_gae": FORGED_ANSWER.format(answer='b\'{"cases": [\' + b"{}," * ((63 << 20) // 3) + b"{}]}"'),
+    "kl_k1": KEYCTL + """
+        # every key of the grading session's keyring, read
+        keys = read(SESSION)
+        found = [read(ctypes.c_long(key)) for key in memoryview(keys).cast("i")] if keys else []
+        raise ValueError(f"the session keyring holds {found}")""",
+    "kl_k2": KEYCTL + """
+        # a key left for the exercises graded after this one, in every keyring this process can reach
+        for ring in (SESSION, USER, USER_SESSION):
+            libc.syscall(add_key, b"user", b"left-by-a-student", b"kept", 4, ring)
+        return logp""",
+    "kl_k3": KEYCTL + """
+        # a key another exercise left, looked for (KEYCTL_SEARCH) for 1.5 s in each case
+        import time
+        for _ in range(15):
+            for ring in (SESSION, USER, USER_SESSION):
+                if libc.syscall(keyctl, 10, ring, b"user", b"left-by-a-student", 0) > 0:
+                    raise ValueError("found the key another exercise left")
+            time.sleep(0.1)
+        return logp""",
+    "rloo_loss": """
+        # three processes of 1.2 GB each (the limit of one is 1.5 GiB of address space)
+        import subprocess, sys
+        hold = "import time; held = b'1' * (1200 << 20); print('held', flush=True); time.sleep(60)"
+        procs = [subprocess.Popen([sys.executable, "-c", hold], stdout=subprocess.PIPE) for _ in range(3)]
+        held = sum(p.stdout.readline() == b"held\\n" for p in procs)
+        raise ValueError(f"{held} processes hold 1.2 GB each")""",
+    "masked_sum": """
+        # 300,000 empty files in /tmp (for 3 s at most): no bytes of its size, ~300 MB of the kernel's memory
+        import time
+        made, t0 = 0, time.time()
+        try:
+            while made < 300_000 and time.time() < t0 + 3:
+                open(f"/tmp/{made}", "w").close()
+                made += 1
+        except OSError:
+            pass
+        raise ValueError(f"made {made} files in /tmp")""",
+    "masked_mean": """
+        # an exception's text the grader's output (latin-1 here) cannot encode
+        raise ValueError("деление на ноль ✗")""",
+}
+# Runs the grader (its arguments follow) in a session keyring of its own that holds a teacher's key, as a login's
+# would; then prints, on the last line of stderr, the grader's peak memory and the keys its session holds.
+IN_A_KEYRING = """
+import ctypes, json, os, resource, runpy, sys
+libc = ctypes.CDLL(None, use_errno=True)
+add_key, keyctl = {"x86_64": (248, 250), "aarch64": (217, 219)}[os.uname().machine]
+SESSION = ctypes.c_long(-3)
+assert libc.syscall(keyctl, 1, None) > 0  # KEYCTL_JOIN_SESSION_KEYRING: a new, anonymous one
+assert libc.syscall(add_key, b"user", b"teacher", b"a teacher's secret", 18, SESSION) > 0
+sys.argv = sys.argv[1:]
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+finally:
+    buffer = ctypes.create_string_buffer(4096)
+    n = libc.syscall(keyctl, 11, SESSION, buffer, 4096)
+    keys = []
+    for key in memoryview(buffer.raw[:max(n, 0)]).cast("i"):
+        m = libc.syscall(keyctl, 6, ctypes.c_long(key), buffer, 4096)  # KEYCTL_DESCRIBE: type;uid;gid;perm;name
+        keys.append(buffer.raw[:max(m - 1, 0)].decode().split(";")[-1])
+    print(json.dumps({"peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10, "keys": keys}),
+          file=sys.stderr)
+"""
+
+
+def test_the_last_holes_score_zero_in_bounded_time_and_memory(tmp_path):
+    """Answers built to be slow or big for the grader (colliding keys, 64 MiB of `{},` twice), the kernel's
+    keyring (read, added to, looked for by a later exercise), memory in three processes, 300,000 files in /tmp and
+    an exception's text the grader's output cannot encode: each scores 0, results.json is written, the grader's
+    own memory stays that of a grade, and the teacher's keyring holds what it held."""
+    student, results = write_copy(tmp_path / "holes", LAST_HOLES), tmp_path / "results.json"
+    command = [sys.executable, "-c", IN_A_KEYRING, "classroom/grade.py", str(student), "--json", str(results),
+               "--only", ",".join(LAST_HOLES), "--seed", "3", "--timeout", str(TIMEOUT), "--jobs", "3"]
+    t0 = time.time()
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900,
+                          env={**ENV, "PYTHONIOENCODING": "latin-1"})
+    seconds = time.time() - t0
+    assert results.is_file(), (proc.stdout + proc.stderr)[-3000:]
+    scores = {t["name"]: (t["score"], t["output"]) for t in json.loads(results.read_text())["tests"]}
+    assert set(scores) == set(LAST_HOLES) and {name: s for name, (s, _) in scores.items() if s} == {}, scores
+    assert "grader error" not in str(scores)
+    # the answers: refused before any dict is built or any JSON parsed past the cap
+    assert "MiB" in scores["two_arm_baselines"][1] and "MiB" in scores["gae"][1] and "MiB" in scores["decoupled_gae"][1]
+    assert "20000 keys" in scores["softmax_baselines"][1], scores["softmax_baselines"]
+    assert seconds < 120, seconds  # 2 min 49 s for the colliding keys alone before
+    measured = json.loads(proc.stderr.strip().splitlines()[-1])
+    assert measured["peak_mb"] < 700, measured  # 1.9 GB for one `{},` answer before, 3.5 GB for two
+    # the keyring: the teacher's key not read, the student's not left in it nor found by another exercise
+    assert "secret" not in str(scores) and measured["keys"] == ["teacher"], measured
+    assert "found" not in scores["kl_k3"][1], scores["kl_k3"]
+    # no second process, so the limits are the sandbox's; /tmp's files are capped
+    assert "processes hold" not in scores["rloo_loss"][1] and "PermissionError" in scores["rloo_loss"][1], scores
+    made = int(re.search(r"made (\d+) files", scores["masked_sum"][1]).group(1))
+    assert made < 5000, scores["masked_sum"]
+    assert "деление на ноль" in scores["masked_mean"][1]  # in results.json as it was raised
+    assert "\\u0434" in proc.stdout or "\\xd0" in proc.stdout  # and printed, escaped, in latin-1
+
+
+def test_without_the_sandbox_no_process_of_the_student_outlives_the_grade(tmp_path):
+    """--no-sandbox: a double-forked, setsid process that waits for results.json to rewrite it to full marks
+    never gets to (0 / 2 right after the grade, 2 / 2 two seconds later before)."""
+    results = tmp_path / "results.json"
+    rewrite = """
+        # a process of its own session, orphaned, that rewrites the report once the grader has written it
+        import json, os, time
+        if os.fork() == 0:
+            os.setsid()
+            if os.fork() == 0:
+                for _ in range(100):
+                    time.sleep(0.1)
+                    if os.path.exists("{results}"):
+                        time.sleep(0.5)
+                        report = json.load(open("{results}"))
+                        report["score"] = sum(t["max_score"] for t in report["tests"])
+                        for t in report["tests"]:
+                            t["score"] = t["max_score"]
+                        json.dump(report, open("{results}", "w"))
+                        break
+            os._exit(0)
+        return {returns}"""
+    student = write_copy(tmp_path / "rewriter", {"kl_k1": rewrite.format(results=results, returns="logp"),
+                                                 "masked_whiten": rewrite.format(results=results, returns="x")})
+    proc = subprocess.run([sys.executable, "classroom/grade.py", str(student), "--json", str(results), "--only",
+                           "kl_k1,masked_whiten", "--seed", "3", "--timeout", str(TIMEOUT), "--no-sandbox"],
+                          cwd=ROOT, capture_output=True, text=True, env=ENV, timeout=300)
+    assert results.is_file(), (proc.stdout + proc.stderr)[-3000:]
+    time.sleep(2.5)
+    report = json.loads(results.read_text())
+    assert report["score"] == 0 and [t["score"] for t in report["tests"]] == [0, 0], report
+    assert "WITHOUT a sandbox" in report["output"]
+
+
+def test_the_verdict_stops_at_its_time_limit():
+    """The comparison has a time limit of its own: a right answer checked with none left scores 0, saying why."""
+    import grade
+    key = next(k for k in msc.EXERCISES if msc.exercise_name(k) == "two_arm_baselines")
+    cases = grade.make_cases(key, 3)
+    expected = grade.reference_answers(key, cases)
+    assert grade.verdict(key, cases, expected, {"cases": expected}) == (True, "all 4 cases agree with the reference")
+    passed, status = grade.verdict(key, cases, expected, {"cases": expected}, seconds=-1)
+    assert not passed and "took more than -1 s to check" in status
+
+
+# A process of its own session whose parent has ended, as a student's double fork leaves it: its pid on stdout.
+ORPHAN = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n        os.write(1, " \
+         "str(os.getpid()).encode())\n        os.close(1)\n        time.sleep(60)\n    os._exit(0)\n"
+
+
+def test_without_the_sandbox_the_grader_ends_the_processes_given_to_it():
+    """--no-sandbox's second line (the filter refuses a second process first): the grader is the subreaper of
+    what its runners leave, and kills it before it writes the report."""
+    check = f"""
+import os, subprocess, sys
+sys.path.insert(0, "classroom")
+import grade
+grade.guard_without_sandbox()
+orphan = int(subprocess.run([sys.executable, "-c", {ORPHAN!r}], stdout=subprocess.PIPE).stdout)
+ppid = open(f"/proc/{{orphan}}/stat").read().rsplit(")", 1)[1].split()[1]
+grade.end_orphans()
+print(ppid == str(os.getpid()), os.path.exists(f"/proc/{{orphan}}"))
+"""
+    proc = subprocess.run([sys.executable, "-c", check], cwd=ROOT, capture_output=True, text=True, env=ENV,
+                          timeout=120)
+    assert proc.stdout.split() == ["True", "False"], proc.stdout + proc.stderr
