@@ -183,14 +183,20 @@ def sandbox_command():
         cmd += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     else:
         cmd += ["--unshare-user", "--uid", "0", "--gid", "0"]
-    # the runner locks itself down and stops, as it will before each exercise
-    probe = subprocess.run([*cmd, "--ro-bind", runner.__file__, "/grader/runner.py",
-                            *runner_command("/grader", None, 5, True, sandbox_uid(0))],
-                           capture_output=True, text=True, env=ENV)
-    if probe.returncode != 0:
-        why = (probe.stderr.strip().splitlines() or [f"status {probe.returncode}"])[-1]
+    why = probe([*cmd, "--ro-bind", runner.__file__, "/grader/runner.py"], "/grader", True)
+    if why:
         raise SystemExit(f"error: bubblewrap does not work here ({why}); {INSTALL}.")
     return cmd
+
+
+def probe(sandbox, inside, tmp):
+    """The runner locks itself down and stops, as it will before each exercise (under `sandbox`, bubblewrap's
+    command, or none): the last line of its error, or None when it worked."""
+    done = subprocess.run([*sandbox, *runner_command(inside, None, 5, tmp, sandbox_uid(0) if sandbox else None)],
+                          capture_output=True, text=True, env=ENV)
+    if done.returncode != 0:
+        return (done.stderr.strip().splitlines() or [f"status {done.returncode}"])[-1]
+    return None
 
 
 def check_machine():
@@ -586,6 +592,9 @@ def main():
     check_machine()
     if args.no_sandbox:
         guard_without_sandbox()
+        why = probe([], str(Path(runner.__file__).parent), False)
+        if why:
+            raise SystemExit(f"error: classroom/runner.py cannot lock itself down here ({why}).")
     else:
         sandbox_command()  # stops here, with one line, when bubblewrap is missing or does not work
     for stream in (sys.stdout, sys.stderr):  # a student's text the terminal cannot encode is printed escaped
