@@ -394,7 +394,7 @@ KEYCTL = """
         def read(key):
             n = libc.syscall(keyctl, 11, key, buffer, 4096)
             return buffer.raw[:max(n, 0)]"""
-LAST_HOLES = {
+BOUND_ATTACKS = {
     "two_arm_baselines": FORGED_ANSWER.format(answer=COLLIDING.format(n=80_000)),
     "softmax_baselines": FORGED_ANSWER.format(answer=COLLIDING.format(n=20_000)),  # under the answer's size cap
     "gae": FORGED_ANSWER.format(answer='b\'{"cases": [\' + b"{}," * ((63 << 20) // 3) + b"{}]}"'),
@@ -464,42 +464,42 @@ finally:
 """
 
 
-def test_the_last_holes_score_zero_in_bounded_time_and_memory(tmp_path):
+def test_attacks_on_the_graders_bounds_and_the_kernels_shared_state_score_zero(tmp_path):
     """Answers built to be slow or big for the grader (colliding keys, 64 MiB of `{},` twice), the kernel's
     keyring (read, added to, looked for by a later exercise), memory in three processes, 300,000 files in /tmp and
     an exception's text the grader's output cannot encode: each scores 0, results.json is written, the grader's
     own memory stays that of a grade, and the teacher's keyring holds what it held."""
-    student, results = write_copy(tmp_path / "holes", LAST_HOLES), tmp_path / "results.json"
+    student, results = write_copy(tmp_path / "bounds", BOUND_ATTACKS), tmp_path / "results.json"
     command = [sys.executable, "-c", IN_A_KEYRING, "classroom/grade.py", str(student), "--json", str(results),
-               "--only", ",".join(LAST_HOLES), "--seed", "3", "--timeout", str(TIMEOUT), "--jobs", "3"]
+               "--only", ",".join(BOUND_ATTACKS), "--seed", "3", "--timeout", str(TIMEOUT), "--jobs", "3"]
     t0 = time.time()
     proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900,
                           env={**ENV, "PYTHONIOENCODING": "latin-1"})
     seconds = time.time() - t0
     assert results.is_file(), (proc.stdout + proc.stderr)[-3000:]
     scores = {t["name"]: (t["score"], t["output"]) for t in json.loads(results.read_text())["tests"]}
-    assert set(scores) == set(LAST_HOLES) and {name: s for name, (s, _) in scores.items() if s} == {}, scores
+    assert set(scores) == set(BOUND_ATTACKS) and {name: s for name, (s, _) in scores.items() if s} == {}, scores
     assert "grader error" not in str(scores)
     # the answers: refused before any dict is built or any JSON parsed past the cap
     assert "MiB" in scores["two_arm_baselines"][1] and "MiB" in scores["gae"][1] and "MiB" in scores["decoupled_gae"][1]
     assert "20000 keys" in scores["softmax_baselines"][1], scores["softmax_baselines"]
-    assert seconds < 120, seconds  # 2 min 49 s for the colliding keys alone before
+    assert seconds < 120, seconds  # unbounded: 2 min 49 s for the colliding keys alone
     measured = json.loads(proc.stderr.strip().splitlines()[-1])
-    assert measured["peak_mb"] < 700, measured  # 1.9 GB for one `{},` answer before, 3.5 GB for two
+    assert measured["peak_mb"] < 700, measured  # ~0.3 GB; parsed whole, one `{},` answer took 1.9 GB, two 3.5
     # the keyring: the teacher's key not read, the student's not left in it nor found by another exercise
     assert "secret" not in str(scores) and measured["keys"] == ["teacher"], measured
     assert "found" not in scores["kl_k3"][1], scores["kl_k3"]
     # no second process, so the limits are the sandbox's; /tmp's files are capped
     assert "processes hold" not in scores["rloo_loss"][1] and "PermissionError" in scores["rloo_loss"][1], scores
     made = int(re.search(r"made (\d+) files", scores["masked_sum"][1]).group(1))
-    assert made < 5000, scores["masked_sum"]
+    assert made < 4096, scores["masked_sum"]  # /tmp's cap, its own folder included
     assert "деление на ноль" in scores["masked_mean"][1]  # in results.json as it was raised
-    assert "\\u0434" in proc.stdout or "\\xd0" in proc.stdout  # and printed, escaped, in latin-1
+    assert "\\u0434" in proc.stdout  # and printed, escaped, in latin-1
 
 
 def test_without_the_sandbox_no_process_of_the_student_outlives_the_grade(tmp_path):
     """--no-sandbox: a double-forked, setsid process that waits for results.json to rewrite it to full marks
-    never gets to (0 / 2 right after the grade, 2 / 2 two seconds later before)."""
+    never gets to (unguarded, the report read 0 / 3 right after the grade and 3 / 3 two seconds later)."""
     results = tmp_path / "results.json"
     rewrite = """
         # a process of its own session, orphaned, that rewrites the report once the grader has written it
