@@ -37,11 +37,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import make_student_copy as msc  # noqa: E402
 import runner  # noqa: E402
+from teacher_tests.cases import CASES  # noqa: E402
 
 ROOT = msc.ROOT
-if str(ROOT) not in sys.path:  # the cases build the reference's own argument types (common.Aggregation, Clip...)
-    sys.path.append(str(ROOT))
-from teacher_tests.cases import CASES  # noqa: E402
 FILE_LIMIT = 1 << 20  # the largest student file read, bytes
 ANSWER_LIMIT = 1 << 20  # the largest answer read back: the reference's largest is 40 kB
 VERDICT_SECONDS = 10.0  # the longest the comparison of one answer may take (milliseconds, normally)
