@@ -98,7 +98,7 @@ class Trainer:
         # --fast False: the plain definitions, to read or step through in a debugger; same draws, same values
         self.sample, self.score = (fast.generate, fast.token_logprobs) if cfg.fast else \
             (common.generate, common.token_logprobs)
-        self.sampler = sampling.RolloutSampler(self, policy, rollout_model, rollout_lag, self.sample)
+        self.rollout_sampler = sampling.RolloutSampler(self, policy, rollout_model, rollout_lag, self.sample)
         set_seed(cfg.seed + accelerator.process_index)  # each rank samples different completions
         self.ckpt = checkpoint.Checkpointer(cfg, accelerator, sampler)
         self.logger, self.viewer, self.start_step, self.at_step = None, None, 0, 1  # at_step: the step running
@@ -133,7 +133,7 @@ class Trainer:
         """num_samples completions of each example's prompt (or one greedy completion), each example's adjacent."""
         if self.cfg.reward_fn:  # their trainer_state: the steps done so far
             reward_functions.trainer_state().global_step = self.at_step - 1
-        rollout = self.sampler.generate(examples, num_samples, greedy)
+        rollout = self.rollout_sampler.generate(examples, num_samples, greedy)
         self.generated += len(rollout)
         return rollout
 
@@ -278,8 +278,8 @@ class Trainer:
                 finite = checkpoint.finite_weights_and_logits(accelerator.unwrap_model(self.policy.model),
                                                               self.tokenizer, self.ckpt.probe_prompts)
         metrics = {**metrics, "train/generated": self.generated, **self.timer.metrics()}
-        if self.sampler.rollout_lag is not None:  # the steps between the sampler's weights and the trainer's
-            metrics["train/staleness"] = self.sampler.staleness(step)
+        if self.rollout_sampler.rollout_lag is not None:  # the steps between the sampler's weights and the trainer's
+            metrics["train/staleness"] = self.rollout_sampler.staleness(step)
         self.generated, samples = 0, []
         if rollout is not None:
             metrics.update(run.rollout_metrics(rollout, metrics["time/step_s"]))
