@@ -10,7 +10,7 @@ import torch
 
 import dapo
 import grpo
-from support import config, routing
+from support import config, engine, routing
 from support.run import read_metrics
 
 MOE = os.path.join(config.ROOT, "embedded_model", "moe")
