@@ -62,6 +62,7 @@ class TrainConfig:
     system_prompt: str = arg("", "System message for each prompt of gsm8k or a file (its own turn in the chat "
                              "template; without one, text and a blank line before the prompt).")
     eval_size: int = arg(200, "Held-out prompts of a real dataset (its test split, else the file's last rows).")
+    train_size: int = arg(0, "Train on the first N training prompts only (0 = all): a small pool, visited again.")
     use_chat_template: bool = arg(True, "Wrap prompts in the tokenizer's chat template when it has one.")
     max_prompt_length: int = arg(512, "Prompts longer than this many tokens are dropped (with a warning).")
     torch_dtype: str = arg("float32", "Weights dtype: float32 (for mixed precision), bfloat16 or float16.")
@@ -124,7 +125,7 @@ class TrainConfig:
         check_rules(self, **{name: POSITIVE for name in ("num_steps", "batch_size", "learning_rate", "max_new_tokens",
                                                         "temperature", "eval_every", "log_every", "max_prompt_length",
                                                         "eval_size")})
-        check_rules(self, **{name: NON_NEGATIVE for name in ("lora_r", "save_steps", "save_total_limit",
+        check_rules(self, **{name: NON_NEGATIVE for name in ("train_size", "lora_r", "save_steps", "save_total_limit",
                                                             "max_grad_norm", "top_k", "micro_batch_size",
                                                             "generation_batch_size", "log_rollouts")})
         check_rules(self, keep_routing=one_of("none", "r2", "r3"), top_p=Rule(lambda v: 0 < v <= 1, "in (0, 1]"))
@@ -199,6 +200,11 @@ class GroupConfig(TrainConfig):
     tis_level: str = arg("token", "The TIS weight: per token, or per sequence (the product of its tokens' ratios, "
                          "truncated at --tis_cap; unbiased for a sequence's gradient).")
     tis_veto: float = arg(0.0, "Drop a sequence any of whose tokens has pi_train / pi_rollout below this (0 = off).")
+    # exploration budgets (docs/exploration.md): batch_size / G prompts per step either way
+    budget: str = arg("uniform", "Completions per prompt: uniform (G each) | knapsack (Knapsack RL: by each prompt's "
+                      "success rate at its last visit, batch_size in all).")
+    min_n: int = arg(None, "--budget knapsack: the fewest completions of a prompt (default 2).")
+    max_n: int = arg(None, "--budget knapsack: the most completions of a prompt (default 4 G).")
 
     def __post_init__(self):
         super().__post_init__()
@@ -229,6 +235,25 @@ class GroupConfig(TrainConfig):
             raise ValueError(f"--batch_size ({self.batch_size}) must be divisible by --num_generations "
                              f"({self.num_generations}): batch_size counts completions, batch_size / num_generations "
                              "prompts are sampled per step.")
+        check_budget(self)
+
+
+def check_budget(cfg):
+    """--budget knapsack: G is the mean group size (batch_size / G prompts share batch_size completions), each
+    prompt's between --min_n and --max_n; and a success rate needs answers."""
+    knapsack = cfg.budget == "knapsack"
+    check_rules(cfg, budget=one_of("uniform", "knapsack"))
+    check(knapsack or (cfg.min_n, cfg.max_n) == (None, None), "--min_n and --max_n bound --budget knapsack's "
+          "group sizes; --budget uniform gives every prompt --num_generations.")
+    if knapsack:
+        cfg.min_n = 2 if cfg.min_n is None else cfg.min_n
+        cfg.max_n = 4 * cfg.num_generations if cfg.max_n is None else cfg.max_n
+        check(cfg.min_n >= 2, f"--min_n must be >= 2: a group of one has no baseline (got {cfg.min_n}).")
+        check(cfg.min_n <= cfg.num_generations <= cfg.max_n, f"--budget knapsack shares --batch_size "
+              f"({cfg.batch_size}) among {cfg.batch_size // cfg.num_generations} prompts: --num_generations "
+              f"({cfg.num_generations}), their mean, must lie in [--min_n, --max_n] = [{cfg.min_n}, {cfg.max_n}].")
+        check(cfg.answer_column or cfg.dataset == "arithmetic", "--budget knapsack allocates by success rate: "
+              "--answer_column '' gives no correctness.")
 
 
 def parse_config(config_class, args=None):
