@@ -61,7 +61,8 @@ def grpo_advantages(rewards, group_size, scale_rewards="group", eps=1e-6, group_
     std is torch.std (Bessel's correction, ddof=1, as TRL and verl); eps = 1e-6 as verl (TRL
     uses 1e-4). scale_rewards: 'group' divides by the group's std (GRPO), 'batch' by the std of
     all B rewards, 'none' only centres (Dr. GRPO). A group whose rewards are all equal gets
-    exactly 0 for every member. group_ids (B,): each row's group, for groups of different sizes. Returns (B,).
+    exactly 0 for every member. group_ids: (B,) each row's group (sizes differ) or (B, D) its tree's ancestors.
+    Returns (B,).
     """
     if group_ids is not None:
         return exploration.grpo_advantages_by_group(rewards, group_ids, scale_rewards, eps)
@@ -163,6 +164,7 @@ def main():
     group_size = cfg.num_generations
     sampler = budget.BudgetSampler(train_data, cfg, accelerator.process_index, accelerator.num_processes)
     trainer = engine.Trainer(cfg, accelerator, tokenizer, sampler, eval_data, policy, rollout_model, cfg.rollout_lag)
+    trainer.sample = sampler.sample_with(trainer.sample)  # --sampler tree: each group a tree of shared segments
     if trainer.resume() == 0:  # --resume_from: the checkpoint's step, else 0
         trainer.evaluate(step=0)  # held-out accuracy before training
 
@@ -205,7 +207,7 @@ def main():
 
         # ---- advantages: each reward standardised within its group ----
         groups = exploration.group_ids(rollout.examples)  # (B,) each row's group (the last one may be cut)
-        adv = grpo_advantages(rewards, group_size, group_ids=None if cfg.budget == "uniform" else groups)
+        adv = grpo_advantages(rewards, group_size, group_ids=sampler.subgroups(rollout, groups))
 
         # ---- update: mu optimizer steps on the same batch, each summing its micro-batches' gradients ----
         for epoch in range(cfg.num_epochs):  # the stats are those of the last (most off-policy) update
@@ -228,7 +230,7 @@ def main():
             "train/reward": rewards.mean(),
             "train/reward_std": rewards.std(),
             "train/correct": correct.mean(),
-            **exploration.group_metrics(rewards, adv, groups),  # frac_zero_std_groups, effective_samples, sizes
+            **sampler.metrics(rewards, adv, groups),  # frac_zero_std_groups, effective_samples, decoded, sizes
             "train/groups_kept": int(groups[-1]) + 1,
             "train/overlong_penalty": penalty.mean(),
             "train/adv_mean": adv.mean(),

@@ -125,8 +125,11 @@ def grpo_advantages_by_group(rewards, group_ids, scale_rewards="group", eps=1e-6
     """GRPO's A_i = (r_i - mean(r_g)) / (std(r_g) + eps) with g the group of row i, for groups of any size.
 
     std is Bessel's (ddof = 1) as in grpo_advantages; a group whose rewards are all equal, or a group of one
-    (no baseline), gets exactly 0. scale_rewards: 'group' | 'batch' (the std of all rows) | 'none'. Returns (B,).
+    (no baseline), gets exactly 0. scale_rewards: 'group' | 'batch' (the std of all rows) | 'none'. group_ids
+    (B, D), each row's ancestors in a tree: TreePO's advantage (tree_advantages). Returns (B,).
     """
+    if group_ids.dim() == 2:  # each row's ancestors in its tree (--sampler tree)
+        return tree_advantages(rewards, group_ids, scale_rewards, eps)
     total, count, inverse = _per_group(rewards, group_ids)
     adv = rewards - (total / count)[inverse]
     adv[all_equal(rewards, group_ids)[inverse]] = 0.0  # the mean of equal floats may round
@@ -142,7 +145,9 @@ def grpo_advantages_by_group(rewards, group_ids, scale_rewards="group", eps=1e-6
 
 def rloo_advantages_by_group(rewards, group_ids):
     """RLOO's A_i = r_i - mean_{j != i in g} r_j, for groups of any size; a group of one (no other sample to
-    be its baseline) gets 0. Returns (B,)."""
+    be its baseline) gets 0; (B, D) ancestors: the mean over them, as tree_advantages. Returns (B,)."""
+    if group_ids.dim() == 2:
+        return tree_advantages(rewards, group_ids, baseline=rloo_advantages_by_group)
     total, count, inverse = _per_group(rewards, group_ids)
     others = (count - 1)[inverse]
     return torch.where(others > 0, rewards - (total[inverse] - rewards) / others.clamp(min=1), 0.0)
@@ -161,20 +166,44 @@ def group_metrics(rewards, adv, group_ids):
 # ----------------------------------------------------------------------------------------
 # TreePO: advantages on a tree of shared segments
 # ----------------------------------------------------------------------------------------
-def tree_advantages(rewards, ancestors, scale_rewards="none", eps=1e-6):
+def tree_advantages(rewards, ancestors, scale_rewards="none", eps=1e-6, baseline=None):
     """TreePO's segment-level advantage of each leaf (each completion) of a sampled tree.
 
     rewards: (L,) the leaves' rewards; ancestors: (L, D) long, the ids of each leaf's ancestor nodes from the
-    root (column 0, the prompt) down to its parent, -1 past a leaf that ended early. Each ancestor a defines a
-    sub-group S(a), the leaves below it; the leaf's advantage is the mean over its ancestors of
-    (r_i - mean_{S(a)} r) / (std_{S(a)} r + eps) ('group') or of r_i - mean_{S(a)} r ('none'). With depth 1 (every
-    leaf a child of the root) it is GRPO's advantage (Dr. GRPO's with 'none'). Returns (L,).
+    root (column 0, the prompt) down, -1 where a leaf has none at that depth (it ended early). Each ancestor a
+    defines a sub-group S(a), the leaves below it; the leaf's advantage is the mean over its ancestors of
+    (r_i - mean_{S(a)} r) / (std_{S(a)} r + eps) ('group') or of r_i - mean_{S(a)} r ('none'); 'batch' divides
+    the latter by the std of all rewards. `baseline` (rewards, ids) -> (n,) replaces the sub-group's advantage
+    (RLOO's leave-one-out). With depth 1 (every leaf a child of the root) it is the group's advantage. Returns (L,).
     """
+    if baseline is None:
+        scale = "none" if scale_rewards == "batch" else scale_rewards
+        baseline = lambda r, ids: grpo_advantages_by_group(r, ids, scale, eps)  # noqa: E731
     total, count = torch.zeros_like(rewards), torch.zeros_like(rewards)
     for d in range(ancestors.shape[1]):
         rows = ancestors[:, d] >= 0
         if rows.any():
-            sub = rewards[rows]
-            total[rows] += grpo_advantages_by_group(sub, ancestors[rows, d], scale_rewards, eps)
+            total[rows] += baseline(rewards[rows], ancestors[rows, d])
             count[rows] += 1
-    return total / count.clamp(min=1)
+    adv = total / count.clamp(min=1)
+    return adv / (rewards.std() + eps) if scale_rewards == "batch" else adv
+
+
+def tree_ancestors(completion_ids, lengths, group_ids, segment_len, depth):
+    """(B, depth) each leaf's ancestors in its tree, read back from the leaves: column 0 its group (the root),
+    column d the node after d segments, the leaves of its group whose first d * segment_len tokens are its own and
+    that were still going there (longer than that). Two branches that sampled the same segment are one node: they
+    are the same state. A node that does not split (one leaf, or the same leaves as its parent) is no sub-group of
+    its own: -1, as where a leaf had ended."""
+    columns = [group_ids]
+    for d in range(1, depth):
+        cut = d * segment_len
+        key = torch.cat([group_ids[:, None], completion_ids[:, :cut]], dim=1)
+        _, node = torch.unique(key, dim=0, return_inverse=True)
+        columns.append(torch.where(lengths > cut, node, -1))
+    ancestors = torch.stack(columns, dim=1)
+    sizes = torch.stack([torch.bincount(c.clamp(min=0), weights=(c >= 0).float())[c.clamp(min=0)] * (c >= 0)
+                         for c in columns], dim=1)  # (B, depth): the leaves below each ancestor
+    splits = torch.ones_like(ancestors, dtype=torch.bool)
+    splits[:, 1:] = (sizes[:, 1:] >= 2) & (sizes[:, 1:] < sizes[:, :-1])
+    return torch.where(splits, ancestors, -1)

@@ -66,7 +66,8 @@ def grpo_advantages(rewards, group_size, scale_rewards="group", eps=1e-6, group_
     std is torch.std (Bessel's correction, ddof=1, as TRL and verl); eps = 1e-6 as verl (TRL
     uses 1e-4). scale_rewards: 'group' divides by the group's std (GRPO), 'batch' by the std of
     all B rewards, 'none' only centres (Dr. GRPO). A group whose rewards are all equal gets
-    exactly 0 for every member. group_ids (B,): each row's group, for groups of different sizes. Returns (B,).
+    exactly 0 for every member. group_ids: (B,) each row's group (sizes differ) or (B, D) its tree's ancestors.
+    Returns (B,).
     """
     if group_ids is not None:
         return exploration.grpo_advantages_by_group(rewards, group_ids, scale_rewards, eps)
@@ -146,6 +147,7 @@ def main():
     group_size = cfg.num_generations
     sampler = budget.BudgetSampler(train_data, cfg, accelerator.process_index, accelerator.num_processes)
     trainer = engine.Trainer(cfg, accelerator, tokenizer, sampler, eval_data, policy, rollout_model, cfg.rollout_lag)
+    trainer.sample = sampler.sample_with(trainer.sample)  # --sampler tree: each group a tree of shared segments
     if trainer.resume() == 0:  # --resume_from: the checkpoint's step, else 0
         trainer.evaluate(step=0)  # held-out accuracy before training
 
@@ -162,9 +164,9 @@ def main():
         rollout_logp = trainer.sampler_logprobs(rollout)  # the sampler's, when it is a copy
 
         # ---- advantages: each reward standardised within its group ----
-        ids = None if cfg.budget == "uniform" else accelerator.gather(groups + len(groups) * accelerator.process_index)
+        ids = budget.gathered(accelerator, sampler.subgroups(rollout, groups))  # knapsack's groups, tree's ancestors
         adv = grpo_advantages(accelerator.gather(rewards), group_size, cfg.scale_rewards,  # batch: every process's std
-                              group_ids=ids)  # knapsack: groups of different sizes, by id (distinct on each process)
+                              group_ids=ids)
         adv = adv.chunk(accelerator.num_processes)[accelerator.process_index]
 
         # ---- update: mu optimizer steps on the same batch, each summing its micro-batches' gradients ----
@@ -191,7 +193,7 @@ def main():
             "train/reward": rewards.mean(),
             "train/reward_std": rewards.std(),
             "train/correct": correct.mean(),
-            **exploration.group_metrics(rewards, adv, groups),  # frac_zero_std_groups, effective_samples, sizes
+            **sampler.metrics(rewards, adv, groups),  # frac_zero_std_groups, effective_samples, decoded, sizes
             "train/adv_mean": adv.mean(),
             "train/adv_std": adv.std(),
             "train/adv_abs_max": adv.abs().max(),

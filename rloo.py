@@ -40,7 +40,7 @@ class Config(config.GroupConfig):
 
 def rloo_advantages(rewards, group_size, group_ids=None):
     """A_i = r_i - mean_{j != i} r_j within each group, for (B,) rewards with each group's G samples
-    adjacent, or (group_ids (B,)) each row's group by id, for groups of different sizes. Returns (B,)."""
+    adjacent, or by group_ids: (B,) each row's group (sizes differ) or (B, D) its tree's ancestors. Returns (B,)."""
     if group_ids is not None:
         return exploration.rloo_advantages_by_group(rewards, group_ids)
     # BEGIN SOLUTION
@@ -77,6 +77,7 @@ def main():
     group_size = cfg.num_generations
     sampler = budget.BudgetSampler(train_data, cfg, accelerator.process_index, accelerator.num_processes)
     trainer = engine.Trainer(cfg, accelerator, tokenizer, sampler, eval_data, policy, rollout_model, cfg.rollout_lag)
+    trainer.sample = sampler.sample_with(trainer.sample)  # --sampler tree: each group a tree of shared segments
     if trainer.resume() == 0:  # --resume_from: the checkpoint's step, else 0
         trainer.evaluate(step=0)  # held-out accuracy before training
 
@@ -88,7 +89,7 @@ def main():
         with trainer.timer("reward"):
             rewards, correct, reward_stats = reward_fn(rollout.examples, rollout.completions)
         groups = sampler.record(rollout.examples, correct)  # (B,) each row's group; each prompt's success rate kept
-        ids = None if cfg.budget == "uniform" else groups  # knapsack: groups of different sizes, by id
+        ids = sampler.subgroups(rollout, groups)  # knapsack's groups, tree's ancestors (None: G rows each)
         ref_logp = trainer.reference_logprobs(ref_model, rollout)  # pi_ref (None when beta = 0)
         rollout_logp = trainer.sampler_logprobs(rollout)  # the sampler's, when it is a copy
 
@@ -116,7 +117,7 @@ def main():
             "train/reward": rewards.mean(),
             "train/reward_std": rewards.std(),
             "train/correct": correct.mean(),
-            **exploration.group_metrics(rewards, adv, groups),  # frac_zero_std_groups, effective_samples, sizes
+            **sampler.metrics(rewards, adv, groups),  # frac_zero_std_groups, effective_samples, decoded, sizes
             "train/reward_with_kl": rewards_kl.mean(),
             "train/adv_mean": adv.mean(),
             "train/adv_std": adv.std(),

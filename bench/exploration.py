@@ -1,12 +1,14 @@
-"""Exploration budgets measured: GRPO with a uniform budget (G samples per prompt) against Knapsack RL's allocation
-(--budget knapsack) on the embedded task, at equal sampled completions (--batch_size per step in both), over seeds.
+"""Exploration budgets measured: GRPO with a uniform budget (G independent samples per prompt) against Knapsack RL's
+allocation (--budget knapsack) and TreePO's trees (--sampler tree) on the embedded task, at equal sampled completions
+(--batch_size per step in every arm), over seeds.
 
 The training pool is small (--train_size) so that every prompt comes back and its last visit's success rate means
 something: with the task's 20,000 prompts a 300-step run draws 2,400 and almost every draw is unseen, where the
 knapsack gives the uniform share. Reported per arm, as mean (min..max) over seeds: held-out greedy accuracy at the
 end, overall and per family; the mean over steps of train/frac_zero_std_groups (groups whose rewards are all
-equal), of train/effective_samples (rows with a non-zero advantage, of --batch_size) and of train/completion_len
-(decoded tokens per completion); the wall time.
+equal), of train/effective_samples (rows with a non-zero advantage, of --batch_size), of train/completion_len
+(tokens per completion) and of train/decoded_per_completion (the tokens decoded per completion: fewer than its
+length where a tree shares prefixes).
 
 Each run is `python grpo.py --seed S ...` in its own subprocess, --jobs at a time, one torch thread each; a run
 whose summary.json exists is reused (--force reruns).
@@ -30,9 +32,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from support import run  # noqa: E402
 
-ARMS = {"uniform": [], "knapsack": ["--budget", "knapsack"]}
-COLORS = {"uniform": "tab:gray", "knapsack": "tab:orange"}
-TRAIN_KEYS = ("train/frac_zero_std_groups", "train/effective_samples", "train/completion_len")
+ARMS = {"uniform": [], "knapsack": ["--budget", "knapsack"], "tree": ["--sampler", "tree"]}
+COLORS = {"uniform": "tab:gray", "knapsack": "tab:orange", "tree": "tab:green"}
+TRAIN_KEYS = ("train/frac_zero_std_groups", "train/effective_samples", "train/completion_len",
+              "train/decoded_per_completion")
 
 
 def parse_args():

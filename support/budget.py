@@ -1,10 +1,13 @@
 """The group methods' prompt sampler: the step's prompts (tasks.PromptSampler, batch_size / G of them) and how many
 completions each gets: G each (--budget uniform) or a knapsack allocation of the same batch_size completions
-(--budget knapsack, exploration.knapsack_allocation) from each prompt's success rate at its last visit."""
+(--budget knapsack, exploration.knapsack_allocation) from each prompt's success rate at its last visit; with
+--sampler tree, the trees the groups are sampled as (support/tree.py) and what their baselines run over."""
 import math
 
+import torch
+
 import exploration
-from support import tasks
+from support import tasks, tree
 
 
 class BudgetSampler:
@@ -17,6 +20,7 @@ class BudgetSampler:
                                            world_size)
         self.examples, self.cfg = self.prompts.examples, cfg
         self.rates = {}  # prompt -> fraction of right answers at its last visit
+        self.sampling = None  # the trainer's sampler, counting what it decodes (sample_with)
 
     def state_dict(self):
         return {**self.prompts.state_dict(), "rates": self.rates}
@@ -45,3 +49,30 @@ class BudgetSampler:
         for prompt, rights in outcome.values():
             self.rates[prompt] = sum(rights) / len(rights)
         return groups.to(correct.device)
+
+    def sample_with(self, independent):
+        """The trainer's sampler (its `sample`): `independent` (fast.generate or common.generate), or with
+        --sampler tree TreePO's, each counting the tokens it decodes (tree.Sampling)."""
+        self.sampling = tree.Sampling(self.cfg, independent)
+        return self.sampling
+
+    def subgroups(self, rollout, groups):
+        """What each row's baseline runs over: None (every group G adjacent rows: the algorithm's own function), its
+        group ((B,) groups: --budget knapsack) or its ancestors in its group's tree ((B, depth): --sampler tree)."""
+        cfg = self.cfg
+        if cfg.sampler == "tree":
+            return exploration.tree_ancestors(rollout.completion_ids, rollout.mask.sum(1), groups, cfg.segment_len,
+                                              cfg.depth)
+        return None if cfg.budget == "uniform" else groups
+
+    def metrics(self, rewards, adv, groups):
+        """The groups' metrics (exploration.group_metrics) and the tokens decoded per completion sampled."""
+        return {**exploration.group_metrics(rewards, adv, groups), **self.sampling.metrics()}
+
+
+def gathered(accelerator, ids):
+    """Every process's group or ancestor ids (None stays None) in one tensor, made distinct across processes (rank r
+    adds r * B to its ids; -1, no ancestor, stays)."""
+    if ids is None:
+        return None
+    return accelerator.gather(torch.where(ids >= 0, ids + len(ids) * accelerator.process_index, -1))

@@ -7,6 +7,7 @@ import random
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -19,7 +20,7 @@ import grpo  # noqa: E402
 import rloo  # noqa: E402
 from conftest import launch_two_processes  # noqa: E402
 from exploration import knapsack_allocation, knapsack_value  # noqa: E402
-from support import budget, config, tasks  # noqa: E402
+from support import budget, config, tasks, tree  # noqa: E402
 from support.run import read_metrics  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -172,6 +173,95 @@ def test_a_tree_of_depth_one_is_grpos_group():
                                grpo.grpo_advantages(rewards, 4))
 
 
+class ScriptedCache:
+    """Each row's path (the copy it is at each fork: a reorder with repeated rows) and its tokens so far."""
+
+    def __init__(self, n):
+        self.paths, self.lengths = [()] * n, [0] * n
+
+    def reorder_cache(self, index):
+        index, copies = index.tolist(), {}
+        fork = len(set(index)) < len(index)
+        paths = []
+        for i in index:
+            copies[i] = copies.get(i, -1) + 1
+            paths.append(self.paths[i] + (copies[i],) if fork else self.paths[i])
+        self.paths, self.lengths = paths, [self.lengths[i] for i in index]
+
+
+class ScriptedModel(torch.nn.Module):
+    """A model whose next token is script(path, t) for a row at its t-th completion token (certain: one-hot
+    logits); it counts the completion tokens it decodes (the forwards of one token per row)."""
+
+    def __init__(self, script, vocab=10):
+        super().__init__()
+        self.script, self.vocab, self.decoded = script, vocab, 0
+        self.weight = torch.nn.Parameter(torch.zeros(1))
+
+    def forward(self, input_ids, attention_mask, position_ids, cache=None, use_cache=True, logits_to_keep=1):
+        if cache is None:  # the prompt's pass
+            cache = ScriptedCache(len(input_ids))
+            return SimpleNamespace(logits=torch.zeros(len(input_ids), 1, self.vocab), cache=cache)
+        self.decoded += len(input_ids)
+        logits = torch.full((len(input_ids), 1, self.vocab), -1e9)
+        for row, (path, t) in enumerate(zip(cache.paths, cache.lengths)):
+            logits[row, 0, self.script(path, t)] = 0.0
+        cache.lengths = [t + 1 for t in cache.lengths]
+        return SimpleNamespace(logits=logits, cache=cache)
+
+
+TREE_CFG = SimpleNamespace(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=6, segment_len=2, branching=2, depth=2)
+TOKENIZER = SimpleNamespace(pad_token_id=0, eos_token_id=1)
+
+
+def scripted_tree(script, num_prompts=2):
+    model = ScriptedModel(script)
+    prompt_ids, prompt_mask = torch.tensor([[5, 6, 7]] * num_prompts), torch.ones(num_prompts, 3, dtype=torch.long)
+    ids, decoded = tree.tree_generate(model, TOKENIZER, prompt_ids, prompt_mask, TREE_CFG, num_samples=4)
+    return ids, decoded, model.decoded
+
+
+def test_the_tree_sampler_forks_shares_prefixes_and_hands_an_early_leafs_share_to_its_relatives():
+    """G = 4 = 2^2, segments of 2 tokens: the root forks into copies 0 and 1; copy 1 ends after its first segment
+    (3, EOS), so copy 0 grows its 2 leaves and the 1 copy 1 would have grown: 3 children at the last fork, each
+    writing its copy number + 2 and then EOS."""
+    def script(path, t):
+        if path == (1,) and t == 1 or len(path) == 2 and t == 3:
+            return 1  # EOS
+        return 2 + path[-1]
+    ids, decoded, counted = scripted_tree(script)
+    group = [[2, 2, 2, 1], [2, 2, 3, 1], [2, 2, 4, 1], [3, 1, 0, 0]]
+    assert ids.tolist() == group + group
+    # per prompt: 2 branches x 2 tokens, then 3 x 2: 10 tokens, against 4 + 4 + 4 + 2 = 14 decoded one by one
+    assert decoded == counted == 2 * 10
+    mask = torch.tensor([[1, 1, 1, 1]] * 3 + [[1, 1, 0, 0]])
+    ancestors = exploration.tree_ancestors(torch.cat([ids[:4]] * 1), mask.sum(1), torch.zeros(4, dtype=torch.long),
+                                           segment_len=2, depth=2)
+    assert ancestors.tolist() == [[0, 0], [0, 0], [0, 0], [0, -1]]  # the (2, 2) node holds the three long leaves
+    # rewards 1, 0, 0 below (2, 2) and 1 for (3, EOS): root mean 1/2, node mean 1/3
+    adv = exploration.tree_advantages(torch.tensor([1.0, 0, 0, 1], dtype=F64), ancestors)
+    torch.testing.assert_close(adv, torch.tensor([(0.5 + 2 / 3) / 2, (-0.5 - 1 / 3) / 2, (-0.5 - 1 / 3) / 2, 0.5],
+                                                 dtype=F64))
+
+
+def test_a_tree_whose_branches_all_end_early_is_filled_from_the_prompt():
+    ids, decoded, counted = scripted_tree(lambda path, t: 1 if t == 1 else 2 + path[-1], num_prompts=1)
+    assert ids.tolist() == [[2, 1], [3, 1], [2, 1], [3, 1]]  # the tree's 2 leaves, then 2 more from the prompt
+    assert decoded == counted == 8
+
+
+def test_tree_ancestors_merge_equal_siblings_and_drop_nodes_that_do_not_split():
+    ids = torch.tensor([[4, 4, 5], [4, 4, 6], [4, 4, 7], [4, 4, 8], [4, 5, 5], [4, 5, 6], [3, 1, 0], [3, 3, 1]])
+    lengths = torch.tensor([3, 3, 3, 3, 3, 3, 2, 3])
+    groups = torch.tensor([0, 0, 0, 0, 0, 0, 0, 0])
+    # after 1 token: (4) holds 6 leaves, (3) 2 leaves; after 2: (4, 4) 4 leaves, (4, 5) 2, (3, 3) 1 (not a split)
+    ancestors = exploration.tree_ancestors(ids, lengths, groups, segment_len=1, depth=3)
+    a, c = ancestors[0, 1].item(), ancestors[6, 1].item()
+    b, d = ancestors[0, 2].item(), ancestors[4, 2].item()
+    assert ancestors.tolist() == [[0, a, b]] * 4 + [[0, a, d]] * 2 + [[0, c, -1], [0, c, -1]]
+    assert len({a, c}) == 2 and len({b, d}) == 2
+
+
 # ---------------------------------------------------------------- the sampler
 
 def sampler_config(**flags):
@@ -221,6 +311,10 @@ def test_the_knapsack_sampler_allocates_from_each_prompts_last_visit():
     ("grpo", ["--budget", "knapsack", "--min_n", "1"], "--min_n"),
     ("grpo", ["--budget", "greedy"], "--budget"),
     ("rloo", ["--budget", "knapsack", "--micro_batch_size", "16"], "--micro_batch_size 0"),
+    ("grpo", ["--sampler", "tree", "--depth", "2"], "--num_generations"),  # 2^2 leaves cannot fill a group of 8
+    ("dapo", ["--sampler", "tree", "--budget", "knapsack"], "use one of them"),
+    ("rloo", ["--segment_len", "2"], "--sampler tree"),
+    ("grpo", ["--sampler", "tree", "--segment_len", "4", "--max_new_tokens", "8"], "--max_new_tokens"),
 ])
 def test_a_bad_budget_is_one_error_line_naming_the_flag(script, args, flag):
     out = subprocess.run([sys.executable, f"{script}.py", *args], cwd=ROOT, capture_output=True, text=True)
@@ -243,6 +337,20 @@ def test_the_three_group_methods_train_with_knapsack_groups_of_different_sizes(t
         assert rows[0]["train/group_size_min"] == rows[0]["train/group_size_max"] == 8  # unseen: G each
         assert any(row["train/group_size_max"] > 8 for row in rows[2:]), name
         assert all(0 <= row["train/effective_samples"] <= 64 for row in rows)
+
+
+def test_the_three_group_methods_train_on_trees_and_decode_fewer_tokens_than_they_keep(tmp_path):
+    procs = {name: subprocess.Popen(
+        [sys.executable, f"{name}.py", "--sampler", "tree", "--num_steps", "3", "--eval_every", "3", "--log_rollouts",
+         "0", "--save_model", "False", "--output_dir", str(tmp_path / name)],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for name in ("grpo", "rloo", "dapo")}
+    for name, proc in procs.items():
+        _, err = proc.communicate()
+        assert proc.returncode == 0, err[-3000:]
+        rows = [row for row in read_metrics(tmp_path / name / "metrics.jsonl") if "train/group_size_max" in row]
+        assert len(rows) == 3 and all(row["train/group_size_max"] == 8 for row in rows)
+        # forks at tokens 0, 1 and 2: the first two tokens of 8 leaves are decoded by 2 and 4 branches
+        assert all(row["train/decoded_per_completion"] < row["train/completion_len"] for row in rows), name
 
 
 def test_two_processes_allocate_their_own_batches_and_step_together(tmp_path):
