@@ -206,7 +206,7 @@ def main():
         rollout_logp = trainer.sampler_logprobs(rollout)  # the sampler's, when it is a copy
 
         # ---- advantages: each reward standardised within its group ----
-        groups = exploration.group_ids(rollout.examples)  # (B,) each row's group (the last one may be cut)
+        groups = exploration.group_ids(rollout.examples, rewards.device)  # (B,) each row's group (the last may be cut)
         adv = grpo_advantages(rewards, group_size, group_ids=sampler.subgroups(rollout, groups))
 
         # ---- update: mu optimizer steps on the same batch, each summing its micro-batches' gradients ----

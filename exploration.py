@@ -93,13 +93,13 @@ def _knapsack(rates, capacity, min_n, max_n):
 # ----------------------------------------------------------------------------------------
 # Groups of different sizes: each row's group by id
 # ----------------------------------------------------------------------------------------
-def group_ids(examples):
+def group_ids(examples, device=None):
     """(B,) long: each row's group, 0, 1, ... in order, for rows whose group's members are adjacent and share
     one example object (support/budget.py copies each drawn example, so a prompt drawn twice is two groups)."""
     ids = [0]
     for previous, example in zip(examples, examples[1:]):
         ids.append(ids[-1] + (example is not previous))
-    return torch.tensor(ids[:len(examples)])
+    return torch.tensor(ids[:len(examples)], device=device)
 
 
 def _per_group(values, group_ids):
@@ -160,7 +160,7 @@ def group_metrics(rewards, adv, group_ids):
     return {"train/frac_zero_std_groups": all_equal(rewards, group_ids).float().mean(),
             "train/effective_samples": (adv != 0).sum().float(),
             "train/group_size_min": count.min(), "train/group_size_max": count.max(),
-            "train/group_size_std": count.std() if len(count) > 1 else torch.tensor(0.0)}
+            "train/group_size_std": count.std() if len(count) > 1 else count.new_zeros(())}
 
 
 # ----------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Exploration budgets measured: GRPO with a uniform budget (G independent samples per prompt) against Knapsack RL's
 allocation (--budget knapsack) and TreePO's trees (--sampler tree) on the embedded task, at equal sampled completions
-(--batch_size per step in every arm), over seeds.
+(--batch_size 64 per step), and the trees again at about the uniform arm's decoded tokens (tree_b96: 96 leaves a
+step), over seeds.
 
 The training pool is small (--train_size) so that every prompt comes back and its last visit's success rate means
 something: with the task's 20,000 prompts a 300-step run draws 2,400 and almost every draw is unseen, where the
@@ -32,8 +33,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from support import run  # noqa: E402
 
-ARMS = {"uniform": [], "knapsack": ["--budget", "knapsack"], "tree": ["--sampler", "tree"]}
-COLORS = {"uniform": "tab:gray", "knapsack": "tab:orange", "tree": "tab:green"}
+# tree_b96: 12 trees a step, whose decoded tokens are about those of the uniform arm's 8 groups of 8
+ARMS = {"uniform": [], "knapsack": ["--budget", "knapsack"], "tree": ["--sampler", "tree"],
+        "tree_b96": ["--sampler", "tree", "--batch_size", "96"]}
+COLORS = {"uniform": "tab:gray", "knapsack": "tab:orange", "tree": "tab:green", "tree_b96": "tab:olive"}
 TRAIN_KEYS = ("train/frac_zero_std_groups", "train/effective_samples", "train/completion_len",
               "train/decoded_per_completion")
 

@@ -43,12 +43,12 @@ class BudgetSampler:
     def record(self, examples, correct):
         """Remember each group's fraction of right answers (correct: (B,) 0/1, rows as `examples`) for its
         prompt's next visit. Returns the groups: (B,) each row's group id (exploration.group_ids)."""
-        groups, outcome = exploration.group_ids(examples), {}  # group -> (its prompt, its answers' 0/1)
+        groups, outcome = exploration.group_ids(examples, correct.device), {}  # group -> (prompt, answers' 0/1)
         for group, example, right in zip(groups.tolist(), examples, correct.tolist()):
             outcome.setdefault(group, (example["prompt"], []))[1].append(right)
         for prompt, rights in outcome.values():
             self.rates[prompt] = sum(rights) / len(rights)
-        return groups.to(correct.device)
+        return groups
 
     def sample_with(self, independent):
         """The trainer's sampler (its `sample`): `independent` (fast.generate or common.generate), or with
