@@ -30,7 +30,7 @@ from support.config import arg
 
 
 @dataclass
-class Config(config.GroupConfig):
+class Config(budget.ExplorationConfig, config.GroupConfig):
     epsilon_low: float = arg(0.2, "Clip the ratio below at 1 - epsilon_low (DAPO: 0.2).")
     epsilon_high: float = arg(0.28, "Clip the ratio above at 1 + epsilon_high (DAPO: 0.28), >= epsilon_low.")
     dual_clip_c: float = arg(0.0, "Dual clip: a token with A < 0 loses at most c |A|, whatever its ratio (0 = off).")
@@ -61,8 +61,7 @@ def grpo_advantages(rewards, group_size, scale_rewards="group", eps=1e-6, group_
     std is torch.std (Bessel's correction, ddof=1, as TRL and verl); eps = 1e-6 as verl (TRL
     uses 1e-4). scale_rewards: 'group' divides by the group's std (GRPO), 'batch' by the std of
     all B rewards, 'none' only centres (Dr. GRPO). A group whose rewards are all equal gets
-    exactly 0 for every member. group_ids: (B,) each row's group (sizes differ) or (B, D) its tree's ancestors.
-    Returns (B,).
+    exactly 0 for every member. Returns (B,). group_ids: (B,) groups of any size, or (B, D) tree ancestors.
     """
     if group_ids is not None:
         return exploration.grpo_advantages_by_group(rewards, group_ids, scale_rewards, eps)
@@ -164,7 +163,7 @@ def main():
     group_size = cfg.num_generations
     sampler = budget.BudgetSampler(train_data, cfg, accelerator.process_index, accelerator.num_processes)
     trainer = engine.Trainer(cfg, accelerator, tokenizer, sampler, eval_data, policy, rollout_model, cfg.rollout_lag)
-    trainer.sample = sampler.sample_with(trainer.sample)  # --sampler tree: each group a tree of shared segments
+    trainer.sampler.sample = sampler.sample_with(trainer.sampler.sample)  # --sampler tree: groups as trees
     if trainer.resume() == 0:  # --resume_from: the checkpoint's step, else 0
         trainer.evaluate(step=0)  # held-out accuracy before training
 
@@ -177,7 +176,7 @@ def main():
             rollout = trainer.generate(*sampler.next())  # each prompt's G samples adjacent (knapsack: its n_i)
             with trainer.timer("reward"):
                 rewards, correct, reward_stats = reward_fn(rollout.examples, rollout.completions)
-            groups = sampler.record(rollout.examples, correct)  # (B,) each row's group; each prompt's success rate kept
+            groups, _ = sampler.record(rollout, correct)  # each row's group; each prompt's success rate kept
             keep = dynamic_sampling_filter(correct if cfg.dynamic_sampling_metric == "correct" else rewards, group_size,
                                            group_ids=None if cfg.budget == "uniform" else groups)[groups]
             kept.append((rollout.select(keep), rewards[keep], correct[keep]))

@@ -28,7 +28,7 @@ from support.config import arg
 
 
 @dataclass
-class Config(config.GroupConfig):
+class Config(budget.ExplorationConfig, config.GroupConfig):
     beta: float = arg(0.04, "Coefficient of the KL-to-reference term in the per-token loss (0 = no reference).")
     kl_estimator: str = arg("k3", "Estimator of that KL term: k3 (GRPO) | k2 | k1 (docs/algorithms.md).")
     kl_is_weight: bool = arg(False, "Multiply the KL term by the ratio pi_theta / pi_old (DeepSeek-V3.2).")
@@ -66,8 +66,7 @@ def grpo_advantages(rewards, group_size, scale_rewards="group", eps=1e-6, group_
     std is torch.std (Bessel's correction, ddof=1, as TRL and verl); eps = 1e-6 as verl (TRL
     uses 1e-4). scale_rewards: 'group' divides by the group's std (GRPO), 'batch' by the std of
     all B rewards, 'none' only centres (Dr. GRPO). A group whose rewards are all equal gets
-    exactly 0 for every member. group_ids: (B,) each row's group (sizes differ) or (B, D) its tree's ancestors.
-    Returns (B,).
+    exactly 0 for every member. Returns (B,). group_ids: (B,) groups of any size, or (B, D) tree ancestors.
     """
     if group_ids is not None:
         return exploration.grpo_advantages_by_group(rewards, group_ids, scale_rewards, eps)
@@ -147,7 +146,7 @@ def main():
     group_size = cfg.num_generations
     sampler = budget.BudgetSampler(train_data, cfg, accelerator.process_index, accelerator.num_processes)
     trainer = engine.Trainer(cfg, accelerator, tokenizer, sampler, eval_data, policy, rollout_model, cfg.rollout_lag)
-    trainer.sample = sampler.sample_with(trainer.sample)  # --sampler tree: each group a tree of shared segments
+    trainer.sampler.sample = sampler.sample_with(trainer.sampler.sample)  # --sampler tree: groups as trees
     if trainer.resume() == 0:  # --resume_from: the checkpoint's step, else 0
         trainer.evaluate(step=0)  # held-out accuracy before training
 
@@ -158,15 +157,14 @@ def main():
         # ---- reward, and the log-probs the loss compares with ----
         with trainer.timer("reward"):
             rewards, correct, reward_stats = reward_fn(rollout.examples, rollout.completions)
-        groups = sampler.record(rollout.examples, correct)  # (B,) each row's group; each prompt's success rate kept
+        groups, ids = sampler.record(rollout, correct)  # each row's group, what its baseline runs over (None: G rows)
         ref_logp = trainer.reference_logprobs(ref_model, rollout)  # pi_ref (None when beta = 0)
         old_logp = trainer.old_logprobs(rollout) if cfg.num_epochs > 1 else None  # pi_old; mu = 1: logp
         rollout_logp = trainer.sampler_logprobs(rollout)  # the sampler's, when it is a copy
 
         # ---- advantages: each reward standardised within its group ----
-        ids = budget.gathered(accelerator, sampler.subgroups(rollout, groups))  # knapsack's groups, tree's ancestors
         adv = grpo_advantages(accelerator.gather(rewards), group_size, cfg.scale_rewards,  # batch: every process's std
-                              group_ids=ids)
+                              group_ids=budget.gathered(accelerator, ids))  # knapsack's groups, tree's ancestors
         adv = adv.chunk(accelerator.num_processes)[accelerator.process_index]
 
         # ---- update: mu optimizer steps on the same batch, each summing its micro-batches' gradients ----

@@ -25,7 +25,7 @@ from support.config import arg
 
 
 @dataclass
-class Config(config.GroupConfig):
+class Config(budget.ExplorationConfig, config.GroupConfig):
     beta: float = arg(0.05, "Coefficient of the sequence k1 penalty folded into the reward (0 = no reference).")
 
     def __post_init__(self):
@@ -34,13 +34,12 @@ class Config(config.GroupConfig):
         config.check(self.micro_batch_size % self.num_generations == 0, f"--micro_batch_size ({self.micro_batch_size}) "
                      f"must be a multiple of --num_generations ({self.num_generations}): a sample's leave-one-out "
                      "baseline needs its group's KL penalties, so a micro-batch holds whole groups.")
-        config.check(self.budget == "uniform" or self.micro_batch_size == 0, "--budget knapsack: groups of "
-                     "different sizes, which a micro-batch of fixed size may cut: give --micro_batch_size 0.")
+        config.check(self.budget == "uniform" or self.micro_batch_size == 0, "--budget knapsack: --micro_batch_size 0.")
 
 
 def rloo_advantages(rewards, group_size, group_ids=None):
     """A_i = r_i - mean_{j != i} r_j within each group, for (B,) rewards with each group's G samples
-    adjacent, or by group_ids: (B,) each row's group (sizes differ) or (B, D) its tree's ancestors. Returns (B,)."""
+    adjacent. Returns (B,). group_ids: (B,) groups of any size, or (B, D) tree ancestors."""
     if group_ids is not None:
         return exploration.rloo_advantages_by_group(rewards, group_ids)
     # BEGIN SOLUTION
@@ -77,7 +76,7 @@ def main():
     group_size = cfg.num_generations
     sampler = budget.BudgetSampler(train_data, cfg, accelerator.process_index, accelerator.num_processes)
     trainer = engine.Trainer(cfg, accelerator, tokenizer, sampler, eval_data, policy, rollout_model, cfg.rollout_lag)
-    trainer.sample = sampler.sample_with(trainer.sample)  # --sampler tree: each group a tree of shared segments
+    trainer.sampler.sample = sampler.sample_with(trainer.sampler.sample)  # --sampler tree: groups as trees
     if trainer.resume() == 0:  # --resume_from: the checkpoint's step, else 0
         trainer.evaluate(step=0)  # held-out accuracy before training
 
@@ -88,8 +87,7 @@ def main():
         # ---- reward, and the log-probs the loss compares with ----
         with trainer.timer("reward"):
             rewards, correct, reward_stats = reward_fn(rollout.examples, rollout.completions)
-        groups = sampler.record(rollout.examples, correct)  # (B,) each row's group; each prompt's success rate kept
-        ids = sampler.subgroups(rollout, groups)  # knapsack's groups, tree's ancestors (None: G rows each)
+        groups, ids = sampler.record(rollout, correct)  # each row's group, what its baseline runs over (None: G rows)
         ref_logp = trainer.reference_logprobs(ref_model, rollout)  # pi_ref (None when beta = 0)
         rollout_logp = trainer.sampler_logprobs(rollout)  # the sampler's, when it is a copy
 

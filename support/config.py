@@ -200,16 +200,6 @@ class GroupConfig(TrainConfig):
     tis_level: str = arg("token", "The TIS weight: per token, or per sequence (the product of its tokens' ratios, "
                          "truncated at --tis_cap; unbiased for a sequence's gradient).")
     tis_veto: float = arg(0.0, "Drop a sequence any of whose tokens has pi_train / pi_rollout below this (0 = off).")
-    # exploration budgets (docs/exploration.md): batch_size / G prompts per step either way
-    budget: str = arg("uniform", "Completions per prompt: uniform (G each) | knapsack (Knapsack RL: by each prompt's "
-                      "success rate at its last visit, batch_size in all).")
-    min_n: int = arg(None, "--budget knapsack: the fewest completions of a prompt (default 2).")
-    max_n: int = arg(None, "--budget knapsack: the most completions of a prompt (default 4 G).")
-    sampler: str = arg("independent", "How a group is sampled: independent | tree (TreePO: the G completions are "
-                       "the leaves of a tree whose branches share their segments).")
-    segment_len: int = arg(None, "--sampler tree: the tokens a branch decodes before it forks (default 1).")
-    branching: int = arg(None, "--sampler tree: the children of a fork (default 2).")
-    depth: int = arg(None, "--sampler tree: the forks from the prompt down (default 3): branching^depth = G leaves.")
 
     def __post_init__(self):
         super().__post_init__()
@@ -240,43 +230,6 @@ class GroupConfig(TrainConfig):
             raise ValueError(f"--batch_size ({self.batch_size}) must be divisible by --num_generations "
                              f"({self.num_generations}): batch_size counts completions, batch_size / num_generations "
                              "prompts are sampled per step.")
-        check_exploration(self)
-
-
-def check_exploration(cfg):
-    """--budget knapsack: G is the mean group size (batch_size / G prompts share batch_size completions), each
-    prompt's between --min_n and --max_n; and a success rate needs answers. --sampler tree: G leaves, each fork
-    before the completion's end."""
-    knapsack = cfg.budget == "knapsack"
-    check_rules(cfg, budget=one_of("uniform", "knapsack"))
-    check(knapsack or (cfg.min_n, cfg.max_n) == (None, None), "--min_n and --max_n bound --budget knapsack's "
-          "group sizes; --budget uniform gives every prompt --num_generations.")
-    if knapsack:
-        cfg.min_n = 2 if cfg.min_n is None else cfg.min_n
-        cfg.max_n = 4 * cfg.num_generations if cfg.max_n is None else cfg.max_n
-        check(cfg.min_n >= 2, f"--min_n must be >= 2: a group of one has no baseline (got {cfg.min_n}).")
-        check(cfg.min_n <= cfg.num_generations <= cfg.max_n, f"--budget knapsack shares --batch_size "
-              f"({cfg.batch_size}) among {cfg.batch_size // cfg.num_generations} prompts: --num_generations "
-              f"({cfg.num_generations}), their mean, must lie in [--min_n, --max_n] = [{cfg.min_n}, {cfg.max_n}].")
-        check(cfg.answer_column or cfg.dataset == "arithmetic", "--budget knapsack allocates by success rate: "
-              "--answer_column '' gives no correctness.")
-    choice("sampler", cfg.sampler, ("independent", "tree"))
-    tree = cfg.sampler == "tree"
-    check(tree or (cfg.segment_len, cfg.branching, cfg.depth) == (None, None, None), "--segment_len, --branching "
-          "and --depth shape --sampler tree's trees; --sampler independent samples each completion alone.")
-    if tree:
-        cfg.segment_len, cfg.branching, cfg.depth = cfg.segment_len or 1, cfg.branching or 2, cfg.depth or 3
-        check(not knapsack, "--sampler tree grows G leaves per prompt and --budget knapsack gives each prompt its "
-              "own number: use one of them.")
-        check(cfg.segment_len >= 1 and cfg.branching >= 2 and cfg.depth >= 1, "--sampler tree needs "
-              "--segment_len >= 1, --branching >= 2 and --depth >= 1.")
-        check(cfg.branching ** cfg.depth == cfg.num_generations, f"--sampler tree: --branching {cfg.branching} and "
-              f"--depth {cfg.depth} grow {cfg.branching ** cfg.depth} leaves, not --num_generations "
-              f"({cfg.num_generations}): a tree that cannot fill the group.")
-        check((cfg.depth - 1) * cfg.segment_len < cfg.max_new_tokens, f"--sampler tree: the last fork, after "
-              f"{(cfg.depth - 1) * cfg.segment_len} tokens, must come before --max_new_tokens ({cfg.max_new_tokens}).")
-        check(cfg.keep_routing == "none", "--sampler tree does not record a mixture-of-experts sampler's routing: "
-              "give --keep_routing none.")
 
 
 def parse_config(config_class, args=None):

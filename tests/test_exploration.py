@@ -285,7 +285,8 @@ def test_the_knapsack_sampler_allocates_from_each_prompts_last_visit():
     assert torch.bincount(groups).tolist() == [4, 4, 4, 4]
     # outcomes: all wrong, all right, 2 of 4, 1 of 4
     correct = torch.tensor([0.0, 0, 0, 0, 1, 1, 1, 1, 1, 0, 1, 0, 0, 1, 0, 0])
-    assert sampler.record(batch, correct).tolist() == groups.tolist()
+    groups_back, subgroups = sampler.record(SimpleNamespace(examples=batch), correct)
+    assert groups_back.tolist() == groups.tolist() and subgroups.tolist() == groups.tolist()
     rates = {ex["prompt"]: r for ex, r in zip(batch[::4], [0.0, 1.0, 0.5, 0.25])}
     assert sampler.rates == rates
     batch, _ = sampler.next()  # the next epoch: the same 4 prompts, in another order
