@@ -103,8 +103,8 @@ class BudgetSampler:
         return groups, self.subgroups(rollout, groups)
 
     def sample_with(self, independent):
-        """The rollouts' sample function (trainer.sampler.sample): `independent` (fast.generate or common.generate),
-        or with --sampler tree TreePO's, each counting the tokens it decodes (tree.Sampling)."""
+        """The rollouts' sample function (trainer.rollout_sampler.sample): `independent` (fast.generate or
+        common.generate), or with --sampler tree TreePO's, each counting the tokens it decodes (tree.Sampling)."""
         self.sampling = tree.Sampling(self.cfg, independent)
         return self.sampling
 
