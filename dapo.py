@@ -24,12 +24,13 @@ from dataclasses import dataclass
 import torch
 
 import common
-from support import config, engine, tasks
+import exploration
+from support import budget, config, engine, tasks
 from support.config import arg
 
 
 @dataclass
-class Config(config.GroupConfig):
+class Config(budget.ExplorationConfig, config.GroupConfig):
     epsilon_low: float = arg(0.2, "Clip the ratio below at 1 - epsilon_low (DAPO: 0.2).")
     epsilon_high: float = arg(0.28, "Clip the ratio above at 1 + epsilon_high (DAPO: 0.28), >= epsilon_low.")
     dual_clip_c: float = arg(0.0, "Dual clip: a token with A < 0 loses at most c |A|, whatever its ratio (0 = off).")
@@ -54,14 +55,16 @@ class Config(config.GroupConfig):
         self.clip = common.Clip(self.epsilon_low, self.epsilon_high, self.dual_clip_c)
 
 
-def grpo_advantages(rewards, group_size, scale_rewards="group", eps=1e-6):
+def grpo_advantages(rewards, group_size, scale_rewards="group", eps=1e-6, group_ids=None):
     """A_i = (r_i - mean(r_group)) / (std + eps) for (B,) rewards, each group's G samples adjacent.
 
     std is torch.std (Bessel's correction, ddof=1, as TRL and verl); eps = 1e-6 as verl (TRL
     uses 1e-4). scale_rewards: 'group' divides by the group's std (GRPO), 'batch' by the std of
     all B rewards, 'none' only centres (Dr. GRPO). A group whose rewards are all equal gets
-    exactly 0 for every member. Returns (B,).
+    exactly 0 for every member. Returns (B,). group_ids: (B,) groups of any size, or (B, D) tree ancestors.
     """
+    if group_ids is not None:
+        return exploration.grpo_advantages_by_group(rewards, group_ids, scale_rewards, eps)
     # BEGIN SOLUTION
     grouped = rewards.view(-1, group_size)  # (B / G, G)
     adv = grouped - grouped.mean(dim=1, keepdim=True)
@@ -76,10 +79,12 @@ def grpo_advantages(rewards, group_size, scale_rewards="group", eps=1e-6):
     # END SOLUTION
 
 
-def dynamic_sampling_filter(correct, group_size):
+def dynamic_sampling_filter(correct, group_size, group_ids=None):
     """Keep mask (num_groups,) bool: True for a group whose 0/1 correctness is mixed (some right,
     some wrong), False when all are right or all are wrong. Filters on correctness, not on the
-    shaped reward (an all-wrong group with different lengths is still dropped)."""
+    shaped reward (an all-wrong group with different lengths is still dropped). group_ids: as grpo_advantages'."""
+    if group_ids is not None:
+        return ~exploration.all_equal(correct, group_ids)
     # BEGIN SOLUTION
     grouped = correct.view(-1, group_size)
     return (grouped != grouped[:, :1]).any(dim=1)
@@ -156,9 +161,9 @@ def main():
     reward_fn = tasks.make_reward_fn(cfg, accelerator)
     policy, _, rollout_model = engine.load_models(cfg, accelerator, reference=False, rollout_copy=True)  # no KL term
     group_size = cfg.num_generations
-    sampler = tasks.PromptSampler(train_data, cfg.batch_size // group_size, cfg.seed, accelerator.process_index,
-                                  accelerator.num_processes)
+    sampler = budget.BudgetSampler(train_data, cfg, accelerator.process_index, accelerator.num_processes)
     trainer = engine.Trainer(cfg, accelerator, tokenizer, sampler, eval_data, policy, rollout_model, cfg.rollout_lag)
+    trainer.rollout_sampler.sample = sampler.sample_with(trainer.rollout_sampler.sample)  # --sampler tree: trees
     if trainer.resume() == 0:  # --resume_from: the checkpoint's step, else 0
         trainer.evaluate(step=0)  # held-out accuracy before training
 
@@ -168,11 +173,12 @@ def main():
         kept, sampled_rewards, round_stats = [], [], []  # kept: (rollout, rewards, correct) of each round
         while len(kept) < cfg.max_sampling_rounds and engine.any_process(  # every process samples as many rounds
                 accelerator, sum(len(rollout) for rollout, _, _ in kept) < cfg.batch_size):
-            rollout = trainer.generate(sampler.next(), num_samples=group_size)  # each prompt's G samples adjacent
+            rollout = trainer.generate(*sampler.next())  # each prompt's G samples adjacent (knapsack: its n_i)
             with trainer.timer("reward"):
                 rewards, correct, reward_stats = reward_fn(rollout.examples, rollout.completions)
-            keep = dynamic_sampling_filter(correct if cfg.dynamic_sampling_metric == "correct" else rewards,
-                                           group_size).repeat_interleave(group_size)
+            groups, _ = sampler.record(rollout, correct)  # each row's group; each prompt's success rate kept
+            keep = dynamic_sampling_filter(correct if cfg.dynamic_sampling_metric == "correct" else rewards, group_size,
+                                           group_ids=None if cfg.budget == "uniform" else groups)[groups]
             kept.append((rollout.select(keep), rewards[keep], correct[keep]))
             sampled_rewards.append(rewards)
             round_stats.append(reward_stats)
@@ -199,7 +205,8 @@ def main():
         rollout_logp = trainer.sampler_logprobs(rollout)  # the sampler's, when it is a copy
 
         # ---- advantages: each reward standardised within its group ----
-        adv = grpo_advantages(rewards, group_size)
+        groups = exploration.group_ids(rollout.examples, rewards.device)  # (B,) each row's group (the last may be cut)
+        adv = grpo_advantages(rewards, group_size, group_ids=sampler.subgroups(rollout, groups))
 
         # ---- update: mu optimizer steps on the same batch, each summing its micro-batches' gradients ----
         for epoch in range(cfg.num_epochs):  # the stats are those of the last (most off-policy) update
@@ -217,14 +224,13 @@ def main():
             update = trainer.step(policy)  # clip, check finite, optimizer step, zero_grad
 
         # ---- log (PLUMBING: docs/metrics.md says what each metric means) ----
-        grouped = rewards.view(-1, group_size)
         metrics = {
             **metrics,
             "train/reward": rewards.mean(),
             "train/reward_std": rewards.std(),
             "train/correct": correct.mean(),
-            "train/frac_zero_std_groups": (grouped == grouped[:, :1]).all(1).float().mean(),
-            "train/groups_kept": len(rollout) // group_size,
+            **sampler.metrics(rewards, adv, groups),  # frac_zero_std_groups, effective_samples, decoded, sizes
+            "train/groups_kept": int(groups[-1]) + 1,
             "train/overlong_penalty": penalty.mean(),
             "train/adv_mean": adv.mean(),
             "train/adv_std": adv.std(),

@@ -22,12 +22,13 @@ from dataclasses import dataclass
 import torch
 
 import common
-from support import config, engine, tasks
+import exploration
+from support import budget, config, engine, tasks
 from support.config import arg
 
 
 @dataclass
-class Config(config.GroupConfig):
+class Config(budget.ExplorationConfig, config.GroupConfig):
     beta: float = arg(0.04, "Coefficient of the KL-to-reference term in the per-token loss (0 = no reference).")
     kl_estimator: str = arg("k3", "Estimator of that KL term: k3 (GRPO) | k2 | k1 (docs/algorithms.md).")
     kl_is_weight: bool = arg(False, "Multiply the KL term by the ratio pi_theta / pi_old (DeepSeek-V3.2).")
@@ -59,14 +60,16 @@ class Config(config.GroupConfig):
                                 self.importance_sampling_level)
 
 
-def grpo_advantages(rewards, group_size, scale_rewards="group", eps=1e-6):
+def grpo_advantages(rewards, group_size, scale_rewards="group", eps=1e-6, group_ids=None):
     """A_i = (r_i - mean(r_group)) / (std + eps) for (B,) rewards, each group's G samples adjacent.
 
     std is torch.std (Bessel's correction, ddof=1, as TRL and verl); eps = 1e-6 as verl (TRL
     uses 1e-4). scale_rewards: 'group' divides by the group's std (GRPO), 'batch' by the std of
     all B rewards, 'none' only centres (Dr. GRPO). A group whose rewards are all equal gets
-    exactly 0 for every member. Returns (B,).
+    exactly 0 for every member. Returns (B,). group_ids: (B,) groups of any size, or (B, D) tree ancestors.
     """
+    if group_ids is not None:
+        return exploration.grpo_advantages_by_group(rewards, group_ids, scale_rewards, eps)
     # BEGIN SOLUTION
     grouped = rewards.view(-1, group_size)  # (B / G, G)
     adv = grouped - grouped.mean(dim=1, keepdim=True)
@@ -141,25 +144,27 @@ def main():
     reward_fn = tasks.make_reward_fn(cfg, accelerator)
     policy, ref_model, rollout_model = engine.load_models(cfg, accelerator, reference=cfg.beta > 0, rollout_copy=True)
     group_size = cfg.num_generations
-    sampler = tasks.PromptSampler(train_data, cfg.batch_size // group_size, cfg.seed, accelerator.process_index,
-                                  accelerator.num_processes)
+    sampler = budget.BudgetSampler(train_data, cfg, accelerator.process_index, accelerator.num_processes)
     trainer = engine.Trainer(cfg, accelerator, tokenizer, sampler, eval_data, policy, rollout_model, cfg.rollout_lag)
+    trainer.rollout_sampler.sample = sampler.sample_with(trainer.rollout_sampler.sample)  # --sampler tree: trees
     if trainer.resume() == 0:  # --resume_from: the checkpoint's step, else 0
         trainer.evaluate(step=0)  # held-out accuracy before training
 
     for step in trainer.steps():
         # ---- rollout: a group of G sampled responses per prompt ----
-        rollout = trainer.generate(sampler.next(), num_samples=group_size)  # each prompt's G samples adjacent
+        rollout = trainer.generate(*sampler.next())  # each prompt's G samples adjacent (knapsack: its n_i)
 
         # ---- reward, and the log-probs the loss compares with ----
         with trainer.timer("reward"):
             rewards, correct, reward_stats = reward_fn(rollout.examples, rollout.completions)
+        groups, ids = sampler.record(rollout, correct)  # each row's group, what its baseline runs over (None: G rows)
         ref_logp = trainer.reference_logprobs(ref_model, rollout)  # pi_ref (None when beta = 0)
         old_logp = trainer.old_logprobs(rollout) if cfg.num_epochs > 1 else None  # pi_old; mu = 1: logp
         rollout_logp = trainer.sampler_logprobs(rollout)  # the sampler's, when it is a copy
 
         # ---- advantages: each reward standardised within its group ----
-        adv = grpo_advantages(accelerator.gather(rewards), group_size, cfg.scale_rewards)  # batch: every process's std
+        adv = grpo_advantages(accelerator.gather(rewards), group_size, cfg.scale_rewards,  # batch: every process's std
+                              group_ids=budget.gathered(accelerator, ids))  # knapsack's groups, tree's ancestors
         adv = adv.chunk(accelerator.num_processes)[accelerator.process_index]
 
         # ---- update: mu optimizer steps on the same batch, each summing its micro-batches' gradients ----
@@ -182,12 +187,11 @@ def main():
             update = trainer.step(policy)  # clip, check finite, optimizer step, zero_grad
 
         # ---- log (PLUMBING: docs/metrics.md says what each metric means) ----
-        grouped = rewards.view(-1, group_size)
         metrics = {
             "train/reward": rewards.mean(),
             "train/reward_std": rewards.std(),
             "train/correct": correct.mean(),
-            "train/frac_zero_std_groups": (grouped == grouped[:, :1]).all(1).float().mean(),
+            **sampler.metrics(rewards, adv, groups),  # frac_zero_std_groups, effective_samples, decoded, sizes
             "train/adv_mean": adv.mean(),
             "train/adv_std": adv.std(),
             "train/adv_abs_max": adv.abs().max(),

@@ -19,12 +19,13 @@ from dataclasses import dataclass
 import torch
 
 import common
-from support import config, engine, tasks
+import exploration
+from support import budget, config, engine, tasks
 from support.config import arg
 
 
 @dataclass
-class Config(config.GroupConfig):
+class Config(budget.ExplorationConfig, config.GroupConfig):
     beta: float = arg(0.05, "Coefficient of the sequence k1 penalty folded into the reward (0 = no reference).")
 
     def __post_init__(self):
@@ -33,11 +34,14 @@ class Config(config.GroupConfig):
         config.check(self.micro_batch_size % self.num_generations == 0, f"--micro_batch_size ({self.micro_batch_size}) "
                      f"must be a multiple of --num_generations ({self.num_generations}): a sample's leave-one-out "
                      "baseline needs its group's KL penalties, so a micro-batch holds whole groups.")
+        config.check(self.budget == "uniform" or self.micro_batch_size == 0, "--budget knapsack: --micro_batch_size 0.")
 
 
-def rloo_advantages(rewards, group_size):
+def rloo_advantages(rewards, group_size, group_ids=None):
     """A_i = r_i - mean_{j != i} r_j within each group, for (B,) rewards with each group's G samples
-    adjacent. Returns (B,)."""
+    adjacent. Returns (B,). group_ids: (B,) groups of any size, or (B, D) tree ancestors."""
+    if group_ids is not None:
+        return exploration.rloo_advantages_by_group(rewards, group_ids)
     # BEGIN SOLUTION
     grouped = rewards.view(-1, group_size)  # (B / G, G)
     baseline = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)
@@ -70,19 +74,20 @@ def main():
     reward_fn = tasks.make_reward_fn(cfg, accelerator)
     policy, ref_model, rollout_model = engine.load_models(cfg, accelerator, reference=cfg.beta > 0, rollout_copy=True)
     group_size = cfg.num_generations
-    sampler = tasks.PromptSampler(train_data, cfg.batch_size // group_size, cfg.seed, accelerator.process_index,
-                                  accelerator.num_processes)
+    sampler = budget.BudgetSampler(train_data, cfg, accelerator.process_index, accelerator.num_processes)
     trainer = engine.Trainer(cfg, accelerator, tokenizer, sampler, eval_data, policy, rollout_model, cfg.rollout_lag)
+    trainer.rollout_sampler.sample = sampler.sample_with(trainer.rollout_sampler.sample)  # --sampler tree: trees
     if trainer.resume() == 0:  # --resume_from: the checkpoint's step, else 0
         trainer.evaluate(step=0)  # held-out accuracy before training
 
     for step in trainer.steps():
         # ---- rollout: a group of G sampled responses per prompt ----
-        rollout = trainer.generate(sampler.next(), num_samples=group_size)  # each prompt's G samples adjacent
+        rollout = trainer.generate(*sampler.next())  # each prompt's G samples adjacent (knapsack: its n_i)
 
         # ---- reward, and the log-probs the loss compares with ----
         with trainer.timer("reward"):
             rewards, correct, reward_stats = reward_fn(rollout.examples, rollout.completions)
+        groups, ids = sampler.record(rollout, correct)  # each row's group, what its baseline runs over (None: G rows)
         ref_logp = trainer.reference_logprobs(ref_model, rollout)  # pi_ref (None when beta = 0)
         rollout_logp = trainer.sampler_logprobs(rollout)  # the sampler's, when it is a copy
 
@@ -92,7 +97,7 @@ def main():
             logp, entropy = trainer.policy_logprobs(rollout, mb)  # (b, T), with gradient
             kl = common.kl_k1(logp.detach(), mb.of(ref_logp)) if ref_logp is not None else torch.zeros_like(logp)
             rewards_kl.append(mb.of(rewards) - cfg.beta * common.masked_sum(kl, mb.mask, dim=1))  # r - beta sum_t k1_t
-            adv.append(rloo_advantages(rewards_kl[-1], group_size))
+            adv.append(rloo_advantages(rewards_kl[-1], group_size, group_ids=mb.of(ids)))
             pg_weight, correction, per_row = None, {}, {}
             if rollout_logp is not None or cfg.geo_mask_delta > 0:  # a sampler that is not this policy: TIS, mask
                 pg_weight, correction, per_row = common.rollout_correction(
@@ -106,12 +111,11 @@ def main():
         adv, rewards_kl = torch.cat(adv), torch.cat(rewards_kl)
 
         # ---- log (PLUMBING: docs/metrics.md says what each metric means) ----
-        grouped = rewards.view(-1, group_size)
         metrics = {
             "train/reward": rewards.mean(),
             "train/reward_std": rewards.std(),
             "train/correct": correct.mean(),
-            "train/frac_zero_std_groups": (grouped == grouped[:, :1]).all(1).float().mean(),
+            **sampler.metrics(rewards, adv, groups),  # frac_zero_std_groups, effective_samples, decoded, sizes
             "train/reward_with_kl": rewards_kl.mean(),
             "train/adv_mean": adv.mean(),
             "train/adv_std": adv.std(),

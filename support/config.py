@@ -62,6 +62,7 @@ class TrainConfig:
     system_prompt: str = arg("", "System message for each prompt of gsm8k or a file (its own turn in the chat "
                              "template; without one, text and a blank line before the prompt).")
     eval_size: int = arg(200, "Held-out prompts of a real dataset (its test split, else the file's last rows).")
+    train_size: int = arg(0, "Train on the first N training prompts only (0 = all): a small pool, visited again.")
     use_chat_template: bool = arg(True, "Wrap prompts in the tokenizer's chat template when it has one.")
     max_prompt_length: int = arg(512, "Prompts longer than this many tokens are dropped (with a warning).")
     torch_dtype: str = arg("float32", "Weights dtype: float32 (for mixed precision), bfloat16 or float16.")
@@ -124,7 +125,7 @@ class TrainConfig:
         check_rules(self, **{name: POSITIVE for name in ("num_steps", "batch_size", "learning_rate", "max_new_tokens",
                                                         "temperature", "eval_every", "log_every", "max_prompt_length",
                                                         "eval_size")})
-        check_rules(self, **{name: NON_NEGATIVE for name in ("lora_r", "save_steps", "save_total_limit",
+        check_rules(self, **{name: NON_NEGATIVE for name in ("train_size", "lora_r", "save_steps", "save_total_limit",
                                                             "max_grad_norm", "top_k", "micro_batch_size",
                                                             "generation_batch_size", "log_rollouts")})
         check_rules(self, keep_routing=one_of("none", "r2", "r3"), top_p=Rule(lambda v: 0 < v <= 1, "in (0, 1]"))

@@ -95,6 +95,7 @@ def load_task(cfg, tokenizer=None):
             arithmetic_examples(250, seed=1234, held_out=True)
     else:
         train, held_out = load_rows(cfg, tokenizer)
+    train = train[:cfg.train_size or len(train)]  # --train_size: a small pool, each prompt visited again and again
     reward_functions.check_reward_functions(cfg, train, tokenizer)
     return train, held_out
 

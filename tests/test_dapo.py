@@ -70,9 +70,9 @@ def test_dynamic_sampling_filters_on_correctness_not_on_the_shaped_reward(tmp_pa
             return rewards, correct, stats
         return recorded
 
-    def recording_filter(values, group_size):
+    def recording_filter(values, group_size, group_ids=None):
         filtered.append(values.clone())
-        return dynamic_sampling_filter(values, group_size)
+        return dynamic_sampling_filter(values, group_size, group_ids)
 
     monkeypatch.setattr(tasks, "make_reward_fn", recording_reward_fn)
     monkeypatch.setattr(dapo, "dynamic_sampling_filter", recording_filter)
