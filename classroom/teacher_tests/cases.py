@@ -161,7 +161,12 @@ def aggregate_loss(seed):
     cases += [Case("token-mean of one valid token", [padded(x, one, float("nan")), one, "token-mean"]),
               Case("seq-mean-token-sum-norm, max_len 5", [padded(x, mask, 0.0), mask, "seq-mean-token-sum-norm"],
                    {"max_len": 5}),
-              Case("an unknown mode", [x, mask, "token-sum"])]
+              Case("an unknown mode", [x, mask, "token-sum"]),
+              # a micro-batch's Aggregation (mode, max_len, weight), as the loops pass it
+              Case("a micro-batch's seq-mean-token-sum-norm, max_len 9, weight 0.25",
+                   [padded(x, mask, float("nan")), mask, ("seq-mean-token-sum-norm", 9, 0.25)], grad=(0,)),
+              Case("a micro-batch's token-mean, weight 0.6", [padded(x, mask, None), mask, ("token-mean", None, 0.6)],
+                   grad=(0,))]
     return cases
 
 
