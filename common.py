@@ -3,7 +3,6 @@ aggregation, reward-to-go and off-policy corrections are pure functions: tensors
 scores completions and `generate` samples them, written plainly as the definition (same temperature, same masks:
 what is sampled is what is scored); the loops run support/fast.py's versions, tested equal. The plumbing lives in
 support/. Equations and sign conventions: docs/algorithms.md."""
-import math
 from contextlib import contextmanager
 from typing import NamedTuple
 
@@ -287,7 +286,7 @@ def rollout_correction(logp, old_logp, rollout_logp, adv, mask, tis_cap=0.0, geo
     with torch.no_grad():
         log_ratio = torch.where(mask.bool(), old_logp - rollout_logp, 0.0)  # trainer over sampler, the same weights
         ratio = torch.exp(log_ratio)
-        capped = masked_sum(log_ratio, mask, dim=1) > math.log(tis_cap) if sequence else ratio > tis_cap
+        capped = torch.exp(masked_sum(log_ratio, mask, dim=1)) > tis_cap if sequence else ratio > tis_cap
         stats = {"mismatch_k3": masked_mean(kl_k3(rollout_logp, old_logp), mask),  # KL(sampler || trainer)
                  "mismatch_ratio_max": Extreme(torch.where(mask.bool(), ratio, 0.0).max(), "max"),
                  "mismatch_ratio_min": Extreme(torch.where(mask.bool(), ratio, float("inf")).min(), "min"),
