@@ -12,13 +12,12 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "se
 
 
 # ----------------------------------------------------------------------------------------
-# KL estimators (docs/algorithms.md, "KL estimators"). Samples y ~ q = pi_theta, per token
-# logp = log q(y), ref_logp = log p(y) with p = pi_ref; each estimates KL(q || p).
-# The gradient statements below hold for ONE categorical (the state held fixed). For a
-# sequence, a per-token term in the loss holds the prefixes fixed and drops each token's effect
-# on the KL of later tokens: only k1 folded into the reward (with reward-to-go, or summed over
-# the sequence) gives the gradient of the sequence KL(pi_theta || pi_ref). tests/test_kl.py
-# proves both by enumerating every sequence of a 2-token model.
+# KL estimators (docs/algorithms.md, "KL estimators"). Samples y ~ q = pi_theta, per token logp = log q(y), ref_logp =
+# log p(y) with p = pi_ref; each estimates KL(q || p). The gradient statements below hold for ONE categorical (the
+# state held fixed). For a sequence, a per-token term in the loss holds the prefixes fixed and drops each token's
+# effect on the KL of later tokens: only k1 folded into the reward (with reward-to-go, or summed over the sequence)
+# gives the gradient of the sequence KL(pi_theta || pi_ref). tests/test_kl.py proves both by enumerating every
+# sequence of a 2-token model.
 # ----------------------------------------------------------------------------------------
 class KLTerm(NamedTuple):  # a KL term in a loss: kl_penalty's estimator, and old_logp given (DeepSeek-V3.2)
     estimator: str = "k3"
@@ -27,16 +26,13 @@ class KLTerm(NamedTuple):  # a KL term in a loss: kl_penalty's estimator, and ol
 
 def kl_k1(logp, ref_logp):
     """k1 = log q - log p, per token.
-
     Value: unbiased for KL(q||p), but can be negative and has high variance.
     As a loss term (gradient through logp): E[grad k1] = 0, so it does nothing useful.
-    As a detached penalty in the reward: E[k1 * score] = grad KL(q||p); for a sequence, the
-    reward-to-go of the per-token k1 gives the sequence-KL gradient (ReMax; PPO at gamma = lam
-    = 1), and so does the whole-sequence sum times the sequence score, in expectation (RLOO).
-    Exactly so when the loss divides by a constant (seq-mean-token-sum-norm; RLOO's sum over
-    tokens): a token-mean divides by the batch's token count, a ratio estimator biased at small
-    batches, and seq-mean-token-mean weighs each sequence by 1/|y|.
-    """
+    As a detached penalty in the reward: E[k1 * score] = grad KL(q||p); for a sequence, the reward-to-go of the
+    per-token k1 gives the sequence-KL gradient (ReMax; PPO at gamma = lam = 1), and so does the whole-sequence
+    sum times the sequence score, in expectation (RLOO). Exactly so when the loss divides by a constant
+    (seq-mean-token-sum-norm; RLOO's sum over tokens): a token-mean divides by the batch's token count, a ratio
+    estimator biased at small batches, and seq-mean-token-mean weighs each sequence by 1/|y|."""
     # BEGIN SOLUTION
     return logp - ref_logp
     # END SOLUTION
@@ -44,12 +40,10 @@ def kl_k1(logp, ref_logp):
 
 def kl_k2(logp, ref_logp):
     """k2 = 0.5 (log q - log p)^2, per token.
-
     Value: biased (third order in the log-ratio), low variance, >= 0.
-    As a loss term on one categorical: E[grad k2] = grad KL(q||p), the reverse-KL gradient
-    (per token on a sequence: the per-state reverse KL with the states held fixed).
-    As a detached penalty in the reward: a wrong gradient.
-    """
+    As a loss term on one categorical: E[grad k2] = grad KL(q||p), the reverse-KL gradient (per token on a
+    sequence: the per-state reverse KL with the states held fixed).
+    As a detached penalty in the reward: a wrong gradient."""
     # BEGIN SOLUTION
     return 0.5 * (logp - ref_logp) ** 2
     # END SOLUTION
@@ -57,14 +51,12 @@ def kl_k2(logp, ref_logp):
 
 def kl_k3(logp, ref_logp):
     """k3 = p/q - log(p/q) - 1, per token ("low_var_kl"; Schulman's estimator).
-
-    Value: unbiased for KL(q||p), >= 0, low variance. With q truncated by top-k / top-p and p
-    not, E_q[k3] = KL(q||p) - p(outside the kept set): an underestimate (E_q[p/q] < 1).
-    As a loss term on one categorical: E[grad k3] = grad KL(p||q), the FORWARD-KL gradient
-    (GRPO's loss term; per token on a sequence it is the per-state forward KL, states fixed).
-    As a detached penalty in the reward: a wrong gradient. Not clamped (verl clamps the log-ratio
-    to +-20 and k3 to 10): where a clamp binds the gradient is 0 and the blow-up is hidden.
-    """
+    Value: unbiased for KL(q||p), >= 0, low variance. With q truncated by top-k / top-p and p not, E_q[k3] =
+    KL(q||p) - p(outside the kept set): an underestimate (E_q[p/q] < 1).
+    As a loss term on one categorical: E[grad k3] = grad KL(p||q), the FORWARD-KL gradient (GRPO's loss term; per
+    token on a sequence it is the per-state forward KL, states fixed).
+    As a detached penalty in the reward: a wrong gradient. Not clamped (verl clamps the log-ratio to +-20 and k3
+    to 10): where a clamp binds the gradient is 0 and the blow-up is hidden."""
     # BEGIN SOLUTION
     log_ratio = ref_logp - logp
     return torch.exp(log_ratio) - log_ratio - 1
@@ -106,8 +98,8 @@ def masked_mean(x, mask, dim=None):
 
 
 def masked_whiten(x, mask, shift_mean=True, eps=1e-8):
-    """(x - mean) / std over the masked entries (std with Bessel's correction, as TRL).
-    With shift_mean=False the mean is added back (only the scale changes)."""
+    """(x - mean) / std over the masked entries (std with Bessel's correction, as TRL); shift_mean=False adds back
+    the mean (only the scale changes)."""
     # BEGIN SOLUTION
     mean = masked_mean(x, mask)
     n = mask.sum()
@@ -120,8 +112,7 @@ def masked_whiten(x, mask, shift_mean=True, eps=1e-8):
 
 
 def completion_mask(completion_ids, eos_token_id):
-    """1 up to and including the first EOS, 0 after it (padding after EOS included).
-    A completion with no EOS (cut at max length) keeps every token."""
+    """1 up to and including the first EOS, 0 after it; a completion with no EOS (cut at max length) keeps all."""
     # BEGIN SOLUTION
     is_eos = completion_ids == eos_token_id
     eos_before = torch.cumsum(is_eos.long(), dim=1) - is_eos.long()  # EOS strictly before t
@@ -185,9 +176,7 @@ def micro_batch_weight(mask, loss_agg, num_tokens, num_sequences):
     of all micro-batches add up to the whole batch's loss (so do their gradients): token-mean divides by the whole
     batch's num_tokens (under data parallelism the mean per process, as DDP averages the gradients); every other
     mode is a mean over the batch's num_sequences."""
-    if loss_agg == "token-mean":
-        return mask.sum() / num_tokens
-    return mask.shape[0] / num_sequences
+    return mask.sum() / num_tokens if loss_agg == "token-mean" else mask.shape[0] / num_sequences
 
 
 def reward_to_go(x, mask):
@@ -198,20 +187,19 @@ def reward_to_go(x, mask):
     # END SOLUTION
 
 
-# ---- Off-policy corrections: the sampler mu (an inference engine, or the policy before the updates) is not
-# the policy being trained (docs/stability.md) ----
+# ---- Off-policy corrections (docs/stability.md): the sampler mu is not the policy trained ----
 def truncated_is_weight(logp, rollout_logp, cap):
-    """Truncated importance sampling, per token: min(pi_train / pi_rollout, cap), detached.
-    It reweights each token's policy-gradient term towards the trainer's distribution."""
+    """Truncated importance sampling, per token: min(pi_train / pi_rollout, cap), detached: it reweights each
+    token's policy-gradient term towards the trainer's distribution."""
     # BEGIN SOLUTION
     return torch.exp(logp - rollout_logp).clamp(max=cap).detach()
     # END SOLUTION
 
 
 def geometric_sequence_mask(logp, old_logp, adv, mask, delta):
-    """Off-policy sequence masking (DeepSeek-V3.2): 0 for sequence i when A_i < 0 and
-    (1/|y_i|) sum_t log(pi_old / pi_theta) > delta, else 1. The mean log-ratio is the log of
-    the geometric mean ratio, so the test does not grow with the length. (B,) detached."""
+    """Off-policy sequence masking (DeepSeek-V3.2): 0 for sequence i when A_i < 0 and (1/|y_i|) sum_t log(pi_old /
+    pi_theta) > delta, else 1. The mean log-ratio is the log of the geometric mean ratio, so the test does not grow
+    with the length. (B,) detached."""
     # BEGIN SOLUTION
     drift = masked_mean((old_logp - logp).detach(), mask, dim=1)
     return 1.0 - ((adv < 0) & (drift > delta)).to(logp.dtype)
@@ -266,13 +254,26 @@ class Correction(NamedTuple):
     per_row: dict         # for the viewer: the TIS weight (B, T), geometric mask and veto (B,)
 
 
+def m2po_mask(log_ratio, mask, tau):
+    """M2PO (Zheng et al., 2025): with log r_t = log pi_theta / mu per token, mask the valid tokens of largest
+    (log r_t)^2 one by one until the mean (log r_t)^2 of those left is <= tau. (B, T) keep mask: 1 kept, 0 masked
+    or padding. Masking, not clipping: a kept token keeps its whole ratio."""
+    m2 = torch.where(mask.bool(), log_ratio.detach().double() ** 2, -1.0).flatten()  # padding sorts last
+    order = torch.sort(m2, descending=True, stable=True).indices[:int(mask.sum())]  # valid tokens, largest first
+    left = m2[order].flip(0).cumsum(0).flip(0)  # left[j]: the sum of (log r)^2 once the j largest are masked
+    done = (left / torch.arange(len(order), 0, -1) <= tau).nonzero()  # masking all, none left, always is
+    j = int(done[0]) if len(done) else len(order)
+    return torch.zeros_like(m2, dtype=torch.float32).index_fill_(0, order[j:], 1.0).view(mask.shape)
+
+
 def rollout_correction(logp, old_logp, rollout_logp, adv, mask, tis_cap=0.0, geo_mask_delta=0.0, tis_level="token",
-                       tis_veto=0.0):
+                       tis_veto=0.0, m2po_tau=0.0):
     """A Correction. logp: the policy trained; old_logp: the trainer's at the start of the update (pi_prox);
     rollout_logp: the sampler's, a low-precision copy or the --rollout_lag policy (None: old_logp). TIS weighs by
     min(old / rollout, tis_cap), per token or the sequence's product (tis_level); tis_veto drops a sequence with a
     token whose old / rollout is below it; the geometric mask plays pi_old with rollout_logp (the mismatch and the
-    updates since sampling). is_ess, tis_clip_frac: of the weights in use, at their level. 0 turns each off."""
+    updates since sampling); M2PO masks tokens of large log(pi_theta / rollout)^2 over these rows (m2po_mask, at
+    m2po_tau). is_ess, tis_clip_frac: of the importance weights in use, at their level. 0 turns each off."""
     rollout_logp = old_logp if rollout_logp is None else rollout_logp
     sequence = tis_level == "sequence"
     tis = torch.ones_like(logp)
@@ -283,6 +284,7 @@ def rollout_correction(logp, old_logp, rollout_logp, adv, mask, tis_cap=0.0, geo
         torch.ones_like(adv, dtype=logp.dtype)
     veto = tis_veto_mask(old_logp, rollout_logp, mask, tis_veto) if tis_veto > 0 else torch.ones_like(keep)
     weight = tis * (keep * veto)[:, None]
+    m2po = m2po_mask(logp - rollout_logp, mask, m2po_tau).to(logp.dtype) if m2po_tau > 0 else torch.ones_like(logp)
     with torch.no_grad():
         log_ratio = torch.where(mask.bool(), old_logp - rollout_logp, 0.0)  # trainer over sampler, the same weights
         ratio = torch.exp(log_ratio)
@@ -292,10 +294,11 @@ def rollout_correction(logp, old_logp, rollout_logp, adv, mask, tis_cap=0.0, geo
                  "mismatch_ratio_min": Extreme(torch.where(mask.bool(), ratio, float("inf")).min(), "min"),
                  "tis_clip_frac": fraction(capped, None if sequence else mask) if tis_cap > 0 else 0.0,
                  "geo_masked_frac": fraction(keep == 0), "tis_veto_frac": fraction(veto == 0),
-                 "is_ess": effective_sample_size(weight[:, 0]) if sequence else effective_sample_size(weight, mask)}
+                 "is_ess": effective_sample_size(weight[:, 0]) if sequence else effective_sample_size(weight, mask),
+                 "m2po_masked_frac": fraction(m2po == 0, mask)}
     per_row = {"tis_weight": tis if tis_cap > 0 else None, "geo_mask": keep if geo_mask_delta > 0 else None,
                "veto": veto if tis_veto > 0 else None}
-    return Correction(weight, stats, per_row)
+    return Correction(weight * m2po, stats, per_row)
 
 
 # ---- Log-probs and generation -----------------------------------------------------
@@ -305,9 +308,9 @@ def position_ids_from_mask(attention_mask):
 
 
 def sampling_mask(logits, top_k=0, top_p=1.0):
-    """The logits the sampler draws from: top-k, then top-p (nucleus) on the tempered logits, the
-    rest set to -inf, as transformers' TopKLogitsWarper and TopPLogitsWarper (ties at the k-th
-    value are kept; the most likely token always is). (..., V) in, out."""
+    """The logits the sampler draws from: top-k, then top-p (nucleus) on the tempered logits, the rest set to -inf,
+    as transformers' TopKLogitsWarper and TopPLogitsWarper (ties at the k-th value are kept; the most likely token
+    always is). (..., V) in, out."""
     if top_k > 0:
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -342,9 +345,8 @@ def token_logprobs(model, input_ids, attention_mask, num_completion_tokens, temp
     logp = logprobs.gather(-1, targets).squeeze(-1)  # (B, C)
     if not with_entropy:
         return logp
-    with torch.no_grad():
-        entropy = torch.special.entr(logprobs.exp()).sum(-1)  # (B, C): sum of -p log p, 0 where p = 0
-    return logp, entropy
+    with torch.no_grad():  # (B, C): sum of -p log p, 0 where p = 0
+        return logp, torch.special.entr(logprobs.exp()).sum(-1)
 
 
 @torch.no_grad()

@@ -177,7 +177,7 @@ def main():
                 if rollout_logp is not None or cfg.geo_mask_delta > 0:  # a sampler that is not this policy: TIS, mask
                     pg_weight, correction, per_row = common.rollout_correction(
                         logp, old, mb.of(rollout_logp), mb.of(adv), mb.mask, cfg.tis_cap, cfg.geo_mask_delta,
-                        cfg.tis_level, cfg.tis_veto)
+                        cfg.tis_level, cfg.tis_veto, cfg.m2po_tau)
                 loss, stats = grpo_loss(logp, old, mb.of(ref_logp), mb.of(adv), mb.mask, cfg.clip, cfg.beta, mb.agg,
                                         common.KLTerm(cfg.kl_estimator, cfg.kl_is_weight), pg_weight)
                 stats = {**stats, **correction, "entropy": common.masked_mean(entropy, mb.mask)}

@@ -102,7 +102,7 @@ def main():
             if rollout_logp is not None or cfg.geo_mask_delta > 0:  # a sampler that is not this policy: TIS, mask
                 pg_weight, correction, per_row = common.rollout_correction(
                     logp, logp.detach(), mb.of(rollout_logp), adv[-1], mb.mask, cfg.tis_cap, cfg.geo_mask_delta,
-                    cfg.tis_level, cfg.tis_veto)
+                    cfg.tis_level, cfg.tis_veto, cfg.m2po_tau)
             loss, stats = rloo_loss(logp, adv[-1], mb.mask, pg_weight, mb.agg)
             stats = {**stats, **correction, "entropy": common.masked_mean(entropy, mb.mask)}
             trainer.backward(loss, mb, stats, per_row)

@@ -10,6 +10,7 @@ command and a finished summary.json is reused (--force reruns it). A run takes 2
     python bench/stability.py                                   # docs/stability.md's bfloat16 table: 12 runs, 5 min
     python bench/stability.py --lag 8 --learning_rate 3e-4 --seeds 0 1 2 3 4   # its stale-sampler table: 25 runs, 12 min
     python bench/stability.py --seeds 0 --variants float32 stale --lag 4   # a row pair of its settings tried
+    python bench/stability.py --lag 8 --learning_rate 3e-4 --variants stale "stale + TIS" "stale + M2PO"  # async.md
     python bench/stability.py --steps 2 --seeds 0 --variants bfloat16 --out /tmp/stab   # smoke test
 
 Writes to --out (default runs/stability): results.md (the table and the command), results.json and
@@ -38,6 +39,7 @@ VARIANTS = {  # name -> extra grpo.py arguments; LAG stands for --lag
     "stale": ["--rollout_lag", "LAG"],
     "stale + TIS": ["--rollout_lag", "LAG", "--tis_cap", "2"],
     "stale + geometric mask": ["--rollout_lag", "LAG", "--geo_mask_delta", "0.05"],
+    "stale + M2PO": ["--rollout_lag", "LAG", "--m2po_tau", "0.04"],
 }
 BFLOAT16_TABLE = ["float32", "bfloat16", "bfloat16 + TIS", "bfloat16 + geometric mask"]
 STALE_TABLE = ["float32", "bfloat16", "stale", "stale + TIS", "stale + geometric mask"]
@@ -78,7 +80,7 @@ def label_of(name, args):
 
 # what the mismatch metrics read when the trainer samples (they are then not logged, docs/metrics.md)
 NO_MISMATCH = {"train/mismatch_k3": 0.0, "train/mismatch_ratio_max": 1.0, "train/mismatch_ratio_min": 1.0,
-               "train/tis_clip_frac": 0.0, "train/geo_masked_frac": 0.0}
+               "train/tis_clip_frac": 0.0, "train/geo_masked_frac": 0.0, "train/m2po_masked_frac": 0.0}
 
 
 def summarise(run_dir):
@@ -91,6 +93,7 @@ def summarise(run_dir):
             "ratio_min": min(r["train/mismatch_ratio_min"] for r in steps),
             "tis_clip": statistics.mean(r["train/tis_clip_frac"] for r in steps),
             "masked": statistics.mean(r["train/geo_masked_frac"] for r in steps),
+            "m2po_masked": statistics.mean(r["train/m2po_masked_frac"] for r in steps),
             "grad_norm_mean": statistics.mean(r["train/grad_norm"] for r in steps),
             "grad_norm_max": max(r["train/grad_norm"] for r in steps),
             "steps": len(steps), "grad_norm_above_5": sum(r["train/grad_norm"] > 5 for r in steps),

@@ -200,6 +200,8 @@ class GroupConfig(TrainConfig):
     tis_level: str = arg("token", "The TIS weight: per token, or per sequence (the product of its tokens' ratios, "
                          "truncated at --tis_cap; unbiased for a sequence's gradient).")
     tis_veto: float = arg(0.0, "Drop a sequence any of whose tokens has pi_train / pi_rollout below this (0 = off).")
+    m2po_tau: float = arg(0.0, "M2PO: mask the tokens of largest log(pi_theta / pi_rollout)^2 until their mean is "
+                          "<= tau (0 = off; the paper: 0.04).")
 
     def __post_init__(self):
         super().__post_init__()
@@ -217,6 +219,9 @@ class GroupConfig(TrainConfig):
                              "the weight is 1.")
         check(self.tis_level == "token" or self.tis_cap > 0, "--tis_level sequence weighs by the truncated "
               "sequence ratio: give --tis_cap too (e.g. 2).")
+        check_rules(self, m2po_tau=NON_NEGATIVE)
+        check(self.m2po_tau == 0 or not same_sampler, "--m2po_tau masks the tokens a differing sampler made unlikely "
+              "for the trainer: give --rollout_dtype other than --torch_dtype or --rollout_lag > 0.")
         check(self.tis_veto == 0 or not same_sampler, "--tis_veto drops the sequences a differing sampler made "
               "unlikely for the trainer: give --rollout_dtype other than --torch_dtype or --rollout_lag > 0.")
         if self.geo_mask_delta < 0:
@@ -335,7 +340,6 @@ def check_output_dir(cfg, script):
 
 
 @functools.cache
-@functools.cache
 def reward_function(spec):
     """The callable of --reward_fn FILE.py:NAME; its file is run once per process (the first call). A missing file or
     name, or a file that fails to import, is a ValueError naming the flag."""
@@ -368,12 +372,11 @@ def read_json(path):
 
 
 def make_accelerator(cfg):
-    """An Accelerator that falls back to CPU (gloo between processes) when there is no GPU,
-    so `accelerate launch --multi_gpu --num_processes 2 x.py` (or `torchrun --nproc_per_node 2`)
-    gives 2-process data parallelism on a laptop. (`accelerate launch --cpu --num_processes 2`
-    starts ONE process in accelerate 1.x unless an MPI hostfile is given.) A DeepSpeed config
-    (configs/zero2.yaml, zero3.yaml) stays DeepSpeed without a GPU too: DeepSpeed's CPU
-    accelerator, gloo between processes; its settings come from the flags (deepspeed_settings)."""
+    """An Accelerator that falls back to CPU (gloo between processes) when there is no GPU, so `accelerate launch
+    --multi_gpu --num_processes 2 x.py` (or `torchrun --nproc_per_node 2`) gives 2-process data parallelism on a
+    laptop. (`accelerate launch --cpu --num_processes 2` starts ONE process in accelerate 1.x unless an MPI
+    hostfile is given.) A DeepSpeed config (configs/zero2.yaml, zero3.yaml) stays DeepSpeed without a GPU too:
+    DeepSpeed's CPU accelerator, gloo between processes; its settings come from the flags (deepspeed_settings)."""
     from accelerate import Accelerator
 
     use_cpu = os.environ.get("ACCELERATE_USE_CPU", "false").lower() in ("1", "true")
@@ -418,10 +421,10 @@ def close_process_group():
 
 
 def deepspeed_settings(ds_config, cfg, num_processes):
-    """Set what DeepSpeed reads from the flags, in place: the micro-batch (no dataloader is prepared,
-    so DeepSpeed cannot infer it), clipping at --max_grad_norm (DeepSpeed clips inside its step), and
-    one micro-batch per optimizer step as DeepSpeed counts them: the loops weigh and accumulate the
-    micro-batches themselves, so DeepSpeed must not divide the loss again."""
+    """Set what DeepSpeed reads from the flags, in place: the micro-batch (no dataloader is prepared, so DeepSpeed
+    cannot infer it), clipping at --max_grad_norm (DeepSpeed clips inside its step), and one micro-batch per
+    optimizer step as DeepSpeed counts them: the loops weigh and accumulate the micro-batches themselves, so
+    DeepSpeed must not divide the loss again."""
     accumulation = ds_config.get("gradient_accumulation_steps", 1)
     if accumulation not in (1, "auto"):
         raise SystemExit(f"error: the DeepSpeed config's gradient_accumulation_steps is {accumulation}: set it to 1; "
