@@ -38,6 +38,7 @@ class Config(budget.ExplorationConfig, config.GroupConfig):
     max_sampling_rounds: int = arg(8, "Dynamic sampling: at most this many generation rounds per step.")
     dynamic_sampling_metric: str = arg("correct", "Drop groups whose 'correct' (DAPO) or 'reward' is all equal.")
     overlong_cache_len: int = arg(3, "Overlong shaping: penalty from max_new_tokens - cache_len tokens on (0 = off).")
+    sampler_process = False  # dynamic sampling asks for rollouts in rounds, which --async_rollouts does not serve
 
     def __post_init__(self):
         self.reuses_batch = self.num_epochs > 1

@@ -82,7 +82,7 @@ def main():
 
     for step in trainer.steps():
         # ---- rollout: a group of G sampled responses per prompt ----
-        rollout = trainer.generate(*sampler.next())  # each prompt's G samples adjacent (knapsack: its n_i)
+        rollout = trainer.rollout(sampler)  # each prompt's G samples adjacent (knapsack: its n_i)
 
         # ---- reward, and the log-probs the loss compares with ----
         with trainer.timer("reward"):

@@ -108,6 +108,8 @@ class TrainConfig:
     resume_from: str = arg("", "A checkpoint folder (output_dir/checkpoint-N) to continue from, or 'latest': "
                            "the newest checkpoint in --output_dir whose files verify (none: start at step 0).")
     save_model: bool = arg(True, "Save the final policy with save_pretrained (+ tokenizer) in output_dir/final.")
+    async_rollouts: int = arg(0, "Sample in a process of its own, up to K optimizer steps ahead of the learner (0 = "
+                              "in turn with the updates; docs/async.md).")
     fast: bool = arg(True, "Sample and score with support/fast.py (False: the plain common.generate and "
                      "common.token_logprobs, the same draws and values, to read or step through).")
     keep_routing: str = arg("none", "Mixture-of-experts policy: the experts of the trainer's forwards. none: its "
@@ -116,12 +118,13 @@ class TrainConfig:
 
     # Set by a script's __post_init__ where they apply: the clip of its loss (a common.Clip, which the rollout viewer
     # shows), and whether an update follows the first on the same batch (a pi_old pass, which --keep_routing r2
-    # replays and which makes the samples off-policy for --geo_mask_delta). Not flags.
+    # replays and which makes the samples off-policy for --geo_mask_delta); whether its loop takes its rollouts from
+    # trainer.rollout, which --async_rollouts serves from a sampler process. Not flags.
     clip = None
     reuses_batch = False
+    sampler_process = False
 
     def __post_init__(self):
-        flags = vars(self)
         check_rules(self, **{name: POSITIVE for name in ("num_steps", "batch_size", "learning_rate", "max_new_tokens",
                                                         "temperature", "eval_every", "log_every", "max_prompt_length",
                                                         "eval_size")})
@@ -132,19 +135,17 @@ class TrainConfig:
         check(self.keep_routing != "r2" or self.reuses_batch,
               "--keep_routing r2 replays the routing of the pi_old pass in the updates that follow it, and this run "
               "makes one update per batch (no pi_old pass): give --num_epochs > 1, or --keep_routing r3.")
-        if self.reward_scales not in ("uniform", "hetero"):
-            raise ValueError(f"--reward_scales must be 'uniform' or 'hetero' (got {self.reward_scales!r}).")
-        if self.report_to not in ("none", "tensorboard", "wandb"):
-            raise ValueError(f"--report_to must be none, tensorboard or wandb (got {self.report_to!r}).")
+        check_rules(self, reward_scales=one_of("uniform", "hetero"), report_to=one_of("none", "tensorboard", "wandb"),
+                    answer_check=one_of("number", "exact"), async_rollouts=NON_NEGATIVE)
+        check(self.async_rollouts == 0 or self.sampler_process, "--async_rollouts: this script samples in turn with "
+              "its updates; grpo.py runs a sampler process (docs/async.md).")
         if self.dataset not in ("arithmetic", "gsm8k"):
             if not self.dataset.endswith((".json", ".jsonl", ".parquet")):
                 raise ValueError("--dataset must be 'arithmetic', 'gsm8k' or a .json/.jsonl/.parquet file "
                                  f"(got {self.dataset!r}).")
             if not os.path.isfile(self.dataset):
                 raise ValueError(f"--dataset {self.dataset!r}: no such file.")
-        for name in ("torch_dtype", "reward_model_dtype"):
-            if flags[name] not in DTYPES:
-                raise ValueError(f"--{name} must be one of {sorted(DTYPES)} (got {flags[name]!r}).")
+        check_rules(self, torch_dtype=one_of(*DTYPES), reward_model_dtype=one_of(*DTYPES))
         if self.resume_from not in ("", "latest"):
             if not os.path.isdir(self.resume_from):
                 raise ValueError(f"--resume_from {self.resume_from!r}: no such folder (give output_dir/checkpoint-N "
@@ -158,8 +159,6 @@ class TrainConfig:
                 f"{self.torch_dtype} itself, where an update below about 0.3% (bfloat16) or 0.05% (float16) of "
                 "a weight rounds away, as most do at --learning_rate 1e-6. Keep float32 weights with "
                 "`accelerate launch --mixed_precision bf16`, or train a LoRA adapter (--lora_r).")
-        if self.answer_check not in ("number", "exact"):
-            raise ValueError(f"--answer_check must be 'number' or 'exact' (got {self.answer_check!r}).")
         if self.system_prompt and self.dataset == "arithmetic":
             raise ValueError("--system_prompt is for instruct models on --dataset gsm8k or a file; the arithmetic "
                              "task's prompts are bare sums.")
@@ -183,6 +182,7 @@ class TrainConfig:
 @dataclass
 class GroupConfig(TrainConfig):
     """What GRPO, RLOO and DAPO share: a group of samples per prompt is the baseline."""
+    sampler_process = True  # one rollout per step, from trainer.rollout (DAPO's rounds: not yet)
     num_generations: int = arg(8, "G (or K): sampled completions per prompt, >= 2; batch_size / G prompts per step.")
     # With G samples per prompt a step sees batch_size / G = 8 prompts: held-out accuracy on the
     # embedded task still rises at 200 steps and levels off near 600 (docs/group_family.md).
@@ -206,13 +206,12 @@ class GroupConfig(TrainConfig):
     def __post_init__(self):
         super().__post_init__()
         check_rules(self, tis_level=one_of("token", "sequence"), tis_veto=Rule(lambda v: 0 <= v < 1, "in [0, 1)"))
-        if self.rollout_dtype not in DTYPES:
-            raise ValueError(f"--rollout_dtype must be one of {sorted(DTYPES)} (got {self.rollout_dtype!r}).")
+        check_rules(self, rollout_dtype=one_of(*DTYPES))
         if self.tis_cap < 0 or 0 < self.tis_cap < 1:
             raise ValueError(f"--tis_cap must be 0 (off) or >= 1 (got {self.tis_cap}).")
         if self.rollout_lag < 0:
             raise ValueError(f"--rollout_lag must be >= 0 (got {self.rollout_lag}).")
-        same_sampler = self.rollout_dtype == self.torch_dtype and self.rollout_lag == 0
+        same_sampler = self.rollout_dtype == self.torch_dtype and self.rollout_lag == self.async_rollouts == 0
         if self.tis_cap > 0 and same_sampler:
             raise ValueError("--tis_cap corrects a sampler that differs from the trainer: give --rollout_dtype "
                              f"other than --torch_dtype ({self.torch_dtype}) or --rollout_lag > 0; with the same "

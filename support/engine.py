@@ -26,7 +26,8 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 import common
-from support import checkpoint, config, fast, models, reward_functions, routing, run, sampling, tasks, view
+from support import (async_sampling, checkpoint, config, fast, models, routing, run, sampling, tasks,
+                     view)
 from support.rollout import MicroBatch, Rollout, micro_batches
 from support.sampling import any_process  # noqa: F401  (dapo.py: engine.any_process)
 
@@ -60,6 +61,8 @@ def load_models(cfg, accelerator, reference, rollout_copy=False):
     for (a KL term to it), else None; with rollout_copy, the sampler's own copy of the policy when
     --rollout_dtype or --rollout_lag asks for one (models.load_rollout_model), else None. Every rank starts
     from the same weights."""
+    if cfg.async_rollouts:  # what the sampler process does not support, refused before any model loads
+        async_sampling.check(cfg, accelerator)
     set_seed(cfg.seed)
     policy = models.load_model(cfg)
     if cfg.keep_routing != "none":
@@ -98,7 +101,7 @@ class Trainer:
         # --fast False: the plain definitions, to read or step through in a debugger; same draws, same values
         self.sample, self.score = (fast.generate, fast.token_logprobs) if cfg.fast else \
             (common.generate, common.token_logprobs)
-        self.rollout_sampler = sampling.RolloutSampler(self, policy, rollout_model, rollout_lag, self.sample)
+        self.rollout_sampler = sampling.rollout_sampler(self, policy, rollout_model, rollout_lag, self.sample)
         set_seed(cfg.seed + accelerator.process_index)  # each rank samples different completions
         self.ckpt = checkpoint.Checkpointer(cfg, accelerator, sampler)
         self.logger, self.viewer, self.start_step, self.at_step = None, None, 0, 1  # at_step: the step running
@@ -123,19 +126,19 @@ class Trainer:
 
     def steps(self):
         """The step numbers still to run, with a progress bar on the main process."""
-        name = os.path.splitext(os.path.basename(sys.argv[0]))[0]
-        self.at_step = self.start_step + 1
-        return tqdm(range(self.start_step + 1, self.cfg.num_steps + 1), desc=name,
-                    disable=not self.accelerator.is_main_process)
+        self.at_step, name = self.start_step + 1, os.path.splitext(os.path.basename(sys.argv[0]))[0]
+        return tqdm(range(self.at_step, self.cfg.num_steps + 1), desc=name, disable=self.accelerator.process_index > 0)
 
     # ---- sampling and scoring, with no gradient ----
     def generate(self, examples, num_samples=1, greedy=False):
         """num_samples completions of each example's prompt (or one greedy completion), each example's adjacent."""
-        if self.cfg.reward_fn:  # their trainer_state: the steps done so far
-            reward_functions.trainer_state().global_step = self.at_step - 1
         rollout = self.rollout_sampler.generate(examples, num_samples, greedy)
         self.generated += len(rollout)
         return rollout
+
+    def rollout(self, prompts):
+        """This step's rollout of prompts.next()'s (examples, num_samples): sampled now, or ahead (--async_rollouts)."""
+        return self.rollout_sampler.rollout(prompts)
 
     def reference_logprobs(self, ref_model, rollout):
         """(B, T) log-probs of the completions under the frozen reference (None: None), on its whole distribution."""
@@ -155,9 +158,9 @@ class Trainer:
 
     def sampler_logprobs(self, rollout):
         """(B, T) log-probs under the sampler's copy, scored as it samples (a mixture of experts with the experts it
-        sampled with); None when the policy samples itself."""
+        sampled with); None when the policy samples itself; --async_rollouts: the sampler process's, scored there."""
         if self.rollout_model is None:
-            return None
+            return rollout.sampler_logp
         with routing.replay(self.rollout_model, *rollout.routing) if self.moe else ExitStack():
             logp = self._logprobs(self.rollout_model, rollout)
         return self.viewer.scored(self.at_step, "rollout_logp", rollout, logp)
@@ -277,9 +280,8 @@ class Trainer:
             with self.timer("checks"):  # the update left finite weights, and finite logits on a training prompt
                 finite = checkpoint.finite_weights_and_logits(accelerator.unwrap_model(self.policy.model),
                                                               self.tokenizer, self.ckpt.probe_prompts)
-        metrics = {**metrics, "train/generated": self.generated, **self.timer.metrics()}
-        if self.rollout_sampler.rollout_lag is not None:  # the steps between the sampler's weights and the trainer's
-            metrics["train/staleness"] = self.rollout_sampler.staleness(step)
+        metrics = {**metrics, "train/generated": self.generated, **self.timer.metrics(),
+                   **self.rollout_sampler.end_step(step)}  # --rollout_lag, --async_rollouts: the staleness
         self.generated, samples = 0, []
         if rollout is not None:
             metrics.update(run.rollout_metrics(rollout, metrics["time/step_s"]))

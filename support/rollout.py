@@ -23,6 +23,11 @@ class Rollout:
     old_routing: tuple = None           # those of the trainer's pi_old pass
     live_routing: torch.Tensor = None   # the trainer's routers' own choice, in its first pass over each row
     group_size: int = 1                 # samples per prompt, adjacent rows (the rollout viewer shows whole groups)
+    # --async_rollouts: the sampler process's (B, T) log-probs, the (B,) version of the weights that sampled each row
+    # (the optimizer steps done then) and its seconds per phase (support/async_sampling.py)
+    sampler_logp: torch.Tensor = None
+    version: torch.Tensor = None
+    sampler_times: dict = None
 
     def __len__(self):
         return len(self.examples)

@@ -8,13 +8,20 @@ from contextlib import ExitStack
 import torch
 
 import common
-from support import models, routing, tasks
+from support import async_sampling, models, reward_functions, routing, tasks
 from support.rollout import Rollout
 
 
 def any_process(accelerator, flag):
     """True on every process when `flag` is True on one of them."""
     return bool(accelerator.reduce(torch.tensor(float(flag), device=accelerator.device), "sum") > 0)
+
+
+def rollout_sampler(trainer, policy, rollout_model, rollout_lag, sample):
+    """The RolloutSampler, or with --async_rollouts the sampler process's (support/async_sampling.py)."""
+    if trainer.cfg.async_rollouts:
+        return async_sampling.AsyncRolloutSampler(trainer, policy)
+    return RolloutSampler(trainer, policy, rollout_model, rollout_lag, sample)
 
 
 class RolloutSampler:
@@ -45,12 +52,22 @@ class RolloutSampler:
         """The optimizer steps between the weights that sampled at `step` and the trainer's (--rollout_lag)."""
         return step - self.past_weights[0][0] if self.past_weights else 0
 
+    def rollout(self, prompts):
+        """This step's rollout: prompts.next() gives the examples and the completions of each (budget.BudgetSampler)."""
+        return self.trainer.generate(*prompts.next())
+
+    def end_step(self, step):
+        """The step's metrics: with --rollout_lag, train/staleness."""
+        return {} if self.rollout_lag is None else {"train/staleness": self.staleness(step)}
+
     @torch.no_grad()
     def generate(self, examples, num_samples=1, greedy=False):
         """A Rollout: num_samples completions of each example's prompt (or one greedy completion), each example's
         samples adjacent."""
         trainer = self.trainer
         cfg, tokenizer, accelerator = trainer.cfg, trainer.tokenizer, trainer.accelerator
+        if cfg.reward_fn:  # their trainer_state: the steps done so far
+            reward_functions.trainer_state().global_step = trainer.at_step - 1
         with trainer.timer("generation"):
             prompt_ids, prompt_mask = tasks.tokenize_prompts(tokenizer, [ex["prompt"] for ex in examples],
                                                              accelerator.device)
