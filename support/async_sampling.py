@@ -11,6 +11,7 @@ one line naming the cause."""
 import collections
 import os
 import queue
+import signal
 import time
 import traceback
 
@@ -131,6 +132,7 @@ def serve(cfg, weights, version, lock, requests, results, parent_pid, threads):
     from transformers.utils import logging
 
     torch.set_num_threads(threads)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the learner, which saves and ends; then so does this
     # no progress bar: its tqdm lock is a named semaphore, which a sampler killed would leave for the learner to report
     logging.disable_progress_bar()
     try:

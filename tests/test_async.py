@@ -1,5 +1,6 @@
 """--async_rollouts K (docs/async.md): a sampler process runs at most K optimizer steps ahead of the learner, its
 own scoring pass gives the behaviour log-probs, and neither process outlives the other."""
+import json
 import os
 import signal
 import subprocess
@@ -56,6 +57,15 @@ def test_the_sampler_runs_at_most_k_steps_ahead_and_its_staleness_shows_in_the_m
                for r in rows[1:])
     if k == 2:  # the corrections act on the sampler process's log-probs
         assert max(r["train/m2po_masked_frac"] for r in rows) > 0 and rows[0]["train/m2po_masked_frac"] == 0
+
+
+def test_rloo_takes_its_rollouts_from_the_sampler_process_too(tmp_path, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["rloo.py", "--num_steps", "3", *FLAGS, "--async_rollouts", "1", "--m2po_tau",
+                                      "0.04", "--output_dir", str(tmp_path)])
+    rloo.main()
+    rows = read_metrics(tmp_path / "metrics.jsonl")[1:]
+    assert [r["train/staleness_max"] for r in rows] == [0, 1, 1] and rows[0]["train/mismatch_k3"] == 0
+    assert all("train/m2po_masked_frac" in r for r in rows)
 
 
 @pytest.mark.parametrize("module", [dapo, remax, ppo])
@@ -119,3 +129,17 @@ def test_a_learner_killed_with_sigkill_leaves_no_sampler_behind(tmp_path):
     while not gone(sampler):
         assert time.time() < deadline, "the sampler outlived its learner by 10 s"
         time.sleep(0.05)
+
+
+def test_async_benchmark_smoke_run_writes_one_row_per_variant(tmp_path):
+    """bench/async.py, which makes docs/async.md's table: 2 steps, one seed."""
+    cmd = [sys.executable, "bench/async.py", "--steps", "2", "--seeds", "0", "--variants", "synchronous", "K = 1",
+           "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line]
+    assert [row.split(" | ")[0] for row in rows] == ["| sampling", "| synchronous", "| K = 1"]
+    assert rows[1].split(" | ")[3] == "1.00×"  # the first row is the reference of the speed-up
+    (sync,), (k1,) = json.loads((tmp_path / "results.json").read_text()).values()
+    assert sync["staleness"] == 0 and k1["staleness"] == 1  # step 2: sampled while step 1 trained
+    assert 0 <= k1["after"] <= 1 and k1["step_s"] > 0

@@ -1,0 +1,117 @@
+"""Asynchronous rollouts on the embedded task (docs/async.md): GRPO sampling in turn with its updates, against a
+sampler process running --async_rollouts K = 1 and 2 steps ahead, over seeds: the learner's wall time per step and
+the held-out accuracy after the same number of steps. Each process has one thread (OMP_NUM_THREADS=1): the
+asynchronous runs use two cores, the synchronous one one; the variant "synchronous, 2 threads" gives it both.
+
+Runs one after another (a run uses up to two cores); a run whose run.json shows the same command and a finished
+summary.json is reused (--force reruns it).
+
+    python bench/async.py                                             # docs/async.md's table: 3 seeds, 200 steps
+    python bench/async.py --seeds 0 --variants synchronous "synchronous, 2 threads"   # one core or two, in turn
+    python bench/async.py --steps 2 --seeds 0 --out /tmp/async        # smoke test
+
+Writes to --out (default runs/async): results.md (the table and the command), results.json and one folder per run.
+"""
+import argparse
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from support import run  # noqa: E402
+
+VARIANTS = {  # name -> (extra grpo.py arguments, threads per process)
+    "synchronous": ([], 1),
+    "synchronous, 2 threads": ([], 2),
+    "K = 1": (["--async_rollouts", "1"], 1),
+    "K = 2": (["--async_rollouts", "2"], 1),
+}
+
+
+def run_one(name, seed, args):
+    flags, threads = VARIANTS[name]
+    run_dir = Path(args.out) / f"{name.replace(' ', '').replace(',', '_').replace('=', '')}-seed{seed}"
+    cmd = [sys.executable, str(ROOT / "grpo.py"), "--seed", str(seed), "--num_steps", str(args.steps),
+           "--eval_every", str(args.steps), "--log_every", str(args.steps), "--save_model", "false",
+           "--output_dir", str(run_dir), *flags]
+    info_path = run_dir / "run.json"
+    if not args.force and info_path.exists() and (run_dir / "summary.json").exists() \
+            and json.loads(info_path.read_text()).get("command") == cmd:
+        return run_dir
+    run_dir.mkdir(parents=True, exist_ok=True)
+    start = time.time()
+    with open(run_dir / "log.txt", "w") as log:
+        proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                              env={**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"})
+    if proc.returncode != 0:
+        sys.exit(f"error: {shlex.join(cmd)} failed, see {run_dir / 'log.txt'}")
+    info_path.write_text(json.dumps({"command": cmd, "wall_s": round(time.time() - start, 1)}))
+    return run_dir
+
+
+def summarise(run_dir):
+    """Held-out accuracy, and per step after the first (whose time holds the sampler process's start): the
+    learner's seconds per step, its wait for the batch, the staleness and the mismatch."""
+    first, *steps = [r for r in run.read_metrics(run_dir / "metrics.jsonl") if "train/grad_norm" in r]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    return {"before": summary["eval_accuracy_before"], "after": summary["eval_accuracy_after"],
+            "first_step_s": first["time/step_s"],
+            **{key: statistics.median(r.get(f"time/{phase}_s", 0.0) for r in steps) for key, phase in [
+                ("step_s", "step"), ("wait_s", "generation"), ("scoring_s", "scoring"),
+                ("update_s", "forward_backward"), ("sampler_generation_s", "sampler_generation"),
+                ("sampler_scoring_s", "sampler_scoring")]},
+            "staleness": statistics.mean(r.get("train/staleness_mean", 0.0) for r in steps),
+            "mismatch_k3": statistics.mean(r.get("train/mismatch_k3", 0.0) for r in steps),
+            "wall_s": summary["wall_time_s"]}
+
+
+def mean_std(values, fmt):
+    if len(values) == 1:
+        return format(values[0], fmt)
+    return f"{format(statistics.mean(values), fmt)} ± {format(statistics.stdev(values), fmt)}"
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=200, help="grpo.py --num_steps of every run.")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["synchronous", "K = 1", "K = 2"])
+    parser.add_argument("--out", default="runs/async")
+    parser.add_argument("--force", action="store_true", help="Rerun finished runs.")
+    args = parser.parse_args()
+
+    results = {}
+    for seed in args.seeds:  # seed by seed: a run that the machine slowed down is beside its neighbours
+        for name in args.variants:
+            results.setdefault(name, []).append(summarise(run_one(name, seed, args)))
+    sync = statistics.mean(r["step_s"] for r in results[args.variants[0]])
+    lines = ["| sampling | held-out accuracy (start → end) | s per step (learner) | speed-up "
+             "| learner, s per step: wait for the batch / scoring / update "
+             "| sampler process, s per batch: sampling / scoring | staleness (steps) | mismatch k3 per token "
+             "| first step, s | wall time of the run, s |", "|---" * 10 + "|"]
+    for name, runs in results.items():
+        col = {key: [r[key] for r in runs] for key in runs[0]}
+        lines.append(f"| {name} | {mean_std(col['before'], '.3f')} → {mean_std(col['after'], '.3f')} "
+                     f"| {mean_std(col['step_s'], '.3f')} | {sync / statistics.mean(col['step_s']):.2f}× "
+                     f"| {mean_std(col['wait_s'], '.3f')} / {mean_std(col['scoring_s'], '.3f')} / "
+                     f"{mean_std(col['update_s'], '.3f')} | {mean_std(col['sampler_generation_s'], '.3f')} / "
+                     f"{mean_std(col['sampler_scoring_s'], '.3f')} | {statistics.mean(col['staleness']):.2f} "
+                     f"| {mean_std(col['mismatch_k3'], '.1e')} | {mean_std(col['first_step_s'], '.1f')} "
+                     f"| {mean_std(col['wall_s'], '.0f')} |")
+    command = shlex.join(["python", "bench/async.py", *sys.argv[1:]])
+    text = "\n".join([f"`{command}` ({len(args.seeds)} seeds, {args.steps} steps each; mean ± std over seeds; "
+                      f"times: medians over steps 2-{args.steps}; speed-up: against the first row)", "", *lines, ""])
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "results.md").write_text(text)
+    (Path(args.out) / "results.json").write_text(json.dumps(results, indent=1))
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
