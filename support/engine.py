@@ -26,8 +26,7 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 import common
-from support import (async_sampling, checkpoint, config, fast, models, routing, run, sampling, tasks,
-                     view)
+from support import async_sampling, checkpoint, config, fast, models, routing, run, sampling, tasks, view
 from support.rollout import MicroBatch, Rollout, micro_batches
 from support.sampling import any_process  # noqa: F401  (dapo.py: engine.any_process)
 
