@@ -49,6 +49,7 @@ def check(cfg, accelerator):
 class AsyncRolloutSampler:
     """The learner's side: starts the sampler process with the policy's weights (version 0), asks it for the
     batches of the next K + 1 steps, hands the trainer one per step, and publishes the weights after each step."""
+
     def __init__(self, trainer, policy):
         self.trainer, self.ahead = trainer, trainer.cfg.async_rollouts
         self.params = [p for p in trainer.accelerator.unwrap_model(policy.model).parameters()]
