@@ -8,6 +8,7 @@ summary.json is reused (--force reruns it).
 
     python bench/async.py                                             # docs/async.md's table: 3 seeds, 200 steps
     python bench/async.py --seeds 0 --variants synchronous "synchronous, 2 threads"   # one core or two, in turn
+    python bench/async.py --learning_rate 3e-4 --variants synchronous "K = 4" "K = 4 + TIS" "K = 4 + M2PO"
     python bench/async.py --steps 2 --seeds 0 --out /tmp/async        # smoke test
 
 Writes to --out (default runs/async): results.md (the table and the command), results.json and one folder per run.
@@ -31,15 +32,20 @@ VARIANTS = {  # name -> (extra grpo.py arguments, threads per process)
     "synchronous, 2 threads": ([], 2),
     "K = 1": (["--async_rollouts", "1"], 1),
     "K = 2": (["--async_rollouts", "2"], 1),
+    "K = 4": (["--async_rollouts", "4"], 1),
+    "K = 4 + TIS": (["--async_rollouts", "4", "--tis_cap", "2"], 1),
+    "K = 4 + M2PO": (["--async_rollouts", "4", "--m2po_tau", "0.04"], 1),
 }
 
 
 def run_one(name, seed, args):
     flags, threads = VARIANTS[name]
-    run_dir = Path(args.out) / f"{name.replace(' ', '').replace(',', '_').replace('=', '')}-seed{seed}"
+    lr = [] if args.learning_rate is None else ["--learning_rate", str(args.learning_rate)]
+    label = name.replace(" ", "").replace(",", "_").replace("=", "").replace("+", "_")
+    run_dir = Path(args.out) / f"{label}{'-lr' + lr[1] if lr else ''}-seed{seed}"
     cmd = [sys.executable, str(ROOT / "grpo.py"), "--seed", str(seed), "--num_steps", str(args.steps),
            "--eval_every", str(args.steps), "--log_every", str(args.steps), "--save_model", "false",
-           "--output_dir", str(run_dir), *flags]
+           "--output_dir", str(run_dir), *lr, *flags]
     info_path = run_dir / "run.json"
     if not args.force and info_path.exists() and (run_dir / "summary.json").exists() \
             and json.loads(info_path.read_text()).get("command") == cmd:
@@ -81,6 +87,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=200, help="grpo.py --num_steps of every run.")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--learning_rate", type=float, default=None, help="grpo.py --learning_rate (default: its).")
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["synchronous", "K = 1", "K = 2"])
     parser.add_argument("--out", default="runs/async")
     parser.add_argument("--force", action="store_true", help="Rerun finished runs.")
