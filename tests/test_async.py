@@ -78,6 +78,8 @@ def test_a_script_whose_loop_the_sampler_process_does_not_serve_refuses_the_flag
 @pytest.mark.parametrize("flags, what", [
     ({"lora_r": 4}, "--lora_r"),
     ({"rollout_lag": 2}, "--rollout_lag"),
+    ({"budget": "knapsack"}, "--budget"),
+    ({"sampler": "tree"}, "--sampler"),
     ({}, "DDP"),
 ])
 def test_what_the_sampler_process_does_not_support_is_refused_in_one_line_before_any_model_loads(flags, what):
