@@ -55,6 +55,8 @@ def test_the_sampler_runs_at_most_k_steps_ahead_and_its_staleness_shows_in_the_m
     assert all(1 <= r["train/staleness_mean"] == r["train/staleness_max"] <= k for r in rows[1:])
     assert all(r["train/mismatch_k3"] > 0 and r["train/mismatch_ratio_min"] < 1 < r["train/mismatch_ratio_max"]
                for r in rows[1:])
+    # the tokens the sampler process decoded, counted on the learner's side: each completion's, up to its EOS
+    assert all(r["train/decoded_per_completion"] == pytest.approx(r["train/completion_len"], rel=1e-6) for r in rows)
     if k == 2:  # the corrections act on the sampler process's log-probs
         assert max(r["train/m2po_masked_frac"] for r in rows) > 0 and rows[0]["train/m2po_masked_frac"] == 0
 
