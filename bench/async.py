@@ -74,6 +74,7 @@ def summarise(run_dir):
                 ("sampler_scoring_s", "sampler_scoring")]},
             "staleness": statistics.mean(r.get("train/staleness_mean", 0.0) for r in steps),
             "mismatch_k3": statistics.mean(r.get("train/mismatch_k3", 0.0) for r in steps),
+            "m2po_masked": statistics.mean(r.get("train/m2po_masked_frac", 0.0) for r in steps),
             "wall_s": summary["wall_time_s"]}
 
 
