@@ -234,10 +234,11 @@ SIBLINGS = {"masked_mean": "masked_sum", "kl_penalty": "kl_k", "remax_loss": "re
 
 
 def write_copy(out, bodies):
-    """The exercise files and support/ of the reference, with the bodies given (by exercise name)."""
+    """The reference's top-level modules and support/ (what grade.py copies of a student's), with the bodies given
+    (by exercise name)."""
     out.mkdir()
-    for rel in sorted({key.split("::")[0] for key in msc.EXERCISES} | {p for p in msc.project_files(ROOT)
-                                                                         if p.startswith("support/")}):
+    for rel in sorted(p for p in msc.project_files(ROOT) if p.endswith(".py") and ("/" not in p or
+                                                                                   p.startswith("support/"))):
         text = (ROOT / rel).read_text(encoding="utf-8")
         for key in msc.EXERCISES:
             file, name = key.split("::")
