@@ -15,16 +15,14 @@ Writes to --out (default runs/async): results.md (the table and the command), re
 """
 import argparse
 import json
-import os
 import shlex
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench.stability import run_cached  # noqa: E402
 from support import run  # noqa: E402
 
 VARIANTS = {  # name -> (extra grpo.py arguments, threads per process)
@@ -46,19 +44,7 @@ def run_one(name, seed, args):
     cmd = [sys.executable, str(ROOT / "grpo.py"), "--seed", str(seed), "--num_steps", str(args.steps),
            "--eval_every", str(args.steps), "--log_every", str(args.steps), "--save_model", "false",
            "--output_dir", str(run_dir), *lr, *flags]
-    info_path = run_dir / "run.json"
-    if not args.force and info_path.exists() and (run_dir / "summary.json").exists() \
-            and json.loads(info_path.read_text()).get("command") == cmd:
-        return run_dir
-    run_dir.mkdir(parents=True, exist_ok=True)
-    start = time.time()
-    with open(run_dir / "log.txt", "w") as log:
-        proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                              env={**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"})
-    if proc.returncode != 0:
-        sys.exit(f"error: {shlex.join(cmd)} failed, see {run_dir / 'log.txt'}")
-    info_path.write_text(json.dumps({"command": cmd, "wall_s": round(time.time() - start, 1)}))
-    return run_dir
+    return run_cached(cmd, run_dir, args.force, threads)
 
 
 def summarise(run_dir):

@@ -55,8 +55,8 @@ def run_one(name, seed, args):
     return run_cached(cmd, run_dir, args.force)
 
 
-def run_cached(cmd, run_dir, force=False):
-    """Run cmd (a training script writing to run_dir) with one thread, its output in run_dir/log.txt; a run
+def run_cached(cmd, run_dir, force=False, threads=1):
+    """Run cmd (a training script writing to run_dir) with `threads` threads, its output in run_dir/log.txt; a run
     that already finished with the same command (run_dir/run.json) is reused unless force."""
     info_path = run_dir / "run.json"
     if not force and info_path.exists() and (run_dir / "summary.json").exists() \
@@ -66,7 +66,7 @@ def run_cached(cmd, run_dir, force=False):
     start = time.time()
     with open(run_dir / "log.txt", "w") as log:
         proc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                              env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+                              env={**os.environ, "OMP_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1"})
     if proc.returncode != 0:
         sys.exit(f"error: {shlex.join(cmd)} failed, see {run_dir / 'log.txt'}")
     info_path.write_text(json.dumps({"command": cmd, "wall_s": round(time.time() - start, 1)}))
