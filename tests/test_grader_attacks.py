@@ -486,7 +486,9 @@ def test_attacks_on_the_graders_bounds_and_the_kernels_shared_state_score_zero(t
     assert "20000 keys" in scores["softmax_baselines"][1], scores["softmax_baselines"]
     assert seconds < 120, seconds  # unbounded: 2 min 49 s for the colliding keys alone
     measured = json.loads(proc.stderr.strip().splitlines()[-1])
-    assert measured["peak_mb"] < 700, measured  # ~0.3 GB; parsed whole, one `{},` answer took 1.9 GB, two 3.5
+    # alone 0.28-0.34 GB; in two clean-clone runs of the whole suite 0.74 and 1.06 GB (the cause not found); the
+    # answer parsed whole, one `{},` answer took 1.9 GB and two 3.5: the bound sits between
+    assert measured["peak_mb"] < 1500, measured
     # the keyring: the teacher's key not read, the student's not left in it nor found by another exercise
     assert "secret" not in str(scores) and measured["keys"] == ["teacher"], measured
     assert "found" not in scores["kl_k3"][1], scores["kl_k3"]
