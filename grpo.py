@@ -146,7 +146,6 @@ def main():
     group_size = cfg.num_generations
     sampler = budget.BudgetSampler(train_data, cfg, accelerator.process_index, accelerator.num_processes)
     trainer = engine.Trainer(cfg, accelerator, tokenizer, sampler, eval_data, policy, rollout_model, cfg.rollout_lag)
-    trainer.rollout_sampler.sample = sampler.sample_with(trainer.rollout_sampler.sample)  # --sampler tree: trees
     if trainer.resume() == 0:  # --resume_from: the checkpoint's step, else 0
         trainer.evaluate(step=0)  # held-out accuracy before training
 

@@ -50,7 +50,7 @@ class AsyncRolloutSampler:
     """The learner's side: starts the sampler process with the policy's weights (version 0), asks it for the
     batches of the next K + 1 steps, hands the trainer one per step, and publishes the weights after each step."""
 
-    def __init__(self, trainer, policy):
+    def __init__(self, trainer, policy, sample):
         self.trainer, self.ahead = trainer, trainer.cfg.async_rollouts
         self.params = [p for p in trainer.accelerator.unwrap_model(policy.model).parameters()]
         ctx = mp.get_context("spawn")
@@ -59,7 +59,7 @@ class AsyncRolloutSampler:
         self.requests, self.results = ctx.Queue(), ctx.Queue()
         self.asked = collections.deque()  # the examples of the batches asked for, in order
         self.last = None  # this step's rollout and the sampler's seconds per phase for it
-        self.sample = trainer.sample  # the loops may wrap it to count what it decodes: the process reports to it
+        self.sample = sample  # the prompt sampler's (tasks.PromptSampler.sample_with): the process reports to it
         self.process = ctx.Process(target=serve, daemon=True, name="sampler", args=(
             trainer.cfg, self.weights, self.version, self.lock, self.requests, self.results, os.getpid(),
             torch.get_num_threads()))

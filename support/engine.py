@@ -100,7 +100,8 @@ class Trainer:
         # --fast False: the plain definitions, to read or step through in a debugger; same draws, same values
         self.sample, self.score = (fast.generate, fast.token_logprobs) if cfg.fast else \
             (common.generate, common.token_logprobs)
-        self.rollout_sampler = sampling.rollout_sampler(self, policy, rollout_model, rollout_lag, self.sample)
+        self.rollout_sampler = sampling.rollout_sampler(self, policy, rollout_model, rollout_lag,
+                                                        sampler.sample_with(self.sample))  # --sampler tree: trees
         set_seed(cfg.seed + accelerator.process_index)  # each rank samples different completions
         self.ckpt = checkpoint.Checkpointer(cfg, accelerator, sampler)
         self.logger, self.viewer, self.start_step, self.at_step = None, None, 0, 1  # at_step: the step running

@@ -20,7 +20,7 @@ def any_process(accelerator, flag):
 def rollout_sampler(trainer, policy, rollout_model, rollout_lag, sample):
     """The RolloutSampler, or with --async_rollouts the sampler process's (support/async_sampling.py)."""
     if trainer.cfg.async_rollouts:
-        return async_sampling.AsyncRolloutSampler(trainer, policy)
+        return async_sampling.AsyncRolloutSampler(trainer, policy, sample)
     return RolloutSampler(trainer, policy, rollout_model, rollout_lag, sample)
 
 

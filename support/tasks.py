@@ -328,6 +328,11 @@ class PromptSampler:
             batch.append(self.examples[self.order.pop()])
         return batch
 
+    def sample_with(self, independent):
+        """The rollouts' sample function: `independent` itself (fast.generate or common.generate), each prompt's
+        completions sampled on their own (budget.BudgetSampler's may sample them as a tree)."""
+        return independent
+
 
 @torch.no_grad()
 def evaluate(model, tokenizer, examples, cfg, accelerator, batch_size=256, generate=None):

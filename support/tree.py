@@ -13,9 +13,10 @@ from support import fast, models
 
 
 class Sampling:
-    """trainer.sample, counting what it decodes: the independent sampler (fast.generate or common.generate) or, with
-    --sampler tree, `tree_generate` for the sampled groups (greedy decoding stays independent). `decoded`: the
-    completion tokens decoded, `completions`: the completions made, since the last `metrics`."""
+    """The rollouts' sample function, counting what it decodes: the independent sampler (fast.generate or
+    common.generate) or, with --sampler tree, `tree_generate` for the sampled groups (greedy decoding stays
+    independent). `decoded`: the completion tokens decoded, `completions`: the completions made, since the last
+    `metrics`."""
 
     def __init__(self, cfg, independent):
         self.cfg, self.independent, self.decoded, self.completions = cfg, independent, 0, 0
