@@ -205,12 +205,10 @@ class GroupConfig(TrainConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        check_rules(self, tis_level=one_of("token", "sequence"), tis_veto=Rule(lambda v: 0 <= v < 1, "in [0, 1)"))
-        check_rules(self, rollout_dtype=one_of(*DTYPES))
+        check_rules(self, tis_level=one_of("token", "sequence"), tis_veto=Rule(lambda v: 0 <= v < 1, "in [0, 1)"),
+                    rollout_dtype=one_of(*DTYPES), rollout_lag=NON_NEGATIVE, m2po_tau=NON_NEGATIVE)
         if self.tis_cap < 0 or 0 < self.tis_cap < 1:
             raise ValueError(f"--tis_cap must be 0 (off) or >= 1 (got {self.tis_cap}).")
-        if self.rollout_lag < 0:
-            raise ValueError(f"--rollout_lag must be >= 0 (got {self.rollout_lag}).")
         same_sampler = self.rollout_dtype == self.torch_dtype and self.rollout_lag == self.async_rollouts == 0
         if self.tis_cap > 0 and same_sampler:
             raise ValueError("--tis_cap corrects a sampler that differs from the trainer: give --rollout_dtype "
@@ -218,7 +216,6 @@ class GroupConfig(TrainConfig):
                              "the weight is 1.")
         check(self.tis_level == "token" or self.tis_cap > 0, "--tis_level sequence weighs by the truncated "
               "sequence ratio: give --tis_cap too (e.g. 2).")
-        check_rules(self, m2po_tau=NON_NEGATIVE)
         check(self.m2po_tau == 0 or not same_sampler, "--m2po_tau masks the tokens a differing sampler made unlikely "
               "for the trainer: give --rollout_dtype other than --torch_dtype or --rollout_lag > 0.")
         check(self.tis_veto == 0 or not same_sampler, "--tis_veto drops the sequences a differing sampler made "
