@@ -1,0 +1,365 @@
+"""Tools and environments for multi-turn episodes (agents.py): loading --tools FILE.py:fn1,fn2 and --environment
+FILE.py:Class (or the built-in calculator), their JSON schemas, the per-episode environment whose tool calls never
+raise, and the two formats a policy speaks them in: the text format of models without a chat template
+(<tool>ARGS</tool>, answered by <result>TEXT</result>) and a chat template's own (Hermes <tool_call>{json}</tool_call>,
+answered by `tool` messages).
+
+An environment class has TRL's GRPOTrainer(environment_factory=...) shape, which this module follows:
+  - `__init__(self)` takes no arguments; one instance is made per episode;
+  - `reset(self, **kwargs)` starts the episode; it receives the dataset row's columns as keywords (the prompt's
+    among them, as TRL passes the whole row) and returns None or an observation text, appended to the prompt
+    (TRL appends it to the last message's content);
+  - every public method (its name not starting with '_') other than reset is a tool, with type hints and a
+    docstring whose Args section describes each parameter (transformers.utils.get_json_schema reads them);
+  - a tool that raises is not the end of the episode: its message is what the model reads (`error: ...`).
+Reward functions receive the episodes' instances as `environments`, as TRL passes them (reward_functions.py).
+--tools functions are stateless (TRL's GRPOTrainer(tools=...)): the same checks, without reset."""
+import asyncio
+import functools
+import importlib.util
+import inspect
+import json
+import os
+import re
+import threading
+import types
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from support import config
+from support.config import AT_LEAST_ONE, POSITIVE, arg, check, check_rules
+
+AGENT_MODEL = os.path.join(config.ROOT, "embedded_model", "agent")
+
+
+@dataclass
+class AgentConfig:
+    """The flags of multi-turn episodes, before config.TrainConfig (or GroupConfig) in a Config's bases: its checks
+    run after theirs. --environment calculator on the default model and task switches both to the agent ones."""
+    environment: str = arg("", "The environment of each episode: 'calculator' (built-in) or FILE.py:Class, TRL's "
+                           "environment_factory shape (reset and one public method per tool).")
+    tools: str = arg("", "Stateless tools FILE.py:fn1,fn2: typed functions with docstrings (TRL's tools).")
+    max_turns: int = arg(4, "The most model turns in an episode (each may call tools).")
+    tool_timeout: float = arg(5.0, "Seconds a tool call may run before the model reads an error instead.")
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_rules(self, max_turns=AT_LEAST_ONE, tool_timeout=POSITIVE)
+        toolbox(self.environment, self.tools)  # a bad file, name or tool is an error before any model loads
+        if self.environment == "calculator" and (self.model_name_or_path, self.dataset) == \
+                (config.EMBEDDED_MODEL, "arithmetic"):
+            self.model_name_or_path, self.dataset = AGENT_MODEL, "tool_arithmetic"
+
+
+class ToolCall(NamedTuple):
+    """A call parsed from a turn: arguments None and error set when the call could not be read."""
+    name: str | None
+    arguments: dict | None
+    error: str | None = None
+
+
+class ToolResult(NamedTuple):
+    """What the model reads back: the tool's return value as str(), or `error: ...` (error True)."""
+    text: str
+    error: bool
+    name: str = ""
+
+
+# ----------------------------------------------------------------------------------------
+# The built-in environment
+# ----------------------------------------------------------------------------------------
+class Calculator:
+    """--environment calculator: one tool that evaluates ONE binary integer operation, so a+b*c takes two calls.
+    Its answers are short: a 1M-parameter character model reads them."""
+
+    def reset(self, **kwargs):
+        self.history = []  # (expression, result) of each call that succeeded
+        return None
+
+    def calculate(self, expression: str) -> str:
+        """Evaluate one operation on two non-negative integers.
+
+        Args:
+            expression: Two integers and one operator between them: a+b, a-b or a*b (e.g. 34*5).
+        """
+        match = re.fullmatch(r"\s*(\d+)\s*([-+*])\s*(\d+)\s*", expression)
+        if match is None:
+            raise ValueError("need a+b, a-b or a*b")
+        a, op, b = match.groups()
+        if max(len(a), len(b)) > 9:
+            raise ValueError("number too long")
+        a, b = int(a), int(b)
+        result = str(a + b if op == "+" else a - b if op == "-" else a * b)
+        self.history.append((expression, result))
+        return result
+
+
+# ----------------------------------------------------------------------------------------
+# Loading and checking --environment and --tools
+# ----------------------------------------------------------------------------------------
+class Toolbox(NamedTuple):
+    environment_class: type | None
+    functions: dict  # name -> the --tools function
+    schemas: list  # the JSON schema of every tool: the environment's methods, then --tools
+
+
+def flag_of(cfg):
+    """How an error names the flags: the environment's, else the tools'."""
+    return f"--environment {cfg.environment!r}" if cfg.environment else f"--tools {cfg.tools!r}"
+
+
+def one_line(error):
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+def load_file(flag, spec, path):
+    """The module of a FILE.py given to flag; a missing file or one that fails to import is a ValueError."""
+    if not path.endswith(".py"):
+        raise ValueError(f"{flag} {spec!r}: give FILE.py:NAME.")
+    if not os.path.isfile(path):
+        raise ValueError(f"{flag} {spec!r}: no such file {path!r}.")
+    found = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
+    module = importlib.util.module_from_spec(found)
+    try:
+        found.loader.exec_module(module)
+    except Exception as e:
+        raise ValueError(f"{flag} {spec!r}: importing {path} raised {type(e).__name__}: {one_line(e)}") from e
+    return module
+
+
+def schema(flag, spec, name, function):
+    """get_json_schema(function): it raises on a parameter without a type hint or a missing docstring / Args entry."""
+    from transformers.utils import get_json_schema
+
+    try:
+        return get_json_schema(function)
+    except Exception as e:
+        raise ValueError(f"{flag} {spec!r}: tool {name!r}: {one_line(e)} (a tool needs type hints and a docstring "
+                         "with an Args section).") from e
+
+
+def public_methods(instance):
+    """The tools of an environment instance, as TRL finds them: its public methods other than reset."""
+    return {name: method for name, method in inspect.getmembers(instance, inspect.ismethod)
+            if not name.startswith("_") and name != "reset"}
+
+
+@functools.cache
+def toolbox(environment, tools):
+    """The Toolbox of --environment and --tools (both may be given). Every error is a ValueError naming the flag."""
+    environment_class, schemas, functions = None, [], {}
+    if environment == "calculator":
+        environment_class = Calculator
+    elif environment:
+        path, _, name = environment.rpartition(":")
+        if not name.isidentifier():
+            raise ValueError(f"--environment {environment!r}: give 'calculator' or FILE.py:Class.")
+        environment_class = vars(load_file("--environment", environment, path)).get(name)
+        if not isinstance(environment_class, type):
+            raise ValueError(f"--environment {environment!r}: {path} defines no class {name!r}.")
+    if environment_class is not None:
+        check(callable(getattr(environment_class, "reset", None)), f"--environment {environment!r}: the class has "
+              "no reset method: give it reset(self, **kwargs), which starts each episode.")
+        try:
+            probe = environment_class()
+        except Exception as e:
+            raise ValueError(f"--environment {environment!r}: {environment_class.__name__}() raised "
+                             f"{type(e).__name__}: {one_line(e)} (one instance is made per episode, without "
+                             "arguments).") from e
+        methods = public_methods(probe)
+        check(methods, f"--environment {environment!r}: the class has no public method other than reset: each "
+              "tool is one (typed, with a docstring).")
+        schemas = [schema("--environment", environment, name, method) for name, method in methods.items()]
+    if tools:
+        path, _, names = tools.rpartition(":")
+        names = names.split(",")
+        check(all(n.isidentifier() for n in names), f"--tools {tools!r}: give FILE.py:fn1,fn2.")
+        module = load_file("--tools", tools, path)
+        for name in names:
+            function = vars(module).get(name)
+            check(isinstance(function, types.FunctionType), f"--tools {tools!r}: {path} defines no function "
+                  f"{name!r}.")
+            check(name not in functions and all(s["function"]["name"] != name for s in schemas),
+                  f"--tools {tools!r}: two tools named {name!r}.")
+            functions[name] = function
+            schemas.append(schema("--tools", tools, name, function))
+    return Toolbox(environment_class, functions, schemas)
+
+
+# ----------------------------------------------------------------------------------------
+# One episode's environment
+# ----------------------------------------------------------------------------------------
+class Environment:
+    """The environment of one episode: a new instance of the environment class (None for --tools alone) whose
+    reset was called with the example's row, and its tools. call() never raises."""
+
+    def __init__(self, box, example, timeout, flag):
+        self.schemas, self.timeout = box.schemas, timeout
+        self.instance = box.environment_class() if box.environment_class is not None else None
+        self.observation = None  # what reset returned: appended to the prompt
+        if self.instance is not None:
+            row = example.get("row", example)
+            try:
+                self.observation = self.instance.reset(**row)
+            except Exception as e:
+                raise SystemExit(f"error: {flag}: reset raised {type(e).__name__}: {one_line(e)} on the row "
+                                 f"{str(row)[:200]}.") from e
+        self.tools = {**(public_methods(self.instance) if self.instance is not None else {}), **box.functions}
+
+    def call(self, call):
+        """The ToolResult of a call: the tool's return value as str(), or `error: ...` for a call that could not be
+        read, an unknown tool, wrong arguments, a tool that raised or one that ran past the timeout. The tool runs
+        in a thread of its own; a thread cannot be stopped, so one that times out is abandoned (it may still
+        finish, and change the instance, later)."""
+        def error(text):
+            return ToolResult(f"error: {text}", True, call.name or "")
+
+        if call.error is not None:
+            return error(call.error)
+        function = self.tools.get(call.name)
+        if function is None:
+            return error(f"unknown tool {call.name!r}")
+        try:
+            inspect.signature(function).bind(**call.arguments)
+        except TypeError as e:
+            return error(f"{call.name}: {one_line(e)}")
+        outcome = {}
+
+        def run():
+            try:
+                value = function(**call.arguments)
+                outcome["value"] = asyncio.run(value) if inspect.iscoroutine(value) else value
+            except Exception as e:
+                outcome["error"] = e
+
+        worker = threading.Thread(target=run, daemon=True)
+        worker.start()
+        worker.join(self.timeout)
+        if worker.is_alive():
+            return error(f"{call.name} ran past {self.timeout:g} s")
+        if "error" in outcome:
+            return error(one_line(outcome["error"]))
+        return ToolResult(str(outcome["value"]), False, call.name)
+
+
+# ----------------------------------------------------------------------------------------
+# The formats: prompts, tool calls and observations
+# ----------------------------------------------------------------------------------------
+TEXT_CALL = re.compile(r"<tool>(.*?)</tool>", re.S)
+CHAT_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.S)
+# a conversation that ends with an assistant turn: the observation is what tool messages add after it
+BEFORE_TOOLS = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "?"}]
+
+
+def json_call(text):
+    """A ToolCall from {"name": ..., "arguments": {...}} (arguments may be a JSON string, as some models write)."""
+    try:
+        call = json.loads(text)
+        arguments = call.get("arguments", {}) if isinstance(call, dict) else None
+        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except ValueError:
+        return ToolCall(None, None, "malformed JSON")
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(arguments, dict):
+        return ToolCall(None, None, 'expected {"name": ..., "arguments": {...}}')
+    return ToolCall(call["name"], arguments)
+
+
+class Spec:
+    """What agents.py needs of the tools and the format: prompts, a fresh environment per episode, the calls of a
+    turn, the tokens of the observations. The chat format when the tokenizer has a chat template (and
+    --use_chat_template), else the text format."""
+
+    def __init__(self, cfg, tokenizer, box):
+        self.box, self.tokenizer, self.timeout = box, tokenizer, cfg.tool_timeout
+        self.flag = flag_of(cfg)
+        self.schemas, self.system_prompt = box.schemas, cfg.system_prompt
+        self.chat = cfg.use_chat_template and bool(getattr(tokenizer, "chat_template", None))
+        end = tokenizer("</tool>", add_special_tokens=False)["input_ids"]
+        self.stop_ids = end if not self.chat and len(end) == 1 and end[0] != tokenizer.unk_token_id else []
+        # the text format's shorthand <tool>ARGS</tool>: one tool of one parameter, ARGS its value
+        parameters = [s["function"]["parameters"]["properties"] for s in self.schemas]
+        self.shorthand = None
+        if len(self.schemas) == 1 and len(parameters[0]) == 1:
+            (name, kind), = parameters[0].items()
+            self.shorthand = (self.schemas[0]["function"]["name"], name, kind.get("type"))
+        if self.chat:
+            before = tokenizer.apply_chat_template(BEFORE_TOOLS, tools=self.schemas, tokenize=False)
+            eos = tokenizer.eos_token or ""
+            # the assistant turn's tokens were sampled up to and including its EOS: the observation starts after it
+            self.before_tools = before[:before.rfind(eos) + len(eos)] if eos in before else before
+
+    def episode(self, example):
+        return Environment(self.box, example, self.timeout, self.flag)
+
+    def prompt_text(self, example, env=None):
+        """The prompt as the policy reads it, with the observation env's reset returned (if any) appended."""
+        observation = env.observation if env is not None and env.observation else ""
+        if not self.chat:
+            return example["prompt"] + observation
+        raw = example.get("raw_prompt", example["prompt"])
+        system = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
+        messages = [dict(m) for m in raw] if isinstance(raw, list) else [{"role": "user", "content": raw}]
+        messages = (system if messages[0]["role"] != "system" else []) + messages
+        messages[-1]["content"] += observation
+        return self.tokenizer.apply_chat_template(messages, tools=self.schemas, add_generation_prompt=True,
+                                                  tokenize=False)
+
+    def parse(self, turn_text):
+        """The tool calls of a turn, in order ([] for none). Text format: each <tool>ARGS</tool>, ARGS a JSON call or
+        the shorthand; chat format: each <tool_call>{json}</tool_call>. An unclosed call is no call."""
+        if self.chat:
+            return [json_call(inner) for inner in CHAT_CALL.findall(turn_text)]
+        calls = []
+        for inner in TEXT_CALL.findall(turn_text):
+            if inner.strip().startswith("{") or self.shorthand is None:
+                calls.append(json_call(inner))
+                continue
+            tool, parameter, kind = self.shorthand
+            try:
+                value = inner.strip() if kind == "string" else json.loads(inner)
+                calls.append(ToolCall(tool, {parameter: value}))
+            except ValueError:
+                calls.append(ToolCall(tool, None, f"{parameter} must be JSON of type {kind}"))
+        return calls
+
+    def observation_text(self, results):
+        """Text format: <result>TEXT</result> per result. Chat format: what the template adds after an assistant
+        turn's EOS for the `tool` messages and the next generation prompt (rendered after a stand-in conversation:
+        a template whose tool messages depend on the turns before them is not supported)."""
+        if not self.chat:
+            return "".join(f"<result>{r.text}</result>" for r in results)
+        messages = BEFORE_TOOLS + [{"role": "tool", "name": r.name, "content": r.text} for r in results]
+        after = self.tokenizer.apply_chat_template(messages, tools=self.schemas, add_generation_prompt=True,
+                                                   tokenize=False)
+        if not after.startswith(self.before_tools):
+            raise ValueError("the chat template renders the turns before tool messages differently once they follow")
+        return after[len(self.before_tools):]
+
+    def observation_ids(self, results):
+        return self.tokenizer(self.observation_text(results), add_special_tokens=False)["input_ids"]
+
+
+def load(cfg, tokenizer, examples=None):
+    """The Spec of --environment / --tools, None when neither is given. Every problem is one `error: ...` line
+    (SystemExit) before any model loads; with examples, a trial episode starts on the first (reset is called)."""
+    if not (cfg.environment or cfg.tools):
+        return None
+    try:
+        spec = Spec(cfg, tokenizer, toolbox(cfg.environment, cfg.tools))
+        if spec.chat:
+            spec.observation_text([ToolResult("1", False, spec.schemas[0]["function"]["name"])])
+    except ValueError as e:
+        raise SystemExit(f"error: {e}" if str(e).startswith("--") else f"error: {flag_of(cfg)}: {one_line(e)}.") from e
+    if examples:
+        spec.episode(examples[0])
+    return spec
+
+
+def trial_episodes(cfg, examples):
+    """Stand-ins of agents.Episode for the trial call of the --reward_fn functions before any model loads: a fresh
+    environment per row (reset called), no turns yet. None without --environment or --tools."""
+    if not (getattr(cfg, "environment", "") or getattr(cfg, "tools", "")):
+        return None
+    box = toolbox(cfg.environment, cfg.tools)
+    return [types.SimpleNamespace(env=Environment(box, ex, cfg.tool_timeout, flag_of(cfg)), turns=[], tool_calls=[])
+            for ex in examples]
