@@ -7,7 +7,7 @@ import math
 import numbers
 
 import torch
-from support import config
+from support import config, environments
 
 _TRAINER_STATE = []
 
@@ -36,19 +36,26 @@ class Completion(str):
         return completion
 
 
-def reward_kwargs(cfg, examples, completions):
+def reward_kwargs(cfg, examples, completions, episodes=None):
     """The keyword arguments of a reward function, as TRL's GRPOTrainer passes them, one list entry per completion:
     prompts (the dataset's prompt: text, or a conversation's messages), completions (text, or for a conversation
     [{"role": "assistant", "content": text}]), completion_ids (the sampled token ids, up to and including EOS),
-    trainer_state, and every column of the dataset but the prompt's, by its name."""
+    trainer_state, and every column of the dataset but the prompt's, by its name. With multi-turn episodes
+    (agents.Episode, one per completion) also episodes and, with --environment, environments: each episode's
+    environment instance, as TRL passes them."""
     rows = [ex.get("row", ex) for ex in examples]
     prompt_column = "prompt" if cfg.dataset == "arithmetic" else cfg.prompt_column
     columns = {key: [row[key] for row in rows] for key in rows[0] if key != prompt_column}
     prompts = [ex.get("raw_prompt", ex["prompt"]) for ex in examples]
-    return {**columns, "prompts": prompts,
-            "completions": [[{"role": "assistant", "content": c}] if isinstance(p, list) else c
-                            for p, c in zip(prompts, completions)],
-            "completion_ids": [getattr(c, "token_ids", None) for c in completions], "trainer_state": trainer_state()}
+    kwargs = {**columns, "prompts": prompts,
+              "completions": [[{"role": "assistant", "content": c}] if isinstance(p, list) else c
+                              for p, c in zip(prompts, completions)],
+              "completion_ids": [getattr(c, "token_ids", None) for c in completions], "trainer_state": trainer_state()}
+    if episodes is not None:
+        kwargs["episodes"] = episodes
+        if getattr(cfg, "environment", ""):
+            kwargs["environments"] = [episode.env.instance for episode in episodes]
+    return kwargs
 
 
 def call_reward_function(name, function, kwargs, when="step not applied"):
@@ -111,9 +118,9 @@ def check_reward_functions(cfg, examples, tokenizer):
     completions = [Completion(ex["answer"] or "", tokenizer(ex["answer"] or "", add_special_tokens=False)["input_ids"]
                               + [tokenizer.eos_token_id]) if tokenizer is not None else ex["answer"] or ""
                    for ex in examples]
-    kwargs = reward_kwargs(cfg, examples, completions)
-    taken = [key for key in ("prompts", "completions", "completion_ids", "trainer_state")
-             if key in examples[0].get("row", {})]
+    kwargs = reward_kwargs(cfg, examples, completions, environments.trial_episodes(cfg, examples))
+    taken = [key for key in ("prompts", "completions", "completion_ids", "trainer_state", "episodes", "environments")
+             if key in examples[0].get("row", {}) and key in kwargs]
     if cfg.reward_fn and taken:
         raise SystemExit(f"error: --dataset {cfg.dataset!r} has a column {taken[0]!r}, the name of an argument every "
                          "--reward_fn receives: rename the column.")

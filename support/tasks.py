@@ -256,7 +256,8 @@ class RewardModel:
 
 
 def make_reward_fn(cfg, accelerator):
-    """reward_fn(examples, completions) -> (rewards, correct, stats) on the accelerator's device: the weighted
+    """reward_fn(examples, completions, episodes=None) -> (rewards, correct, stats) on the accelerator's device
+    (episodes: the multi-turn episodes, agents.Episode, which --reward_fn functions receive): the weighted
     sum of the rule reward, the reward model's score and each --reward_fn function's values (None counts 0);
     stats holds each function's mean over the rows it scored, as train/reward/<name>. A reward that raises,
     or a value that is not a finite number, stops every rank before any update, naming what and where."""
@@ -268,7 +269,7 @@ def make_reward_fn(cfg, accelerator):
     if functions:
         reward_functions.trainer_state().max_steps = cfg.num_steps
 
-    def reward_fn(examples, completions):
+    def reward_fn(examples, completions, episodes=None):
         prompts = [ex.get("raw_prompt", ex["prompt"]) for ex in examples]
         stats, error = {}, None
         try:
@@ -283,7 +284,7 @@ def make_reward_fn(cfg, accelerator):
         for (name, function), weight in zip(functions, weights):
             if error is not None:
                 break
-            kwargs = reward_functions.reward_kwargs(cfg, examples, completions)
+            kwargs = reward_functions.reward_kwargs(cfg, examples, completions, episodes)
             values, error = reward_functions.call_reward_function(name, function, kwargs)
             if error is None:
                 scored = [v for v in values if v is not None]
