@@ -152,8 +152,8 @@ def toolbox(environment, tools):
         environment_class = Calculator
     elif environment:
         path, _, name = environment.rpartition(":")
-        if not name.isidentifier():
-            raise ValueError(f"--environment {environment!r}: give 'calculator' or FILE.py:Class.")
+        check(path.endswith(".py") and name.isidentifier(), f"--environment {environment!r}: give 'calculator' or "
+              "FILE.py:Class.")
         environment_class = vars(load_file("--environment", environment, path)).get(name)
         if not isinstance(environment_class, type):
             raise ValueError(f"--environment {environment!r}: {path} defines no class {name!r}.")
@@ -173,7 +173,8 @@ def toolbox(environment, tools):
     if tools:
         path, _, names = tools.rpartition(":")
         names = names.split(",")
-        check(all(n.isidentifier() for n in names), f"--tools {tools!r}: give FILE.py:fn1,fn2.")
+        check(path.endswith(".py") and all(n.isidentifier() for n in names), f"--tools {tools!r}: give "
+              "FILE.py:fn1,fn2.")
         module = load_file("--tools", tools, path)
         for name in names:
             function = vars(module).get(name)

@@ -1,0 +1,311 @@
+"""Tools and environments of multi-turn episodes (support/environments.py): the schemas of typed tools, one error line
+for every bad --environment / --tools, tool calls that never raise, the text and chat formats (calls parsed,
+observation tokens as the policy reads them), one environment instance per episode, the built-in calculator, and
+reward functions that read the episodes."""
+import string
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import pytest
+from accelerate import Accelerator
+
+from support import config, environments, reward_functions, tasks
+from support.environments import ToolCall, ToolResult
+
+TOOLS = '''
+import time
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first.
+        b: The second.
+    """
+    return a + b
+
+
+def fail(text: str) -> str:
+    """Always raises.
+
+    Args:
+        text: Anything.
+    """
+    raise RuntimeError("broken " + text)
+
+
+def slow(seconds: float) -> str:
+    """Sleeps.
+
+    Args:
+        seconds: How long.
+    """
+    time.sleep(seconds)
+    return "awake"
+
+
+def untyped(a):
+    """No type hint.
+
+    Args:
+        a: Anything.
+    """
+
+
+def undocumented(a: int) -> int:
+    return a
+
+
+class Counter:
+    def reset(self, start=0, **kwargs):
+        self.count = int(start)
+        return f" (from {start})"
+
+    def increment(self, by: int) -> int:
+        """Add to the count.
+
+        Args:
+            by: How much.
+        """
+        self.count += by
+        return self.count
+
+
+class NoReset:
+    def increment(self, by: int) -> int:
+        """Add.
+
+        Args:
+            by: How much.
+        """
+
+
+class NoTools:
+    def reset(self, **kwargs):
+        pass
+
+
+class BadReset:
+    def reset(self, **kwargs):
+        raise KeyError("level")
+
+    def look(self) -> str:
+        """Look around."""
+'''
+
+
+def char_tokenizer(extra_tokens=(), chat_template=None):
+    """A character-level tokenizer over printable ASCII, with extra whole tokens, built here (no download)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    special = ["<pad>", "<|im_end|>", "<unk>", "<|im_start|>"]
+    vocab = {token: i for i, token in enumerate(special + sorted(set(string.printable)))}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<|im_end|>",
+                                        unk_token="<unk>", additional_special_tokens=["<|im_start|>"])
+    tokenizer.add_tokens(list(extra_tokens))
+    tokenizer.chat_template = chat_template
+    return tokenizer
+
+
+# Qwen2.5's shape, shortened: the tools in a system turn, consecutive tool messages in one user turn
+QWEN_LIKE = (
+    "{%- if tools %}{{ '<|im_start|>system\\nTools:' }}{% for tool in tools %}{{ '\\n' + tool | tojson }}{% endfor %}"
+    "{{ '<|im_end|>\\n' }}{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{ '<|im_start|>user' }}{% endif %}"
+    "{{ '\\n<tool_response>\\n' + m.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{ '<|im_end|>\\n' }}{% endif %}"
+    "{%- else %}{{ '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{% endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+TEXT_TOKENIZER = char_tokenizer(["<tool>", "</tool>", "<result>", "</result>"])
+
+
+@pytest.fixture
+def tools_file(tmp_path):
+    path = tmp_path / "my_tools.py"
+    path.write_text(TOOLS)
+    return str(path)
+
+
+def flags(environment="", tools="", tool_timeout=5.0, use_chat_template=True):
+    return SimpleNamespace(environment=environment, tools=tools, tool_timeout=tool_timeout, system_prompt="",
+                           use_chat_template=use_chat_template)
+
+
+def load(tokenizer=TEXT_TOKENIZER, examples=({"prompt": "1+2=", "answer": "3"},), **kw):
+    return environments.load(flags(**kw), tokenizer, list(examples))
+
+
+def test_schema_of_a_typed_function_names_its_parameters_types_and_descriptions(tools_file):
+    spec = load(tools=f"{tools_file}:add")
+    assert spec.schemas == [{"type": "function", "function": {
+        "name": "add", "description": "Add two integers.",
+        "parameters": {"type": "object", "properties": {"a": {"type": "integer", "description": "The first."},
+                                                        "b": {"type": "integer", "description": "The second."}},
+                       "required": ["a", "b"]}, "return": {"type": "integer"}}}]
+    # an environment's tools are its public methods other than reset, without self
+    assert [s["function"]["name"] for s in load(environment=f"{tools_file}:Counter").schemas] == ["increment"]
+
+
+@pytest.mark.parametrize("flag, value, said", [
+    ("tools", "missing.py:add", "no such file"),
+    ("tools", "{file}:subtract", "defines no function 'subtract'"),
+    ("tools", "{file}:add,untyped", "missing a type hint"),
+    ("tools", "{file}:undocumented", "no docstring"),
+    ("tools", "{file}:add,add", "two tools named 'add'"),
+    ("environment", "{file}:Missing", "defines no class 'Missing'"),
+    ("environment", "{file}:NoReset", "no reset method"),
+    ("environment", "{file}:NoTools", "no public method other than reset"),
+    ("environment", "{file}:BadReset", "reset raised KeyError"),
+    ("environment", "calc", "give 'calculator' or FILE.py:Class"),
+    ("tools", "{file}", "give FILE.py:fn1,fn2"),
+])
+def test_each_bad_flag_is_one_error_line_naming_it(tools_file, flag, value, said):
+    value = value.format(file=tools_file)
+    with pytest.raises(SystemExit) as stopped:
+        load(**{flag: value})
+    message = str(stopped.value.code)
+    assert message.startswith(f"error: --{flag} {value!r}: ") and "\n" not in message
+    assert said in message
+
+
+@dataclass
+class AgentTrainConfig(environments.AgentConfig, config.TrainConfig):
+    pass
+
+
+def test_agent_flags_are_checked_with_the_config_and_calculator_switches_to_the_agent_model_and_task(tools_file):
+    for bad, said in [({"max_turns": 0}, "--max_turns must be >= 1"), ({"tool_timeout": 0.0}, "--tool_timeout must"),
+                      ({"tools": f"{tools_file}:untyped"}, "--tools")]:
+        with pytest.raises(ValueError, match=said):
+            AgentTrainConfig(**bad)
+    cfg = AgentTrainConfig(environment="calculator")
+    assert (cfg.model_name_or_path, cfg.dataset) == (environments.AGENT_MODEL, "tool_arithmetic")
+    assert AgentTrainConfig(environment="calculator", model_name_or_path="my_model").dataset == "arithmetic"
+    assert AgentTrainConfig().model_name_or_path == config.EMBEDDED_MODEL  # no environment: nothing switches
+
+
+def test_failed_calls_are_error_results_and_the_next_call_still_works(tools_file):
+    spec = load(tools=f"{tools_file}:add,fail,slow", tool_timeout=0.3)
+    env = spec.episode({"prompt": "1+2="})
+    good = ToolCall("add", {"a": 2, "b": 3})
+    for bad, said in [(ToolCall("fail", {"text": "x"}), "error: broken x"),
+                      (ToolCall("slow", {"seconds": 3.0}), "error: slow ran past 0.3 s"),
+                      (ToolCall("add", {"a": 1}), "error: add: missing a required argument: 'b'"),
+                      (ToolCall("add", {"a": 1, "b": 2, "c": 3}), "error: add: got an unexpected keyword"),
+                      (ToolCall("multiply", {"a": 1}), "error: unknown tool 'multiply'"),
+                      (ToolCall(None, None, "malformed JSON"), "error: malformed JSON")]:
+        result = env.call(bad)
+        assert result.error and result.text.startswith(said), result
+        assert env.call(good) == ToolResult("5", False, "add")
+    assert env.call(ToolCall("slow", {"seconds": 0.0})) == ToolResult("awake", False, "slow")
+
+
+def test_text_format_parses_the_shorthand_and_json_calls(tools_file):
+    spec = load(environment="calculator")
+    assert spec.parse("12+34=46") == [] and spec.parse("<tool>1+2") == []  # no call; an unclosed call is none
+    assert spec.parse("<tool>34*5</tool>") == [ToolCall("calculate", {"expression": "34*5"})]
+    assert spec.parse('a<tool>{"name": "calculate", "arguments": {"expression": "1+2"}}</tool>b<tool>7-2</tool>') == \
+        [ToolCall("calculate", {"expression": "1+2"}), ToolCall("calculate", {"expression": "7-2"})]
+    assert spec.parse('<tool>{"name": "calculate", "arguments": </tool>') == [ToolCall(None, None, "malformed JSON")]
+    # no shorthand with two tools: the text must be a JSON call
+    two = load(tools=f"{tools_file}:add,slow")
+    assert two.parse('<tool>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool>') == [ToolCall("add", {"a": 1,
+                                                                                                        "b": 2})]
+    assert two.parse("<tool>1, 2</tool>")[0].error is not None
+    # a one-parameter tool whose parameter is not text reads the shorthand as JSON
+    one = load(tools=f"{tools_file}:slow")
+    assert one.parse("<tool>0.5</tool>") == [ToolCall("slow", {"seconds": 0.5})]
+
+
+def test_text_format_observation_ids_round_trip_and_stop_at_the_closing_tool_token():
+    spec = load(environment="calculator")
+    results = [ToolResult("170", False), ToolResult("error: need a+b, a-b or a*b", True)]
+    ids = spec.observation_ids(results)
+    assert TEXT_TOKENIZER.decode(ids) == "<result>170</result><result>error: need a+b, a-b or a*b</result>"
+    assert spec.stop_ids == [TEXT_TOKENIZER.convert_tokens_to_ids("</tool>")]
+    assert load(char_tokenizer(), environment="calculator").stop_ids == []  # </tool> is 7 tokens: turns end at EOS
+    env = spec.episode({"prompt": "12*5="})
+    assert spec.prompt_text({"prompt": "12*5="}, env) == "12*5="
+
+
+def test_chat_format_sequence_equals_the_template_rendering_of_the_whole_conversation(tools_file):
+    tokenizer = char_tokenizer(chat_template=QWEN_LIKE)
+    spec = load(tokenizer, tools=f"{tools_file}:add,fail")
+    assert spec.stop_ids == []
+    example = {"prompt": "What is 2+3?"}
+    env = spec.episode(example)
+    turn = 'Let me add.<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>' \
+           '<tool_call>{"name": "fail", "arguments": {"text": "x"}}</tool_call>'
+    calls = spec.parse(turn)
+    assert calls == [ToolCall("add", {"a": 2, "b": 3}), ToolCall("fail", {"text": "x"})]
+    results = [env.call(call) for call in calls]
+    # what the policy reads: the prompt, its sampled turn up to and including EOS, the observation
+    ids = tokenizer(spec.prompt_text(example, env), add_special_tokens=False)["input_ids"] + \
+        tokenizer(turn, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] + \
+        spec.observation_ids(results)
+    conversation = [{"role": "user", "content": example["prompt"]}, {"role": "assistant", "content": turn}] + \
+        [{"role": "tool", "content": r.text} for r in results]
+    whole = tokenizer.apply_chat_template(conversation, tools=spec.schemas, add_generation_prompt=True,
+                                          tokenize=False)
+    assert ids == tokenizer(whole, add_special_tokens=False)["input_ids"]
+    assert whole.endswith("<tool_response>\n5\n</tool_response>\n<tool_response>\nerror: broken x\n"
+                          "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    assert spec.parse('<tool_call>{"name": add}</tool_call>') == [ToolCall(None, None, "malformed JSON")]
+    assert spec.parse("<tool>1+2</tool>") == []  # the text format's calls are not the chat format's
+
+
+def test_each_episode_has_its_own_instance_reset_with_its_row(tools_file):
+    spec = load(environment=f"{tools_file}:Counter")
+    first, second = spec.episode({"prompt": "count", "start": "10"}), spec.episode({"prompt": "count"})
+    assert first.instance is not second.instance
+    assert first.call(ToolCall("increment", {"by": 5})).text == "15"
+    assert first.call(ToolCall("increment", {"by": 1})).text == "16"
+    assert second.call(ToolCall("increment", {"by": 1})).text == "1"  # the first episode's count does not leak
+    assert spec.prompt_text({"prompt": "count"}, first) == "count (from 10)"  # reset's observation, appended
+    # a real dataset's example: reset receives the row's columns
+    third = spec.episode({"prompt": "rendered", "row": {"question": "count", "start": 3}})
+    assert third.call(ToolCall("increment", {"by": 1})).text == "4"
+
+
+def test_calculator_does_one_binary_integer_operation():
+    calculator = environments.Calculator()
+    assert calculator.reset(prompt="2+3*4=", answer="14") is None
+    assert [calculator.calculate(e) for e in ("34*5", " 12 + 30 ", "3-10", "0*7")] == ["170", "42", "-7", "0"]
+    for bad in ("3+4*5", "-3+1", "2/1", "", "abc", "1234567890+1"):
+        with pytest.raises(ValueError):
+            calculator.calculate(bad)
+    assert calculator.history[0] == ("34*5", "170")
+    env = load(environment="calculator").episode({"prompt": "1+2="})
+    assert env.call(ToolCall("calculate", {"expression": "3+4*5"})) == \
+        ToolResult("error: need a+b, a-b or a*b", True, "calculate")
+
+
+REWARD = '''
+def counted(completions, environments, episodes, **kwargs):
+    return [float(env.count) + len(episode.turns) for env, episode in zip(environments, episodes)]
+'''
+
+
+def test_reward_functions_receive_the_episodes_and_their_environments(tools_file, tmp_path):
+    (tmp_path / "count_reward.py").write_text(REWARD)
+    cfg = AgentTrainConfig(environment=f"{tools_file}:Counter", reward_fn=[f"{tmp_path}/count_reward.py:counted"])
+    examples = [{"prompt": "count", "answer": "1", "family": "add_2x1", "start": 2},
+                {"prompt": "count", "answer": "2", "family": "add_2x1", "start": 7}]
+    reward_functions.check_reward_functions(cfg, examples, tokenizer=None)  # trial episodes: it can be called
+    spec = environments.load(cfg, TEXT_TOKENIZER)
+    episodes = [SimpleNamespace(env=spec.episode(ex), turns=["t"] * 3, tool_calls=[]) for ex in examples]
+    episodes[1].env.call(ToolCall("increment", {"by": 1}))
+    rewards, _, stats = tasks.make_reward_fn(cfg, Accelerator(cpu=True))(examples, ["1", "x"], episodes)
+    assert rewards.tolist() == [1.0 + 5.0, 0.0 + 11.0]  # the rule reward plus count + turns
+    assert stats["train/reward/counted"] == 8.0
+    # without episodes the keywords are as before
+    kwargs = reward_functions.reward_kwargs(cfg, examples, ["1", "x"])
+    assert "episodes" not in kwargs and "environments" not in kwargs
