@@ -114,8 +114,6 @@ def one_line(error):
 
 def load_file(flag, spec, path):
     """The module of a FILE.py given to flag; a missing file or one that fails to import is a ValueError."""
-    if not path.endswith(".py"):
-        raise ValueError(f"{flag} {spec!r}: give FILE.py:NAME.")
     if not os.path.isfile(path):
         raise ValueError(f"{flag} {spec!r}: no such file {path!r}.")
     found = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
@@ -155,8 +153,7 @@ def toolbox(environment, tools):
         check(path.endswith(".py") and name.isidentifier(), f"--environment {environment!r}: give 'calculator' or "
               "FILE.py:Class.")
         environment_class = vars(load_file("--environment", environment, path)).get(name)
-        if not isinstance(environment_class, type):
-            raise ValueError(f"--environment {environment!r}: {path} defines no class {name!r}.")
+        check(isinstance(environment_class, type), f"--environment {environment!r}: {path} defines no class {name!r}.")
     if environment_class is not None:
         check(callable(getattr(environment_class, "reset", None)), f"--environment {environment!r}: the class has "
               "no reset method: give it reset(self, **kwargs), which starts each episode.")
@@ -187,9 +184,6 @@ def toolbox(environment, tools):
     return Toolbox(environment_class, functions, schemas)
 
 
-# ----------------------------------------------------------------------------------------
-# One episode's environment
-# ----------------------------------------------------------------------------------------
 class Environment:
     """The environment of one episode: a new instance of the environment class (None for --tools alone) whose
     reset was called with the example's row, and its tools. call() never raises."""
@@ -271,18 +265,15 @@ class Spec:
     --use_chat_template), else the text format."""
 
     def __init__(self, cfg, tokenizer, box):
-        self.box, self.tokenizer, self.timeout = box, tokenizer, cfg.tool_timeout
-        self.flag = flag_of(cfg)
+        self.box, self.tokenizer, self.timeout, self.flag = box, tokenizer, cfg.tool_timeout, flag_of(cfg)
         self.schemas, self.system_prompt = box.schemas, cfg.system_prompt
         self.chat = cfg.use_chat_template and bool(getattr(tokenizer, "chat_template", None))
         end = tokenizer("</tool>", add_special_tokens=False)["input_ids"]
         self.stop_ids = end if not self.chat and len(end) == 1 and end[0] != tokenizer.unk_token_id else []
         # the text format's shorthand <tool>ARGS</tool>: one tool of one parameter, ARGS its value
-        parameters = [s["function"]["parameters"]["properties"] for s in self.schemas]
-        self.shorthand = None
-        if len(self.schemas) == 1 and len(parameters[0]) == 1:
-            (name, kind), = parameters[0].items()
-            self.shorthand = (self.schemas[0]["function"]["name"], name, kind.get("type"))
+        functions = [s["function"] for s in self.schemas]
+        parameters = [(name, kind.get("type")) for name, kind in functions[0]["parameters"]["properties"].items()]
+        self.shorthand = (functions[0]["name"], *parameters[0]) if len(functions) == len(parameters) == 1 else None
         if self.chat:
             before = tokenizer.apply_chat_template(BEFORE_TOOLS, tools=self.schemas, tokenize=False)
             eos = tokenizer.eos_token or ""
@@ -290,6 +281,7 @@ class Spec:
             self.before_tools = before[:before.rfind(eos) + len(eos)] if eos in before else before
 
     def episode(self, example):
+        """A fresh Environment for the example: a new instance (environment_factory's one per episode), reset."""
         return Environment(self.box, example, self.timeout, self.flag)
 
     def prompt_text(self, example, env=None):
