@@ -25,12 +25,12 @@ import torch
 
 import common
 import exploration
-from support import budget, config, engine, tasks
+from support import budget, config, engine, environments, tasks
 from support.config import arg
 
 
 @dataclass
-class Config(budget.ExplorationConfig, config.GroupConfig):
+class Config(environments.AgentConfig, budget.ExplorationConfig, config.GroupConfig):
     epsilon_low: float = arg(0.2, "Clip the ratio below at 1 - epsilon_low (DAPO: 0.2).")
     epsilon_high: float = arg(0.28, "Clip the ratio above at 1 + epsilon_high (DAPO: 0.28), >= epsilon_low.")
     dual_clip_c: float = arg(0.0, "Dual clip: a token with A < 0 loses at most c |A|, whatever its ratio (0 = off).")

@@ -23,12 +23,12 @@ import torch
 
 import common
 import exploration
-from support import budget, config, engine, tasks
+from support import budget, config, engine, environments, tasks
 from support.config import arg
 
 
 @dataclass
-class Config(budget.ExplorationConfig, config.GroupConfig):
+class Config(environments.AgentConfig, budget.ExplorationConfig, config.GroupConfig):
     beta: float = arg(0.04, "Coefficient of the KL-to-reference term in the per-token loss (0 = no reference).")
     kl_estimator: str = arg("k3", "Estimator of that KL term: k3 (GRPO) | k2 | k1 (docs/algorithms.md).")
     kl_is_weight: bool = arg(False, "Multiply the KL term by the ratio pi_theta / pi_old (DeepSeek-V3.2).")

@@ -27,12 +27,12 @@ import torch
 from transformers import AutoModelForSequenceClassification
 
 import common
-from support import config, engine, models, run, tasks
+from support import config, engine, environments, models, run, tasks
 from support.config import arg
 
 
 @dataclass
-class Config(config.TrainConfig):
+class Config(environments.AgentConfig, config.TrainConfig):
     # 150 batches of num_epochs x num_mini_batches = 16 optimizer steps each: 5 minutes on 2 CPU cores
     num_steps: int = arg(150, "Rollout batches (each gives num_epochs x num_mini_batches optimizer steps).")
     # below the common 1e-4 because each batch gives 16 steps (tuned on the embedded model, docs/ppo.md)
@@ -76,22 +76,24 @@ def gae(rewards, values, mask, gamma, lam):
     """Generalized advantage estimation (Schulman et al., 2016), per token. (B, T) in, out.
 
     delta_t = r_t + gamma V_{t+1} - V_t,  A_t = delta_t + gamma lam A_{t+1},  R_t = A_t + V_t,
-    with V_{T+1} = 0 after the last valid token. `mask` is a completion mask (1 on a prefix
-    of each row): positions where it is 0 contribute nothing and get A = R = 0. lam is a
-    number or a (B,) tensor, one lambda per sequence. Returns (advantages, returns).
+    with V_{T+1} = 0 after the last valid token. `mask` is 1 on the tokens that are actions: a
+    completion's prefix, or an episode's model tokens (agents.py), where t + 1 is the next action,
+    the environment's tokens between them skipped. Positions where it is 0 contribute nothing and
+    get A = R = 0. lam is a number or a (B,) tensor, one lambda per sequence. Returns (advantages, returns).
     """
     # BEGIN SOLUTION
-    rewards = torch.where(mask.bool(), rewards, torch.zeros_like(rewards))
-    values = torch.where(mask.bool(), values, torch.zeros_like(values))
+    acts = mask.bool()
+    rewards = torch.where(acts, rewards, torch.zeros_like(rewards))
+    values = torch.where(acts, values, torch.zeros_like(values))
     next_adv = torch.zeros_like(rewards[:, 0])
     next_value = torch.zeros_like(values[:, 0])
     advantages = torch.zeros_like(rewards)
-    for t in reversed(range(rewards.shape[1])):
+    for t in reversed(range(rewards.shape[1])):  # a position that is no action leaves the recursion as it is
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        next_adv = delta + gamma * lam * next_adv
-        next_value = values[:, t]
+        next_adv = torch.where(acts[:, t], delta + gamma * lam * next_adv, next_adv)
+        next_value = torch.where(acts[:, t], values[:, t], next_value)
         advantages[:, t] = next_adv
-    advantages = torch.where(mask.bool(), advantages, torch.zeros_like(advantages))
+    advantages = torch.where(acts, advantages, torch.zeros_like(advantages))
     returns = advantages + values
     return advantages, returns
     # END SOLUTION
@@ -106,6 +108,12 @@ def decoupled_gae(rewards, values, mask, gamma, lam_policy, lam_critic):
     _, returns = gae(rewards, values, mask, gamma, lam_critic)
     return advantages, returns
     # END SOLUTION
+
+
+def last_action(mask):
+    """(B,) the position of each row's last 1 in the (B, T) mask: its last action (0 when it has none)."""
+    positions = torch.arange(mask.shape[1], device=mask.device)
+    return torch.where(mask.bool(), positions, 0).max(dim=1).values
 
 
 def length_adaptive_lam(lengths, alpha):
@@ -269,7 +277,7 @@ def main():
         # ---- advantages: per-token reward, GAE (the critic is the baseline), whitened ----
         with trainer.timer("gae"):
             kl = common.kl_k1(old_logp, ref_logp) if ref_logp is not None else torch.zeros_like(old_logp)
-            last = mask.sum(1) - 1  # index of the EOS, or of the last token when cut at max length
+            last = last_action(mask)  # the EOS, or the last token when cut at max length: the reward's place
             token_rewards = -kl_ctl.value * kl
             token_rewards[torch.arange(len(rollout)), last] += rewards
             lam = length_adaptive_lam(mask.sum(1), cfg.lam_alpha) if cfg.lam_alpha > 0 else cfg.lam

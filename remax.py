@@ -18,12 +18,12 @@ from dataclasses import dataclass
 import torch
 
 import common
-from support import config, engine, tasks
+from support import config, engine, environments, tasks
 from support.config import arg
 
 
 @dataclass
-class Config(config.TrainConfig):
+class Config(environments.AgentConfig, config.TrainConfig):
     baseline: str = arg("greedy", "'greedy' (ReMax) or 'none' (plain REINFORCE).")
     beta: float = arg(0.05, "Coefficient of the per-token k1 penalty folded into the return (0 = no reference).")
     adv_clip: float = arg(5.0, "Clip the advantage r - r_greedy to [-adv_clip, adv_clip] (0 = off).")

@@ -20,12 +20,12 @@ import torch
 
 import common
 import exploration
-from support import budget, config, engine, tasks
+from support import budget, config, engine, environments, tasks
 from support.config import arg
 
 
 @dataclass
-class Config(budget.ExplorationConfig, config.GroupConfig):
+class Config(environments.AgentConfig, budget.ExplorationConfig, config.GroupConfig):
     beta: float = arg(0.05, "Coefficient of the sequence k1 penalty folded into the reward (0 = no reference).")
 
     def __post_init__(self):

@@ -26,7 +26,7 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 import common
-from support import async_sampling, checkpoint, config, fast, models, routing, run, sampling, tasks, view
+from support import async_sampling, checkpoint, config, environments, fast, models, routing, run, sampling, tasks, view
 from support.rollout import MicroBatch, Rollout, micro_batches
 from support.sampling import any_process  # noqa: F401  (dapo.py: engine.any_process)
 
@@ -37,6 +37,7 @@ def load_data(cfg, accelerator):
     with accelerator.main_process_first():
         tokenizer = models.load_tokenizer(cfg)
         train_data, eval_data = tasks.load_task(cfg, tokenizer)
+        environments.load(cfg, tokenizer, train_data)  # --environment, --tools: checked, a trial episode
     return tokenizer, train_data, eval_data
 
 
@@ -87,10 +88,10 @@ def fewest(accelerator, n):
 
 
 class Trainer:
-    """The run around one algorithm's loop: sampling (support/sampling.py), scoring, the pieces of the update
-    (micro-batches, backward, step), timing, logging, evaluation and checkpoints. `rollout_model`, `rollout_lag`: the
-    sampler's copy of `policy` (a Trainable) and its staleness; `others`: Trainables stepped with the policy (PPO's
-    critic). The rollout viewer (`viewer`, support/view.py) watches what the step computed."""
+    """The run around one algorithm's loop: sampling (support/sampling.py), scoring, the update's pieces (micro-batches,
+    backward, step), timing, logging, evaluation, checkpoints. `rollout_model`, `rollout_lag`: the sampler's copy of
+    `policy` (a Trainable) and its staleness; `others`: Trainables stepped with the policy (PPO's critic); `viewer`
+    (support/view.py) watches what the step computed; `environment`: the episodes' (agents.py), or None."""
 
     def __init__(self, cfg, accelerator, tokenizer, sampler, eval_data, policy, rollout_model=None,
                  rollout_lag=None, others=()):
@@ -100,6 +101,7 @@ class Trainer:
         # --fast False: the plain definitions, to read or step through in a debugger; same draws, same values
         self.sample, self.score = (fast.generate, fast.token_logprobs) if cfg.fast else \
             (common.generate, common.token_logprobs)
+        self.environment = environments.load(cfg, tokenizer)  # --environment, --tools
         self.rollout_sampler = sampling.rollout_sampler(self, policy, rollout_model, rollout_lag,
                                                         sampler.sample_with(self.sample))  # --sampler tree: trees
         set_seed(cfg.seed + accelerator.process_index)  # each rank samples different completions
@@ -119,10 +121,11 @@ class Trainer:
         self.viewer = view.Watcher(self.cfg, self.accelerator, self.tokenizer, self.start_step)
         return self.start_step
 
-    def evaluate(self, step):
-        """Held-out greedy accuracy of the policy, logged at `step` (0: before training)."""
-        self.logger.log(step, tasks.evaluate(self.policy.model, self.tokenizer, self.eval_data, self.cfg,
-                                             self.accelerator, generate=self.sample))
+    def evaluate(self, step=None):
+        """Held-out greedy accuracy of the policy (or of its greedy episodes), logged at `step` (0: before training)."""
+        metrics = tasks.evaluate(self.policy.model, self.tokenizer, self.eval_data, self.cfg, self.accelerator,
+                                 generate=self.sample, play=sampling.greedy_play(self.environment, self.cfg))
+        return metrics if step is None else self.logger.log(step, metrics)
 
     def steps(self):
         """The step numbers still to run, with a progress bar on the main process."""
@@ -288,8 +291,7 @@ class Trainer:
             samples = zip(rollout.prompts, rollout.completions, rewards.tolist())
         metrics = run.reduce_metrics(accelerator, metrics)
         if step % cfg.eval_every == 0 or step == cfg.num_steps:
-            metrics.update(tasks.evaluate(self.policy.model, self.tokenizer, self.eval_data, cfg, accelerator,
-                                          generate=self.sample))
+            metrics.update(self.evaluate())
         self.logger.log(step, metrics, samples=samples)
         self.at_step = step + 1
         return self.ckpt.step_end(step, self.policy.model, self.tokenizer, finite)
@@ -301,8 +303,7 @@ class Trainer:
         if self.viewer.enabled:
             print(f"the rollouts, token by token: {os.path.join(cfg.output_dir, 'rollouts.html')}", flush=True)
         if cfg.save_model:
-            models.save_model(accelerator, self.policy.model, self.tokenizer, f"{cfg.output_dir}/final",
-                              cfg.merge_lora)
+            models.save_model(accelerator, self.policy.model, self.tokenizer, f"{cfg.output_dir}/final", cfg.merge_lora)
         accelerator.wait_for_everyone()
         accelerator.end_training()  # close the process group on every rank
         config.leave_run(accelerator.num_processes)  # several processes: os._exit, see its docstring

@@ -337,6 +337,7 @@ def load(cfg, tokenizer, examples=None):
     (SystemExit) before any model loads; with examples, a trial episode starts on the first (reset is called)."""
     if not (cfg.environment or cfg.tools):
         return None
+    refuse(cfg)
     try:
         spec = Spec(cfg, tokenizer, toolbox(cfg.environment, cfg.tools))
         if spec.chat:
@@ -346,6 +347,20 @@ def load(cfg, tokenizer, examples=None):
     if examples:
         spec.episode(examples[0])
     return spec
+
+
+def refuse(cfg):
+    """What episodes do not run with yet, one line each."""
+    from transformers import AutoConfig
+
+    moe = any(getattr(AutoConfig.from_pretrained(cfg.model_name_or_path), name, 0)
+              for name in ("num_experts", "num_local_experts"))
+    for refused, what in ((cfg.async_rollouts > 0, "--async_rollouts: the sampler process plays single turns"),
+                          (getattr(cfg, "sampler", "independent") != "independent",
+                           "--sampler tree: a tree's segments are single turns"),
+                          (moe, "a mixture-of-experts policy: an episode's routing is not recorded")):
+        if refused:
+            raise SystemExit(f"error: {flag_of(cfg)} does not run with {what}.")
 
 
 def trial_episodes(cfg, examples):

@@ -16,6 +16,7 @@ draws from the same seed) by tests/test_fast.py. Read the spec; this is how it i
 import torch
 
 import common
+from agents import until_stop
 from support import models, routing
 
 # Rows of (C, V) fp32 logits that token_logprobs takes at once: 2**24 floats (64 MiB) bound the
@@ -163,3 +164,68 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=1, gree
             cache = shared_prompt_cache(model, ids, mask, rows) if ids.shape[1] > 1 else None
             chunks.append(decode(model, ids[rows], mask[rows], cache, gen, scores))
     return common.pad_completions(chunks, tokenizer.pad_token_id)
+
+
+class CachedTurns:
+    """agents.play_episodes' sample_turn, equal to agents.sample_turn_plain (the same draws, the same tokens;
+    tests/test_agents.py), with each episode's keys and values kept from one turn to the next: a turn feeds only
+    what the row has not fed yet (its prompt at the first turn; then the last token it sampled and the environment's
+    reply), right-padded into one block, and samples from there. A row whose turn has ended goes on running until
+    every row's has, on a padding token its attention mask hides (a hole in the cache, which the positions skip),
+    so the rows stay one batch across turns; a row whose episode has ended leaves the cache."""
+
+    def __init__(self, model, tokenizer, cfg, stop_ids, greedy=False):
+        self.model, self.gen = model, common.generation_config(tokenizer, cfg, greedy)
+        self.stop = torch.tensor([tokenizer.eos_token_id, *stop_ids])
+        self.rows, self.cache, self.attention, self.positions, self.unfed = [], None, None, None, []
+
+    @torch.no_grad()
+    def __call__(self, rows, histories, appended, max_new_tokens):
+        gen, model = self.gen, self.model
+        device = next(model.parameters()).device
+        if self.cache is not None:  # the episodes that go on keep their keys and values
+            keep = torch.tensor([self.rows.index(r) for r in rows], device=device)
+            self.cache.reorder_cache(keep)
+            self.attention, self.positions = self.attention[keep], self.positions[keep]
+            self.unfed = [self.unfed[j] for j in keep.tolist()]
+        else:
+            self.attention = torch.zeros(len(rows), 0, dtype=torch.long, device=device)
+            self.positions = torch.zeros(len(rows), dtype=torch.long, device=device)
+            self.unfed = [[] for _ in rows]
+        self.rows = list(rows)
+        blocks = [unfed + new for unfed, new in zip(self.unfed, appended)]
+        lengths = torch.tensor([len(b) for b in blocks], device=device)
+        width = int(lengths.max())
+        block = torch.tensor([b + [gen.pad_token_id] * (width - len(b)) for b in blocks], device=device)
+        block_mask = (torch.arange(width, device=device)[None, :] < lengths[:, None]).long()
+        self.attention = torch.cat([self.attention, block_mask], dim=1)
+        out = model(input_ids=block, attention_mask=self.attention, cache=self.cache, use_cache=True,
+                    position_ids=self.positions[:, None] + torch.arange(width, device=device)[None, :])
+        self.cache, self.positions = out.cache, self.positions + lengths
+        logits = out.logits[torch.arange(len(rows), device=device), lengths - 1].float()  # each row's last token's
+        tokens = torch.full((len(rows), max_new_tokens), gen.pad_token_id, dtype=torch.long, device=device)
+        going = torch.ones(len(rows), dtype=torch.bool, device=device)  # the rows whose turn goes on
+        for t in range(max_new_tokens):
+            token = self._draw(logits)
+            tokens[going, t] = token[going]
+            fed = going  # this step's token goes into the cache at the next forward (the stop token included)
+            going = going & ~torch.isin(token, self.stop.to(device))
+            if not going.any() or t + 1 == max_new_tokens:
+                break
+            self.attention = torch.cat([self.attention, fed.long()[:, None]], dim=1)
+            out = model(input_ids=torch.where(fed, token, gen.pad_token_id)[:, None], attention_mask=self.attention,
+                        position_ids=self.positions[:, None], cache=self.cache, use_cache=True)
+            self.cache, logits = out.cache, out.logits[:, -1].float()
+            self.positions = self.positions + fed.long()
+        turns = [until_stop(row, self.stop.tolist()) for row in tokens[:, :t + 1].tolist()]
+        self.unfed = [turn[-1:] if f else [] for turn, f in zip(turns, fed.tolist())]  # fed with the next block
+        return turns
+
+    def _draw(self, logits):
+        """One token per row, as transformers' generate draws it (greedy: argmax)."""
+        gen = self.gen
+        if not gen.do_sample:
+            return logits.argmax(dim=-1)
+        probs = torch.softmax(common.sampling_mask(logits / gen.temperature, gen.top_k or 0, gen.top_p), dim=-1)
+        return torch.multinomial(probs, num_samples=1).squeeze(1)
+

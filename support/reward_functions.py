@@ -28,11 +28,11 @@ CHECK_ROWS = 4  # the train rows each --reward_fn is tried on before any model l
 
 class Completion(str):
     """A completion's text that also holds its token ids (the sampled ones, up to and including the first EOS),
-    which a reward function receives as completion_ids."""
+    which a reward function receives as completion_ids, and, in an episode (agents.py), its agents.Episode."""
 
-    def __new__(cls, text, token_ids=None):
+    def __new__(cls, text, token_ids=None, episode=None):
         completion = super().__new__(cls, text)
-        completion.token_ids = token_ids
+        completion.token_ids, completion.episode = token_ids, episode
         return completion
 
 

@@ -16,8 +16,8 @@ class Rollout:
     prompt_ids: torch.Tensor      # (B, P)
     prompt_mask: torch.Tensor     # (B, P), 0 on the left padding
     completion_ids: torch.Tensor  # (B, T)
-    mask: torch.Tensor            # (B, T), 1 up to and including the first EOS (common.completion_mask)
-    completions: list
+    mask: torch.Tensor            # (B, T), 1 up to and including the first EOS (common.completion_mask); an
+    completions: list             # episode's: its action mask, 1 on the model's tokens only (agents.py)
     # a mixture-of-experts policy's routing (support/routing.py), (B, P + T, L, k) in the layout of input_ids:
     routing: tuple = None               # the sampler's experts and the token ids it saw
     old_routing: tuple = None           # those of the trainer's pi_old pass
@@ -28,6 +28,10 @@ class Rollout:
     sampler_logp: torch.Tensor = None
     version: torch.Tensor = None
     sampler_times: dict = None
+    # --environment / --tools: (B, T) 1 on every token of the episode, the environment's too (what attention sees;
+    # None: mask), and each row's agents.Episode
+    token_mask: torch.Tensor = None
+    episodes: list = None
 
     def __len__(self):
         return len(self.examples)
@@ -38,7 +42,7 @@ class Rollout:
 
     @property
     def attention_mask(self):  # (B, P + T)
-        return torch.cat([self.prompt_mask, self.mask], dim=1)
+        return torch.cat([self.prompt_mask, self.mask if self.token_mask is None else self.token_mask], dim=1)
 
     @property
     def prompts(self):
@@ -59,7 +63,8 @@ class Rollout:
         return Rollout([self.examples[i] for i in rows.tolist()], self.prompt_ids[rows], self.prompt_mask[rows],
                        self.completion_ids[rows], self.mask[rows], [self.completions[i] for i in rows.tolist()],
                        None if self.routing is None else tuple(x[rows] for x in self.routing),
-                       group_size=self.group_size)
+                       group_size=self.group_size, token_mask=None if self.token_mask is None else self.token_mask[rows],
+                       episodes=None if self.episodes is None else [self.episodes[i] for i in rows.tolist()])
 
     @staticmethod
     def cat(rollouts, pad_token_id, limit=None):
@@ -91,7 +96,9 @@ class Rollout:
                        pad([r.completion_ids for r in parts], pad_token_id),
                        pad([r.mask for r in parts], 0), [c for r in parts for c in r.completions],
                        None if parts[0].routing is None else (pad_routing(0), pad_routing(1)),
-                       group_size=parts[0].group_size)
+                       group_size=parts[0].group_size,
+                       token_mask=None if parts[0].token_mask is None else pad([r.token_mask for r in parts], 0),
+                       episodes=None if parts[0].episodes is None else [e for r in parts for e in r.episodes])
 
 
 def micro_batches(batch_size, micro_batch_size):

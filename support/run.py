@@ -40,8 +40,15 @@ class StepTimer:
 def rollout_metrics(rollout, step_s):
     """The engine's metrics of a step's rollout: completion length, tokens per second and, on a mixture of experts,
     train/routing_mismatch over the positions that predict a completion token."""
-    lengths = rollout.mask.sum(1).float()
+    lengths = rollout.mask.sum(1).float()  # the model's tokens
     metrics = {"train/completion_len": lengths.mean(), "time/tokens_per_s": lengths.sum() / step_s}
+    if rollout.episodes is not None:  # an environment's episodes (agents.py): per episode, over the batch
+        episodes = rollout.episodes
+        metrics.update({"train/turns": sum(e.num_turns for e in episodes) / len(episodes),
+                        "train/tool_calls": sum(len(e.tool_calls) for e in episodes) / len(episodes),
+                        "train/tool_errors": sum(e.tool_errors for e in episodes) / len(episodes),
+                        "train/truncated_frac": sum(e.truncated for e in episodes) / len(episodes),
+                        "train/env_token_frac": 1 - rollout.mask.sum() / rollout.token_mask.sum().clamp(min=1)})
     if rollout.live_routing is not None:
         predicting = torch.nn.functional.pad(rollout.mask, (rollout.prompt_ids.shape[1] - 1, 1))
         metrics["train/routing_mismatch"] = routing.mismatch(rollout.routing[0], rollout.live_routing, predicting)

@@ -3,12 +3,14 @@ generates completions of a batch of prompts with support/fast.py's decode loop o
 mixture of experts' routing is recorded as it samples. The trainer (support/engine.py) asks for a rollout once per
 step (DAPO: once per round of dynamic sampling) and trains on it."""
 import collections
+import functools
 from contextlib import ExitStack
 
 import torch
 
+import agents
 import common
-from support import async_sampling, models, reward_functions, routing, tasks
+from support import async_sampling, fast, models, reward_functions, routing, tasks, tree
 from support.rollout import Rollout
 
 
@@ -71,11 +73,17 @@ class RolloutSampler:
         with trainer.timer("generation"):
             prompt_ids, prompt_mask = tasks.tokenize_prompts(tokenizer, [ex["prompt"] for ex in examples],
                                                              accelerator.device)
-            model, error = self.model(trainer.at_step, greedy), None
+            model, error, episodes = self.model(trainer.at_step, greedy), None, None
             try:
                 with trainer.inference(), routing.record(model) if self.moe else ExitStack() as recording:
-                    completion_ids = self.sample(model, tokenizer, prompt_ids, prompt_mask, cfg,
-                                                 num_samples=num_samples, greedy=greedy)
+                    if trainer.environment is None:
+                        completion_ids = self.sample(model, tokenizer, prompt_ids, prompt_mask, cfg,
+                                                     num_samples=num_samples, greedy=greedy)
+                    else:  # episodes: the model's turns and the environment's replies (agents.py)
+                        prompt_ids, prompt_mask, completion_ids, mask, token_mask, episodes = play(
+                            model, tokenizer, trainer.environment, examples, cfg, num_samples, greedy)
+                        if isinstance(self.sample, tree.Sampling) and not greedy:  # train/decoded_per_completion
+                            self.sample.count(int(mask.sum()), len(completion_ids))
                 completion_ids = completion_ids.clone()  # an ordinary tensor: the loss's input
             except RuntimeError as e:  # e.g. NaN probabilities: are the weights broken? Every rank checks
                 error = e
@@ -85,9 +93,44 @@ class RolloutSampler:
                 trainer.ckpt.stop_if_broken(trainer.at_step - 1, model, tokenizer)
                 raise error if error is not None else SystemExit(1)
             k = len(completion_ids) // len(examples)
-            mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
-            completions = tasks.decode_completions(tokenizer, completion_ids, mask)
-        prompt_ids, prompt_mask = prompt_ids.repeat_interleave(k, dim=0), prompt_mask.repeat_interleave(k, dim=0)
+            if episodes is None:
+                mask = token_mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
+            completions = tasks.decode_completions(tokenizer, completion_ids, token_mask, episodes)
+        if episodes is None:
+            prompt_ids, prompt_mask = prompt_ids.repeat_interleave(k, dim=0), prompt_mask.repeat_interleave(k, dim=0)
         experts = recording.layout(torch.cat([prompt_mask, mask], 1)) if self.moe else None  # the sampler's
         return Rollout([ex for ex in examples for _ in range(k)], prompt_ids, prompt_mask, completion_ids, mask,
-                       completions, experts, group_size=k)
+                       completions, experts, group_size=k, episodes=episodes,
+                       token_mask=None if episodes is None else token_mask)
+
+
+
+def play(model, tokenizer, environment, examples, cfg, num_samples=1, greedy=False):
+    """agents.play_episodes of num_samples episodes of each example (one greedy episode each), each example's
+    adjacent, in calls of at most --generation_batch_size episodes, each turn sampled by support/fast.py's
+    CachedTurns or (--fast False) the plain agents.sample_turn_plain; under ZeRO-3 the weights gathered once.
+    Returns (prompt_ids, prompt_mask, completion_ids, mask, token_mask, episodes), on the model's device, the
+    calls' padded as if played together."""
+    k = 1 if greedy else num_samples
+    n = max(1, cfg.generation_batch_size // k) if cfg.generation_batch_size else len(examples)
+    device, played = next(model.parameters()).device, []
+    with common.sampling_mode(model), models.gathered_parameters(model):
+        for i in range(0, len(examples), n):
+            sample_turn = (fast.CachedTurns if cfg.fast else agents.sample_turn_plain)(
+                model, tokenizer, cfg, environment.stop_ids, greedy)
+            played.append(agents.play_episodes(sample_turn, environment, tokenizer,
+                                               [ex for ex in examples[i:i + n] for _ in range(k)], cfg.max_new_tokens,
+                                               cfg.max_turns))
+    width = max(p[0].shape[1] for p in played)  # the prompts: left-padded to the widest
+    prompt_ids = torch.cat([torch.nn.functional.pad(p[0], (width - p[0].shape[1], 0), value=tokenizer.pad_token_id)
+                            for p in played])
+    prompt_mask = torch.cat([torch.nn.functional.pad(p[1], (width - p[1].shape[1], 0)) for p in played])
+    completion_ids, mask, token_mask = (common.pad_completions([p[j] for p in played], pad)
+                                        for j, pad in ((2, tokenizer.pad_token_id), (3, 0), (4, 0)))
+    tensors = (prompt_ids, prompt_mask, completion_ids, mask, token_mask)
+    return (*(t.to(device) for t in tensors), [e for p in played for e in p[5]])
+
+
+def greedy_play(environment, cfg):
+    """tasks.evaluate's `play`: one greedy episode of each example (None without an environment)."""
+    return None if environment is None else functools.partial(play, environment=environment, cfg=cfg, greedy=True)

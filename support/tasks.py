@@ -270,6 +270,8 @@ def make_reward_fn(cfg, accelerator):
         reward_functions.trainer_state().max_steps = cfg.num_steps
 
     def reward_fn(examples, completions, episodes=None):
+        if episodes is None and isinstance(completions[0], reward_functions.Completion) and completions[0].episode:
+            episodes = [completion.episode for completion in completions]  # sampled episodes carry theirs
         prompts = [ex.get("raw_prompt", ex["prompt"]) for ex in examples]
         stats, error = {}, None
         try:
@@ -336,20 +338,26 @@ class PromptSampler:
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, examples, cfg, accelerator, batch_size=256, generate=None):
+def evaluate(model, tokenizer, examples, cfg, accelerator, batch_size=256, generate=None, play=None):
     """Held-out greedy accuracy per family and overall, sharded over ranks and summed (`generate`:
-    fast.generate by default, or the plain common.generate it equals)."""
+    fast.generate by default, or the plain common.generate it equals; `play`: sampling.play's greedy episodes,
+    with eval/tool_calls, the calls per episode)."""
     generate = generate or fast.generate
     shard = examples[accelerator.process_index::accelerator.num_processes]
     families = sorted({ex["family"] for ex in examples})
     counts = [[0, 0] for _ in families]  # (correct, total) per family, in Python: no device op per example
+    tool_calls = 0
     unwrapped = accelerator.unwrap_model(model)
     # as many generate calls on every rank (under ZeRO-3 each is a collective), each at most batch_size prompts
     num_calls = math.ceil(math.ceil(len(examples) / accelerator.num_processes) / batch_size)
     for batch in (shard[i::num_calls] for i in range(num_calls)):
-        prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [ex["prompt"] for ex in batch], accelerator.device)
-        completion_ids = generate(unwrapped, tokenizer, prompt_ids, prompt_mask, cfg, greedy=True)
-        mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
+        if play is None:
+            prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [ex["prompt"] for ex in batch], accelerator.device)
+            completion_ids = generate(unwrapped, tokenizer, prompt_ids, prompt_mask, cfg, greedy=True)
+            mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
+        else:
+            _, _, completion_ids, _, mask, episodes = play(unwrapped, tokenizer, examples=batch)
+            tool_calls += sum(len(episode.tool_calls) for episode in episodes)
         texts = decode_completions(tokenizer, completion_ids, mask)
         for text, ex in zip(texts, batch):
             j = families.index(ex["family"])
@@ -358,6 +366,9 @@ def evaluate(model, tokenizer, examples, cfg, accelerator, batch_size=256, gener
     counts = torch.tensor(counts, dtype=torch.float32, device=accelerator.device).T  # (2, families)
     correct, total = accelerator.reduce(counts, reduction="sum").tolist()
     metrics = {"eval/accuracy": sum(correct) / sum(total)}
+    if play is not None:
+        metrics["eval/tool_calls"] = accelerator.reduce(torch.tensor(float(tool_calls), device=accelerator.device),
+                                                        reduction="sum").item() / sum(total)
     for j, fam in enumerate(families):
         metrics[f"eval/acc_{fam}"] = correct[j] / max(total[j], 1)
     return metrics
@@ -368,9 +379,10 @@ def tokenize_prompts(tokenizer, prompts, device):
     return enc["input_ids"].to(device), enc["attention_mask"].to(device)
 
 
-def decode_completions(tokenizer, completion_ids, mask):
+def decode_completions(tokenizer, completion_ids, mask, episodes=None):
     """The text of each completion's tokens where mask is 1, with those tokens (as Python lists: one batched
-    decode, no tensor op per row)."""
+    decode, no tensor op per row) and its agents.Episode (episodes: one per row, or None)."""
     kept = [[t for t, m in zip(ids, row_mask) if m] for ids, row_mask in zip(completion_ids.tolist(), mask.tolist())]
     texts = tokenizer.batch_decode(kept, skip_special_tokens=True)
-    return [reward_functions.Completion(text, ids) for text, ids in zip(texts, kept)]
+    return [reward_functions.Completion(text, ids, None if episodes is None else episodes[i])
+            for i, (text, ids) in enumerate(zip(texts, kept))]

@@ -30,8 +30,12 @@ class Sampling:
             with common.sampling_mode(model), models.gathered_parameters(model):
                 ids, decoded = tree_generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples)
         if not greedy:
-            self.decoded, self.completions = self.decoded + decoded, self.completions + len(ids)
+            self.count(decoded, len(ids))
         return ids
+
+    def count(self, decoded, completions):
+        """Add what a sampling outside this function decoded (an episode's actions: sampling.play)."""
+        self.decoded, self.completions = self.decoded + decoded, self.completions + completions
 
     def metrics(self):
         """train/decoded_per_completion: completion tokens decoded per completion sampled since the last call."""

@@ -1,0 +1,185 @@
+"""Episodes (agents.py): the action mask, the plain episode loop and support/fast.py's CachedTurns (equal: the same
+draws, the same tokens), the single turn as the special case of an episode, the loss's gradient on the model's
+tokens only, and PPO's GAE over actions with the environment's tokens between them.
+
+The environment here is a toy that needs no tool file: a turn that ends with "=" calls it, and its reply is the
+value of the turn's expression (or "0"). A randomly initialised model writes "=" often, so its episodes run to
+several turns, cut by the turn and token budgets.
+"""
+from dataclasses import dataclass
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+import agents
+import common
+from support import config, fast
+
+PROMPTS = ["12+3=", "7*8=", "123+45=", "9-2=", "5+5=", "60-7="]
+
+
+@dataclass
+class Call:
+    name: str
+    arguments: dict
+    error: str = None
+
+
+@dataclass
+class Result:
+    text: str
+    error: bool
+
+
+class Toy:
+    """The per-episode handle of a toy environment: evaluates the expression before "=" (support/environments.py's
+    interface)."""
+    instance = None
+
+    def call(self, call):
+        try:
+            return Result(str(eval(call.arguments["expression"], {}))[:3], False)
+        except Exception:
+            return Result("0", True)
+
+
+class ToySpec:
+    def __init__(self, tokenizer, stop="="):
+        self.tokenizer, self.stop_ids = tokenizer, [tokenizer.convert_tokens_to_ids(stop)] if stop else []
+
+    def episode(self, example):
+        return Toy()
+
+    def prompt_text(self, example, env):
+        return example["prompt"]
+
+    def parse(self, text):
+        return [Call("calc", {"expression": text[:-1]})] if text.endswith("=") else []
+
+    def observation_ids(self, results):
+        return self.tokenizer("+" + results[0].text + "*", add_special_tokens=False)["input_ids"]
+
+
+@dataclass
+class Sampling:
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 24
+    generation_batch_size: int = 0
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(config.EMBEDDED_MODEL)
+
+
+@pytest.fixture(scope="module")
+def random_model():
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(config.EMBEDDED_MODEL)).eval()
+
+
+def prompts(tokenizer, names=PROMPTS):
+    enc = tokenizer(names, return_tensors="pt", padding=True, add_special_tokens=False)
+    return [{"prompt": p} for p in names], enc["input_ids"], enc["attention_mask"]
+
+
+def play(model, tokenizer, spec, cfg, plain, max_turns=4, seed=5, greedy=False):
+    """(completion_ids, mask, token_mask, episodes) of one episode per prompt."""
+    sample_turn = (agents.sample_turn_plain if plain else fast.CachedTurns)(model, tokenizer, cfg, spec.stop_ids,
+                                                                             greedy)
+    torch.manual_seed(seed)
+    prompt_ids, _, *played = agents.play_episodes(sample_turn, spec, tokenizer, prompts(tokenizer)[0],
+                                                  cfg.max_new_tokens, max_turns)
+    assert torch.equal(prompt_ids, prompts(tokenizer)[1])
+    return played
+
+
+def test_episode_masks_lay_out_segments_one_after_the_other():
+    lengths = torch.tensor([[3, 4, 2], [2, 0, 0], [1, 1, 5]])
+    is_action = torch.tensor([[True, False, True], [True, False, False], [False, True, True]])
+    mask, token_mask = agents.episode_masks(lengths, is_action, 8)
+    assert mask.tolist() == [[1, 1, 1, 0, 0, 0, 0, 1], [1, 1, 0, 0, 0, 0, 0, 0], [0, 1, 1, 1, 1, 1, 1, 0]]
+    assert token_mask.tolist() == [[1] * 8, [1, 1, 0, 0, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1, 0]]
+
+
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=0.7, top_k=6, top_p=0.9)],
+                         ids=["plain-sampler", "top-k-top-p"])
+def test_cached_turns_give_the_plain_loops_draws_and_tokens(tokenizer, random_model, sampling):
+    plain = play(random_model, tokenizer, ToySpec(tokenizer), sampling, plain=True)
+    cached = play(random_model, tokenizer, ToySpec(tokenizer), sampling, plain=False)
+    for a, b in zip(plain[:3], cached[:3]):
+        assert torch.equal(a, b)
+    turns = [e.num_turns for e in plain[3]]
+    assert max(turns) >= 3 and min(turns) < max(turns)  # several turns, and episodes of different lengths
+    assert any(e.truncated for e in plain[3])
+    assert [e.tool_calls for e in plain[3]] == [e.tool_calls for e in cached[3]]
+
+
+def test_the_ids_are_the_sampled_and_inserted_ones_and_the_mask_marks_the_models(tokenizer, random_model):
+    ids, mask, token_mask, episodes = play(random_model, tokenizer, ToySpec(tokenizer), Sampling(), plain=False)
+    spec = ToySpec(tokenizer)
+    for row, episode in enumerate(episodes):
+        calls = [c for c in episode.tool_calls]
+        inserted = [t for t, m, k in zip(ids[row].tolist(), mask[row].tolist(), token_mask[row].tolist()) if k and not m]
+        replies = [spec.observation_ids([Result(c["result"], c["error"])]) for c in calls]
+        assert inserted == [t for reply in replies[:len([t for t in episode.turns if t["role"] == "tool"])]
+                            for t in reply]
+        assert int(token_mask[row].sum()) <= Sampling.max_new_tokens
+
+
+def test_an_episode_of_one_turn_is_todays_completion(tokenizer):
+    """No tool call: the episode is the single-turn completion, the same ids, the same mask, whatever the path."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(config.EMBEDDED_MODEL).eval()
+    cfg = Sampling(max_new_tokens=8)
+    spec = ToySpec(tokenizer, stop=None)  # the arithmetic model never ends a turn with a call: one turn each
+    _, prompt_ids, prompt_mask = prompts(tokenizer)
+    torch.manual_seed(5)
+    single = fast.generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=1)
+    for plain in (True, False):
+        ids, mask, token_mask, episodes = play(model, tokenizer, spec, cfg, plain=plain, max_turns=1)
+        assert torch.equal(ids, single)
+        assert torch.equal(mask, common.completion_mask(single, tokenizer.eos_token_id))
+        assert torch.equal(token_mask, mask)
+
+
+def test_the_loss_has_gradient_at_every_model_token_and_at_no_environment_token(tokenizer, random_model):
+    """The action mask in the losses: the log-probs of an episode's environment tokens get no gradient, every
+    model token's does (non-zero advantages), for each aggregation."""
+    import grpo
+
+    ids, mask, token_mask, _ = play(random_model, tokenizer, ToySpec(tokenizer), Sampling(), plain=False)
+    _, prompt_ids, prompt_mask = prompts(tokenizer)
+    assert (token_mask - mask).sum() > 0
+    input_ids, attention_mask = torch.cat([prompt_ids, ids], 1), torch.cat([prompt_mask, token_mask], 1)
+    logp = fast.token_logprobs(random_model, input_ids, attention_mask, ids.shape[1]).detach().requires_grad_()
+    adv = torch.linspace(-1, 1, len(ids)) + 0.05
+    for mode in common.LOSS_AGG_MODES:
+        logp.grad = None
+        loss, _ = grpo.grpo_loss(logp, logp.detach() + 0.01, logp.detach() - 0.02, adv, mask, 0.2, 0.04,
+                                 common.Aggregation(mode))
+        loss.backward()
+        assert (logp.grad[mask == 0] == 0).all(), mode
+        assert (logp.grad[mask == 1] != 0).all(), mode
+
+
+def test_gae_over_actions_skips_the_environments_tokens():
+    """GAE on an episode's tokens with the environment's between them equals GAE on its actions alone, laid end to
+    end: the environment's tokens are neither steps nor rewards."""
+    import ppo
+
+    torch.manual_seed(0)
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 1, 0], [1, 0, 1, 0, 1, 0, 0, 0]])
+    rewards, values = torch.randn(2, 8), torch.randn(2, 8)
+    adv, returns = ppo.gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    for row in range(2):
+        acts = mask[row].bool()
+        n = int(acts.sum())
+        a, r = ppo.gae(rewards[row, acts][None], values[row, acts][None], torch.ones(1, n), gamma=0.9, lam=0.8)
+        assert torch.allclose(adv[row, acts], a[0], atol=1e-6) and torch.allclose(returns[row, acts], r[0], atol=1e-6)
+        assert (adv[row, ~acts] == 0).all()
+    assert ppo.last_action(mask).tolist() == [6, 4]
