@@ -211,7 +211,7 @@ def main():
         # ---- update: mu optimizer steps on the same batch, each summing its micro-batches' gradients ----
         for epoch in range(cfg.num_epochs):  # the stats are those of the last (most off-policy) update
             for mb in trainer.micro_batches(rollout, common.Aggregation("token-mean")):
-                logp, entropy = trainer.policy_logprobs(rollout, mb)  # (b, T), with gradient
+                logp, entropy = trainer.policy_logprobs(rollout, mb)  # (b, T), with gradient; mb.mask: the actions
                 old = logp.detach() if old_logp is None else mb.of(old_logp)  # mu = 1: pi_old = pi_theta in value
                 pg_weight, correction, per_row = None, {}, {}
                 if rollout_logp is not None or cfg.geo_mask_delta > 0:  # a sampler that is not this policy: TIS, mask

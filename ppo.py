@@ -296,7 +296,7 @@ def main():
         for epoch in range(cfg.num_epochs):
             for rows in torch.randperm(cfg.batch_size, device=accelerator.device).chunk(cfg.num_mini_batches):
                 for mb in trainer.micro_batches(rollout, common.Aggregation("token-mean"), rows):
-                    logp, entropy = trainer.policy_logprobs(rollout, mb)  # (b, T), with gradient
+                    logp, entropy = trainer.policy_logprobs(rollout, mb)  # (b, T), with gradient; mb.mask: the actions
                     pg_loss, pg_stats = ppo_policy_loss(logp, mb.of(old_logp), mb.of(adv), mb.mask, cfg.epsilon,
                                                         cfg.dual_clip_c, mb.agg)
                     values = critic.model(mb.of(input_ids), mb.of(attention_mask), T)  # (b, T), with gradient

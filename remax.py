@@ -100,7 +100,7 @@ def main():
         # ---- update: one on-policy optimizer step, the batch's gradient summed over its micro-batches ----
         kl_seq = 0.0
         for mb in trainer.micro_batches(rollout, common.Aggregation(cfg.loss_agg, cfg.max_new_tokens)):
-            logp, entropy = trainer.policy_logprobs(rollout, mb)  # (b, T), with gradient
+            logp, entropy = trainer.policy_logprobs(rollout, mb)  # (b, T), with gradient; mb.mask: the actions
             kl = common.kl_k1(logp.detach(), mb.of(ref_logp)) if ref_logp is not None else torch.zeros_like(logp)
             loss, stats = remax_loss(logp, mb.of(adv), kl, mb.mask, cfg.beta, mb.agg)
             trainer.backward(loss, mb, {**stats, "entropy": common.masked_mean(entropy, mb.mask)})

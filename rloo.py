@@ -93,7 +93,7 @@ def main():
         # ---- update: one on-policy optimizer step, the batch's gradient summed over its micro-batches ----
         adv, rewards_kl, kl_seq = [], [], 0.0
         for mb in trainer.micro_batches(rollout, common.Aggregation("seq-mean-token-sum")):  # whole groups
-            logp, entropy = trainer.policy_logprobs(rollout, mb)  # (b, T), with gradient
+            logp, entropy = trainer.policy_logprobs(rollout, mb)  # (b, T), with gradient; mb.mask: the actions
             kl = common.kl_k1(logp.detach(), mb.of(ref_logp)) if ref_logp is not None else torch.zeros_like(logp)
             rewards_kl.append(mb.of(rewards) - cfg.beta * common.masked_sum(kl, mb.mask, dim=1))  # r - beta sum_t k1_t
             adv.append(rloo_advantages(rewards_kl[-1], group_size, group_ids=mb.of(ids)))

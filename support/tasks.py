@@ -341,36 +341,36 @@ class PromptSampler:
 def evaluate(model, tokenizer, examples, cfg, accelerator, batch_size=256, generate=None, play=None):
     """Held-out greedy accuracy per family and overall, sharded over ranks and summed (`generate`:
     fast.generate by default, or the plain common.generate it equals; `play`: sampling.play's greedy episodes,
-    with eval/tool_calls, the calls per episode)."""
+    with eval/tool_calls, the tool calls per episode, overall and per family)."""
     generate = generate or fast.generate
     shard = examples[accelerator.process_index::accelerator.num_processes]
     families = sorted({ex["family"] for ex in examples})
-    counts = [[0, 0] for _ in families]  # (correct, total) per family, in Python: no device op per example
-    tool_calls = 0
+    counts = [[0, 0, 0] for _ in families]  # (correct, total, tool calls) per family, in Python: no device op each
     unwrapped = accelerator.unwrap_model(model)
     # as many generate calls on every rank (under ZeRO-3 each is a collective), each at most batch_size prompts
     num_calls = math.ceil(math.ceil(len(examples) / accelerator.num_processes) / batch_size)
     for batch in (shard[i::num_calls] for i in range(num_calls)):
+        episodes = [None] * len(batch)
         if play is None:
             prompt_ids, prompt_mask = tokenize_prompts(tokenizer, [ex["prompt"] for ex in batch], accelerator.device)
             completion_ids = generate(unwrapped, tokenizer, prompt_ids, prompt_mask, cfg, greedy=True)
             mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
         else:
             _, _, completion_ids, _, mask, episodes = play(unwrapped, tokenizer, examples=batch)
-            tool_calls += sum(len(episode.tool_calls) for episode in episodes)
         texts = decode_completions(tokenizer, completion_ids, mask)
-        for text, ex in zip(texts, batch):
+        for text, ex, episode in zip(texts, batch, episodes):
             j = families.index(ex["family"])
             counts[j][0] += is_correct(text, ex["answer"], ex.get("check", "exact"))
             counts[j][1] += 1
-    counts = torch.tensor(counts, dtype=torch.float32, device=accelerator.device).T  # (2, families)
-    correct, total = accelerator.reduce(counts, reduction="sum").tolist()
+            counts[j][2] += 0 if episode is None else len(episode.tool_calls)
+    counts = torch.tensor(counts, dtype=torch.float32, device=accelerator.device).T  # (3, families)
+    correct, total, calls = accelerator.reduce(counts, reduction="sum").tolist()
     metrics = {"eval/accuracy": sum(correct) / sum(total)}
-    if play is not None:
-        metrics["eval/tool_calls"] = accelerator.reduce(torch.tensor(float(tool_calls), device=accelerator.device),
-                                                        reduction="sum").item() / sum(total)
     for j, fam in enumerate(families):
         metrics[f"eval/acc_{fam}"] = correct[j] / max(total[j], 1)
+    if play is not None:
+        metrics["eval/tool_calls"] = sum(calls) / sum(total)
+        metrics.update({f"eval/tool_calls_{fam}": calls[j] / max(total[j], 1) for j, fam in enumerate(families)})
     return metrics
 
 
