@@ -261,6 +261,22 @@ HINTS = {
         steps=["clipped values = old_values + clamp(values - old_values, -epsilon_value, epsilon_value).",
                "loss = 0.5 * masked mean of max((values - returns)^2, (clipped values - returns)^2).",
                "clip_frac = masked mean of (clipped error > unclipped error)."]),
+    "episode_masks": Hint(
+        "an episode's two masks from its segments: the action mask (1 on the model's tokens) and the token mask "
+        "(1 on every token of the episode, the environment's too), each row's segments one after the other from "
+        "position 0", "agents.py (the module's docstring and the function's worked example)",
+        "segment_lengths and segment_is_action (B, S), width an int; two (B, width) integer masks of 0 and 1",
+        traps=["a segment of length 0 takes no position, wherever it stands in the row, and does not end the row",
+               "where a segment ends the next begins: a token belongs to one segment only",
+               "the padding after the last segment is in neither mask, whatever the last segment was"],
+        steps=["A row's segments end at the running sums of its lengths; segment s covers [end_s - length_s, "
+               "end_s).",
+               "For each position, count the ends at or before it: that count is the index of its segment (an empty "
+               "segment ends where the one before it ends, so it is skipped).",
+               "A position is in the token mask when the count is below S: it lies before the row's last end.",
+               "It is in the action mask when it is in the token mask and its segment is an action (look the flag "
+               "up at that index, kept within 0..S-1 for the padding).",
+               "Return both as 0/1 integer (long) tensors: (action mask, token mask)."]),
     "gradient_variance": Hint(
         "the exact variance of the one-sample estimator (r_a - b) s(a) on the two-armed bandit",
         "docs/algorithms.md, Policy gradient and baselines, and The toy bandit",

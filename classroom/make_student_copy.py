@@ -146,6 +146,8 @@ VISIBLE_TESTS = {
         "test_value_clip_stops_a_move_past_the_clip_towards_the_return",
         "test_value_clip_never_stops_a_move_back_towards_the_return",
         "test_value_loss_is_a_token_mean_over_the_mask"]),
+    "agents.py::episode_masks": ("tests/test_agents.py", [
+        "test_episode_masks_lay_out_segments_one_after_the_other"]),
     "toy_bandit.py::gradient_variance": ("tests/test_toy_bandit.py", [
         "test_two_arm_check_values", "test_mean_baseline_is_4x_none_for_symmetric_rewards",
         "test_dayan_mean_baseline_is_worse_than_none_exactly_for_p_above_two_thirds",

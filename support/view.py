@@ -112,6 +112,12 @@ def token_texts(tokenizer, ids):
     return texts, [k for k, i in enumerate(ids) if i in special]
 
 
+def runs(flags):
+    """[start, end) of each run of True in flags: [0, 1, 1, 0, 1] -> [[1, 3], [4, 5]]."""
+    starts = [k for k, f in enumerate(flags) if f and (k == 0 or not flags[k - 1])]
+    return [[s, next((k for k in range(s, len(flags)) if not flags[k]), len(flags))] for s in starts]
+
+
 def recorded_rows(batch_size, num_rows, group_size=1):
     """How many rows of the batch are recorded: the first num_rows, rounded up to whole groups."""
     return min(batch_size, -(-num_rows // group_size) * group_size)
@@ -147,7 +153,8 @@ class Recorder:
         """Keep the first rows of the batch (num_rows, rounded up to whole groups of group_size): prompt, token
         texts, mask, reward, and each quantity's values. tokens: {name: (B, T) tensor}; sequences: {name: (B,)
         tensor}; adv goes with them, (B,) or (B, T). Names are those of QUANTITIES (others get a default scale).
-        Only the recorded rows are copied to the CPU."""
+        An episode's row (the rollout has a token_mask) also shows the environment's tokens: `environment` lists
+        their [start, end) segments, and their values are None. Only the recorded rows are copied to the CPU."""
         if not self.enabled:
             return
         (B, T), tokens, sequences = rollout.mask.shape, dict(tokens), dict(sequences or {})
@@ -165,10 +172,12 @@ class Recorder:
         n = recorded_rows(B, self.num_rows, group_size)
         cpu = {name: t[:n].detach().float().cpu() for name, t in {**tokens, **sequences}.items()}
         ids, mask = rollout.completion_ids[:n].cpu().tolist(), rollout.mask[:n].cpu().tolist()
+        token_mask = getattr(rollout, "token_mask", None)  # an episode's: the environment's tokens too (agents.py)
+        shown = mask if token_mask is None else token_mask[:n].cpu().tolist()
         rewards = rewards[:n].detach().float().cpu().tolist()
         rows = []
         for r in range(n):
-            length = max((k + 1 for k, m in enumerate(mask[r]) if m), default=T)  # the padding after: a count
+            length = max((k + 1 for k, m in enumerate(shown[r]) if m), default=T)  # the padding after: a count
             texts, special = token_texts(self.tokenizer, ids[r][:length])
             answer = rollout.examples[r].get("answer") if isinstance(rollout.examples[r], dict) else None
             rows.append({"prompt": rollout.prompts[r], "answer": answer if isinstance(answer, str) else None,
@@ -176,6 +185,11 @@ class Recorder:
                          "tokens": texts, "special": special, "mask": [int(m != 0) for m in mask[r][:length]],
                          "values": {name: rounded(cpu[name][r, :length].tolist()) for name in tokens},
                          "sequence": {name: rounded([cpu[name][r].item()])[0] for name in sequences}})
+            if token_mask is not None:  # the environment's tokens: not actions, so no value of the update
+                environment = [bool(shown[r][k] and not mask[r][k]) for k in range(length)]
+                rows[-1]["environment"] = runs(environment)
+                rows[-1]["values"] = {name: [None if e else v for v, e in zip(values, environment)]
+                                      for name, values in rows[-1]["values"].items()}
         record = {"step": step, "group_size": group_size, "rows": rows}
         self.records = [rec for rec in self.records if rec["step"] != step] + [record]
 

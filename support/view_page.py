@@ -19,6 +19,7 @@ h1{font-size:18px;margin:0 8px 4px 0;display:inline-block}h2{font-size:16px;marg
 .special{font-weight:bold;font-size:11px;outline:1px solid #555}
 .off{color:#888;text-decoration:line-through;background:repeating-linear-gradient(45deg,#eee 0 3px,#fff 3px 6px)}
 .pad{color:#999;border:1px dotted #999;font-size:11px;padding:0 3px}
+.env{background:#e2e2e2;color:#444}.turn{border-left:2px solid #777;margin:0 3px}
 </style></head>
 <body>
 <header><h1>Rollouts: {title}</h1><label>colour by <select id="q"></select></label><span id="legend"></span>
@@ -32,6 +33,7 @@ var errors = document.getElementById("errors");
 window.onerror = function (m, src, line) { errors.hidden = false; errors.textContent += m + " (line " + line + ")\\n" };
 var D = JSON.parse(document.getElementById("data").textContent);
 var Q = D.quantities, names = Object.keys(Q), cells = [];
+var EPISODES = D.steps.some(function (rec) { return rec.rows.some(function (row) { return "environment" in row; }); });
 var WHITE = [255, 255, 255], RED = [202, 0, 32], BLUE = [5, 113, 176], ORANGE = [166, 54, 3];
 var KEPT = [199, 233, 192], DROPPED = [215, 48, 39];
 
@@ -88,16 +90,22 @@ function build() {
       var comp = el("div", "completion"), prompt = row.prompt;
       if (prompt.length > 300) prompt = "\\u2026" + prompt.slice(-300);
       var p = el("span", "prompt", prompt); p.title = "prompt: " + row.prompt; comp.appendChild(p);
+      var env = [], turn = function () { comp.appendChild(el("span", "turn")); };  // a turn's boundary
+      (row.environment || []).forEach(function (s) { for (var k = s[0]; k < s[1]; k++) env[k] = true; });
       row.tokens.forEach(function (text, i) {
         var special = row.special.indexOf(i) >= 0, masked = !row.mask[i];
-        var span = el("span", "tok" + (special ? " special" : "") + (masked ? " off" : ""),
+        var span = el("span", "tok" + (special ? " special" : "") + (env[i] ? " env" : masked ? " off" : ""),
                       special ? text : shown(text));
-        var tip = [JSON.stringify(text) + "  position " + i + (masked ? "  (masked: not in the loss)" : "")];
-        names.forEach(function (n) {
+        var tip = [JSON.stringify(text) + "  position " + i + (env[i] ? "  (environment: not an action, not in "
+                   + "the loss)" : masked ? "  (masked: not in the loss)" : "")];
+        if (!env[i]) names.forEach(function (n) {
           var v = value(row, n, i);
           if (v !== undefined) tip.push(Q[n].label + ": " + fmt(v));
         });
-        span.title = tip.join("\\n"); comp.appendChild(span);
+        span.title = tip.join("\\n");
+        if (env[i] && !env[i - 1]) turn();
+        comp.appendChild(span);
+        if (env[i] && !env[i + 1]) turn();
         if (!masked) cells.push({span: span, row: row, i: i});
       });
       if (row.pad) {
@@ -134,6 +142,7 @@ function legend(q) {
     box.appendChild(el("span", "", "(recorded: " + fmt(q.min) + " to " + fmt(q.max) + ")"));
   }
   box.appendChild(el("span", "sw off", "masked"));
+  if (EPISODES) box.appendChild(el("span", "sw env", "environment"));
   var opened = !/q=/.test(location.hash) && D.opening_note;  // why the page opened on this colouring
   document.getElementById("read").textContent = q.read + (opened ? " " + D.opening_note : "");
 }

@@ -15,6 +15,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+import agents
 import common
 from support import config, view
 
@@ -75,6 +76,63 @@ def test_masked_positions_are_marked_and_left_out_of_the_scale(tokenizer, tmp_pa
     assert rows[1]["mask"] == [1] * 5 and rows[1]["pad"] == 0
     info = view.quantity_info(recorder.records)["kl_k3"]
     assert (info["min"], info["max"], info["scale"]) == (0, 2, "positive")  # 100 and 50 are not in the loss
+
+
+def test_a_single_turn_record_is_written_as_before(tmp_path):
+    """A rollout without a token_mask (every single-turn run) is recorded byte for byte as before episodes were
+    shown: no `environment` key, the hole's values kept, the padding counted from the mask."""
+    ids, mask = [[4, 6, 5, 1, 0], [8, 3, 9, 2, 1]], [[1, 0, 1, 1, 0], [1, 1, 1, 1, 1]]
+    recorder = view.Recorder(tmp_path, FakeTokenizer(), num_rows=2)
+    recorder.record(1, fake_rollout(ids, mask, ["1+2=", "a"]), torch.tensor([1.0, 0.0]), torch.tensor([0.5, -0.5]),
+                    {"push": torch.tensor([[0.5, math.nan, 0.25, 1.0, 9.0], [-0.5, -0.25, 0.0, -1.0, -0.125]]),
+                     "entropy": torch.tensor([[0.1, 7.0, 0.3, 0.4, 0.5], [1.0, 2.0, 3.0, 4.0, 5.0]])}, group_size=2)
+    recorder.write()
+    assert (tmp_path / "rollouts.jsonl").read_text() == (
+        '{"step":1,"group_size":2,"rows":[{"prompt":"1+2=","answer":"0","group":0,"reward":1,"pad":1,"tokens":["1",'
+        '"+","2","<|end|>"],"special":[3],"mask":[1,0,1,1],"values":{"push":[0.5,"NaN",0.25,1],"entropy":[0.1,7,0.3,'
+        '0.4]},"sequence":{"adv":0.5}},{"prompt":"a","answer":"1","group":0,"reward":0,"pad":0,"tokens":[" the","\\n",'
+        '"\\u00e9"," ","<|end|>"],"special":[4],"mask":[1,1,1,1,1],"values":{"push":[-0.5,-0.25,0,-1,-0.125],'
+        '"entropy":[1,2,3,4,5]},"sequence":{"adv":-0.5}}]}\n')
+    page = (tmp_path / "rollouts.html").read_text()
+    data = json.loads(re.search(r'id="data">(.*?)</script>', page, re.S).group(1))
+    assert data["steps"] == view.read_records(tmp_path / "rollouts.jsonl")
+    assert [(q["min"], q["max"]) for q in data["quantities"].values()] == [(-0.5, 0.5), (-1, 1), (0.1, 5)]
+
+
+def episode_rollout():
+    """Two episodes laid out by agents.episode_tensors: row 0 the model's "1+2=", the environment's "2\\n", the
+    model's "1<eos>"; row 1 one turn, " the<eos>" (token mask = action mask). FakeTokenizer's ids."""
+    from support.rollout import Rollout
+
+    segments = [[([4, 6, 5, 7], True), ([5, 3], False), ([4, 1], True)], [([8, 1], True)]]
+    completion_ids, mask, token_mask = agents.episode_tensors(segments, pad_token_id=0)
+    examples = [{"prompt": "1+2=", "answer": "3"}, {"prompt": "2=", "answer": "2"}]
+    return Rollout(examples, torch.ones(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.long), completion_ids,
+                   mask, ["", ""], group_size=1, token_mask=token_mask, episodes=[None, None])
+
+
+def test_an_episode_shows_the_environments_tokens_without_the_updates_values(tmp_path):
+    """The environment's tokens (token mask 1, action mask 0) are recorded, in their place, as a segment of their
+    own with no value: they are not actions. The model's tokens on either side carry theirs."""
+    rollout = episode_rollout()
+    assert rollout.mask[0].tolist() == [1, 1, 1, 1, 0, 0, 1, 1] and rollout.token_mask[0].tolist() == [1] * 8
+    push = torch.tensor([[0.5, 0.25, -0.5, 1.0, math.nan, math.nan, 2.0, 0.125], [-1.0, -2.0] + [math.nan] * 6])
+    entropy = torch.arange(16.0).view(2, 8) / 4
+    entropy[0, 4:6] = 9.0  # the policy's entropy where the environment wrote: no action's, not on the page
+    recorder = view.Recorder(tmp_path, FakeTokenizer(), num_rows=2)
+    recorder.record(1, rollout, torch.tensor([1.0, 0.0]), torch.tensor([1.0, -1.0]), {"push": push,
+                                                                                      "entropy": entropy})
+    recorder.write()
+    episode, one_turn = view.read_records(tmp_path / "rollouts.jsonl")[0]["rows"]
+    assert episode["tokens"] == ["1", "+", "2", "=", "2", "\n", "1", "<|end|>"] and episode["pad"] == 0
+    assert episode["environment"] == [[4, 6]] and episode["mask"] == [1, 1, 1, 1, 0, 0, 1, 1]
+    assert episode["values"]["push"] == [0.5, 0.25, -0.5, 1, None, None, 2, 0.125]
+    assert episode["values"]["entropy"] == [0, 0.25, 0.5, 0.75, None, None, 1.5, 1.75]
+    assert one_turn["environment"] == [] and one_turn["mask"] == [1, 1] and one_turn["pad"] == 6
+    assert one_turn["values"]["push"] == [-1, -2] and one_turn["sequence"]["adv"] == -1
+    info = view.quantity_info(view.read_records(tmp_path / "rollouts.jsonl"))
+    assert (info["entropy"]["min"], info["entropy"]["max"]) == (0, 2.25)  # not the environment's 9
+    assert view.runs([True, False, True, True, False]) == [[0, 1], [2, 4]] and view.runs([False, True]) == [[1, 2]]
 
 
 def test_due_steps_are_the_first_each_evaluation_and_the_last(tokenizer, tmp_path):
@@ -276,6 +334,31 @@ def test_the_first_view_is_coloured_says_hover_and_labels_the_reference_answer(t
     assert 'reference answer "0"' in dom and 'answer "0"' not in dom.replace('reference answer "0"', "")
     _, picked, _ = view.chromium(f"file://{page}#q=adv", "--dump-dom", "--virtual-time-budget=2000")
     assert read_line(picked) == view.QUANTITIES["adv"].read  # a colouring the reader chose needs no note
+
+
+@needs_chromium
+def test_the_environments_tokens_show_grey_between_turn_boundaries_and_uncoloured(tmp_path):
+    """An episode's page: the environment's tokens are spans of their own class, never coloured, their hover text
+    with no value; a boundary before and after the environment's segment; the legend names it. A single-turn page's
+    legend does not."""
+    recorder = view.Recorder(tmp_path, FakeTokenizer(), num_rows=2)
+    push = torch.tensor([[0.5, 0.25, -0.5, 1.0, 7.0, 7.0, 2.0, 0.125], [-1.0, -2.0] + [0.0] * 6])
+    recorder.record(1, episode_rollout(), torch.tensor([1.0, 0.0]), None, {"push": push})
+    page = recorder.write()
+    code, dom, err = view.chromium(f"file://{page}#q=push", "--dump-dom", "--virtual-time-budget=2000")
+    spans = Spans(dom)
+    assert code == 0 and spans.errors == "", err[-2000:]
+    tokens = [s for s in spans.spans if "pad" not in s[0]]
+    assert [s[3] for s in tokens[:8]] == ["1", "+", "2", "=", "2", "\u23ce\n", "1", "<|end|>"]
+    assert ["env" in s[0] for s in tokens] == [False] * 4 + [True] * 2 + [False] * 4
+    assert all(s[1] == "" and "environment: not an action" in s[2] and "push" not in s[2] for s in tokens[4:6])
+    assert all(background(s[1]) not in (None, (255, 255, 255)) and "push" in s[2] for s in tokens[:4] + tokens[6:])
+    first = re.search(r'<div class="completion">(.*?)</div>', dom, re.S).group(1)  # the episode's row
+    assert re.findall(r'<span class="([^"]*)"', first) == ["prompt", *["tok"] * 4, "turn", "tok env", "tok env",
+                                                           "turn", "tok", "tok special"]
+    assert '<span class="sw env">environment</span>' in dom
+    assert '<span class="sw env">' not in view.chromium(f"file://{remax_like_page(tmp_path / 'single').write()}",
+                                                           "--dump-dom", "--virtual-time-budget=2000")[1]
 
 
 @needs_chromium

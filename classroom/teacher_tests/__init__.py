@@ -3,6 +3,7 @@ the student copy. TEACHER_TESTS: "file::function" -> (test file, the hidden test
 COMMON = "classroom/teacher_tests/test_hidden_common.py"
 LOSSES = "classroom/teacher_tests/test_hidden_losses.py"
 ADVANTAGES = "classroom/teacher_tests/test_hidden_advantages.py"
+AGENTS = "classroom/teacher_tests/test_hidden_agents.py"
 
 TEACHER_TESTS = {
     "common.py::kl_penalty": (COMMON, [
@@ -56,4 +57,7 @@ TEACHER_TESTS = {
         "test_clip_statistics_count_only_where_the_clip_binds_hand_values",
         "test_dual_clip_bounds_a_negative_advantage_by_c_times_it_and_leaves_a_positive_one_hand_values"]),
     "ppo.py::ppo_value_loss": (LOSSES, ["test_ppo_value_loss_and_clip_fraction_ignore_the_padding"]),
+    "agents.py::episode_masks": (AGENTS, [
+        "test_episode_masks_hand_computed_with_empty_segments_one_segment_and_the_environment_first",
+        "test_episode_masks_of_random_segments_give_each_segment_its_kind_and_nothing_to_the_padding"]),
 }

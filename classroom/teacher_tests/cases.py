@@ -481,6 +481,32 @@ def ppo_value_loss(seed):
     return cases
 
 
+# ---------------------------------------------------------------------------------------------- agents.py
+
+def episode_masks(seed):
+    g = generator(seed, 61)
+    B, S = 6, 5
+    lengths = torch.randint(0, 4, (B, S), generator=g)
+    lengths[lengths == 3] = 0  # empty segments anywhere in a row, a third of them
+    lengths[0] = torch.tensor([2, 0, 3, 0, 1])  # empty segments between others
+    lengths[1] = torch.tensor([0, 0, 0, 0, 4])  # one segment, at the end
+    is_action = torch.rand(B, S, generator=g) < 0.5
+    is_action[0] = torch.tensor([True, True, False, False, True])  # each empty segment of another kind
+    is_action[1, 4] = bool(torch.rand(1, generator=g) < 0.5)
+    is_action[2] = True
+    is_action[2, 0] = False  # the environment first, then actions to the end: the padding must not follow them
+    lengths[2, 0] = 2
+    width = int(lengths.sum(1).max())
+    hand = torch.tensor([[3, 4, 2, 0]]), torch.tensor([[True, False, True, False]])
+    return [Case("(6, 5) random segments, as wide as the longest row", [lengths, is_action, width]),
+            Case("four padding columns more", [lengths, is_action, width + 4]),
+            Case("the docstring's example, an empty segment last", [*hand, 10]),
+            Case("one segment of the environment", [torch.tensor([[3]]), torch.tensor([[False]]), 5]),
+            Case("one segment of the model's, no padding", [torch.tensor([[3]]), torch.tensor([[True]]), 3]),
+            Case("a row of empty segments beside a full one", [torch.tensor([[0, 0], [1, 2]]),
+                                                               torch.tensor([[True, True], [False, True]]), 4])]
+
+
 # ---------------------------------------------------------------------------------------------- toy_bandit.py
 
 def two_arm(seed, with_baseline=False, with_bernoulli=False):
@@ -548,6 +574,7 @@ CASES = {
     "ppo.py::length_adaptive_lam": length_adaptive_lam,
     "ppo.py::ppo_policy_loss": ppo_policy_loss,
     "ppo.py::ppo_value_loss": ppo_value_loss,
+    "agents.py::episode_masks": episode_masks,
     "toy_bandit.py::gradient_variance": lambda seed: two_arm(seed, with_baseline=True, with_bernoulli=True),
     "toy_bandit.py::optimal_baseline": two_arm,
     "toy_bandit.py::two_arm_baselines": two_arm,
