@@ -48,7 +48,8 @@ TEACHER_TESTS = {
     "dapo.py::dapo_loss": (LOSSES, ["test_dapo_loss_statistics_ignore_the_padding_and_weigh_every_valid_token",
         "test_clip_statistics_count_only_where_the_clip_binds_hand_values",
         "test_dual_clip_bounds_a_negative_advantage_by_c_times_it_and_leaves_a_positive_one_hand_values"]),
-    "ppo.py::gae": (ADVANTAGES, ["test_gae_of_a_padded_batch_with_one_lambda_per_row_treats_each_row_alone"]),
+    "ppo.py::gae": (ADVANTAGES, ["test_gae_of_a_padded_batch_with_one_lambda_per_row_treats_each_row_alone",
+                                "test_gae_of_an_episode_skips_the_environments_tokens"]),
     "ppo.py::decoupled_gae": (ADVANTAGES, ["test_decoupled_gae_is_two_gaes_on_a_random_padded_batch"]),
     "ppo.py::length_adaptive_lam": (ADVANTAGES, [
         "test_length_adaptive_lambda_of_random_lengths_gives_td_weights_alpha_times_length"]),

@@ -433,6 +433,11 @@ def gae(seed):
                                              0.99, 0.95]),
               Case("float32", [rewards.float(), values.float(), mask, 0.9, 0.7]),
               Case("one token", [rewards[:, :1], values[:, :1], mask[:, :1], 0.9, 0.8])]
+    actions = mask * (torch.rand(B, 7, generator=g) < 0.6).long()  # an episode's: the environment's tokens between
+    actions[:, 0] = 1
+    cases.append(Case("an episode's actions, the environment's tokens between (nan)",
+                      [padded(rewards, actions, float("nan")), padded(values, actions, float("nan")), actions, 0.9,
+                       0.8]))
     return cases
 
 

@@ -125,6 +125,23 @@ def test_gae_of_a_padded_batch_with_one_lambda_per_row_treats_each_row_alone(fil
         close(adv[b, k - 1], delta_last)
 
 
+def test_gae_of_an_episode_skips_the_environments_tokens():
+    """The environment's tokens between the model's are neither steps nor rewards: GAE over an episode's actions
+    equals GAE over those actions laid end to end."""
+    g, B, T, gamma, lam = generator(67), 5, 9, 0.9, 0.8
+    mask = prefix_mask(lengths(B, T, g), T) * (torch.rand(B, T, generator=g) < 0.6).long()
+    mask[:, 0] = 1
+    rewards = padded(torch.randn(B, T, dtype=F64, generator=g), mask, float("nan"))
+    values = padded(torch.randn(B, T, dtype=F64, generator=g), mask, float("nan"))
+    adv, ret = ppo.gae(rewards, values, mask, gamma, lam)
+    assert (adv[mask == 0] == 0).all()
+    for b in range(B):
+        acts = mask[b].bool()
+        alone = ppo.gae(rewards[b:b + 1, acts], values[b:b + 1, acts], torch.ones(1, int(acts.sum())), gamma, lam)
+        close(alone[0][0], adv[b, acts])
+        close(alone[1][0], ret[b, acts])
+
+
 def test_decoupled_gae_is_two_gaes_on_a_random_padded_batch():
     g, B, T = generator(71), 4, 6
     mask = prefix_mask(lengths(B, T, g), T)
