@@ -28,6 +28,7 @@ class Rollout:
     sampler_logp: torch.Tensor = None
     version: torch.Tensor = None
     sampler_times: dict = None
+    greedy: "Rollout" = None  # ReMax: the greedy completion of each prompt, decoded with the same weights
 
     def __len__(self):
         return len(self.examples)
@@ -59,7 +60,8 @@ class Rollout:
         return Rollout([self.examples[i] for i in rows.tolist()], self.prompt_ids[rows], self.prompt_mask[rows],
                        self.completion_ids[rows], self.mask[rows], [self.completions[i] for i in rows.tolist()],
                        None if self.routing is None else tuple(x[rows] for x in self.routing),
-                       group_size=self.group_size)
+                       group_size=self.group_size, sampler_logp=None if self.version is None else
+                       self.sampler_logp[rows], version=None if self.version is None else self.version[rows])
 
     @staticmethod
     def cat(rollouts, pad_token_id, limit=None):
@@ -91,7 +93,9 @@ class Rollout:
                        pad([r.completion_ids for r in parts], pad_token_id),
                        pad([r.mask for r in parts], 0), [c for r in parts for c in r.completions],
                        None if parts[0].routing is None else (pad_routing(0), pad_routing(1)),
-                       group_size=parts[0].group_size)
+                       group_size=parts[0].group_size, sampler_logp=None if parts[0].version is None else
+                       pad([r.sampler_logp for r in parts], 0.0), version=None if parts[0].version is None else
+                       torch.cat([r.version for r in parts]))
 
 
 def micro_batches(batch_size, micro_batch_size):
