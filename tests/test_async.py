@@ -207,7 +207,7 @@ def test_async_benchmark_smoke_run_writes_one_row_per_variant(tmp_path):
 def test_async_gpu_benchmark_runs_its_code_path_on_cpu_with_a_tiny_model(tmp_path):
     """bench/async_gpu.py, which a single-GPU machine runs (synchronous against K = 1 on a 0.5B-shaped model): here
     --allow_cpu, a 2-layer model of the same family, 2 steps each."""
-    out = tmp_path / "async_gpu.md"
+    out = (tmp_path / "async_gpu").with_suffix(".md")
     cmd = [sys.executable, "bench/async_gpu.py", "--allow_cpu", "--steps", "2", "--batch_size", "4",
            "--max_new_tokens", "4", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
