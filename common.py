@@ -281,7 +281,7 @@ def rollout_correction(logp, old_logp, rollout_logp, adv, mask, tis_cap=0.0, geo
         tis = sequence_is_weight(old_logp, rollout_logp, mask, tis_cap)[:, None].expand_as(logp) if sequence else \
             truncated_is_weight(old_logp, rollout_logp, tis_cap)
     keep = geometric_sequence_mask(logp, rollout_logp, adv, mask, geo_mask_delta) if geo_mask_delta > 0 else \
-        torch.ones_like(adv, dtype=logp.dtype)
+        torch.ones_like(logp[:, 0])  # (B,); adv is read by the mask alone (PPO's is per token)
     veto = tis_veto_mask(old_logp, rollout_logp, mask, tis_veto) if tis_veto > 0 else torch.ones_like(keep)
     weight = tis * (keep * veto)[:, None]
     m2po = m2po_mask(logp - rollout_logp, mask, m2po_tau).to(logp.dtype) if m2po_tau > 0 else torch.ones_like(logp)

@@ -38,7 +38,6 @@ class Config(environments.AgentConfig, budget.ExplorationConfig, config.GroupCon
     max_sampling_rounds: int = arg(8, "Dynamic sampling: at most this many generation rounds per step.")
     dynamic_sampling_metric: str = arg("correct", "Drop groups whose 'correct' (DAPO) or 'reward' is all equal.")
     overlong_cache_len: int = arg(3, "Overlong shaping: penalty from max_new_tokens - cache_len tokens on (0 = off).")
-    sampler_process = False  # dynamic sampling asks for rollouts in rounds, which --async_rollouts does not serve
 
     def __post_init__(self):
         self.reuses_batch = self.num_epochs > 1
@@ -173,7 +172,7 @@ def main():
         kept, sampled_rewards, round_stats = [], [], []  # kept: (rollout, rewards, correct) of each round
         while len(kept) < cfg.max_sampling_rounds and engine.any_process(  # every process samples as many rounds
                 accelerator, sum(len(rollout) for rollout, _, _ in kept) < cfg.batch_size):
-            rollout = trainer.generate(*sampler.next())  # each prompt's G samples adjacent (knapsack: its n_i)
+            rollout = trainer.rollout(sampler)  # each prompt's G samples adjacent (knapsack: its n_i)
             with trainer.timer("reward"):
                 rewards, correct, reward_stats = reward_fn(rollout.examples, rollout.completions)
             groups, _ = sampler.record(rollout, correct)  # each row's group; each prompt's success rate kept

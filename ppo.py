@@ -32,7 +32,7 @@ from support.config import arg
 
 
 @dataclass
-class Config(environments.AgentConfig, config.TrainConfig):
+class Config(environments.AgentConfig, config.CorrectionConfig):
     # 150 batches of num_epochs x num_mini_batches = 16 optimizer steps each: 5 minutes on 2 CPU cores
     num_steps: int = arg(150, "Rollout batches (each gives num_epochs x num_mini_batches optimizer steps).")
     # below the common 1e-4 because each batch gives 16 steps (tuned on the embedded model, docs/ppo.md)
@@ -67,6 +67,8 @@ class Config(environments.AgentConfig, config.TrainConfig):
                                                                  "num_mini_batches", "epsilon_value", "vf_coef",
                                                                  "kl_target", "kl_horizon")})
         config.check(not self.adaptive_kl or self.beta > 0, "--adaptive_kl needs --beta > 0 (it scales beta).")
+        config.check(self.geo_mask_delta == 0, "--geo_mask_delta masks sequences by their advantage, and PPO's is "
+                     "per token: give --tis_cap or --tis_veto.")
         config.check(self.batch_size % self.num_mini_batches == 0,
                      f"--num_mini_batches ({self.num_mini_batches}) must divide --batch_size ({self.batch_size}).")
         self.clip = common.Clip(self.epsilon, self.epsilon, self.dual_clip_c)
@@ -125,14 +127,15 @@ def length_adaptive_lam(lengths, alpha):
     # END SOLUTION
 
 
-def ppo_policy_loss(logp, old_logp, adv, mask, epsilon, dual_clip_c=0.0, loss_agg="token-mean"):
+def ppo_policy_loss(logp, old_logp, adv, mask, epsilon, dual_clip_c=0.0, loss_agg="token-mean", pg_weight=None):
     """Clipped surrogate (Schulman et al., 2017, eq. 7), token-mean over the minibatch (loss_agg: token-mean, or
     the micro-batch's common.Aggregation of it).
 
     logp: (B, T) with grad; old_logp, adv: (B, T) from rollout time. Per token
     -min(rho A, clip(rho, 1 - epsilon, 1 + epsilon) A), rho = exp(logp - old_logp): once the ratio
     has moved past the clip in the direction A favours, the gradient is zero. With A < 0 it is
-    unbounded as rho grows; dual_clip_c > 1 caps that token's loss at c |A|.
+    unbounded as rho grows; dual_clip_c > 1 caps that token's loss at c |A|. pg_weight (B, T), detached, multiplies
+    the surrogate (TIS, masks against a stale sampler: --async_rollouts).
     Returns (loss, stats): clip_frac_low / clip_frac_high, the fraction of tokens clipped below
     (rho < 1 - epsilon with A < 0) and above (rho > 1 + epsilon with A > 0); approx_kl, the k3
     estimate of KL(pi_old || pi_theta) from the ratio.
@@ -146,6 +149,8 @@ def ppo_policy_loss(logp, old_logp, adv, mask, epsilon, dual_clip_c=0.0, loss_ag
     surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - epsilon, 1 + epsilon) * adv)
     if dual_clip_c > 0:  # dual clip (Ye et al., 2020)
         surrogate = torch.where(adv < 0, torch.max(surrogate, dual_clip_c * adv), surrogate)
+    if pg_weight is not None:  # a padding weight may hold anything: keep it out of the gradient
+        surrogate = torch.where(mask.bool(), pg_weight, 0.0) * surrogate
     loss = common.aggregate_loss(-surrogate, mask, loss_agg)
     with torch.no_grad():
         stats = {
@@ -263,7 +268,7 @@ def main():
 
     for step in trainer.steps():
         # ---- rollout: one sampled response per prompt ----
-        rollout = trainer.generate(sampler.next())
+        rollout = trainer.rollout(sampler)  # sampled now, or taken from the sampler process (--async_rollouts)
         input_ids, attention_mask, mask = rollout.input_ids, rollout.attention_mask, rollout.mask
         T = mask.shape[1]
 
@@ -273,6 +278,7 @@ def main():
         old_logp = trainer.old_logprobs(rollout)
         old_values = trainer.values(critic.model, rollout)
         ref_logp = trainer.reference_logprobs(ref_model, rollout)  # pi_ref (None when beta = 0)
+        rollout_logp = trainer.sampler_logprobs(rollout)  # the sampler process's (mu), else None
 
         # ---- advantages: per-token reward, GAE (the critic is the baseline), whitened ----
         with trainer.timer("gae"):
@@ -297,16 +303,21 @@ def main():
             for rows in torch.randperm(cfg.batch_size, device=accelerator.device).chunk(cfg.num_mini_batches):
                 for mb in trainer.micro_batches(rollout, common.Aggregation("token-mean"), rows):
                     logp, entropy = trainer.policy_logprobs(rollout, mb)  # (b, T), with gradient; mb.mask: the actions
+                    pg_weight, correction, per_row = None, {}, {}
+                    if rollout_logp is not None:  # a stale sampler: pi_old is the proximal policy, mu the sampler
+                        pg_weight, correction, per_row = common.rollout_correction(
+                            logp, mb.of(old_logp), mb.of(rollout_logp), mb.of(adv), mb.mask, cfg.tis_cap, 0.0,
+                            cfg.tis_level, cfg.tis_veto, cfg.m2po_tau)
                     pg_loss, pg_stats = ppo_policy_loss(logp, mb.of(old_logp), mb.of(adv), mb.mask, cfg.epsilon,
-                                                        cfg.dual_clip_c, mb.agg)
+                                                        cfg.dual_clip_c, mb.agg, pg_weight)
                     values = critic.model(mb.of(input_ids), mb.of(attention_mask), T)  # (b, T), with gradient
                     vf_loss, vf_stats = ppo_value_loss(values, mb.of(old_values), mb.of(returns), mb.mask,
                                                        cfg.epsilon_value, mb.agg)
                     trainer.backward(pg_loss + cfg.vf_coef * vf_loss, mb, {
                         "policy_loss": common.Sums((pg_loss.detach(),), float),  # the micro-batches' parts add up
                         "value_loss": common.Sums((vf_loss.detach(),), float), "value_clip_frac": vf_stats["clip_frac"],
-                        **pg_stats,
-                        "entropy": common.masked_mean(entropy, mb.mask)})
+                        **pg_stats, **correction,
+                        "entropy": common.masked_mean(entropy, mb.mask)}, per_row)
                 updates.append(trainer.step(policy, critic))  # clip each, check finite, both optimizers step
         stats = {key: torch.stack([torch.as_tensor(u[key]) for u in updates]).mean() for key in updates[0]}
 

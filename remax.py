@@ -23,7 +23,7 @@ from support.config import arg
 
 
 @dataclass
-class Config(environments.AgentConfig, config.TrainConfig):
+class Config(environments.AgentConfig, config.CorrectionConfig):
     baseline: str = arg("greedy", "'greedy' (ReMax) or 'none' (plain REINFORCE).")
     beta: float = arg(0.05, "Coefficient of the per-token k1 penalty folded into the return (0 = no reference).")
     adv_clip: float = arg(5.0, "Clip the advantage r - r_greedy to [-adv_clip, adv_clip] (0 = off).")
@@ -43,7 +43,7 @@ def remax_advantages(rewards, greedy_rewards):
     # END SOLUTION
 
 
-def remax_loss(logp, adv, kl, mask, beta, loss_agg="token-mean"):
+def remax_loss(logp, adv, kl, mask, beta, loss_agg="token-mean", pg_weight=None):
     """REINFORCE loss with the k1 penalty folded into the return.
 
     logp, kl: (B, T) per-token log-probs (with grad) and k1 = logp - ref_logp (detached);
@@ -53,11 +53,14 @@ def remax_loss(logp, adv, kl, mask, beta, loss_agg="token-mean"):
     common.Aggregation (with seq-mean-token-sum-norm's constant, --max_new_tokens). Only with that constant
     normaliser is the expected gradient of the KL part that of beta * KL_seq(pi || ref) (divided by max_len);
     token-mean (the default, as the official code) divides by the batch's token count, a ratio estimator biased
-    at small batches, and seq-mean-token-mean weighs each sequence by 1/|y| (docs/algorithms.md). Returns
-    (loss, stats) with stats: return_mean (mean G_t over tokens).
+    at small batches, and seq-mean-token-mean weighs each sequence by 1/|y| (docs/algorithms.md). pg_weight (B, T),
+    detached, multiplies each token's term (TIS, masks: --async_rollouts). Returns (loss, stats) with stats:
+    return_mean (mean G_t over tokens).
     """
     # BEGIN SOLUTION
     returns = (adv[:, None] - beta * common.reward_to_go(kl, mask)).detach()
+    if pg_weight is not None:  # a padding weight may hold anything: keep it out of the gradient
+        logp = torch.where(mask.bool(), pg_weight, 0.0) * logp
     loss = common.aggregate_loss(-returns * logp, mask, loss_agg)
     return loss, {"return_mean": common.masked_mean(returns, mask)}
     # END SOLUTION
@@ -77,20 +80,19 @@ def main():
         trainer.evaluate(step=0)  # held-out accuracy before training
 
     for step in trainer.steps():
-        # ---- rollout: one sampled response per prompt ----
-        batch = sampler.next()
-        rollout = trainer.generate(batch)
+        # ---- rollout: one sampled response per prompt, and (ReMax) its greedy one ----
+        rollout = trainer.rollout(sampler, greedy=cfg.baseline == "greedy")  # the greedy: rollout.greedy
 
         # ---- reward, and the log-probs the loss compares with ----
         with trainer.timer("reward"):
             rewards, correct, reward_stats = reward_fn(rollout.examples, rollout.completions)
         ref_logp = trainer.reference_logprobs(ref_model, rollout)  # pi_ref (None when beta = 0)
+        rollout_logp = trainer.sampler_logprobs(rollout)  # the sampler's, when it is a copy
 
         # ---- advantages: the reward of the greedy response is the baseline (ReMax), or none (REINFORCE) ----
         if cfg.baseline == "greedy":
-            greedy = trainer.generate(batch, greedy=True)
             with trainer.timer("reward"):
-                greedy_rewards, _, _ = reward_fn(greedy.examples, greedy.completions)
+                greedy_rewards, _, _ = reward_fn(rollout.greedy.examples, rollout.greedy.completions)
         else:
             greedy_rewards = torch.zeros_like(rewards)
         adv = remax_advantages(rewards, greedy_rewards)
@@ -102,8 +104,14 @@ def main():
         for mb in trainer.micro_batches(rollout, common.Aggregation(cfg.loss_agg, cfg.max_new_tokens)):
             logp, entropy = trainer.policy_logprobs(rollout, mb)  # (b, T), with gradient; mb.mask: the actions
             kl = common.kl_k1(logp.detach(), mb.of(ref_logp)) if ref_logp is not None else torch.zeros_like(logp)
-            loss, stats = remax_loss(logp, mb.of(adv), kl, mb.mask, cfg.beta, mb.agg)
-            trainer.backward(loss, mb, {**stats, "entropy": common.masked_mean(entropy, mb.mask)})
+            pg_weight, correction, per_row = None, {}, {}
+            if rollout_logp is not None or cfg.geo_mask_delta > 0:  # a sampler that is not this policy: TIS, mask
+                pg_weight, correction, per_row = common.rollout_correction(
+                    logp, logp.detach(), mb.of(rollout_logp), mb.of(adv), mb.mask, cfg.tis_cap, cfg.geo_mask_delta,
+                    cfg.tis_level, cfg.tis_veto, cfg.m2po_tau)
+            loss, stats = remax_loss(logp, mb.of(adv), kl, mb.mask, cfg.beta, mb.agg, pg_weight)
+            stats = {**stats, **correction, "entropy": common.masked_mean(entropy, mb.mask)}
+            trainer.backward(loss, mb, stats, per_row)
             kl_seq += common.masked_sum(kl, mb.mask) / len(rollout)
         update = trainer.step(policy)  # clip, check finite, optimizer step, zero_grad
 

@@ -10,8 +10,11 @@ summary.json is reused (--force reruns it).
     python bench/async.py --seeds 0 --variants synchronous "synchronous, 2 threads"   # one core or two, in turn
     python bench/async.py --learning_rate 3e-4 --variants synchronous "K = 4" "K = 4 + TIS" "K = 4 + M2PO"
     python bench/async.py --steps 2 --seeds 0 --out /tmp/async        # smoke test
+    python bench/async.py --steps 20 --seeds 0 --variants "K = 1" --timeline docs/figures/async_timeline.png
 
 Writes to --out (default runs/async): results.md (the table and the command), results.json and one folder per run.
+--timeline PNG: the first asynchronous run's timeline.jsonl (the wall-clock spans of each process's phases, written by
+support/async_sampling.py) drawn as two lanes, the learner's and the sampler process's, over --timeline_steps.
 """
 import argparse
 import json
@@ -64,6 +67,41 @@ def summarise(run_dir):
             "wall_s": summary["wall_time_s"]}
 
 
+LANES = {"learner": {"generation": ("wait for the batch", "0.85"), "reward": ("reward", "tab:olive"),
+                     "scoring": ("scoring (reference)", "tab:orange"), "forward_backward": ("forward/backward", "tab:red"),
+                     "optimizer": ("optimizer step", "tab:purple"), "publish": ("publish weights", "black")},
+         "sampler": {"wait": ("wait for weights", "0.85"), "generation": ("sampling", "tab:blue"),
+                     "scoring": ("scoring (behaviour log-probs)", "tab:cyan")}}
+
+
+def plot_timeline(path, out, steps):
+    """The learner's and the sampler's phases (timeline.jsonl's spans) over `steps` (first, last), as two lanes."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines()]
+    rows = [r for r in rows if steps[0] <= r["step"] <= steps[1]]
+    origin = min(span[1] for r in rows for span in r["learner"])
+    fig, ax = plt.subplots(figsize=(11, 2.6))
+    shown = set()
+    for y, lane in enumerate(["sampler", "learner"]):
+        for r in rows:
+            for phase, start, end in r[lane]:
+                label, color = LANES[lane].get(phase, (phase, "tab:gray"))
+                ax.barh(y, end - start, left=start - origin, height=0.6, color=color,
+                        label=None if (lane, phase) in shown else f"{lane}: {label}")
+                shown.add((lane, phase))
+        if lane == "learner":
+            for r in rows:  # each step's end: its weights published
+                ax.text(r["learner"][-1][2] - origin, 1.36, str(r["step"]), ha="center", fontsize=7)
+    ax.set_yticks([0, 1], ["sampler process", "learner"])
+    ax.set_xlabel("seconds (wall clock); numbers: the learner's steps, at their end")
+    ax.legend(fontsize=7, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.3), frameon=False)
+    fig.savefig(out, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
 def mean_std(values, fmt):
     if len(values) == 1:
         return format(values[0], fmt)
@@ -78,12 +116,20 @@ def main():
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["synchronous", "K = 1", "K = 2"])
     parser.add_argument("--out", default="runs/async")
     parser.add_argument("--force", action="store_true", help="Rerun finished runs.")
+    parser.add_argument("--timeline", default="", help="Draw the first asynchronous run's timeline in this PNG.")
+    parser.add_argument("--timeline_steps", type=int, nargs=2, default=[5, 10], help="Its first and last step.")
     args = parser.parse_args()
 
-    results = {}
+    results, timelines = {}, []
     for seed in args.seeds:  # seed by seed: a run that the machine slowed down is beside its neighbours
         for name in args.variants:
-            results.setdefault(name, []).append(summarise(run_one(name, seed, args)))
+            run_dir = run_one(name, seed, args)
+            results.setdefault(name, []).append(summarise(run_dir))
+            timelines += [run_dir / "timeline.jsonl"] if (run_dir / "timeline.jsonl").exists() else []
+    if args.timeline:
+        if not timelines:
+            sys.exit("error: --timeline: no asynchronous run among --variants.")
+        plot_timeline(timelines[0], args.timeline, args.timeline_steps)
     sync = statistics.mean(r["step_s"] for r in results[args.variants[0]])
     lines = ["| sampling | held-out accuracy (start → end) | s per step (learner) | speed-up "
              "| learner, s per step: wait for the batch / scoring / update "

@@ -112,6 +112,7 @@ def run_child(script, result_path, script_args):
 
     spec = importlib.util.spec_from_file_location(Path(script).stem, script)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[module.__name__] = module  # its Config pickles by name (--async_rollouts sends it to the sampler)
     spec.loader.exec_module(module)  # importing must not train
     sys.argv = [script, *script_args]
     baseline_rss = proc_status_bytes("VmRSS")

@@ -9,6 +9,7 @@ The sampler never outlives the learner: it is a daemon process (ended when the l
 between waits that its parent still runs (a learner killed with SIGKILL). A sampler that dies stops the learner with
 one line naming the cause."""
 import collections
+import json
 import os
 import queue
 import signal
@@ -32,9 +33,8 @@ def check(cfg, accelerator):
     refuse = [(accelerator.num_processes > 1, "several processes (DDP): run one learner process"),
               (accelerator.state.deepspeed_plugin is not None, "DeepSpeed: run without it"),
               (cfg.lora_r > 0, "--lora_r: train the whole model"),
-              (cfg.rollout_lag > 0 or cfg.rollout_dtype != cfg.torch_dtype,
+              (getattr(cfg, "rollout_lag", 0) > 0 or getattr(cfg, "rollout_dtype", cfg.torch_dtype) != cfg.torch_dtype,
                "--rollout_lag or --rollout_dtype: the sampler process is the stale copy"),
-              (cfg.resume_from != "", "--resume_from: the sampler's queue is not in the checkpoint"),
               (getattr(cfg, "budget", "uniform") != "uniform", "--budget knapsack: it allocates from fresh outcomes"),
               (getattr(cfg, "sampler", "independent") != "independent", "--sampler tree: the process samples each "
                "completion on its own")]
@@ -46,57 +46,75 @@ def check(cfg, accelerator):
             raise SystemExit(f"error: --async_rollouts does not run with {what}.")
 
 
+def draw(prompts):
+    """prompts.next() as (examples, completions of each): a budget.BudgetSampler's pair, or a tasks.PromptSampler's
+    examples with one completion each."""
+    batch = prompts.next()
+    return batch if isinstance(batch, tuple) else (batch, 1)
+
+
 class AsyncRolloutSampler:
-    """The learner's side: starts the sampler process with the policy's weights (version 0), asks it for the
-    batches of the next K + 1 steps, hands the trainer one per step, and publishes the weights after each step."""
+    """The learner's side: starts the sampler process, keeps up to K + 1 batches asked for (each request carries the
+    learner's version then: the sampler waits for those weights or newer), hands the trainer one per call (DAPO:
+    one per round), and publishes the weights after each step. A batch asked for at step t is taken by step t + K
+    (every step takes one at least), so it is at most K steps stale."""
 
     def __init__(self, trainer, policy, sample):
         self.trainer, self.ahead = trainer, trainer.cfg.async_rollouts
         self.params = [p for p in trainer.accelerator.unwrap_model(policy.model).parameters()]
         ctx = mp.get_context("spawn")
         self.weights = [p.detach().to("cpu", copy=True).share_memory_() for p in self.params]
-        self.version, self.lock = ctx.Value("i", 0), ctx.Lock()
+        self.version, self.lock = ctx.Value("i", -1), ctx.Lock()  # -1: nothing published yet
         self.requests, self.results = ctx.Queue(), ctx.Queue()
-        self.asked = collections.deque()  # the examples of the batches asked for, in order
-        self.last = None  # this step's rollout and the sampler's seconds per phase for it
+        self.asked = collections.deque()  # the (examples, completions of each, greedy) asked for, in order
+        self.received = []  # this step's batches: (version per row, the sampler's seconds per phase)
         self.sample = sample  # the prompt sampler's (tasks.PromptSampler.sample_with): the process reports to it
+        self.timeline = trainer.accelerator.is_main_process and os.path.join(trainer.cfg.output_dir, "timeline.jsonl")
+        self.sampler_spans = []  # (phase, start, end), wall clock, as the learner's timer.spans: bench/async.py's figure
         self.process = ctx.Process(target=serve, daemon=True, name="sampler", args=(
             trainer.cfg, self.weights, self.version, self.lock, self.requests, self.results, os.getpid(),
-            torch.get_num_threads()))
+            torch.get_num_threads(), str(trainer.accelerator.device)))
         self.process.start()
 
-    def rollout(self, prompts):
-        """This step's Rollout, sampled ahead (the learner's time/generation_s: its wait for it); asks for the batch
-        K + 1 steps on (prompts.next(): its examples and the completions of each, budget.BudgetSampler). After the
-        last step's batch the sampler process stops."""
+    def rollout(self, prompts, greedy=False):
+        """The next Rollout asked for (the learner's time/generation_s: its wait for it), with greedy its greedy
+        completions (rollout.greedy, the same weights); first asks for more, up to K + 1 batches (prompts.next():
+        async_sampling.draw), none past the last step's."""
         trainer, step = self.trainer, self.trainer.at_step
         if trainer.cfg.reward_fn:  # their trainer_state: the steps done so far
             reward_functions.trainer_state().global_step = step - 1
-        last = min(step + self.ahead, trainer.cfg.num_steps)  # the first call asks for K + 1 batches
-        while step + len(self.asked) <= last:
-            self.asked.append(prompts.next())
-            examples, num_samples = self.asked[-1]
-            self.requests.put((step + len(self.asked) - 1, [ex["prompt"] for ex in examples], num_samples))
+        if self.version.value < 0:  # the first call: the weights at the start (--resume_from: the checkpoint's)
+            trainer.timer.spans = []
+            self.publish(step - 1)
+        while len(self.asked) < min(self.ahead + 1, trainer.cfg.num_steps - step + 1):
+            examples, num_samples = draw(prompts)
+            self.asked.append((examples, num_samples, greedy))
+            self.requests.put((step - 1, [ex["prompt"] for ex in examples], num_samples, greedy))
         with trainer.timer("generation"):
-            (examples, num_samples), out = self.asked.popleft(), self.receive()
-        if out["step"] != step:
-            raise SystemExit(f"error: the sampler process sent the batch of step {out['step']} at step {step}.")
-        if step == trainer.cfg.num_steps:
-            self.requests.put("stop")
-        device = trainer.accelerator.device
-        prompt_ids, prompt_mask = out["prompt_ids"].to(device), out["prompt_mask"].to(device)
-        completion_ids, mask = out["completion_ids"].to(device), out["mask"].to(device)
-        rollout = Rollout([ex for ex in examples for _ in range(num_samples)], prompt_ids, prompt_mask,
-                          completion_ids, mask, tasks.decode_completions(trainer.tokenizer, completion_ids, mask),
-                          group_size=num_samples)
-        rollout.sampler_logp = out["logp"].to(device)
-        rollout.version = torch.full((len(rollout),), out["version"], device=device)  # the weights after that step
-        trainer.generated += len(rollout)
+            (examples, num_samples, greedy), out = self.asked.popleft(), self.receive()
+        rollout = self.unpack(examples, num_samples, out["prompt_ids"], out["prompt_mask"], out["completion_ids"],
+                              out["mask"])
+        rollout.sampler_logp = out["logp"].to(rollout.mask.device)
+        rollout.version = torch.full((len(rollout),), out["version"], device=rollout.mask.device)
+        rollout.greedy = self.unpack(examples, 1, out["prompt_ids"], out["prompt_mask"], *out["greedy"]) \
+            if greedy else None
+        mask = out["mask"]
         if isinstance(self.sample, tree.Sampling):  # train/decoded_per_completion: the tokens the process decoded
             self.sample.decoded, self.sample.completions = self.sample.decoded + int(mask.sum()), \
                 self.sample.completions + len(mask)
-        self.last = rollout, out["times"]
+        self.received.append((rollout.version, out["times"]))
+        self.sampler_spans += out["spans"]
         return rollout
+
+    def unpack(self, examples, num_samples, prompt_ids, prompt_mask, completion_ids, mask):
+        """A Rollout of the sampler's tensors, on the learner's device (each prompt's num_samples rows adjacent)."""
+        trainer, device = self.trainer, self.trainer.accelerator.device
+        prompt_ids, prompt_mask = (x.repeat_interleave(num_samples, dim=0).to(device) for x in (prompt_ids,
+                                                                                               prompt_mask))
+        completion_ids, mask = completion_ids.to(device), mask.to(device)
+        trainer.generated += len(completion_ids)
+        return Rollout([ex for ex in examples for _ in range(num_samples)], prompt_ids, prompt_mask, completion_ids,
+                       mask, tasks.decode_completions(trainer.tokenizer, completion_ids, mask), group_size=num_samples)
 
     def receive(self):
         """The next batch from the sampler process; its death (or an error it sent) stops the learner."""
@@ -105,31 +123,53 @@ class AsyncRolloutSampler:
                 out = self.results.get(timeout=POLL_S)
                 break
             except queue.Empty:
-                if not self.process.is_alive():
-                    raise SystemExit(f"error: the sampler process died (exit code {self.process.exitcode}) before "
-                                     "sending its batch.") from None
+                pass
+            except (ConnectionError, EOFError):  # a batch half sent: its tensors' handles went with the process
+                self.process.join(timeout=10)
+                if self.process.is_alive():
+                    raise
+            if not self.process.is_alive():
+                raise SystemExit(f"error: the sampler process died (exit code {self.process.exitcode}) before "
+                                 "sending its batch.") from None
         if "error" in out:
             raise SystemExit(f"error: the sampler process failed: {out['error']}")
         return out
 
     @torch.no_grad()
-    def end_step(self, step):
-        """After the step's update: its weights published for the sampler's next batch, and the step's metrics:
-        train/staleness_mean and _max over the rollout's rows (the steps between the weights that sampled each row
-        and the learner's), and the sampler's seconds per phase."""
-        with self.lock:
+    def publish(self, version):
+        """The learner's weights into shared memory, for the sampler's next batch, with their version (steps done)."""
+        with self.trainer.timer("publish"), self.lock:
             for shared, p in zip(self.weights, self.params):
                 shared.copy_(p.detach())
-            self.version.value = step
-        (rollout, times), self.last = self.last, None
-        staleness = (step - 1 - rollout.version).float()
+            self.version.value = version
+
+    def end_step(self, step):
+        """After the step's update: its weights published, and the step's metrics: train/staleness_mean and _max
+        over the rows sampled for it (the steps between the weights that sampled each row and the learner's), the
+        sampler's seconds per phase for them; the step's spans appended to output_dir/timeline.jsonl."""
+        if step < self.trainer.cfg.num_steps:
+            self.publish(step)
+        else:
+            self.requests.put("stop")
+        staleness = (step - 1 - torch.cat([version for version, _ in self.received])).float()
+        times = collections.Counter()
+        for _, phases in self.received:
+            times.update(phases)
+        self.received = []
+        if self.timeline:
+            with open(self.timeline, "a") as f:
+                f.write(json.dumps({"step": step, "learner": self.trainer.timer.spans,
+                                    "sampler": self.sampler_spans}) + "\n")
+        self.trainer.timer.spans, self.sampler_spans = [], []
         return {"train/staleness_mean": staleness.mean(), "train/staleness_max": staleness.max(),
                 **{f"time/{phase}_s": seconds for phase, seconds in times.items()}}
 
 
-def serve(cfg, weights, version, lock, requests, results, parent_pid, threads):
-    """The sampler process: for each request (step, prompts, G), wait for weights no older than step - 1 - K, load
-    the newest, sample G completions per prompt and score them, and send them with that version."""
+def serve(cfg, weights, version, lock, requests, results, parent_pid, threads, device):
+    """The sampler process: for each request (the learner's version then, prompts, G, greedy), wait for those weights
+    or newer, load the newest, sample G completions per prompt (with greedy also each prompt's greedy one, the same
+    weights) and score them, and send them with that version and the wall-clock spans of each phase. It samples on
+    the learner's device (a GPU: the same one), reads the weights from shared CPU memory and sends CPU tensors."""
     from transformers.utils import logging
 
     torch.set_num_threads(threads)
@@ -138,13 +178,13 @@ def serve(cfg, weights, version, lock, requests, results, parent_pid, threads):
     logging.disable_progress_bar()
     try:
         torch.manual_seed(cfg.seed)  # the seed the learner samples with in a synchronous run
-        tokenizer, model = models.load_tokenizer(cfg), models.load_model(cfg, trainable=False)
+        tokenizer, model = models.load_tokenizer(cfg), models.load_model(cfg, trainable=False).to(device)
         params, have = list(model.parameters()), -1
         sample, score = (fast.generate, fast.token_logprobs) if cfg.fast else (common.generate, common.token_logprobs)
         while (request := receive(requests, parent_pid)) != "stop":
-            step, prompts, num_samples = request
-            start = time.perf_counter()
-            while version.value < step - 1 - cfg.async_rollouts:  # bounded staleness: at most K steps behind
+            oldest, prompts, num_samples, greedy = request
+            spans, start = [], time.time()
+            while version.value < oldest:  # bounded staleness: the learner's weights when it asked, or newer
                 leave_if_orphaned(parent_pid)
                 time.sleep(POLL_S)
             with lock:
@@ -152,24 +192,36 @@ def serve(cfg, weights, version, lock, requests, results, parent_pid, threads):
                     have = version.value
                     for p, w in zip(params, weights, strict=True):
                         p.copy_(w)
-            waited, start = time.perf_counter() - start, time.perf_counter()
+            spans.append(("wait", start, time.time()))
             with torch.inference_mode():
-                prompt_ids, prompt_mask = tasks.tokenize_prompts(tokenizer, prompts, "cpu")
+                prompt_ids, prompt_mask = tasks.tokenize_prompts(tokenizer, prompts, device)
                 completion_ids = sample(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=num_samples)
                 mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
-                prompt_ids, prompt_mask = (x.repeat_interleave(num_samples, dim=0) for x in (prompt_ids, prompt_mask))
-                sampled = time.perf_counter() - start
-                ids, attention = torch.cat([prompt_ids, completion_ids], 1), torch.cat([prompt_mask, mask], 1)
+                out = {"greedy": None}
+                if greedy:
+                    greedy_ids = sample(model, tokenizer, prompt_ids, prompt_mask, cfg, greedy=True)
+                    out["greedy"] = (greedy_ids, common.completion_mask(greedy_ids, tokenizer.eos_token_id))
+                spans.append(("generation", spans[-1][2], time.time()))
+                ids = torch.cat([prompt_ids.repeat_interleave(num_samples, dim=0), completion_ids], 1)
+                attention = torch.cat([prompt_mask.repeat_interleave(num_samples, dim=0), mask], 1)
                 logp = torch.cat([score(model, ids[s], attention[s], mask.shape[1], cfg.temperature, top_k=cfg.top_k,
                                         top_p=cfg.top_p) for s in micro_batches(len(ids), cfg.micro_batch_size)])
-            results.put({"step": step, "version": have, "prompt_ids": prompt_ids.clone(),
-                         "prompt_mask": prompt_mask.clone(), "completion_ids": completion_ids.clone(),
-                         "mask": mask.clone(), "logp": logp.clone(), "times": {
-                             "sampler_wait": waited, "sampler_generation": sampled,
-                             "sampler_scoring": time.perf_counter() - start - sampled}})
+                spans.append(("scoring", spans[-1][2], time.time()))
+            out.update(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids, mask=mask,
+                       logp=logp)
+            out = {key: plain(value) for key, value in out.items()}  # ordinary CPU tensors, which the queue can send
+            results.put({**out, "version": have, "spans": spans,
+                         "times": {f"sampler_{phase}": end - begin for phase, begin, end in spans}})
     except Exception as e:  # one line for the learner to print
         results.put({"error": f"{type(e).__name__}: {e} (in {traceback.extract_tb(e.__traceback__)[-1].name})"})
         time.sleep(1)  # the queue's feeder thread sends it before the process ends
+
+
+def plain(x):
+    """An ordinary CPU copy of a tensor made in inference mode (a tuple of them: each; None: None)."""
+    if isinstance(x, tuple):
+        return tuple(map(plain, x))
+    return None if x is None else x.to("cpu", copy=True)
 
 
 def receive(requests, parent_pid):

@@ -118,11 +118,9 @@ class TrainConfig:
 
     # Set by a script's __post_init__ where they apply: the clip of its loss (a common.Clip, which the rollout viewer
     # shows), and whether an update follows the first on the same batch (a pi_old pass, which --keep_routing r2
-    # replays and which makes the samples off-policy for --geo_mask_delta); whether its loop takes its rollouts from
-    # trainer.rollout, which --async_rollouts serves from a sampler process. Not flags.
+    # replays and which makes the samples off-policy for --geo_mask_delta). Not flags.
     clip = None
     reuses_batch = False
-    sampler_process = False
 
     def __post_init__(self):
         check_rules(self, **{name: POSITIVE for name in ("num_steps", "batch_size", "learning_rate", "max_new_tokens",
@@ -137,8 +135,6 @@ class TrainConfig:
               "makes one update per batch (no pi_old pass): give --num_epochs > 1, or --keep_routing r3.")
         check_rules(self, reward_scales=one_of("uniform", "hetero"), report_to=one_of("none", "tensorboard", "wandb"),
                     answer_check=one_of("number", "exact"), async_rollouts=NON_NEGATIVE)
-        check(self.async_rollouts == 0 or self.sampler_process, "--async_rollouts: this script samples in turn with "
-              "its updates; grpo.py runs a sampler process (docs/async.md).")
         if self.dataset not in ("arithmetic", "gsm8k"):
             if not self.dataset.endswith((".json", ".jsonl", ".parquet")):
                 raise ValueError("--dataset must be 'arithmetic', 'gsm8k' or a .json/.jsonl/.parquet file "
@@ -180,19 +176,8 @@ class TrainConfig:
 
 
 @dataclass
-class GroupConfig(TrainConfig):
-    """What GRPO, RLOO and DAPO share: a group of samples per prompt is the baseline."""
-    sampler_process = True  # one rollout per step, from trainer.rollout (DAPO's rounds: not yet)
-    num_generations: int = arg(8, "G (or K): sampled completions per prompt, >= 2; batch_size / G prompts per step.")
-    # With G samples per prompt a step sees batch_size / G = 8 prompts: held-out accuracy on the
-    # embedded task still rises at 200 steps and levels off near 600 (docs/group_family.md).
-    num_steps: int = arg(600, "Optimizer steps (one rollout batch each).")
-    eval_every: int = arg(50, "Held-out greedy accuracy every N steps (and at start and end).")
-    # train-inference mismatch and its corrections (docs/stability.md)
-    rollout_dtype: str = arg("float32", "Sample with a copy of the policy in this dtype, synced every step "
-                             "(the same as --torch_dtype: no copy, the trainer samples).")
-    rollout_lag: int = arg(0, "Sample with the policy of k optimizer steps ago, as an asynchronous trainer does "
-                           "(0 = this step's weights).")
+class CorrectionConfig(TrainConfig):
+    """The corrections of a sampler with other weights than the trainer's (docs/stability.md; docs/async.md)."""
     tis_cap: float = arg(0.0, "Truncated importance sampling: weigh each token by min(pi_train / pi_rollout, C) "
                          "(0 = off; 2 is common).")
     geo_mask_delta: float = arg(0.0, "Mask a sequence with A < 0 whose mean log(pi_old / pi_theta) exceeds delta "
@@ -203,28 +188,46 @@ class GroupConfig(TrainConfig):
     m2po_tau: float = arg(0.0, "M2PO: mask the tokens of largest log(pi_theta / pi_rollout)^2 until their mean is "
                           "<= tau (0 = off; the paper: 0.04).")
 
+    def sampler_differs(self):
+        """Whether the samples come from other weights than the trainer's, and the flags that make them so."""
+        return self.async_rollouts > 0, "--async_rollouts > 0"
+
     def __post_init__(self):
         super().__post_init__()
         check_rules(self, tis_level=one_of("token", "sequence"), tis_veto=Rule(lambda v: 0 <= v < 1, "in [0, 1)"),
-                    rollout_dtype=one_of(*DTYPES), rollout_lag=NON_NEGATIVE, m2po_tau=NON_NEGATIVE)
-        if self.tis_cap < 0 or 0 < self.tis_cap < 1:
-            raise ValueError(f"--tis_cap must be 0 (off) or >= 1 (got {self.tis_cap}).")
-        same_sampler = self.rollout_dtype == self.torch_dtype and self.rollout_lag == self.async_rollouts == 0
-        if self.tis_cap > 0 and same_sampler:
-            raise ValueError("--tis_cap corrects a sampler that differs from the trainer: give --rollout_dtype "
-                             f"other than --torch_dtype ({self.torch_dtype}) or --rollout_lag > 0; with the same "
-                             "the weight is 1.")
+                    m2po_tau=NON_NEGATIVE, geo_mask_delta=NON_NEGATIVE,
+                    tis_cap=Rule(lambda v: v == 0 or v >= 1, "0 (off) or >= 1"))
+        differs, give = self.sampler_differs()
+        for name in ("tis_cap", "tis_veto", "m2po_tau"):  # with the same weights their ratio is 1
+            check(vars(self)[name] == 0 or differs, f"--{name} corrects a sampler that differs from the trainer: give "
+                  f"{give}.")
         check(self.tis_level == "token" or self.tis_cap > 0, "--tis_level sequence weighs by the truncated "
               "sequence ratio: give --tis_cap too (e.g. 2).")
-        check(self.m2po_tau == 0 or not same_sampler, "--m2po_tau masks the tokens a differing sampler made unlikely "
-              "for the trainer: give --rollout_dtype other than --torch_dtype or --rollout_lag > 0.")
-        check(self.tis_veto == 0 or not same_sampler, "--tis_veto drops the sequences a differing sampler made "
-              "unlikely for the trainer: give --rollout_dtype other than --torch_dtype or --rollout_lag > 0.")
-        if self.geo_mask_delta < 0:
-            raise ValueError(f"--geo_mask_delta must be >= 0 (got {self.geo_mask_delta}).")
-        if self.geo_mask_delta > 0 and same_sampler and not self.reuses_batch:
-            raise ValueError("--geo_mask_delta masks off-policy samples, and these are on-policy: give --rollout_dtype "
-                             "other than --torch_dtype, --rollout_lag > 0 or --num_epochs > 1.")
+        check(self.geo_mask_delta == 0 or differs or self.reuses_batch, "--geo_mask_delta masks off-policy samples, "
+              f"and these are on-policy: give {give} or --num_epochs > 1.")
+
+
+@dataclass
+class GroupConfig(CorrectionConfig):
+    """What GRPO, RLOO and DAPO share: a group of samples per prompt is the baseline."""
+    num_generations: int = arg(8, "G (or K): sampled completions per prompt, >= 2; batch_size / G prompts per step.")
+    # With G samples per prompt a step sees batch_size / G = 8 prompts: held-out accuracy on the
+    # embedded task still rises at 200 steps and levels off near 600 (docs/group_family.md).
+    num_steps: int = arg(600, "Optimizer steps (one rollout batch each).")
+    eval_every: int = arg(50, "Held-out greedy accuracy every N steps (and at start and end).")
+    rollout_dtype: str = arg("float32", "Sample with a copy of the policy in this dtype, synced every step "
+                             "(the same as --torch_dtype: no copy, the trainer samples).")
+    rollout_lag: int = arg(0, "Sample with the policy of k optimizer steps ago, as an asynchronous trainer does "
+                           "(0 = this step's weights).")
+
+    def sampler_differs(self):
+        differs = self.rollout_dtype != self.torch_dtype or self.rollout_lag > 0 or self.async_rollouts > 0
+        return differs, f"--rollout_dtype other than --torch_dtype ({self.torch_dtype}), --rollout_lag > 0 or " \
+            "--async_rollouts > 0"
+
+    def __post_init__(self):
+        check_rules(self, rollout_dtype=one_of(*DTYPES), rollout_lag=NON_NEGATIVE)
+        super().__post_init__()
         if self.num_generations < 2:
             raise ValueError(f"--num_generations must be >= 2: the group is the baseline (got {self.num_generations}).")
         if self.batch_size % self.num_generations:

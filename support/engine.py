@@ -139,9 +139,9 @@ class Trainer:
         self.generated += len(rollout)
         return rollout
 
-    def rollout(self, prompts):
-        """This step's rollout of prompts.next()'s (examples, num_samples): sampled now, or ahead (--async_rollouts)."""
-        return self.rollout_sampler.rollout(prompts)
+    def rollout(self, prompts, greedy=False):
+        """A rollout of prompts.next()'s examples (greedy: with rollout.greedy), sampled now or ahead (async)."""
+        return self.rollout_sampler.rollout(prompts, greedy)
 
     def reference_logprobs(self, ref_model, rollout):
         """(B, T) log-probs of the completions under the frozen reference (None: None), on its whole distribution."""

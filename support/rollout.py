@@ -28,6 +28,7 @@ class Rollout:
     sampler_logp: torch.Tensor = None
     version: torch.Tensor = None
     sampler_times: dict = None
+    greedy: "Rollout" = None  # ReMax: the greedy completion of each prompt, decoded with the same weights
     # --environment / --tools: (B, T) 1 on every token of the episode, the environment's too (what attention sees;
     # None: mask), and each row's agents.Episode
     token_mask: torch.Tensor = None
@@ -63,7 +64,8 @@ class Rollout:
         return Rollout([self.examples[i] for i in rows.tolist()], self.prompt_ids[rows], self.prompt_mask[rows],
                        self.completion_ids[rows], self.mask[rows], [self.completions[i] for i in rows.tolist()],
                        None if self.routing is None else tuple(x[rows] for x in self.routing),
-                       group_size=self.group_size, token_mask=None if self.token_mask is None else self.token_mask[rows],
+                       group_size=self.group_size, sampler_logp=take(self.sampler_logp, rows),
+                       version=take(self.version, rows), token_mask=take(self.token_mask, rows),
                        episodes=None if self.episodes is None else [self.episodes[i] for i in rows.tolist()])
 
     @staticmethod
@@ -96,9 +98,16 @@ class Rollout:
                        pad([r.completion_ids for r in parts], pad_token_id),
                        pad([r.mask for r in parts], 0), [c for r in parts for c in r.completions],
                        None if parts[0].routing is None else (pad_routing(0), pad_routing(1)),
-                       group_size=parts[0].group_size,
+                       group_size=parts[0].group_size, sampler_logp=None if parts[0].version is None else
+                       pad([r.sampler_logp for r in parts], 0.0), version=None if parts[0].version is None else
+                       torch.cat([r.version for r in parts]),
                        token_mask=None if parts[0].token_mask is None else pad([r.token_mask for r in parts], 0),
                        episodes=None if parts[0].episodes is None else [e for r in parts for e in r.episodes])
+
+
+def take(x, rows):
+    """These rows of a per-row tensor; None stays None."""
+    return None if x is None else x[rows]
 
 
 def micro_batches(batch_size, micro_batch_size):

@@ -19,17 +19,19 @@ class StepTimer:
     time/<phase>_s and resets. On a GPU it synchronises so the time is the GPU's too."""
 
     def __init__(self):
-        self.times = {}
+        self.times, self.spans = {}, None  # spans: a list to record (phase, start, end) in wall-clock seconds
 
     @contextmanager
     def __call__(self, phase):
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        start = time.perf_counter()
+        start, wall = time.perf_counter(), time.time()
         yield
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - start
+        if self.spans is not None:
+            self.spans.append((phase, wall, time.time()))
 
     def metrics(self):
         out, self.times = {f"time/{k}_s": v for k, v in self.times.items()}, {}

@@ -1,7 +1,7 @@
 """Sampling a rollout: the policy, or the sampler's copy of it (a lower precision, or the weights of k steps ago),
 generates completions of a batch of prompts with support/fast.py's decode loop or the plain common.generate, and a
 mixture of experts' routing is recorded as it samples. The trainer (support/engine.py) asks for a rollout once per
-step (DAPO: once per round of dynamic sampling) and trains on it."""
+step (DAPO: once per round of dynamic sampling; ReMax: with the greedy completions) and trains on it."""
 import collections
 import functools
 from contextlib import ExitStack
@@ -54,9 +54,13 @@ class RolloutSampler:
         """The optimizer steps between the weights that sampled at `step` and the trainer's (--rollout_lag)."""
         return step - self.past_weights[0][0] if self.past_weights else 0
 
-    def rollout(self, prompts):
-        """This step's rollout: prompts.next() gives the examples and the completions of each (budget.BudgetSampler)."""
-        return self.trainer.generate(*prompts.next())
+    def rollout(self, prompts, greedy=False):
+        """This step's rollout of prompts.next()'s examples (async_sampling.draw), with greedy (ReMax) their greedy
+        completions as rollout.greedy."""
+        examples, num_samples = async_sampling.draw(prompts)
+        rollout = self.trainer.generate(examples, num_samples)
+        rollout.greedy = self.trainer.generate(examples, greedy=True) if greedy else None
+        return rollout
 
     def end_step(self, step):
         """The step's metrics: with --rollout_lag, train/staleness."""

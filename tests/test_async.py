@@ -70,11 +70,26 @@ def test_rloo_takes_its_rollouts_from_the_sampler_process_too(tmp_path, monkeypa
     assert all("train/m2po_masked_frac" in r for r in rows)
 
 
-@pytest.mark.parametrize("module", [dapo, remax, ppo])
-def test_a_script_whose_loop_the_sampler_process_does_not_serve_refuses_the_flag(module):
-    with pytest.raises(ValueError, match="--async_rollouts"):
-        module.Config(async_rollouts=1)
-    rloo.Config(async_rollouts=1, tis_cap=2.0)  # one rollout per step, as GRPO: served; a stale sampler: TIS allowed
+@pytest.mark.parametrize("module, flags", [
+    (dapo, ["--batch_size", "32", "--num_generations", "4"]),
+    (remax, ["--batch_size", "16", "--tis_cap", "2"]),
+    (ppo, ["--batch_size", "16", "--num_epochs", "1", "--num_mini_batches", "2", "--m2po_tau", "0.04"]),
+])
+def test_every_loop_takes_its_rollouts_from_the_sampler_process_at_most_k_steps_stale(tmp_path, monkeypatch, module,
+                                                                                       flags):
+    """DAPO asks for a batch per round of dynamic sampling, ReMax's batches carry the greedy completions decoded with
+    the same weights, PPO's critic stays in the learner; the sampler's log-probs are the behaviour policy."""
+    monkeypatch.setattr(sys, "argv", [module.__name__ + ".py", "--num_steps", "3", "--learning_rate", "1e-3",
+                                      "--eval_every", "100", "--save_model", "False", "--async_rollouts", "1", *flags,
+                                      "--output_dir", str(tmp_path)])
+    module.main()
+    rows = read_metrics(tmp_path / "metrics.jsonl")[1:]
+    assert [r["train/staleness_max"] for r in rows] == [0, 1, 1] and rows[0]["train/mismatch_k3"] == 0
+    assert all(r["train/mismatch_k3"] > 0 for r in rows[1:])
+    if module is remax:  # the greedy decode came from the sampler process too, and its reward is the baseline
+        assert all("train/greedy_reward" in r and r["train/tis_clip_frac"] >= 0 for r in rows)
+    if module is dapo:  # as many rounds as dynamic sampling needed, each batch's version bounded
+        assert all(r["train/sampling_rounds"] >= 1 for r in rows)
 
 
 @pytest.mark.parametrize("flags, what", [
@@ -90,13 +105,39 @@ def test_what_the_sampler_process_does_not_support_is_refused_in_one_line_before
         async_sampling.check(grpo.Config(async_rollouts=1, **flags), accelerator)
 
 
-def start(tmp_path):
+def test_a_resumed_run_restarts_its_sampler_from_the_checkpoints_weights(tmp_path):
+    """--resume_from: the batches asked for ahead are not in the checkpoint; the sampler process of the resumed run
+    starts from the checkpoint's weights, so its first batch has the checkpoint's version (staleness 0)."""
+    run(tmp_path, "--async_rollouts", "1", "--save_steps", "2", steps=2)
+    rows = run(tmp_path, "--async_rollouts", "1", "--resume_from", "latest", steps=4)
+    assert [r["step"] for r in rows if "train/staleness_max" in r][-2:] == [3, 4]
+    assert [r["train/staleness_max"] for r in rows if r["step"] > 2] == [0, 1]
+
+
+def sampling_that_fails(*args):
+    """The sampler process's target in the next test: serve, with a sampling that raises."""
+    from support import fast
+
+    def broken(*_, **__):
+        raise RuntimeError("the sampling broke")
+    fast.generate = broken  # serve reads it when it starts
+    async_sampling.serve(*args)
+
+
+def test_an_exception_in_the_sampler_process_stops_the_learner_with_one_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(async_sampling, "serve", sampling_that_fails)
+    with pytest.raises(SystemExit) as stopped:
+        run(tmp_path, "--async_rollouts", "1", steps=2)
+    assert stopped.value.code == "error: the sampler process failed: RuntimeError: the sampling broke (in broken)"
+
+
+def start(tmp_path, **popen):
     """grpo.py --async_rollouts 1 in a process of its own, once its sampler has sent a batch: (learner, sampler pid)."""
     learner = subprocess.Popen([sys.executable, "grpo.py", "--async_rollouts", "1", "--num_steps", "100000",
                                 "--batch_size", "8", "--num_generations", "2", "--eval_every", "100000",
                                 "--save_model", "False", "--output_dir", str(tmp_path)], cwd=ROOT, text=True,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+                               env={**os.environ, "OMP_NUM_THREADS": "1"}, **popen)
     deadline = time.time() + 240
     while not (tmp_path / "metrics.jsonl").exists() or len(read_metrics(tmp_path / "metrics.jsonl")) < 3:
         assert learner.poll() is None and time.time() < deadline, learner.stderr.read()[-2000:]
@@ -135,6 +176,20 @@ def test_a_learner_killed_with_sigkill_leaves_no_sampler_behind(tmp_path):
         time.sleep(0.05)
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads /proc")
+def test_ctrl_c_saves_a_checkpoint_ends_the_learner_and_leaves_no_sampler_behind(tmp_path):
+    """Ctrl-C in a terminal signals the whole process group: the sampler ignores it, the learner saves and ends."""
+    learner, sampler = start(tmp_path, start_new_session=True)
+    os.killpg(learner.pid, signal.SIGINT)
+    _, stderr = learner.communicate(timeout=120)
+    assert learner.returncode == 0, stderr[-2000:]
+    assert list(tmp_path.glob("checkpoint-*/trainer_state.json"))
+    deadline = time.time() + 10
+    while not gone(sampler):
+        assert time.time() < deadline, "the sampler outlived its learner by 10 s"
+        time.sleep(0.05)
+
+
 def test_async_benchmark_smoke_run_writes_one_row_per_variant(tmp_path):
     """bench/async.py, which makes docs/async.md's table: 2 steps, one seed."""
     cmd = [sys.executable, "bench/async.py", "--steps", "2", "--seeds", "0", "--variants", "synchronous", "K = 1",
@@ -147,3 +202,18 @@ def test_async_benchmark_smoke_run_writes_one_row_per_variant(tmp_path):
     (sync,), (k1,) = json.loads((tmp_path / "results.json").read_text()).values()
     assert sync["staleness"] == 0 and k1["staleness"] == 1  # step 2: sampled while step 1 trained
     assert 0 <= k1["after"] <= 1 and k1["step_s"] > 0
+
+
+def test_async_gpu_benchmark_runs_its_code_path_on_cpu_with_a_tiny_model(tmp_path):
+    """bench/async_gpu.py, which a single-GPU machine runs (synchronous against K = 1 on a 0.5B-shaped model): here
+    --allow_cpu, a 2-layer model of the same family, 2 steps each."""
+    out = (tmp_path / "async_gpu").with_suffix(".md")
+    cmd = [sys.executable, "bench/async_gpu.py", "--allow_cpu", "--steps", "2", "--batch_size", "4",
+           "--max_new_tokens", "4", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [line.split(" | ")[0] for line in out.read_text().splitlines() if line.startswith("| ")][1:] == [
+        "| synchronous", "| K = 1"]
+    sync, k1 = json.loads(out.with_suffix(".json").read_text())
+    assert sync["staleness"] == 0 and k1["staleness"] == 1 and k1["sampler_s"] > 0 and sync["timed_steps"] == 1
