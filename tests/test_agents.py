@@ -183,3 +183,62 @@ def test_gae_over_actions_skips_the_environments_tokens():
         assert torch.allclose(adv[row, acts], a[0], atol=1e-6) and torch.allclose(returns[row, acts], r[0], atol=1e-6)
         assert (adv[row, ~acts] == 0).all()
     assert ppo.last_action(mask).tolist() == [6, 4]
+
+
+# ---- the loops, end to end ----------------------------------------------------------------------------------
+def run_scripts(runs, tmp_path, jobs=2):
+    """Run {name: [script, flags...]} as subprocesses, `jobs` at a time; return {name: (stdout, metrics rows)}."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+    from support.run import read_metrics
+
+    out, todo, running = {}, list(runs.items()), []
+    while todo or running:
+        while todo and len(running) < jobs:
+            name, (script, *flags) = todo.pop(0)
+            cmd = [sys.executable, script, "--num_steps", "2", "--eval_every", "2", "--log_rollouts", "0",
+                   "--save_model", "False", "--output_dir", str(tmp_path / name), *flags]
+            running.append((name, subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                                   text=True)))
+        name, proc = running.pop(0)
+        stdout, stderr = proc.communicate()
+        assert proc.returncode == 0, f"{name}: {stderr[-3000:]}"
+        out[name] = (stdout, read_metrics(tmp_path / name / "metrics.jsonl"))
+    return out
+
+
+def test_a_run_of_one_turn_episodes_is_todays_run(tmp_path):
+    """The arithmetic model never writes a call: with a tool and --max_turns 1 every episode is the single
+    completion of today's run, and every metric the two runs share is the same."""
+    runs = run_scripts({"single": ["grpo.py"], "episodes": ["grpo.py", "--tools", "examples/agents.py:calculate",
+                                                            "--max_turns", "1"]}, tmp_path)
+    (_, single), (_, episodes) = runs["single"], runs["episodes"]
+    assert len(single) == len(episodes) == 3
+    for a, b in zip(single, episodes):
+        shared = [k for k in a if not k.startswith("time/")]
+        assert all(abs(a[k] - b[k]) <= 1e-6 for k in shared), [(k, a[k], b[k]) for k in shared if a[k] != b[k]]
+    assert episodes[1]["train/turns"] == 1 and episodes[1]["train/env_token_frac"] == 0
+
+
+def test_every_loop_trains_on_calculator_episodes_and_trls_shapes_train_unchanged(tmp_path):
+    """All five loops with --environment calculator on the agent model; a TRL-style class with a reward reading its
+    instances, and a plain tool function: each runs, its episodes call the tool, the logs show them."""
+    agent = ["--model_name_or_path", "embedded_model/agent", "--dataset", "tool_arithmetic"]
+    small = ["--batch_size", "16"]
+    runs = {name: [f"{name}.py", "--environment", "calculator", *small, *(["--num_generations", "4"]
+                                                                           if name in ("grpo", "rloo", "dapo") else [])]
+            for name in ("grpo", "rloo", "dapo", "remax", "ppo")}
+    runs["trl_class"] = ["grpo.py", "--environment", "examples/agents.py:Calculator", "--reward_fn",
+                         "examples/agents.py:call_cost", *agent, *small, "--num_generations", "4"]
+    runs["trl_tools"] = ["grpo.py", "--tools", "examples/agents.py:calculate", *agent, *small, "--num_generations", "4"]
+    for name, (stdout, rows) in run_scripts(runs, tmp_path).items():
+        train = [row for row in rows if "train/turns" in row]
+        assert len(train) == 2, name
+        assert sum(row["train/tool_calls"] for row in train) > 0, name
+        assert all(0 < row["train/env_token_frac"] < 1 and row["train/turns"] >= 1 for row in train), name
+        assert "eval/tool_calls_add_mul" in rows[0] and "eval/tool_calls_add_mul" in rows[-1], name
+        assert "<result>" in stdout, name  # the printed samples show the whole episode
+        if name == "trl_class":
+            assert "train/reward/call_cost" in train[0]
