@@ -139,10 +139,10 @@ class TrainConfig:
                     answer_check=one_of("number", "exact"), async_rollouts=NON_NEGATIVE)
         check(self.async_rollouts == 0 or self.sampler_process, "--async_rollouts: this script samples in turn with "
               "its updates; grpo.py runs a sampler process (docs/async.md).")
-        if self.dataset not in ("arithmetic", "gsm8k"):
+        if self.dataset not in ("arithmetic", "tool_arithmetic", "gsm8k"):
             if not self.dataset.endswith((".json", ".jsonl", ".parquet")):
-                raise ValueError("--dataset must be 'arithmetic', 'gsm8k' or a .json/.jsonl/.parquet file "
-                                 f"(got {self.dataset!r}).")
+                raise ValueError("--dataset must be 'arithmetic', 'tool_arithmetic', 'gsm8k' or a .json/.jsonl/"
+                                 f".parquet file (got {self.dataset!r}).")
             if not os.path.isfile(self.dataset):
                 raise ValueError(f"--dataset {self.dataset!r}: no such file.")
         check_rules(self, torch_dtype=one_of(*DTYPES), reward_model_dtype=one_of(*DTYPES))
@@ -159,7 +159,7 @@ class TrainConfig:
                 f"{self.torch_dtype} itself, where an update below about 0.3% (bfloat16) or 0.05% (float16) of "
                 "a weight rounds away, as most do at --learning_rate 1e-6. Keep float32 weights with "
                 "`accelerate launch --mixed_precision bf16`, or train a LoRA adapter (--lora_r).")
-        if self.system_prompt and self.dataset == "arithmetic":
+        if self.system_prompt and self.dataset in ("arithmetic", "tool_arithmetic"):
             raise ValueError("--system_prompt is for instruct models on --dataset gsm8k or a file; the arithmetic "
                              "task's prompts are bare sums.")
         for spec in self.reward_fn:

@@ -42,7 +42,7 @@ def reward_kwargs(cfg, examples, completions):
     [{"role": "assistant", "content": text}]), completion_ids (the sampled token ids, up to and including EOS),
     trainer_state, and every column of the dataset but the prompt's, by its name."""
     rows = [ex.get("row", ex) for ex in examples]
-    prompt_column = "prompt" if cfg.dataset == "arithmetic" else cfg.prompt_column
+    prompt_column = "prompt" if cfg.dataset in ("arithmetic", "tool_arithmetic") else cfg.prompt_column
     columns = {key: [row[key] for row in rows] for key in rows[0] if key != prompt_column}
     prompts = [ex.get("raw_prompt", ex["prompt"]) for ex in examples]
     return {**columns, "prompts": prompts,
