@@ -135,10 +135,10 @@ class TrainConfig:
               "makes one update per batch (no pi_old pass): give --num_epochs > 1, or --keep_routing r3.")
         check_rules(self, reward_scales=one_of("uniform", "hetero"), report_to=one_of("none", "tensorboard", "wandb"),
                     answer_check=one_of("number", "exact"), async_rollouts=NON_NEGATIVE)
-        if self.dataset not in ("arithmetic", "gsm8k"):
+        if self.dataset not in ("arithmetic", "tool_arithmetic", "gsm8k"):
             if not self.dataset.endswith((".json", ".jsonl", ".parquet")):
-                raise ValueError("--dataset must be 'arithmetic', 'gsm8k' or a .json/.jsonl/.parquet file "
-                                 f"(got {self.dataset!r}).")
+                raise ValueError("--dataset must be 'arithmetic', 'tool_arithmetic', 'gsm8k' or a .json/.jsonl/"
+                                 f".parquet file (got {self.dataset!r}).")
             if not os.path.isfile(self.dataset):
                 raise ValueError(f"--dataset {self.dataset!r}: no such file.")
         check_rules(self, torch_dtype=one_of(*DTYPES), reward_model_dtype=one_of(*DTYPES))
@@ -155,7 +155,7 @@ class TrainConfig:
                 f"{self.torch_dtype} itself, where an update below about 0.3% (bfloat16) or 0.05% (float16) of "
                 "a weight rounds away, as most do at --learning_rate 1e-6. Keep float32 weights with "
                 "`accelerate launch --mixed_precision bf16`, or train a LoRA adapter (--lora_r).")
-        if self.system_prompt and self.dataset == "arithmetic":
+        if self.system_prompt and self.dataset in ("arithmetic", "tool_arithmetic"):
             raise ValueError("--system_prompt is for instruct models on --dataset gsm8k or a file; the arithmetic "
                              "task's prompts are bare sums.")
         for spec in self.reward_fn:

@@ -44,7 +44,7 @@ def reward_kwargs(cfg, examples, completions, episodes=None):
     (agents.Episode, one per completion) also episodes and, with --environment, environments: each episode's
     environment instance, as TRL passes them."""
     rows = [ex.get("row", ex) for ex in examples]
-    prompt_column = "prompt" if cfg.dataset == "arithmetic" else cfg.prompt_column
+    prompt_column = "prompt" if cfg.dataset in ("arithmetic", "tool_arithmetic") else cfg.prompt_column
     columns = {key: [row[key] for row in rows] for key in rows[0] if key != prompt_column}
     prompts = [ex.get("raw_prompt", ex["prompt"]) for ex in examples]
     kwargs = {**columns, "prompts": prompts,

@@ -51,14 +51,47 @@ def arithmetic_example(family, rng):
     return {"prompt": f"{a}{op}{b}=", "answer": str(answer), "family": family}
 
 
-def arithmetic_examples(n, seed, held_out):
-    """n examples, families in turn, all from the held-out split or all from the train split."""
-    rng, examples, families = random.Random(seed), [], list(FAMILIES)
+def arithmetic_examples(n, seed, held_out, tools=False):
+    """n examples, families in turn, all from the held-out split or all from the train split (`tools`: those of
+    --dataset tool_arithmetic)."""
+    rng, examples, families = random.Random(seed), [], list(TOOL_FAMILIES if tools else FAMILIES)
+    example = tool_arithmetic_example if tools else arithmetic_example
     while len(examples) < n:
-        ex = arithmetic_example(families[len(examples) % len(families)], rng)
+        ex = example(families[len(examples) % len(families)], rng)
         if is_held_out(ex["prompt"]) == held_out:
             examples.append(ex)
     return examples
+
+
+# ----------------------------------------------------------------------------------------
+# The built-in task for agents (--dataset tool_arithmetic): a calculator worth calling
+# ----------------------------------------------------------------------------------------
+# An episode's completion region holds the model's turns and the calculator's replies, e.g. for 12+34*5=
+#     <tool>34*5</tool><result>170</result><tool>12+170</tool><result>182</result>182
+# The calculator does ONE binary integer operation per call, so a+b*c takes two calls.
+# name: (operand digit counts, operators).
+TOOL_FAMILIES = {
+    "add_2x1": ((2, 1), "+"),      # easy: answered directly
+    "mul_2x2": ((2, 2), "*"),      # hard without the calculator: one call
+    "add_mul": ((2, 2, 1), "+*"),  # a+b*c: two calls, b*c then a+r
+}
+
+
+def tool_arithmetic_example(family, rng):
+    digits, ops = TOOL_FAMILIES[family]
+    x = [rng.randint(10 ** (d - 1) if d > 1 else 0, 10 ** d - 1) for d in digits]
+    if ops == "+*":
+        answer = x[0] + x[1] * x[2]
+    else:
+        answer = x[0] + x[1] if ops == "+" else x[0] * x[1]
+    prompt = str(x[0]) + "".join(op + str(v) for op, v in zip(ops, x[1:])) + "="
+    return {"prompt": prompt, "answer": str(answer), "family": family, "check": "final_answer"}
+
+
+def final_answer(episode_text):
+    """The final answer of an episode: the text after the last `</result>` (the model's last turn), or the whole
+    text when it called no tool. '<tool>3*4</tool><result>12</result>12' -> '12'."""
+    return episode_text.rpartition("</result>")[2]
 
 
 # ----------------------------------------------------------------------------------------
@@ -89,10 +122,12 @@ def load_task(cfg, tokenizer=None):
     """(train examples, held-out eval examples). Every example: prompt (as fed to the policy), answer,
     family and, for real data, raw_prompt (the dataset's prompt: text, or a conversation's messages), check
     (--answer_check) and row (the dataset row, whose columns reward functions receive). An arithmetic example
-    is its own row. The --reward_fn functions are tried on the first train rows before this returns."""
-    if cfg.dataset == "arithmetic":
-        train, held_out = arithmetic_examples(20_000, seed=cfg.seed, held_out=False), \
-            arithmetic_examples(250, seed=1234, held_out=True)
+    is its own row; a tool_arithmetic one also holds check 'final_answer' (an episode's final answer, see
+    is_correct). The --reward_fn functions are tried on the first train rows before this returns."""
+    if cfg.dataset in ("arithmetic", "tool_arithmetic"):
+        tools = cfg.dataset == "tool_arithmetic"
+        train, held_out = arithmetic_examples(20_000, seed=cfg.seed, held_out=False, tools=tools), \
+            arithmetic_examples(250, seed=1234, held_out=True, tools=tools)
     else:
         train, held_out = load_rows(cfg, tokenizer)
     train = train[:cfg.train_size or len(train)]  # --train_size: a small pool, each prompt visited again and again
@@ -203,10 +238,14 @@ def read_answer(value, check, where, cfg):
 
 
 def is_correct(completion, answer, check="exact"):
+    """`check`: 'exact' (the stripped text), 'number' (the final number) or 'final_answer' (an episode's final
+    answer, exactly: --dataset tool_arithmetic)."""
     if answer is None:
         return False
     if check == "number":
         return extract_final_number(completion) == answer
+    if check == "final_answer":
+        completion = final_answer(completion)
     return completion.strip() == answer
 
 
