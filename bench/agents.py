@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from support import run  # noqa: E402
 
-AGENT = ["--model_name_or_path", "embedded_model/agent", "--dataset", "tool_arithmetic"]
+AGENT = ["--model_name_or_path", "embedded_model/agent", "--dataset", "tool_arithmetic", "--max_new_tokens", "40"]
 COST_BATCH = 64  # completions per step of the cost runs
 TRAIN_KEYS = ("train/turns", "train/tool_calls", "train/tool_errors", "train/truncated_frac", "train/env_token_frac",
               "train/correct")

@@ -30,12 +30,14 @@ from support import config
 from support.config import AT_LEAST_ONE, POSITIVE, arg, check, check_rules
 
 AGENT_MODEL = os.path.join(config.ROOT, "embedded_model", "agent")
+AGENT_BUDGET = 40  # --max_new_tokens of --environment calculator: a+b*c's two calls and answer take about 28 tokens
 
 
 @dataclass
 class AgentConfig:
     """The flags of multi-turn episodes, before config.TrainConfig (or GroupConfig) in a Config's bases: its checks
-    run after theirs. --environment calculator on the default model and task switches both to the agent ones."""
+    run after theirs. --environment calculator on the default model and task switches both to the agent ones, and the
+    default --max_new_tokens (8) to AGENT_BUDGET."""
     environment: str = arg("", "The environment of each episode: 'calculator' (built-in) or FILE.py:Class, TRL's "
                            "environment_factory shape (reset and one public method per tool).")
     tools: str = arg("", "Stateless tools FILE.py:fn1,fn2: typed functions with docstrings (TRL's tools).")
@@ -47,8 +49,9 @@ class AgentConfig:
         check_rules(self, max_turns=AT_LEAST_ONE, tool_timeout=POSITIVE)
         toolbox(self.environment, self.tools)  # a bad file, name or tool is an error before any model loads
         if self.environment == "calculator" and (self.model_name_or_path, self.dataset) == \
-                (config.EMBEDDED_MODEL, "arithmetic"):
+                (config.EMBEDDED_MODEL, "arithmetic"):  # the agent model and task; an episode's budget, not a sum's
             self.model_name_or_path, self.dataset = AGENT_MODEL, "tool_arithmetic"
+            self.max_new_tokens = AGENT_BUDGET if self.max_new_tokens == 8 else self.max_new_tokens
 
 
 class ToolCall(NamedTuple):
