@@ -244,3 +244,26 @@ def test_every_loop_trains_on_calculator_episodes_and_trls_shapes_train_unchange
         assert "eval/tool_calls_add_mul" in rows[0] and "eval/tool_calls_add_mul" in rows[-1], name
         if name == "trl_class":
             assert "train/reward/call_cost" in train[0]
+
+
+def test_two_processes_play_episodes_of_their_own_lengths_and_step_together(tmp_path):
+    """Each rank's episodes end at their own turns and lengths: the ranks still agree (the same number of
+    micro-batches and collectives), the rollout viewer gathers their rows, and the replicas stay identical."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from conftest import ROOT, free_port
+
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+           "--main_process_port", str(free_port()), "grpo.py", "--environment", "calculator", "--num_steps", "2",
+           "--eval_every", "2", "--batch_size", "16", "--num_generations", "4", "--log_rollouts", "4",
+           "--output_dir", str(tmp_path)]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["num_processes"] == 2
+    a, b = summary["replica_weight_checksums"]
+    assert a == b
+    assert (tmp_path / "rollouts.html").exists()
