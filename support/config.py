@@ -3,7 +3,6 @@ what it adds), GroupConfig (the group methods' shared fields and defaults), pars
 Accelerator."""
 import atexit
 import functools
-import importlib.util
 import json
 import logging
 import os
@@ -14,6 +13,8 @@ from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
+
+from support import user_files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EMBEDDED_MODEL = os.path.join(ROOT, "embedded_model")
@@ -345,18 +346,11 @@ def reward_function(spec):
     path, _, name = spec.rpartition(":")
     if not path.endswith(".py") or not name.isidentifier():
         raise ValueError(f"--reward_fn {spec!r}: give FILE.py:NAME, e.g. examples/rewards.py:format_reward.")
-    if not os.path.isfile(path):
-        raise ValueError(f"--reward_fn {spec!r}: no such file {path!r}.")
-    found = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
-    module = importlib.util.module_from_spec(found)
-    try:
-        found.loader.exec_module(module)
-    except Exception as e:
-        raise ValueError(f"--reward_fn {spec!r}: importing {path} raised {type(e).__name__}: {e}") from e
+    module = user_files.load_file("--reward_fn", spec, path)
     function = vars(module).get(name)
     if not callable(function):
         defined = [k for k, v in vars(module).items()
-                   if isinstance(v, types.FunctionType) and v.__module__ == found.name]
+                   if isinstance(v, types.FunctionType) and v.__module__ == module.__name__]
         raise ValueError(f"--reward_fn {spec!r}: {path} defines no function {name!r} (it defines {defined}).")
     return function
 

@@ -16,7 +16,6 @@ Reward functions receive the episodes' instances as `environments`, as TRL passe
 --tools functions are stateless (TRL's GRPOTrainer(tools=...)): the same checks, without reset."""
 import asyncio
 import functools
-import importlib.util
 import inspect
 import json
 import os
@@ -26,7 +25,7 @@ import types
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from support import config
+from support import config, user_files
 from support.config import AT_LEAST_ONE, POSITIVE, arg, check, check_rules
 
 AGENT_MODEL = os.path.join(config.ROOT, "embedded_model", "agent")
@@ -115,19 +114,6 @@ def one_line(error):
     return " ".join(str(error).split()) or type(error).__name__
 
 
-def load_file(flag, spec, path):
-    """The module of a FILE.py given to flag; a missing file or one that fails to import is a ValueError."""
-    if not os.path.isfile(path):
-        raise ValueError(f"{flag} {spec!r}: no such file {path!r}.")
-    found = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
-    module = importlib.util.module_from_spec(found)
-    try:
-        found.loader.exec_module(module)
-    except Exception as e:
-        raise ValueError(f"{flag} {spec!r}: importing {path} raised {type(e).__name__}: {one_line(e)}") from e
-    return module
-
-
 def schema(flag, spec, name, function):
     """get_json_schema(function): it raises on a parameter without a type hint or a missing docstring / Args entry."""
     from transformers.utils import get_json_schema
@@ -155,7 +141,7 @@ def toolbox(environment, tools):
         path, _, name = environment.rpartition(":")
         check(path.endswith(".py") and name.isidentifier(), f"--environment {environment!r}: give 'calculator' or "
               "FILE.py:Class.")
-        environment_class = vars(load_file("--environment", environment, path)).get(name)
+        environment_class = vars(user_files.load_file("--environment", environment, path)).get(name)
         check(isinstance(environment_class, type), f"--environment {environment!r}: {path} defines no class {name!r}.")
     if environment_class is not None:
         check(callable(getattr(environment_class, "reset", None)), f"--environment {environment!r}: the class has "
@@ -175,7 +161,7 @@ def toolbox(environment, tools):
         names = names.split(",")
         check(path.endswith(".py") and all(n.isidentifier() for n in names), f"--tools {tools!r}: give "
               "FILE.py:fn1,fn2.")
-        module = load_file("--tools", tools, path)
+        module = user_files.load_file("--tools", tools, path)
         for name in names:
             function = vars(module).get(name)
             check(isinstance(function, types.FunctionType), f"--tools {tools!r}: {path} defines no function "
@@ -337,10 +323,12 @@ class Spec:
 
 def load(cfg, tokenizer, examples=None):
     """The Spec of --environment / --tools, None when neither is given. Every problem is one `error: ...` line
-    (SystemExit) before any model loads; with examples, a trial episode starts on the first (reset is called)."""
+    (SystemExit) before any model loads; with examples (the run's check, engine.load_data), also what episodes do not
+    run with (`refuse`), and a trial episode starts on the first (reset is called)."""
     if not (cfg.environment or cfg.tools):
         return None
-    refuse(cfg)
+    if examples:
+        refuse(cfg)
     try:
         spec = Spec(cfg, tokenizer, toolbox(cfg.environment, cfg.tools))
         if spec.chat:
