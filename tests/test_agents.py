@@ -267,3 +267,36 @@ def test_two_processes_play_episodes_of_their_own_lengths_and_step_together(tmp_
     a, b = summary["replica_weight_checksums"]
     assert a == b
     assert (tmp_path / "rollouts.html").exists()
+
+
+def test_a_chat_models_episode_is_the_template_rendering_of_its_conversation(tmp_path):
+    """With a chat template: the prompt rendered with the tools, a turn ending at the template's end of turn, its
+    <tool_call> blocks run, the tool messages' tokens appended. The ids of the played episode, prompt and completion
+    region, are the tokens of apply_chat_template over the whole conversation; the action mask marks the two turns."""
+    from test_environments import QWEN_LIKE, char_tokenizer
+
+    from support import environments
+
+    tools = tmp_path / "tools.py"
+    tools.write_text('def add(a: int, b: int) -> int:\n    """Add.\n\n    Args:\n        a: One.\n        b: Two.\n    '
+                     '"""\n    return a + b\n')
+    tokenizer = char_tokenizer(chat_template=QWEN_LIKE)
+    cfg = type("Flags", (), {"environment": "", "tools": f"{tools}:add", "tool_timeout": 5.0, "system_prompt": "",
+                             "use_chat_template": True})()
+    spec = environments.load(cfg, tokenizer)
+    turns = ['<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>', "It is 5."]
+    script = iter([tokenizer(t, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id] for t in turns])
+
+    def sample_turn(rows, histories, appended, max_new_tokens):  # the "model": the scripted turns
+        return [next(script) for _ in rows]
+
+    prompt_ids, prompt_mask, ids, mask, token_mask, (episode,) = agents.play_episodes(
+        sample_turn, spec, tokenizer, [{"prompt": "What is 2+3?"}], 200, 4)
+    conversation = [{"role": "user", "content": "What is 2+3?"}, {"role": "assistant", "content": turns[0]},
+                    {"role": "tool", "content": "5"}, {"role": "assistant", "content": turns[1]}]
+    whole = tokenizer.apply_chat_template(conversation, tools=spec.schemas, tokenize=False)
+    played = prompt_ids[0].tolist() + ids[0][token_mask[0].bool()].tolist()
+    assert played == tokenizer(whole.removesuffix("\n"), add_special_tokens=False)["input_ids"]
+    actions = [t for t, m in zip(ids[0].tolist(), mask[0].tolist()) if m]
+    assert tokenizer.decode(actions) == turns[0] + "<|im_end|>" + turns[1] + "<|im_end|>"
+    assert episode.num_turns == 2 and episode.tool_calls[0]["result"] == "5" and not episode.truncated
