@@ -89,8 +89,8 @@ class RolloutSampler:
                         if isinstance(self.sample, tree.Sampling) and not greedy:  # train/decoded_per_completion
                             self.sample.count(int(mask.sum()), len(completion_ids))
                 completion_ids = completion_ids.clone()  # an ordinary tensor: the loss's input
-            except RuntimeError as e:  # e.g. NaN probabilities: are the weights broken? Every rank checks
-                error = e
+            except (RuntimeError, SystemExit) as e:  # NaN probabilities (broken weights?), an environment's reset
+                error = e  # that raised (its one line): every rank stops, not the one alone
             if any_process(accelerator, error is not None):
                 # the weights are checked between saves only, so an update may have broken them: then every rank
                 # stops with one message (checkpoint.finite_weights_and_logits); else the error stands

@@ -300,3 +300,25 @@ def test_a_chat_models_episode_is_the_template_rendering_of_its_conversation(tmp
     actions = [t for t, m in zip(ids[0].tolist(), mask[0].tolist()) if m]
     assert tokenizer.decode(actions) == turns[0] + "<|im_end|>" + turns[1] + "<|im_end|>"
     assert episode.num_turns == 2 and episode.tool_calls[0]["result"] == "5" and not episode.truncated
+
+
+def test_a_reset_that_raises_during_the_run_stops_it_with_one_line(tmp_path):
+    """The trial episode passes; a later episode's reset raises: the run stops with the environment's one line."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    (tmp_path / "env.py").write_text(
+        "class Flaky:\n    made = 0\n\n    def reset(self, **row):\n        Flaky.made += 1\n"
+        "        if Flaky.made > 3:\n            raise KeyError('level')\n\n"
+        "    def calculate(self, expression: str) -> str:\n        \"\"\"Calculate.\n\n        Args:\n"
+        "            expression: a+b\n        \"\"\"\n        return expression\n")
+    out = subprocess.run([sys.executable, "grpo.py", "--environment", f"{tmp_path / 'env.py'}:Flaky",
+                          "--model_name_or_path", "embedded_model/agent", "--dataset", "tool_arithmetic",
+                          "--num_steps", "2", "--output_dir", str(tmp_path / "run")],
+                         cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 1
+    last = out.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: --environment '{tmp_path / 'env.py'}:Flaky': reset raised KeyError: 'level'")
+    assert "Traceback" not in out.stderr
