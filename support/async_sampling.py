@@ -7,7 +7,9 @@ decoupled objective, which TIS, the geometric mask, the veto and M2PO correct as
 
 The sampler never outlives the learner: it is a daemon process (ended when the learner exits normally) and checks
 between waits that its parent still runs (a learner killed with SIGKILL). A sampler that dies stops the learner with
-one line naming the cause."""
+one line naming the cause. Under DDP each learner process has a sampler process of its own, which samples its rank's
+prompts with its rank's seed; the ranks' weights are equal after each step, and every rank takes as many batches
+per step (DAPO's rounds are agreed by an all-reduce), so the versions and staleness are the same on every rank."""
 import collections
 import json
 import os
@@ -30,8 +32,7 @@ def check(cfg, accelerator):
     """Before any model loads: the combinations the sampler process does not support yet, one line each."""
     from transformers import AutoConfig
 
-    refuse = [(accelerator.num_processes > 1, "several processes (DDP): run one learner process"),
-              (accelerator.state.deepspeed_plugin is not None, "DeepSpeed: run without it"),
+    refuse = [(accelerator.state.deepspeed_plugin is not None, "DeepSpeed: run without it"),
               (cfg.lora_r > 0, "--lora_r: train the whole model"),
               (getattr(cfg, "rollout_lag", 0) > 0 or getattr(cfg, "rollout_dtype", cfg.torch_dtype) != cfg.torch_dtype,
                "--rollout_lag or --rollout_dtype: the sampler process is the stale copy"),
@@ -72,8 +73,8 @@ class AsyncRolloutSampler:
         self.timeline = trainer.accelerator.is_main_process and os.path.join(trainer.cfg.output_dir, "timeline.jsonl")
         self.sampler_spans = []  # (phase, start, end), wall clock, as the learner's timer.spans: bench/async.py's figure
         self.process = ctx.Process(target=serve, daemon=True, name="sampler", args=(
-            trainer.cfg, self.weights, self.version, self.lock, self.requests, self.results, os.getpid(),
-            torch.get_num_threads(), str(trainer.accelerator.device)))
+            trainer.cfg, trainer.cfg.seed + trainer.accelerator.process_index, self.weights, self.version, self.lock,
+            self.requests, self.results, os.getpid(), torch.get_num_threads(), str(trainer.accelerator.device)))
         self.process.start()
 
     def rollout(self, prompts, greedy=False):
@@ -143,6 +144,21 @@ class AsyncRolloutSampler:
                 shared.copy_(p.detach())
             self.version.value = version
 
+    def close(self):
+        """At the end of the run: the sampler process stopped and joined (several learner processes leave with
+        os._exit, which ends no daemon process)."""
+        if self.process.is_alive():
+            self.requests.put("stop")
+            self.process.join(timeout=10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        for channel in (self.requests, self.results):
+            channel.close()
+            channel.join_thread()
+        # their semaphores released now: os._exit would leave them to the resource tracker, which warns
+        self.process = self.requests = self.results = self.version = self.lock = None
+
     def end_step(self, step):
         """After the step's update: its weights published, and the step's metrics: train/staleness_mean and _max
         over the rows sampled for it (the steps between the weights that sampled each row and the learner's), the
@@ -165,11 +181,12 @@ class AsyncRolloutSampler:
                 **{f"time/{phase}_s": seconds for phase, seconds in times.items()}}
 
 
-def serve(cfg, weights, version, lock, requests, results, parent_pid, threads, device):
+def serve(cfg, seed, weights, version, lock, requests, results, parent_pid, threads, device):
     """The sampler process: for each request (the learner's version then, prompts, G, greedy), wait for those weights
     or newer, load the newest, sample G completions per prompt (with greedy also each prompt's greedy one, the same
     weights) and score them, and send them with that version and the wall-clock spans of each phase. It samples on
-    the learner's device (a GPU: the same one), reads the weights from shared CPU memory and sends CPU tensors."""
+    the learner's device (a GPU: the same one), reads the weights from shared CPU memory and sends CPU tensors. seed: the
+one its learner's rank samples with in a synchronous run (cfg.seed + its process index)."""
     from transformers.utils import logging
 
     torch.set_num_threads(threads)
@@ -177,7 +194,7 @@ def serve(cfg, weights, version, lock, requests, results, parent_pid, threads, d
     # no progress bar: its tqdm lock is a named semaphore, which a sampler killed would leave for the learner to report
     logging.disable_progress_bar()
     try:
-        torch.manual_seed(cfg.seed)  # the seed the learner samples with in a synchronous run
+        torch.manual_seed(seed)  # the seed this rank's learner samples with in a synchronous run
         tokenizer, model = models.load_tokenizer(cfg), models.load_model(cfg, trainable=False).to(device)
         params, have = list(model.parameters()), -1
         sample, score = (fast.generate, fast.token_logprobs) if cfg.fast else (common.generate, common.token_logprobs)
@@ -212,6 +229,7 @@ def serve(cfg, weights, version, lock, requests, results, parent_pid, threads, d
             out = {key: plain(value) for key, value in out.items()}  # ordinary CPU tensors, which the queue can send
             results.put({**out, "version": have, "spans": spans,
                          "times": {f"sampler_{phase}": end - begin for phase, begin, end in spans}})
+        results.cancel_join_thread()  # "stop": the learner takes no more batches, so one sent ahead need not wait
     except Exception as e:  # one line for the learner to print
         results.put({"error": f"{type(e).__name__}: {e} (in {traceback.extract_tb(e.__traceback__)[-1].name})"})
         time.sleep(1)  # the queue's feeder thread sends it before the process ends
