@@ -299,7 +299,6 @@ class Trainer:
     def finish(self):
         """Summary and curves, the final policy saved, the process group closed, several processes ended."""
         cfg, accelerator = self.cfg, self.accelerator
-        self.rollout_sampler.close()  # --async_rollouts: the sampler process ended
         self.logger.finish(self.policy.model)
         if self.viewer.enabled:
             print(f"the rollouts, token by token: {os.path.join(cfg.output_dir, 'rollouts.html')}", flush=True)

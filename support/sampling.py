@@ -62,9 +62,6 @@ class RolloutSampler:
         rollout.greedy = self.trainer.generate(examples, greedy=True) if greedy else None
         return rollout
 
-    def close(self):
-        """Nothing to stop: the sampling ran in this process."""
-
     def end_step(self, step):
         """The step's metrics: with --rollout_lag, train/staleness."""
         return {} if self.rollout_lag is None else {"train/staleness": self.staleness(step)}

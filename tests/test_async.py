@@ -1,5 +1,6 @@
 """--async_rollouts K (docs/async.md): a sampler process runs at most K optimizer steps ahead of the learner, its
 own scoring pass gives the behaviour log-probs, and neither process outlives the other."""
+import collections
 import json
 import os
 import signal
@@ -102,6 +103,35 @@ def test_what_the_sampler_process_does_not_support_is_refused_in_one_line_before
     accelerator = SimpleNamespace(num_processes=1, state=SimpleNamespace(deepspeed_plugin=None))
     with pytest.raises(SystemExit, match=f"--async_rollouts does not run with .*{what}"):
         async_sampling.check(grpo.Config(async_rollouts=1, **flags), accelerator)
+
+
+REWARDS = """import os
+
+
+def length(completions, **kwargs):
+    with open(os.path.join(os.path.dirname(__file__), "pids"), "a") as f:
+        f.write(f"{os.getpid()}\\n")
+    return [len(c) / 10 for c in completions]
+
+
+def broken(completions, **kwargs):
+    raise ValueError("no reward today")
+"""
+
+
+def test_the_sampler_process_computes_the_rewards_with_the_learners_reward_function(tmp_path):
+    """The rule reward and a --reward_fn function run in the sampler process, beside its sampling (their seconds:
+    time/sampler_reward_s), and the learner trains on what it sends; a reward that fails there stops the learner
+    with the one line the learner's own reward would print."""
+    (tmp_path / "rewards.py").write_text(REWARDS)
+    rows = run(tmp_path / "run", "--async_rollouts", "1", "--reward_fn", f"{tmp_path}/rewards.py:length", steps=2)
+    calls = collections.Counter((tmp_path / "pids").read_text().split())
+    assert calls.pop(str(os.getpid())) == 1  # the learner's trial call, before any model loads
+    assert list(calls.values()) == [2]  # a batch per step, rewarded in the sampler process
+    assert all(r["train/reward/length"] > 0 and r["time/sampler_reward_s"] > 0 for r in rows)
+    with pytest.raises(SystemExit) as stopped:
+        run(tmp_path / "broken", "--async_rollouts", "1", "--reward_fn", f"{tmp_path}/rewards.py:broken", steps=2)
+    assert str(stopped.value.code).startswith("error: --reward_fn broken raised ValueError: no reward today on ")
 
 
 def processes_marked(mark):
