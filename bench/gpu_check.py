@@ -57,15 +57,16 @@ MiB = 2 ** 20
 # ----------------------------------------------------------------------------------------
 # child: bench/cost.py's, with a random reward
 # ----------------------------------------------------------------------------------------
-def random_reward_fn(cfg, accelerator):
-    """A reward of 0 or 1 at random per completion, in place of tasks.make_reward_fn."""
+def random_reward_scorer(cfg, device, reward_model=None):
+    """A reward of 0 or 1 at random per completion, in place of tasks.reward_scorer: the learner's reward_fn and
+    (--async_rollouts) the sampler process's."""
     import torch
 
-    def reward_fn(examples, completions):
-        correct = torch.randint(0, 2, (len(completions),), device=accelerator.device).float()
-        return correct, correct, {}
+    def score(examples, completions, episodes=None):
+        correct = torch.randint(0, 2, (len(completions),), device=device).float()
+        return correct, correct, {}, None
 
-    return reward_fn
+    return score
 
 
 def run_child(script, result_path, script_args):
@@ -76,7 +77,7 @@ def run_child(script, result_path, script_args):
 
     if torch.cuda.is_available():  # this process's GPU before run_child touches one: else every rank opens GPU 0
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    tasks.make_reward_fn = random_reward_fn
+    tasks.reward_scorer = random_reward_scorer
     run_cost_child(script, f"{result_path}.rank{os.environ.get('RANK', '0')}", script_args)
 
 

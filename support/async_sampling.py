@@ -7,7 +7,9 @@ decoupled objective, which TIS, the geometric mask, the veto and M2PO correct as
 
 The sampler never outlives the learner: it is a daemon process (ended when the learner exits normally) and checks
 between waits that its parent still runs (a learner killed with SIGKILL). A sampler that dies stops the learner with
-one line naming the cause."""
+one line naming the cause. Under DDP each learner process has a sampler process of its own, which samples its rank's
+prompts with its rank's seed; the ranks' weights are equal after each step, and every rank takes as many batches
+per step (DAPO's rounds are agreed by an all-reduce), so the versions and staleness are the same on every rank."""
 import collections
 import json
 import os
@@ -30,8 +32,7 @@ def check(cfg, accelerator):
     """Before any model loads: the combinations the sampler process does not support yet, one line each."""
     from transformers import AutoConfig
 
-    refuse = [(accelerator.num_processes > 1, "several processes (DDP): run one learner process"),
-              (accelerator.state.deepspeed_plugin is not None, "DeepSpeed: run without it"),
+    refuse = [(accelerator.state.deepspeed_plugin is not None, "DeepSpeed: run without it"),
               (cfg.lora_r > 0, "--lora_r: train the whole model"),
               (getattr(cfg, "rollout_lag", 0) > 0 or getattr(cfg, "rollout_dtype", cfg.torch_dtype) != cfg.torch_dtype,
                "--rollout_lag or --rollout_dtype: the sampler process is the stale copy"),
@@ -72,8 +73,9 @@ class AsyncRolloutSampler:
         self.timeline = trainer.accelerator.is_main_process and os.path.join(trainer.cfg.output_dir, "timeline.jsonl")
         self.sampler_spans = []  # (phase, start, end), wall clock, as the learner's timer.spans: bench/async.py's figure
         self.process = ctx.Process(target=serve, daemon=True, name="sampler", args=(
-            trainer.cfg, self.weights, self.version, self.lock, self.requests, self.results, os.getpid(),
-            torch.get_num_threads(), str(trainer.accelerator.device)))
+            trainer.cfg, trainer.cfg.seed + trainer.accelerator.process_index, self.weights, self.version, self.lock,
+            self.requests, self.results, os.getpid(), torch.get_num_threads(), str(trainer.accelerator.device),
+            tasks.reward_scorer))
         self.process.start()
 
     def rollout(self, prompts, greedy=False):
@@ -89,7 +91,7 @@ class AsyncRolloutSampler:
         while len(self.asked) < min(self.ahead + 1, trainer.cfg.num_steps - step + 1):
             examples, num_samples = draw(prompts)
             self.asked.append((examples, num_samples, greedy))
-            self.requests.put((step - 1, [ex["prompt"] for ex in examples], num_samples, greedy))
+            self.requests.put((step - 1, examples, num_samples, greedy))
         with trainer.timer("generation"):
             (examples, num_samples, greedy), out = self.asked.popleft(), self.receive()
         rollout = self.unpack(examples, num_samples, out["prompt_ids"], out["prompt_mask"], out["completion_ids"],
@@ -98,6 +100,7 @@ class AsyncRolloutSampler:
         rollout.version = torch.full((len(rollout),), out["version"], device=rollout.mask.device)
         rollout.greedy = self.unpack(examples, 1, out["prompt_ids"], out["prompt_mask"], *out["greedy"]) \
             if greedy else None
+        rollout.rewards = self.on_device(out["rewards"])  # ReMax's greedy completions: rewarded by the learner
         mask = out["mask"]
         if isinstance(self.sample, tree.Sampling):  # train/decoded_per_completion: the tokens the process decoded
             self.sample.decoded, self.sample.completions = self.sample.decoded + int(mask.sum()), \
@@ -115,6 +118,13 @@ class AsyncRolloutSampler:
         trainer.generated += len(completion_ids)
         return Rollout([ex for ex in examples for _ in range(num_samples)], prompt_ids, prompt_mask, completion_ids,
                        mask, tasks.decode_completions(trainer.tokenizer, completion_ids, mask), group_size=num_samples)
+
+    def on_device(self, rewards):
+        """The sampler's (rewards, correct, stats, error) with their tensors on the learner's device (None: None)."""
+        if rewards is None:
+            return None
+        device = self.trainer.accelerator.device
+        return rewards[0].to(device), rewards[1].to(device), *rewards[2:]
 
     def receive(self):
         """The next batch from the sampler process; its death (or an error it sent) stops the learner."""
@@ -143,6 +153,21 @@ class AsyncRolloutSampler:
                 shared.copy_(p.detach())
             self.version.value = version
 
+    def close(self):
+        """After the last step: the sampler process stopped and joined (several learner processes leave with os._exit,
+        which ends no daemon process)."""
+        if self.process.is_alive():
+            self.requests.put("stop")
+            self.process.join(timeout=10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        for channel in (self.requests, self.results):
+            channel.close()
+            channel.join_thread()
+        # their semaphores released now: os._exit would leave them to the resource tracker, which warns
+        self.process = self.requests = self.results = self.version = self.lock = None
+
     def end_step(self, step):
         """After the step's update: its weights published, and the step's metrics: train/staleness_mean and _max
         over the rows sampled for it (the steps between the weights that sampled each row and the learner's), the
@@ -150,7 +175,7 @@ class AsyncRolloutSampler:
         if step < self.trainer.cfg.num_steps:
             self.publish(step)
         else:
-            self.requests.put("stop")
+            self.close()
         staleness = (step - 1 - torch.cat([version for version, _ in self.received])).float()
         times = collections.Counter()
         for _, phases in self.received:
@@ -165,11 +190,14 @@ class AsyncRolloutSampler:
                 **{f"time/{phase}_s": seconds for phase, seconds in times.items()}}
 
 
-def serve(cfg, weights, version, lock, requests, results, parent_pid, threads, device):
-    """The sampler process: for each request (the learner's version then, prompts, G, greedy), wait for those weights
-    or newer, load the newest, sample G completions per prompt (with greedy also each prompt's greedy one, the same
-    weights) and score them, and send them with that version and the wall-clock spans of each phase. It samples on
-    the learner's device (a GPU: the same one), reads the weights from shared CPU memory and sends CPU tensors."""
+def serve(cfg, seed, weights, version, lock, requests, results, parent_pid, threads, device, reward_scorer):
+    """The sampler process: for each request (the learner's version then, examples, G, greedy), wait for those
+    weights or newer, load the newest, sample G completions per prompt (with greedy also each prompt's greedy one,
+    the same weights), score them, reward the sampled ones (reward_scorer: tasks.reward_scorer, the learner's reward
+    function; not with --reward_model, which stays in the learner's process), and send them with the version that
+    sampled them (also the reward functions' trainer_state().global_step) and the wall-clock spans of each phase. It
+    samples on the learner's device (a GPU: the same one), reads the weights from shared CPU memory and sends CPU
+    tensors. seed: the one its learner's rank samples with in a synchronous run (cfg.seed + its process index)."""
     from transformers.utils import logging
 
     torch.set_num_threads(threads)
@@ -177,12 +205,13 @@ def serve(cfg, weights, version, lock, requests, results, parent_pid, threads, d
     # no progress bar: its tqdm lock is a named semaphore, which a sampler killed would leave for the learner to report
     logging.disable_progress_bar()
     try:
-        torch.manual_seed(cfg.seed)  # the seed the learner samples with in a synchronous run
+        torch.manual_seed(seed)  # the seed this rank's learner samples with in a synchronous run
         tokenizer, model = models.load_tokenizer(cfg), models.load_model(cfg, trainable=False).to(device)
         params, have = list(model.parameters()), -1
         sample, score = (fast.generate, fast.token_logprobs) if cfg.fast else (common.generate, common.token_logprobs)
+        reward = None if cfg.reward_model else reward_scorer(cfg, device)  # one reward model: the learner's
         while (request := receive(requests, parent_pid)) != "stop":
-            oldest, prompts, num_samples, greedy = request
+            oldest, examples, num_samples, greedy = request
             spans, start = [], time.time()
             while version.value < oldest:  # bounded staleness: the learner's weights when it asked, or newer
                 leave_if_orphaned(parent_pid)
@@ -194,10 +223,10 @@ def serve(cfg, weights, version, lock, requests, results, parent_pid, threads, d
                         p.copy_(w)
             spans.append(("wait", start, time.time()))
             with torch.inference_mode():
-                prompt_ids, prompt_mask = tasks.tokenize_prompts(tokenizer, prompts, device)
+                prompt_ids, prompt_mask = tasks.tokenize_prompts(tokenizer, [ex["prompt"] for ex in examples], device)
                 completion_ids = sample(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=num_samples)
                 mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
-                out = {"greedy": None}
+                out = {"greedy": None, "rewards": None}
                 if greedy:
                     greedy_ids = sample(model, tokenizer, prompt_ids, prompt_mask, cfg, greedy=True)
                     out["greedy"] = (greedy_ids, common.completion_mask(greedy_ids, tokenizer.eos_token_id))
@@ -207,21 +236,27 @@ def serve(cfg, weights, version, lock, requests, results, parent_pid, threads, d
                 logp = torch.cat([score(model, ids[s], attention[s], mask.shape[1], cfg.temperature, top_k=cfg.top_k,
                                         top_p=cfg.top_p) for s in micro_batches(len(ids), cfg.micro_batch_size)])
                 spans.append(("scoring", spans[-1][2], time.time()))
+            if reward is not None:
+                reward_functions.trainer_state().global_step = have
+                rows = [ex for ex in examples for _ in range(num_samples)]
+                out["rewards"] = reward(rows, tasks.decode_completions(tokenizer, completion_ids, mask))
+                spans.append(("reward", spans[-1][2], time.time()))
             out.update(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids, mask=mask,
                        logp=logp)
             out = {key: plain(value) for key, value in out.items()}  # ordinary CPU tensors, which the queue can send
             results.put({**out, "version": have, "spans": spans,
                          "times": {f"sampler_{phase}": end - begin for phase, begin, end in spans}})
+        results.cancel_join_thread()  # "stop": the learner takes no more batches, so one sent ahead need not wait
     except Exception as e:  # one line for the learner to print
         results.put({"error": f"{type(e).__name__}: {e} (in {traceback.extract_tb(e.__traceback__)[-1].name})"})
         time.sleep(1)  # the queue's feeder thread sends it before the process ends
 
 
 def plain(x):
-    """An ordinary CPU copy of a tensor made in inference mode (a tuple of them: each; None: None)."""
+    """An ordinary CPU copy of a tensor made in inference mode (a tuple: each of its items; anything else: itself)."""
     if isinstance(x, tuple):
         return tuple(map(plain, x))
-    return None if x is None else x.to("cpu", copy=True)
+    return x.to("cpu", copy=True) if isinstance(x, torch.Tensor) else x
 
 
 def receive(requests, parent_pid):

@@ -28,6 +28,7 @@ class Rollout:
     sampler_logp: torch.Tensor = None
     version: torch.Tensor = None
     sampler_times: dict = None
+    rewards: tuple = None  # and the rewards it computed: (rewards, correct, stats, error) of tasks.reward_scorer
     greedy: "Rollout" = None  # ReMax: the greedy completion of each prompt, decoded with the same weights
     # --environment / --tools: (B, T) 1 on every token of the episode, the environment's too (what attention sees;
     # None: mask), and each row's agents.Episode

@@ -299,16 +299,31 @@ def make_reward_fn(cfg, accelerator):
     (episodes: the multi-turn episodes, agents.Episode, which --reward_fn functions receive): the weighted
     sum of the rule reward, the reward model's score and each --reward_fn function's values (None counts 0);
     stats holds each function's mean over the rows it scored, as train/reward/<name>. A reward that raises,
-    or a value that is not a finite number, stops every rank before any update, naming what and where."""
+    or a value that is not a finite number, stops every rank before any update, naming what and where. sent: the
+    (rewards, correct, stats, error) that the sampler process computed with the same function and sent
+    (--async_rollouts), not computed again; None: compute them."""
     reward_model = RewardModel(cfg.reward_model, cfg.reward_model_dtype, accelerator, cfg.micro_batch_size) \
         if cfg.reward_model else None
+    score = reward_scorer(cfg, accelerator.device, reward_model)
+
+    def reward_fn(examples, completions, episodes=None, sent=None):
+        rewards, correct, stats, error = score(examples, completions, episodes) if sent is None else sent
+        stop_on_reward_error(accelerator, error)
+        return rewards, correct, stats
+
+    return reward_fn
+
+
+def reward_scorer(cfg, device, reward_model=None):
+    """score(examples, completions, episodes=None) -> (rewards, correct, stats, error): reward_fn's values in one
+    process, on `device`, with no agreement between ranks; error: the line to stop with, or None. It needs no
+    accelerator: the sampler process of --async_rollouts calls it too (support/async_sampling.py)."""
     functions = [(spec.rpartition(":")[2], config.reward_function(spec)) for spec in cfg.reward_fn]
     weights = cfg.reward_weights or [1.0] * len(functions)
-    device = accelerator.device
     if functions:
         reward_functions.trainer_state().max_steps = cfg.num_steps
 
-    def reward_fn(examples, completions, episodes=None):
+    def score(examples, completions, episodes=None):
         if episodes is None and isinstance(completions[0], reward_functions.Completion) and completions[0].episode:
             episodes = [completion.episode for completion in completions]  # sampled episodes carry theirs
         prompts = [ex.get("raw_prompt", ex["prompt"]) for ex in examples]
@@ -337,14 +352,17 @@ def make_reward_fn(cfg, accelerator):
             error = (f"error: non-finite reward {rewards[i].item()} for prompt {examples[i]['prompt'][:200]!r} and "
                      f"completion {completions[i][:200]!r}; step not applied. Check --reward_model and the rule "
                      "reward's weight.")
-        # every rank stops if one has an error, agreed by one all-reduce (a rank that stopped alone would leave the
-        # others waiting in their next collective); the ranks with an error print it, the others exit with 1
-        failed = accelerator.reduce(torch.tensor(float(error is not None), device=device), reduction="sum")
-        if failed.item():
-            raise SystemExit(error or 1)
-        return rewards, correct, stats
+        return rewards, correct, stats, error
 
-    return reward_fn
+    return score
+
+
+def stop_on_reward_error(accelerator, error):
+    """Every rank stops if one has an error, agreed by one all-reduce (a rank that stopped alone would leave the
+    others waiting in their next collective); the ranks with an error print it, the others exit with 1."""
+    failed = accelerator.reduce(torch.tensor(float(error is not None), device=accelerator.device), reduction="sum")
+    if failed.item():
+        raise SystemExit(error or 1)
 
 
 class PromptSampler:

@@ -1,5 +1,6 @@
 """--async_rollouts K (docs/async.md): a sampler process runs at most K optimizer steps ahead of the learner, its
 own scoring pass gives the behaviour log-probs, and neither process outlives the other."""
+import collections
 import json
 import os
 import signal
@@ -15,7 +16,7 @@ import grpo
 import ppo
 import remax
 import rloo
-from conftest import ROOT
+from conftest import ROOT, launch_two_processes
 from support import async_sampling
 from support.run import read_metrics
 
@@ -97,12 +98,69 @@ def test_every_loop_takes_its_rollouts_from_the_sampler_process_at_most_k_steps_
     ({"rollout_lag": 2}, "--rollout_lag"),
     ({"budget": "knapsack"}, "--budget"),
     ({"sampler": "tree"}, "--sampler"),
-    ({}, "DDP"),
 ])
 def test_what_the_sampler_process_does_not_support_is_refused_in_one_line_before_any_model_loads(flags, what):
-    accelerator = SimpleNamespace(num_processes=2 if what == "DDP" else 1, state=SimpleNamespace(deepspeed_plugin=None))
+    accelerator = SimpleNamespace(num_processes=1, state=SimpleNamespace(deepspeed_plugin=None))
     with pytest.raises(SystemExit, match=f"--async_rollouts does not run with .*{what}"):
         async_sampling.check(grpo.Config(async_rollouts=1, **flags), accelerator)
+
+
+REWARDS = """import os
+
+
+def length(completions, **kwargs):
+    with open(os.path.join(os.path.dirname(__file__), "pids"), "a") as f:
+        f.write(f"{os.getpid()}\\n")
+    return [len(c) / 10 for c in completions]
+
+
+def broken(completions, **kwargs):
+    raise ValueError("no reward today")
+"""
+
+
+def test_the_sampler_process_computes_the_rewards_with_the_learners_reward_function(tmp_path):
+    """The rule reward and a --reward_fn function run in the sampler process, beside its sampling (their seconds:
+    time/sampler_reward_s), and the learner trains on what it sends; a reward that fails there stops the learner
+    with the one line the learner's own reward would print."""
+    (tmp_path / "rewards.py").write_text(REWARDS)
+    rows = run(tmp_path / "run", "--async_rollouts", "1", "--reward_fn", f"{tmp_path}/rewards.py:length", steps=2)
+    calls = collections.Counter((tmp_path / "pids").read_text().split())
+    assert calls.pop(str(os.getpid())) == 1  # the learner's trial call, before any model loads
+    assert list(calls.values()) == [2]  # a batch per step, rewarded in the sampler process
+    assert all(r["train/reward/length"] > 0 and r["time/sampler_reward_s"] > 0 for r in rows)
+    with pytest.raises(SystemExit) as stopped:
+        run(tmp_path / "broken", "--async_rollouts", "1", "--reward_fn", f"{tmp_path}/rewards.py:broken", steps=2)
+    assert str(stopped.value.code).startswith("error: --reward_fn broken raised ValueError: no reward today on ")
+
+
+def processes_marked(mark):
+    """The live processes (not zombies) whose environment holds ASYNC_TEST_MARK=mark: a run's and its children's."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            marked = f"ASYNC_TEST_MARK={mark}".encode() in open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except OSError:  # gone, or another user's
+            continue
+        if marked and int(pid) != os.getpid() and not gone(pid):
+            found.append(int(pid))
+    return found
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads /proc")
+@pytest.mark.parametrize("script", ["grpo.py", "dapo.py"])
+def test_under_ddp_each_rank_has_its_own_sampler_process_and_none_outlives_the_run(tmp_path, monkeypatch, script):
+    """Two learner processes (gloo), each with a sampler process of its own: the replicas stay identical, every rank
+    takes as many batches per step (DAPO: as many rounds), each at most K steps stale, and no process is left."""
+    monkeypatch.setenv("ASYNC_TEST_MARK", str(tmp_path))
+    launch_two_processes(script, ["--num_steps", "3", "--batch_size", "8", "--num_generations", "4", "--eval_every",
+                                  "100", "--async_rollouts", "1"], tmp_path)
+    rows = read_metrics(tmp_path / "metrics.jsonl")[1:]
+    assert [r["train/staleness_max"] for r in rows] == [0, 1, 1] and rows[0]["train/mismatch_k3"] == 0
+    deadline = time.time() + 10
+    while left := processes_marked(tmp_path):
+        assert time.time() < deadline, [open(f"/proc/{pid}/cmdline").read() for pid in left]
+        time.sleep(0.05)
 
 
 def test_a_resumed_run_restarts_its_sampler_from_the_checkpoints_weights(tmp_path):
