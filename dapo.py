@@ -174,7 +174,7 @@ def main():
                 accelerator, sum(len(rollout) for rollout, _, _ in kept) < cfg.batch_size):
             rollout = trainer.rollout(sampler)  # each prompt's G samples adjacent (knapsack: its n_i)
             with trainer.timer("reward"):
-                rewards, correct, reward_stats = reward_fn(rollout.examples, rollout.completions, sent=rollout.rewards)
+                rewards, correct, reward_stats = reward_fn(rollout.examples, rollout.completions, rollout.rewards)
             groups, _ = sampler.record(rollout, correct)  # each row's group; each prompt's success rate kept
             keep = dynamic_sampling_filter(correct if cfg.dynamic_sampling_metric == "correct" else rewards, group_size,
                                            group_ids=None if cfg.budget == "uniform" else groups)[groups]

@@ -155,7 +155,7 @@ def main():
 
         # ---- reward, and the log-probs the loss compares with ----
         with trainer.timer("reward"):
-            rewards, correct, reward_stats = reward_fn(rollout.examples, rollout.completions, sent=rollout.rewards)
+            rewards, correct, reward_stats = reward_fn(rollout.examples, rollout.completions, rollout.rewards)
         groups, ids = sampler.record(rollout, correct)  # each row's group, what its baseline runs over (None: G rows)
         ref_logp = trainer.reference_logprobs(ref_model, rollout)  # pi_ref (None when beta = 0)
         old_logp = trainer.old_logprobs(rollout) if cfg.num_epochs > 1 else None  # pi_old; mu = 1: logp

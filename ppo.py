@@ -274,7 +274,7 @@ def main():
 
         # ---- reward, and pi_old, V_old and pi_ref at rollout time, for every update below ----
         with trainer.timer("reward"):
-            rewards, correct, reward_stats = reward_fn(rollout.examples, rollout.completions, sent=rollout.rewards)
+            rewards, correct, reward_stats = reward_fn(rollout.examples, rollout.completions, rollout.rewards)
         old_logp = trainer.old_logprobs(rollout)
         old_values = trainer.values(critic.model, rollout)
         ref_logp = trainer.reference_logprobs(ref_model, rollout)  # pi_ref (None when beta = 0)

@@ -85,7 +85,7 @@ def main():
 
         # ---- reward, and the log-probs the loss compares with ----
         with trainer.timer("reward"):
-            rewards, correct, reward_stats = reward_fn(rollout.examples, rollout.completions, sent=rollout.rewards)
+            rewards, correct, reward_stats = reward_fn(rollout.examples, rollout.completions, rollout.rewards)
         ref_logp = trainer.reference_logprobs(ref_model, rollout)  # pi_ref (None when beta = 0)
         rollout_logp = trainer.sampler_logprobs(rollout)  # the sampler's, when it is a copy
 

@@ -295,19 +295,19 @@ class RewardModel:
 
 
 def make_reward_fn(cfg, accelerator):
-    """reward_fn(examples, completions, episodes=None) -> (rewards, correct, stats) on the accelerator's device
-    (episodes: the multi-turn episodes, agents.Episode, which --reward_fn functions receive): the weighted
-    sum of the rule reward, the reward model's score and each --reward_fn function's values (None counts 0);
-    stats holds each function's mean over the rows it scored, as train/reward/<name>. A reward that raises,
-    or a value that is not a finite number, stops every rank before any update, naming what and where. sent: the
-    (rewards, correct, stats, error) that the sampler process computed with the same function and sent
-    (--async_rollouts), not computed again; None: compute them."""
+    """reward_fn(examples, completions, scored=None, episodes=None) -> (rewards, correct, stats) on the accelerator's
+    device (episodes: the multi-turn episodes, agents.Episode, which --reward_fn functions receive; by default the
+    completions' own): the weighted sum of the rule reward, the reward model's score and each --reward_fn function's
+    values (None counts 0); stats holds each function's mean over the rows it scored, as train/reward/<name>. A
+    reward that raises, or a value that is not a finite number, stops every rank before any update, naming what and
+    where. scored: the (rewards, correct, stats, error) the sampler process computed with the same function
+    (--async_rollouts: rollout.rewards), not computed again; None: compute them."""
     reward_model = RewardModel(cfg.reward_model, cfg.reward_model_dtype, accelerator, cfg.micro_batch_size) \
         if cfg.reward_model else None
     score = reward_scorer(cfg, accelerator.device, reward_model)
 
-    def reward_fn(examples, completions, episodes=None, sent=None):
-        rewards, correct, stats, error = score(examples, completions, episodes) if sent is None else sent
+    def reward_fn(examples, completions, scored=None, episodes=None):
+        rewards, correct, stats, error = score(examples, completions, episodes) if scored is None else scored
         stop_on_reward_error(accelerator, error)
         return rewards, correct, stats
 

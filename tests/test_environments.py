@@ -304,7 +304,7 @@ def test_reward_functions_receive_the_episodes_and_their_environments(tools_file
     spec = environments.load(cfg, TEXT_TOKENIZER)
     episodes = [SimpleNamespace(env=spec.episode(ex), turns=["t"] * 3, tool_calls=[]) for ex in examples]
     episodes[1].env.call(ToolCall("increment", {"by": 1}))
-    rewards, _, stats = tasks.make_reward_fn(cfg, Accelerator(cpu=True))(examples, ["1", "x"], episodes)
+    rewards, _, stats = tasks.make_reward_fn(cfg, Accelerator(cpu=True))(examples, ["1", "x"], episodes=episodes)
     assert rewards.tolist() == [1.0 + 5.0, 0.0 + 11.0]  # the rule reward plus count + turns
     assert stats["train/reward/counted"] == 8.0
     # without episodes the keywords are as before
