@@ -71,7 +71,7 @@ class AsyncRolloutSampler:
         self.received = []  # this step's batches: (version per row, the sampler's seconds per phase)
         self.sample = sample  # the prompt sampler's (tasks.PromptSampler.sample_with): the process reports to it
         self.timeline = trainer.accelerator.is_main_process and os.path.join(trainer.cfg.output_dir, "timeline.jsonl")
-        self.sampler_spans = []  # (phase, start, end), wall clock, as the learner's timer.spans: bench/async.py's figure
+        self.sampler_spans = []  # (phase, start, end), wall clock, as the learner's timer.spans (bench/async.py)
         self.process = ctx.Process(target=serve, daemon=True, name="sampler", args=(
             trainer.cfg, trainer.cfg.seed + trainer.accelerator.process_index, self.weights, self.version, self.lock,
             self.requests, self.results, os.getpid(), torch.get_num_threads(), str(trainer.accelerator.device),
