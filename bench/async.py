@@ -36,6 +36,9 @@ VARIANTS = {  # name -> (extra grpo.py arguments, threads per process)
     "K = 4": (["--async_rollouts", "4"], 1),
     "K = 4 + TIS": (["--async_rollouts", "4", "--tis_cap", "2"], 1),
     "K = 4 + M2PO": (["--async_rollouts", "4", "--m2po_tau", "0.04"], 1),
+    "K = 8": (["--async_rollouts", "8"], 1),
+    "K = 8 + TIS": (["--async_rollouts", "8", "--tis_cap", "2"], 1),
+    "K = 8 + M2PO": (["--async_rollouts", "8", "--m2po_tau", "0.04"], 1),
 }
 
 
