@@ -64,8 +64,8 @@ def test_dynamic_sampling_filters_on_correctness_not_on_the_shaped_reward(tmp_pa
     def recording_reward_fn(cfg, device):
         reward_fn = make_reward_fn(cfg, device)
 
-        def recorded(examples, completions):
-            rewards, correct, stats = reward_fn(examples, completions)
+        def recorded(examples, completions, scored=None):
+            rewards, correct, stats = reward_fn(examples, completions, scored)
             returned.append((rewards.clone(), correct.clone()))
             return rewards, correct, stats
         return recorded
