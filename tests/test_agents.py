@@ -186,8 +186,9 @@ def test_gae_over_actions_skips_the_environments_tokens():
 
 
 # ---- the loops, end to end ----------------------------------------------------------------------------------
-def run_scripts(runs, tmp_path, jobs=2):
-    """Run {name: [script, flags...]} as subprocesses, `jobs` at a time; return {name: (stdout, metrics rows)}."""
+def run_scripts(runs, tmp_path, jobs=2, steps=2):
+    """Run {name: [script, flags...]} for `steps` steps as subprocesses, `jobs` at a time; return {name: (stdout,
+    metrics rows)}."""
     import subprocess
     import sys
 
@@ -198,7 +199,7 @@ def run_scripts(runs, tmp_path, jobs=2):
     while todo or running:
         while todo and len(running) < jobs:
             name, (script, *flags) = todo.pop(0)
-            cmd = [sys.executable, script, "--num_steps", "2", "--eval_every", "2", "--log_rollouts", "0",
+            cmd = [sys.executable, script, "--num_steps", str(steps), "--eval_every", str(steps), "--log_rollouts", "0",
                    "--save_model", "False", "--output_dir", str(tmp_path / name), *flags]
             running.append((name, subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                                    text=True)))
@@ -233,14 +234,14 @@ def test_every_loop_trains_on_calculator_episodes_and_trls_shapes_train_unchange
     runs["trl_class"] = ["grpo.py", "--environment", "examples/agents.py:Calculator", "--reward_fn",
                          "examples/agents.py:call_cost", *agent, *small, "--num_generations", "4"]
     runs["trl_tools"] = ["grpo.py", "--tools", "examples/agents.py:calculate", *agent, *small, "--num_generations", "4"]
-    outputs = run_scripts(runs, tmp_path)
+    outputs = run_scripts(runs, tmp_path, steps=1)
     # the printed samples show the whole episode (two random ones per run: some of them called the calculator)
     assert any("<result>" in stdout for stdout, _ in outputs.values())
     for name, (stdout, rows) in outputs.items():
         train = [row for row in rows if "train/turns" in row]
-        assert len(train) == 2, name
-        assert sum(row["train/tool_calls"] for row in train) > 0, name
-        assert all(0 < row["train/env_token_frac"] < 1 and row["train/turns"] >= 1 for row in train), name
+        assert len(train) == 1, name
+        assert train[0]["train/tool_calls"] > 0 and 0 < train[0]["train/env_token_frac"] < 1, name
+        assert train[0]["train/turns"] > 1 and train[0]["train/truncated_frac"] < 1, name
         assert "eval/tool_calls_add_mul" in rows[0] and "eval/tool_calls_add_mul" in rows[-1], name
         if name == "trl_class":
             assert "train/reward/call_cost" in train[0]
