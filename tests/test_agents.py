@@ -122,11 +122,11 @@ def test_the_ids_are_the_sampled_and_inserted_ones_and_the_mask_marks_the_models
     ids, mask, token_mask, episodes = play(random_model, tokenizer, ToySpec(tokenizer), Sampling(), plain=False)
     spec = ToySpec(tokenizer)
     for row, episode in enumerate(episodes):
-        calls = [c for c in episode.tool_calls]
-        inserted = [t for t, m, k in zip(ids[row].tolist(), mask[row].tolist(), token_mask[row].tolist()) if k and not m]
-        replies = [spec.observation_ids([Result(c["result"], c["error"])]) for c in calls]
-        assert inserted == [t for reply in replies[:len([t for t in episode.turns if t["role"] == "tool"])]
-                            for t in reply]
+        inserted = [t for t, m, k in zip(ids[row].tolist(), mask[row].tolist(), token_mask[row].tolist())
+                    if k and not m]
+        replies = [spec.observation_ids([Result(c["result"], c["error"])]) for c in episode.tool_calls]
+        read = len([turn for turn in episode.turns if turn["role"] == "tool"])  # a cut episode reads no last reply
+        assert inserted == [t for reply in replies[:read] for t in reply]
         assert int(token_mask[row].sum()) <= Sampling.max_new_tokens
 
 
@@ -214,9 +214,9 @@ def test_a_run_of_one_turn_episodes_is_todays_run(tmp_path):
     """The arithmetic model never writes a call: with a tool and --max_turns 1 every episode is the single
     completion of today's run, and every metric the two runs share is the same."""
     runs = run_scripts({"single": ["grpo.py"], "episodes": ["grpo.py", "--tools", "examples/agents.py:calculate",
-                                                            "--max_turns", "1"]}, tmp_path)
+                                                            "--max_turns", "1"]}, tmp_path, steps=1)
     (_, single), (_, episodes) = runs["single"], runs["episodes"]
-    assert len(single) == len(episodes) == 3
+    assert len(single) == len(episodes) == 2
     for a, b in zip(single, episodes):
         shared = [k for k in a if not k.startswith("time/")]
         assert all(abs(a[k] - b[k]) <= 1e-6 for k in shared), [(k, a[k], b[k]) for k in shared if a[k] != b[k]]
@@ -224,16 +224,17 @@ def test_a_run_of_one_turn_episodes_is_todays_run(tmp_path):
 
 
 def test_every_loop_trains_on_calculator_episodes_and_trls_shapes_train_unchanged(tmp_path):
-    """All five loops with --environment calculator on the agent model; a TRL-style class with a reward reading its
-    instances, and a plain tool function: each runs, its episodes call the tool, the logs show them."""
+    """All five loops on the agent model: three with --environment calculator, GRPO with a TRL-style class and a
+    reward reading its instances, RLOO with a plain tool function. Each runs, its episodes call the tool, the logs
+    show them."""
     agent = ["--model_name_or_path", "embedded_model/agent", "--dataset", "tool_arithmetic", "--max_new_tokens", "40"]
-    small = ["--batch_size", "16"]
-    runs = {name: [f"{name}.py", "--environment", "calculator", *small, *(["--num_generations", "4"]
-                                                                           if name in ("grpo", "rloo", "dapo") else [])]
-            for name in ("grpo", "rloo", "dapo", "remax", "ppo")}
-    runs["trl_class"] = ["grpo.py", "--environment", "examples/agents.py:Calculator", "--reward_fn",
-                         "examples/agents.py:call_cost", *agent, *small, "--num_generations", "4"]
-    runs["trl_tools"] = ["grpo.py", "--tools", "examples/agents.py:calculate", *agent, *small, "--num_generations", "4"]
+    small, group = ["--batch_size", "16"], ["--num_generations", "4"]
+    runs = {"dapo": ["dapo.py", "--environment", "calculator", *small, *group],
+            "remax": ["remax.py", "--environment", "calculator", *small],
+            "ppo": ["ppo.py", "--environment", "calculator", *small, "--num_epochs", "1", "--num_mini_batches", "1"],
+            "trl_class": ["grpo.py", "--environment", "examples/agents.py:Calculator", "--reward_fn",
+                          "examples/agents.py:call_cost", *agent, *small, *group],
+            "trl_tools": ["rloo.py", "--tools", "examples/agents.py:calculate", *agent, *small, *group]}
     outputs = run_scripts(runs, tmp_path, steps=1)
     # the printed samples show the whole episode (two random ones per run: some of them called the calculator)
     assert any("<result>" in stdout for stdout, _ in outputs.values())
