@@ -24,16 +24,14 @@ accuracy and tool calls per episode against the step, per family, mean over seed
 """
 import argparse
 import json
-import os
 import shlex
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from bench import exploration  # noqa: E402
 from support import run  # noqa: E402
 
 AGENT = ["--model_name_or_path", "embedded_model/agent", "--dataset", "tool_arithmetic", "--max_new_tokens", "40"]
@@ -74,30 +72,10 @@ def runs_of(args, out):
 
 
 def run_all(args, runs):
-    """Start the runs not done yet, --jobs at a time (the two cost runs together, nothing beside them)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    todo = [(key, cmd, out) for key, (cmd, out) in runs.items() if args.force or not (out / "summary.json").exists()]
-    batches = [[t for t in todo if t[0][0] != "cost"], [t for t in todo if t[0][0] == "cost"]]
-    for batch in batches:
-        running = []
-        while batch or running:
-            while batch and len(running) < args.jobs:
-                key, cmd, out = batch.pop(0)
-                out.mkdir(parents=True, exist_ok=True)
-                log = open(out / "log.txt", "w")
-                running.append((key, subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=log), log))
-                print("started", shlex.join(cmd[1:]), flush=True)
-            time.sleep(1)
-            for item in [r for r in running if r[1].poll() is not None]:
-                key, proc, log = item
-                log.close()
-                running.remove(item)
-                if proc.returncode != 0:
-                    sys.exit(f"error: run {key} failed: see {runs[key][1] / 'log.txt'}")
-
-
-def summarise(values):
-    return {"mean": sum(values) / len(values), "min": min(values), "max": max(values)}
+    """Start the runs not done yet, --jobs at a time (bench/exploration.py's), the two cost runs after the others,
+    together, nothing beside them."""
+    exploration.run_all(args, {key: run for key, run in runs.items() if key[0] != "cost"})
+    exploration.run_all(args, {key: run for key, run in runs.items() if key[0] == "cost"})
 
 
 def learning(args, runs):
@@ -118,7 +96,8 @@ def learning(args, runs):
                 entry[f"{key} first"] = sum(row[key] for row in train[:n]) / n
                 entry[f"{key} last"] = sum(row[key] for row in train[-n:]) / n
             per_seed.append(entry)
-        results[algorithm] = {"runs": per_seed, **{k: summarise([r[k] for r in per_seed]) for k in per_seed[0]}}
+        results[algorithm] = {"runs": per_seed,
+                              **{k: exploration.summarise([r[k] for r in per_seed]) for k in per_seed[0]}}
     return results
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from bench.stability import run_cached  # noqa: E402
+from bench.stability import mean_std, run_cached, write_results  # noqa: E402
 from support import run  # noqa: E402
 
 VARIANTS = {  # name -> (extra grpo.py arguments, threads per process)
@@ -105,12 +105,6 @@ def plot_timeline(path, out, steps):
     plt.close(fig)
 
 
-def mean_std(values, fmt):
-    if len(values) == 1:
-        return format(values[0], fmt)
-    return f"{format(statistics.mean(values), fmt)} ± {format(statistics.stdev(values), fmt)}"
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=200, help="grpo.py --num_steps of every run.")
@@ -150,10 +144,7 @@ def main():
     command = shlex.join(["python", "bench/async.py", *sys.argv[1:]])
     text = "\n".join([f"`{command}` ({len(args.seeds)} seeds, {args.steps} steps each; mean ± std over seeds; "
                       f"times: medians over steps 2-{args.steps}; speed-up: against the first row)", "", *lines, ""])
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "results.md").write_text(text)
-    (Path(args.out) / "results.json").write_text(json.dumps(results, indent=1))
-    print(text)
+    write_results(args.out, text, results)
 
 
 if __name__ == "__main__":

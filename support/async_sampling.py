@@ -22,7 +22,7 @@ import torch
 import torch.multiprocessing as mp
 
 import common
-from support import fast, models, reward_functions, tasks, tree
+from support import fast, models, reward_functions, routing, tasks, tree
 from support.rollout import Rollout, micro_batches
 
 POLL_S = 0.05  # how often a waiting process checks the other one
@@ -30,8 +30,6 @@ POLL_S = 0.05  # how often a waiting process checks the other one
 
 def check(cfg, accelerator):
     """Before any model loads: the combinations the sampler process does not support yet, one line each."""
-    from transformers import AutoConfig
-
     refuse = [(accelerator.state.deepspeed_plugin is not None, "DeepSpeed: run without it"),
               (cfg.lora_r > 0, "--lora_r: train the whole model"),
               (getattr(cfg, "rollout_lag", 0) > 0 or getattr(cfg, "rollout_dtype", cfg.torch_dtype) != cfg.torch_dtype,
@@ -39,8 +37,7 @@ def check(cfg, accelerator):
               (getattr(cfg, "budget", "uniform") != "uniform", "--budget knapsack: it allocates from fresh outcomes"),
               (getattr(cfg, "sampler", "independent") != "independent", "--sampler tree: the process samples each "
                "completion on its own")]
-    model_config = AutoConfig.from_pretrained(cfg.model_name_or_path)
-    refuse.append((any(getattr(model_config, name, 0) for name in ("num_experts", "num_local_experts")),
+    refuse.append((routing.names_moe(cfg.model_name_or_path),
                    "a mixture-of-experts policy: its routing is not replayed across processes"))
     for refused, what in refuse:
         if refused:

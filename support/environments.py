@@ -25,7 +25,7 @@ import types
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from support import config, user_files
+from support import config, routing, user_files
 from support.config import AT_LEAST_ONE, POSITIVE, arg, check, check_rules
 
 AGENT_MODEL = os.path.join(config.ROOT, "embedded_model", "agent")
@@ -342,10 +342,7 @@ def load(cfg, tokenizer, examples=None):
 
 def refuse(cfg):
     """What episodes do not run with yet, one line each."""
-    from transformers import AutoConfig
-
-    moe = any(getattr(AutoConfig.from_pretrained(cfg.model_name_or_path), name, 0)
-              for name in ("num_experts", "num_local_experts"))
+    moe = routing.names_moe(cfg.model_name_or_path)
     for refused, what in ((cfg.async_rollouts > 0, "--async_rollouts: the sampler process plays single turns"),
                           (getattr(cfg, "sampler", "independent") != "independent",
                            "--sampler tree: a tree's segments are single turns"),

@@ -58,6 +58,14 @@ def is_moe(model):
     return len(routers(model)) > 0
 
 
+def names_moe(model_name_or_path):
+    """Whether the checkpoint's config is a mixture of experts: read before any model loads."""
+    from transformers import AutoConfig
+
+    model_config = AutoConfig.from_pretrained(model_name_or_path)
+    return any(getattr(model_config, name, 0) for name in ("num_experts", "num_local_experts"))
+
+
 def check_moe(model, flag="--keep_routing"):
     """One clear error line for a dense model."""
     if not is_moe(model):

@@ -75,8 +75,9 @@ class RolloutSampler:
         if cfg.reward_fn:  # their trainer_state: the steps done so far
             reward_functions.trainer_state().global_step = trainer.at_step - 1
         with trainer.timer("generation"):
-            prompt_ids, prompt_mask = tasks.tokenize_prompts(tokenizer, [ex["prompt"] for ex in examples],
-                                                             accelerator.device)
+            if trainer.environment is None:  # an episode's prompt is rendered with its environment (`play`)
+                prompt_ids, prompt_mask = tasks.tokenize_prompts(tokenizer, [ex["prompt"] for ex in examples],
+                                                                 accelerator.device)
             model, error, episodes = self.model(trainer.at_step, greedy), None, None
             try:
                 with trainer.inference(), routing.record(model) if self.moe else ExitStack() as recording:
@@ -106,7 +107,6 @@ class RolloutSampler:
         return Rollout([ex for ex in examples for _ in range(k)], prompt_ids, prompt_mask, completion_ids, mask,
                        completions, experts, group_size=k, episodes=episodes,
                        token_mask=None if episodes is None else token_mask)
-
 
 
 def play(model, tokenizer, environment, examples, cfg, num_samples=1, greedy=False):
