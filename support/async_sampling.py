@@ -2,8 +2,11 @@
 batches while the learner trains on this one, at most K optimizer steps ahead. The learner writes its weights into
 shared memory after each step with a version (the steps done); the sampler reads the newest before each batch, and
 waits when it would sample batch t with weights older than those after step t - 1 - K. Each rollout comes back with
-the version that sampled it and the sampler's own log-probs (its scoring pass): the behaviour policy mu of the
-decoupled objective, which TIS, the geometric mask, the veto and M2PO correct as with --rollout_lag.
+the version that sampled it and the log-probs of its draws under the distribution they were drawn from (the sampling
+pass's own, fast.generate(logprobs=True); --fast False: a scoring pass): the behaviour policy mu of the decoupled
+objective, which TIS, the geometric mask, the veto and M2PO correct as with --rollout_lag. With a KL term (beta > 0)
+the frozen reference lives in the sampler process too, which scores each batch with it (rollout.ref_logp): the
+learner keeps only its update. On the CPU the two processes split the cores (`split_threads`).
 
 The sampler never outlives the learner: it is a daemon process (ended when the learner exits normally) and checks
 between waits that its parent still runs (a learner killed with SIGKILL). A sampler that dies stops the learner with
@@ -18,6 +21,7 @@ import signal
 import time
 import traceback
 
+import numpy as np
 import torch
 import torch.multiprocessing as mp
 
@@ -69,9 +73,10 @@ class AsyncRolloutSampler:
         self.sample = sample  # the prompt sampler's (tasks.PromptSampler.sample_with): the process reports to it
         self.timeline = trainer.accelerator.is_main_process and os.path.join(trainer.cfg.output_dir, "timeline.jsonl")
         self.sampler_spans = []  # (phase, start, end), wall clock, as the learner's timer.spans (bench/async.py)
+        threads = split_threads(trainer.accelerator.device)
         self.process = ctx.Process(target=serve, daemon=True, name="sampler", args=(
             trainer.cfg, trainer.cfg.seed + trainer.accelerator.process_index, self.weights, self.version, self.lock,
-            self.requests, self.results, os.getpid(), torch.get_num_threads(), str(trainer.accelerator.device),
+            self.requests, self.results, os.getpid(), threads, str(trainer.accelerator.device),
             tasks.reward_scorer))
         self.process.start()
 
@@ -91,9 +96,11 @@ class AsyncRolloutSampler:
             self.requests.put((step - 1, examples, num_samples, greedy))
         with trainer.timer("generation"):
             (examples, num_samples, greedy), out = self.asked.popleft(), self.receive()
+        out = {key: tensors(value) for key, value in out.items()}
         rollout = self.unpack(examples, num_samples, out["prompt_ids"], out["prompt_mask"], out["completion_ids"],
-                              out["mask"])
+                              out["mask"], out["completions"])
         rollout.sampler_logp = out["logp"].to(rollout.mask.device)
+        rollout.ref_logp = None if out["ref_logp"] is None else out["ref_logp"].to(rollout.mask.device)
         rollout.version = torch.full((len(rollout),), out["version"], device=rollout.mask.device)
         rollout.greedy = self.unpack(examples, 1, out["prompt_ids"], out["prompt_mask"], *out["greedy"]) \
             if greedy else None
@@ -106,15 +113,17 @@ class AsyncRolloutSampler:
         self.sampler_spans += out["spans"]
         return rollout
 
-    def unpack(self, examples, num_samples, prompt_ids, prompt_mask, completion_ids, mask):
-        """A Rollout of the sampler's tensors, on the learner's device (each prompt's num_samples rows adjacent)."""
+    def unpack(self, examples, num_samples, prompt_ids, prompt_mask, completion_ids, mask, completions=None):
+        """A Rollout of the sampler's tensors, on the learner's device (each prompt's num_samples rows adjacent), with
+        the completions' texts the sampler decoded (None: decoded here)."""
         trainer, device = self.trainer, self.trainer.accelerator.device
         prompt_ids, prompt_mask = (x.repeat_interleave(num_samples, dim=0).to(device) for x in (prompt_ids,
                                                                                                prompt_mask))
         completion_ids, mask = completion_ids.to(device), mask.to(device)
         trainer.generated += len(completion_ids)
         return Rollout([ex for ex in examples for _ in range(num_samples)], prompt_ids, prompt_mask, completion_ids,
-                       mask, tasks.decode_completions(trainer.tokenizer, completion_ids, mask), group_size=num_samples)
+                       mask, completions or tasks.decode_completions(trainer.tokenizer, completion_ids, mask),
+                       group_size=num_samples)
 
     def on_device(self, rewards):
         """The sampler's (rewards, correct, stats, error) with their tensors on the learner's device (None: None)."""
@@ -194,7 +203,9 @@ def serve(cfg, seed, weights, version, lock, requests, results, parent_pid, thre
     function; not with --reward_model, which stays in the learner's process), and send them with the version that
     sampled them (also the reward functions' trainer_state().global_step) and the wall-clock spans of each phase. It
     samples on the learner's device (a GPU: the same one), reads the weights from shared CPU memory and sends CPU
-    tensors. seed: the one its learner's rank samples with in a synchronous run (cfg.seed + its process index)."""
+    tensors. seed: the one its learner's rank samples with in a synchronous run (cfg.seed + its process index).
+    With a KL term it also holds the frozen reference and scores each batch with it, as the learner's
+    trainer.reference_logprobs would (at the sampling temperature, on the whole distribution)."""
     from transformers.utils import logging
 
     torch.set_num_threads(threads)
@@ -204,6 +215,7 @@ def serve(cfg, seed, weights, version, lock, requests, results, parent_pid, thre
     try:
         torch.manual_seed(seed)  # the seed this rank's learner samples with in a synchronous run
         tokenizer, model = models.load_tokenizer(cfg), models.load_model(cfg, trainable=False).to(device)
+        reference = models.load_model(cfg, trainable=False).to(device) if holds_reference(cfg) else None
         params, have = list(model.parameters()), -1
         sample, score = (fast.generate, fast.token_logprobs) if cfg.fast else (common.generate, common.token_logprobs)
         reward = None if cfg.reward_model else reward_scorer(cfg, device)  # one reward model: the learner's
@@ -221,26 +233,37 @@ def serve(cfg, seed, weights, version, lock, requests, results, parent_pid, thre
             spans.append(("wait", start, time.time()))
             with torch.inference_mode():
                 prompt_ids, prompt_mask = tasks.tokenize_prompts(tokenizer, [ex["prompt"] for ex in examples], device)
-                completion_ids = sample(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=num_samples)
+                if cfg.fast:  # with the log-prob of each draw, taken as it is drawn: mu at no extra pass
+                    completion_ids, logp = sample(model, tokenizer, prompt_ids, prompt_mask, cfg,
+                                                  num_samples=num_samples, logprobs=True)
+                else:
+                    completion_ids = sample(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=num_samples)
                 mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
-                out = {"greedy": None, "rewards": None}
+                out = {"greedy": None, "rewards": None, "ref_logp": None}
                 if greedy:
                     greedy_ids = sample(model, tokenizer, prompt_ids, prompt_mask, cfg, greedy=True)
                     out["greedy"] = (greedy_ids, common.completion_mask(greedy_ids, tokenizer.eos_token_id))
                 spans.append(("generation", spans[-1][2], time.time()))
                 ids = torch.cat([prompt_ids.repeat_interleave(num_samples, dim=0), completion_ids], 1)
                 attention = torch.cat([prompt_mask.repeat_interleave(num_samples, dim=0), mask], 1)
-                logp = torch.cat([score(model, ids[s], attention[s], mask.shape[1], cfg.temperature, top_k=cfg.top_k,
-                                        top_p=cfg.top_p) for s in micro_batches(len(ids), cfg.micro_batch_size)])
+
+                def scored(by, **sampling):  # by's (B, T) log-probs of the completions, micro-batch by micro-batch
+                    return torch.cat([score(by, ids[s], attention[s], mask.shape[1], cfg.temperature, **sampling)
+                                      for s in micro_batches(len(ids), cfg.micro_batch_size)])
+                if not cfg.fast:  # the plain definition: a pass that scores the draws as they were drawn
+                    logp = scored(model, top_k=cfg.top_k, top_p=cfg.top_p)
+                if reference is not None:
+                    out["ref_logp"] = scored(reference)
                 spans.append(("scoring", spans[-1][2], time.time()))
+            out["completions"] = tasks.decode_completions(tokenizer, completion_ids, mask)
             if reward is not None:
                 reward_functions.trainer_state().global_step = have
                 rows = [ex for ex in examples for _ in range(num_samples)]
-                out["rewards"] = reward(rows, tasks.decode_completions(tokenizer, completion_ids, mask))
+                out["rewards"] = reward(rows, out["completions"])
                 spans.append(("reward", spans[-1][2], time.time()))
             out.update(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids, mask=mask,
                        logp=logp)
-            out = {key: plain(value) for key, value in out.items()}  # ordinary CPU tensors, which the queue can send
+            out = {key: arrays(value) for key, value in out.items()}  # sent as bytes: no shared memory per tensor
             results.put({**out, "version": have, "spans": spans,
                          "times": {f"sampler_{phase}": end - begin for phase, begin, end in spans}})
         results.cancel_join_thread()  # "stop": the learner takes no more batches, so one sent ahead need not wait
@@ -249,11 +272,35 @@ def serve(cfg, seed, weights, version, lock, requests, results, parent_pid, thre
         time.sleep(1)  # the queue's feeder thread sends it before the process ends
 
 
-def plain(x):
-    """An ordinary CPU copy of a tensor made in inference mode (a tuple: each of its items; anything else: itself)."""
+def holds_reference(cfg):
+    """Whether the sampler process holds the frozen reference: with a KL term to it (beta > 0), which is when the
+    loops load one (engine.load_models then leaves it out of the learner's process)."""
+    return getattr(cfg, "beta", 0) > 0
+
+
+def split_threads(device):
+    """The sampler process's threads; on the CPU the learner gives it half of its own (at least one each), so the
+    two processes do not fight over the same cores (each with all of them, both run slower than one alone)."""
+    threads = torch.get_num_threads()
+    if device.type != "cpu":
+        return threads
+    torch.set_num_threads(max(1, threads - threads // 2))
+    return max(1, threads // 2)
+
+
+def arrays(x):
+    """A CPU tensor as a numpy array, which the queue pickles by value (a torch tensor would go through a shared-
+    memory file per tensor: milliseconds per batch); a tuple: each of its items; anything else: itself."""
     if isinstance(x, tuple):
-        return tuple(map(plain, x))
-    return x.to("cpu", copy=True) if isinstance(x, torch.Tensor) else x
+        return tuple(map(arrays, x))
+    return x.cpu().numpy() if isinstance(x, torch.Tensor) else x
+
+
+def tensors(x):
+    """arrays' inverse, in the learner's process."""
+    if isinstance(x, tuple):
+        return tuple(map(tensors, x))
+    return torch.from_numpy(x) if isinstance(x, np.ndarray) else x
 
 
 def receive(requests, parent_pid):

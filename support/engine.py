@@ -67,7 +67,8 @@ def load_models(cfg, accelerator, reference, rollout_copy=False):
     policy = models.load_model(cfg)
     if cfg.keep_routing != "none":
         routing.check_moe(policy)
-    ref_model = models.load_reference(cfg, policy) if reference else None
+    # --async_rollouts: the sampler process holds the reference and scores each batch with it (rollout.ref_logp)
+    ref_model = models.load_reference(cfg, policy) if reference and not cfg.async_rollouts else None
     rollout_model = models.load_rollout_model(cfg, policy) if rollout_copy else None
     optimizer, scheduler = models.make_optimizer(policy, cfg)
     policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
@@ -144,7 +145,10 @@ class Trainer:
         return self.rollout_sampler.rollout(prompts, greedy)
 
     def reference_logprobs(self, ref_model, rollout):
-        """(B, T) log-probs of the completions under the frozen reference (None: None), on its whole distribution."""
+        """(B, T) log-probs of the completions under the frozen reference (None: None), on its whole distribution;
+        --async_rollouts: the sampler process's, which holds the reference (async_sampling.holds_reference)."""
+        if rollout.ref_logp is not None:
+            return self.viewer.scored(self.at_step, "ref_logp", rollout, rollout.ref_logp)
         if ref_model is None:
             return None
         return self.viewer.scored(self.at_step, "ref_logp", rollout, self._logprobs(ref_model, rollout, False))

@@ -101,17 +101,19 @@ def token_logprobs(model, input_ids, attention_mask, num_completion_tokens, temp
 
 
 @torch.no_grad()
-def decode(model, input_ids, attention_mask, cache, gen, scores=None):
+def decode(model, input_ids, attention_mask, cache, gen, scores=None, logprobs=False):
     """The steps of transformers' generate (its `_sample`) for a GenerationConfig `gen` of common.generation_config:
     the last position's fp32 logits, EOS held back for gen.min_new_tokens, temperature, top-k, top-p
     (common.sampling_mask), one multinomial draw per row (greedy: argmax), until every row has emitted EOS or
     max_new_tokens. `cache` holds every prompt token but the last (None: the whole prompt runs first).
     A row that emitted EOS leaves the batch, its keys and values with it. Its draw is still made, from a
     placeholder distribution, and discarded: the random stream, and so every other row's draw, is generate's.
-    Returns (B, C) completion ids, padded after EOS; `scores`, a list, receives (step, rows, processed scores)."""
+    Returns (B, C) completion ids, padded after EOS (logprobs: and each drawn token's (B, C) log-prob under the
+    processed scores it was drawn from, 0 after EOS); `scores`, a list, receives (step, rows, processed scores)."""
     position_ids = common.position_ids_from_mask(attention_mask)
     tokens = torch.full((len(input_ids), gen.max_new_tokens), gen.pad_token_id, dtype=input_ids.dtype,
                         device=input_ids.device)
+    drawn_logp = torch.zeros(tokens.shape, device=input_ids.device) if logprobs else None
     rows = torch.arange(len(input_ids), device=input_ids.device)  # the rows still going
     inputs, positions = (input_ids[:, -1:], position_ids[:, -1:]) if cache is not None else (input_ids, position_ids)
     for t in range(gen.max_new_tokens):
@@ -133,26 +135,31 @@ def decode(model, input_ids, attention_mask, cache, gen, scores=None):
             token = logits.argmax(dim=-1)
         if scores is not None:
             scores.append((t, rows, logits))
+        if logprobs:  # the behaviour policy mu of what was drawn, at no extra pass (async_sampling)
+            drawn_logp[rows, t] = logits.gather(1, token[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
         tokens[rows, t] = token
         going = token != gen.eos_token_id
         if not going.any():
-            return tokens[:, :t + 1]
+            return (tokens[:, :t + 1], drawn_logp[:, :t + 1]) if logprobs else tokens[:, :t + 1]
         if not going.all():  # the finished rows leave the batch
             keep = going.nonzero().squeeze(1)
             cache.reorder_cache(keep)
             rows, token, attention_mask, positions = rows[keep], token[keep], attention_mask[keep], positions[keep]
         inputs, positions = token[:, None], positions[:, -1:] + 1
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(attention_mask), 1)], dim=1)
-    return tokens
+    return (tokens, drawn_logp) if logprobs else tokens
 
 
 @torch.no_grad()
-def generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=1, greedy=False, scores=None):
+def generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=1, greedy=False, scores=None,
+             logprobs=False):
     """common.generate, with each prompt run once for its samples (`shared_prompt_cache`), which then
     continue it from copies of its keys and values in `decode`: the same draws as generate's own
     num_return_sequences, without K passes over the prompt and without the rows that have ended. Under
     ZeRO-3 the weights are gathered once for the whole call. Returns completion ids (B * num_samples, C),
-    each prompt's samples adjacent (`scores`: see `decode`, one list entry per step of each call)."""
+    each prompt's samples adjacent (`scores`: see `decode`, one list entry per step of each call); with logprobs,
+    also each drawn token's log-prob under what it was drawn from (B * num_samples, C), equal to
+    token_logprobs' scoring of the same completions (tests/test_fast.py) without its pass."""
     num_samples = 1 if greedy else num_samples
     gen = common.generation_config(tokenizer, cfg, greedy)  # one sequence per row: the rows are the K copies
     n = max(1, cfg.generation_batch_size // num_samples) if cfg.generation_batch_size else len(prompt_ids)
@@ -162,7 +169,10 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=1, gree
             ids, mask = prompt_ids[i:i + n], prompt_mask[i:i + n]
             rows = torch.arange(len(ids), device=ids.device).repeat_interleave(num_samples)  # K adjacent
             cache = shared_prompt_cache(model, ids, mask, rows) if ids.shape[1] > 1 else None
-            chunks.append(decode(model, ids[rows], mask[rows], cache, gen, scores))
+            chunks.append(decode(model, ids[rows], mask[rows], cache, gen, scores, logprobs))
+    if logprobs:
+        return (common.pad_completions([ids for ids, _ in chunks], tokenizer.pad_token_id),
+                common.pad_completions([logp for _, logp in chunks], 0.0))
     return common.pad_completions(chunks, tokenizer.pad_token_id)
 
 

@@ -24,8 +24,10 @@ class Rollout:
     live_routing: torch.Tensor = None   # the trainer's routers' own choice, in its first pass over each row
     group_size: int = 1                 # samples per prompt, adjacent rows (the rollout viewer shows whole groups)
     # --async_rollouts: the sampler process's (B, T) log-probs, the (B,) version of the weights that sampled each row
-    # (the optimizer steps done then) and its seconds per phase (support/async_sampling.py)
+    # (the optimizer steps done then), the reference's (B, T) log-probs it scored (with a KL term) and its seconds
+    # per phase (support/async_sampling.py)
     sampler_logp: torch.Tensor = None
+    ref_logp: torch.Tensor = None
     version: torch.Tensor = None
     sampler_times: dict = None
     rewards: tuple = None  # and the rewards it computed: (rewards, correct, stats, error) of tasks.reward_scorer
@@ -66,7 +68,7 @@ class Rollout:
                        self.completion_ids[rows], self.mask[rows], [self.completions[i] for i in rows.tolist()],
                        None if self.routing is None else tuple(x[rows] for x in self.routing),
                        group_size=self.group_size, sampler_logp=take(self.sampler_logp, rows),
-                       version=take(self.version, rows), token_mask=take(self.token_mask, rows),
+                       ref_logp=take(self.ref_logp, rows), version=take(self.version, rows), token_mask=take(self.token_mask, rows),
                        episodes=None if self.episodes is None else [self.episodes[i] for i in rows.tolist()])
 
     @staticmethod
@@ -100,7 +102,8 @@ class Rollout:
                        pad([r.mask for r in parts], 0), [c for r in parts for c in r.completions],
                        None if parts[0].routing is None else (pad_routing(0), pad_routing(1)),
                        group_size=parts[0].group_size, sampler_logp=None if parts[0].version is None else
-                       pad([r.sampler_logp for r in parts], 0.0), version=None if parts[0].version is None else
+                       pad([r.sampler_logp for r in parts], 0.0), ref_logp=None if parts[0].ref_logp is None else
+                       pad([r.ref_logp for r in parts], 0.0), version=None if parts[0].version is None else
                        torch.cat([r.version for r in parts]),
                        token_mask=None if parts[0].token_mask is None else pad([r.token_mask for r in parts], 0),
                        episodes=None if parts[0].episodes is None else [e for r in parts for e in r.episodes])

@@ -217,6 +217,26 @@ def test_fast_generate_draws_what_the_definition_draws(cfg):
             torch.testing.assert_close(scores, spec_scores[rows, step], rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("cfg", [Sampling(), Sampling(generation_batch_size=8), Sampling(top_k=0, top_p=1.0)],
+                         ids=["one_call", "calls_of_8", "untruncated"])
+def test_the_log_probs_of_the_draws_are_the_definitions_scoring_of_them(cfg):
+    """fast.generate(logprobs=True), the sampler process's behaviour log-probs (support/async_sampling.py): the
+    same draws as without them, and for every token up to EOS the log-prob that common.token_logprobs gives the
+    completion under the same temperature, top-k and top-p, to 1e-5; 0 after EOS."""
+    model, tokenizer, prompt_ids, prompt_mask = load()
+    torch.manual_seed(0)
+    drawn, logp = fast.generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=4, logprobs=True)
+    torch.manual_seed(0)
+    assert torch.equal(drawn, fast.generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=4))
+    mask = common.completion_mask(drawn, tokenizer.eos_token_id)
+    assert logp.shape == drawn.shape and (mask == 0).any() and (mask.sum(1) < mask.shape[1]).any()
+    scored = common.token_logprobs(model, torch.cat([prompt_ids.repeat_interleave(4, 0), drawn], 1),
+                                   torch.cat([prompt_mask.repeat_interleave(4, 0), mask], 1), drawn.shape[1],
+                                   cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+    torch.testing.assert_close(logp[mask.bool()], scored[mask.bool()], rtol=0, atol=1e-5)
+    assert (logp[mask.bool()] < 0).any() and (logp[~mask.bool()] == 0).all()
+
+
 def test_fast_generate_greedy_and_one_token_prompts_equal_the_definition():
     """Greedy decoding, and prompts of one token (nothing before the last token to share)."""
     model, tokenizer, prompt_ids, prompt_mask = load()
