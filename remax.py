@@ -92,7 +92,8 @@ def main():
         # ---- advantages: the reward of the greedy response is the baseline (ReMax), or none (REINFORCE) ----
         if cfg.baseline == "greedy":
             with trainer.timer("reward"):
-                greedy_rewards, _, _ = reward_fn(rollout.greedy.examples, rollout.greedy.completions)
+                greedy = rollout.greedy  # its rewards: None, or the sampler process's (--async_rollouts)
+                greedy_rewards, _, _ = reward_fn(greedy.examples, greedy.completions, greedy.rewards)
         else:
             greedy_rewards = torch.zeros_like(rewards)
         adv = remax_advantages(rewards, greedy_rewards)

@@ -1,13 +1,14 @@
 """Asynchronous rollouts on the embedded task (docs/async.md): GRPO sampling in turn with its updates, against a
 sampler process running --async_rollouts K = 1 and 2 steps ahead, over seeds: the learner's wall time per step and
-the held-out accuracy after the same number of steps. Each process has one thread (OMP_NUM_THREADS=1): the
-asynchronous runs use two cores, the synchronous one one; the variant "synchronous, 2 threads" gives it both.
+the held-out accuracy after the same number of steps. Every run is given the machine's two cores (OMP_NUM_THREADS=2):
+the synchronous one as two threads, the asynchronous one split between its two processes, a thread each
+(async_sampling.split_threads). The variant "synchronous, 1 thread" is the synchronous run on one core.
 
 Runs one after another (a run uses up to two cores); a run whose run.json shows the same command and a finished
 summary.json is reused (--force reruns it).
 
     python bench/async.py                                             # docs/async.md's table: 3 seeds, 200 steps
-    python bench/async.py --seeds 0 --variants synchronous "synchronous, 2 threads"   # one core or two, in turn
+    python bench/async.py --seeds 0 --variants synchronous "synchronous, 1 thread"    # two cores or one, in turn
     python bench/async.py --learning_rate 3e-4 --variants synchronous "K = 4" "K = 4 + TIS" "K = 4 + M2PO"
     python bench/async.py --steps 2 --seeds 0 --out /tmp/async        # smoke test
     python bench/async.py --steps 20 --seeds 0 --variants "K = 1" --timeline docs/figures/async_timeline.png
@@ -28,17 +29,17 @@ sys.path.insert(0, str(ROOT))
 from bench.stability import mean_std, run_cached, write_results  # noqa: E402
 from support import run  # noqa: E402
 
-VARIANTS = {  # name -> (extra grpo.py arguments, threads per process)
-    "synchronous": ([], 1),
-    "synchronous, 2 threads": ([], 2),
-    "K = 1": (["--async_rollouts", "1"], 1),
-    "K = 2": (["--async_rollouts", "2"], 1),
-    "K = 4": (["--async_rollouts", "4"], 1),
-    "K = 4 + TIS": (["--async_rollouts", "4", "--tis_cap", "2"], 1),
-    "K = 4 + M2PO": (["--async_rollouts", "4", "--m2po_tau", "0.04"], 1),
-    "K = 8": (["--async_rollouts", "8"], 1),
-    "K = 8 + TIS": (["--async_rollouts", "8", "--tis_cap", "2"], 1),
-    "K = 8 + M2PO": (["--async_rollouts", "8", "--m2po_tau", "0.04"], 1),
+VARIANTS = {  # name -> (extra grpo.py arguments, OMP_NUM_THREADS of the run: an asynchronous one splits them)
+    "synchronous": ([], 2),
+    "synchronous, 1 thread": ([], 1),
+    "K = 1": (["--async_rollouts", "1"], 2),
+    "K = 2": (["--async_rollouts", "2"], 2),
+    "K = 4": (["--async_rollouts", "4"], 2),
+    "K = 4 + TIS": (["--async_rollouts", "4", "--tis_cap", "2"], 2),
+    "K = 4 + M2PO": (["--async_rollouts", "4", "--m2po_tau", "0.04"], 2),
+    "K = 8": (["--async_rollouts", "8"], 2),
+    "K = 8 + TIS": (["--async_rollouts", "8", "--tis_cap", "2"], 2),
+    "K = 8 + M2PO": (["--async_rollouts", "8", "--m2po_tau", "0.04"], 2),
 }
 
 
@@ -46,7 +47,7 @@ def run_one(name, seed, args):
     flags, threads = VARIANTS[name]
     lr = [] if args.learning_rate is None else ["--learning_rate", str(args.learning_rate)]
     label = name.replace(" ", "").replace(",", "_").replace("=", "").replace("+", "_")
-    run_dir = Path(args.out) / f"{label}{'-lr' + lr[1] if lr else ''}-seed{seed}"
+    run_dir = Path(args.out) / f"{label}{'-lr' + lr[1] if lr else ''}-threads{threads}-seed{seed}"
     cmd = [sys.executable, str(ROOT / "grpo.py"), "--seed", str(seed), "--num_steps", str(args.steps),
            "--eval_every", str(args.steps), "--log_every", str(args.steps), "--save_model", "false",
            "--output_dir", str(run_dir), *lr, *flags]

@@ -6,7 +6,9 @@ the version that sampled it and the log-probs of its draws under the distributio
 pass's own, fast.generate(logprobs=True); --fast False: a scoring pass): the behaviour policy mu of the decoupled
 objective, which TIS, the geometric mask, the veto and M2PO correct as with --rollout_lag. With a KL term (beta > 0)
 the frozen reference lives in the sampler process too, which scores each batch with it (rollout.ref_logp): the
-learner keeps only its update. On the CPU the two processes split the cores (`split_threads`).
+learner keeps only its update. With an environment (--environment, --tools) the sampler process plays the episodes
+and rewards them with their environments, which stay there. On the CPU the two processes split the cores
+(`split_threads`).
 
 The sampler never outlives the learner: it is a daemon process (ended when the learner exits normally) and checks
 between waits that its parent still runs (a learner killed with SIGKILL). A sampler that dies stops the learner with
@@ -14,6 +16,7 @@ one line naming the cause. Under DDP each learner process has a sampler process 
 prompts with its rank's seed; the ranks' weights are equal after each step, and every rank takes as many batches
 per step (DAPO's rounds are agreed by an all-reduce), so the versions and staleness are the same on every rank."""
 import collections
+import copy
 import json
 import os
 import queue
@@ -26,7 +29,7 @@ import torch
 import torch.multiprocessing as mp
 
 import common
-from support import fast, models, reward_functions, routing, tasks, tree
+from support import environments, fast, models, reward_functions, routing, tasks, tree
 from support.rollout import Rollout, micro_batches
 
 POLL_S = 0.05  # how often a waiting process checks the other one
@@ -35,7 +38,6 @@ POLL_S = 0.05  # how often a waiting process checks the other one
 def check(cfg, accelerator):
     """Before any model loads: the combinations the sampler process does not support yet, one line each."""
     refuse = [(accelerator.state.deepspeed_plugin is not None, "DeepSpeed: run without it"),
-              (cfg.lora_r > 0, "--lora_r: train the whole model"),
               (getattr(cfg, "rollout_lag", 0) > 0 or getattr(cfg, "rollout_dtype", cfg.torch_dtype) != cfg.torch_dtype,
                "--rollout_lag or --rollout_dtype: the sampler process is the stale copy"),
               (getattr(cfg, "budget", "uniform") != "uniform", "--budget knapsack: it allocates from fresh outcomes"),
@@ -58,12 +60,15 @@ def draw(prompts):
 class AsyncRolloutSampler:
     """The learner's side: starts the sampler process, keeps up to K + 1 batches asked for (each request carries the
     learner's version then: the sampler waits for those weights or newer), hands the trainer one per call (DAPO:
-    one per round), and publishes the weights after each step. A batch asked for at step t is taken by step t + K
-    (every step takes one at least), so it is at most K steps stale."""
+    one per round), and publishes the weights that train after each step (under --lora_r the adapter's). A batch
+    asked for at step t is taken by step t + K (every step takes one at least), so it is at most K steps stale.
+    play: sampling.play, for the sampler process (support/sampling.py imports this module)."""
 
-    def __init__(self, trainer, policy, sample):
+    def __init__(self, trainer, policy, sample, play):
         self.trainer, self.ahead = trainer, trainer.cfg.async_rollouts
-        self.params = [p for p in trainer.accelerator.unwrap_model(policy.model).parameters()]
+        # the weights that train, by name: the whole model's, or under --lora_r only the adapters'
+        self.names, self.params = zip(*[(name, p) for name, p in trainer.accelerator.unwrap_model(
+            policy.model).named_parameters() if p.requires_grad])
         ctx = mp.get_context("spawn")
         self.weights = [p.detach().to("cpu", copy=True).share_memory_() for p in self.params]
         self.version, self.lock = ctx.Value("i", -1), ctx.Lock()  # -1: nothing published yet
@@ -75,9 +80,9 @@ class AsyncRolloutSampler:
         self.sampler_spans = []  # (phase, start, end), wall clock, as the learner's timer.spans (bench/async.py)
         threads = split_threads(trainer.accelerator.device)
         self.process = ctx.Process(target=serve, daemon=True, name="sampler", args=(
-            trainer.cfg, trainer.cfg.seed + trainer.accelerator.process_index, self.weights, self.version, self.lock,
-            self.requests, self.results, os.getpid(), threads, str(trainer.accelerator.device),
-            tasks.reward_scorer))
+            trainer.cfg, trainer.cfg.seed + trainer.accelerator.process_index, dict(zip(self.names, self.weights)),
+            self.version, self.lock, self.requests, self.results, os.getpid(), threads, str(trainer.accelerator.device),
+            tasks.reward_scorer, play))
         self.process.start()
 
     def rollout(self, prompts, greedy=False):
@@ -91,46 +96,43 @@ class AsyncRolloutSampler:
             trainer.timer.spans = []
             self.publish(step - 1)
         while len(self.asked) < min(self.ahead + 1, trainer.cfg.num_steps - step + 1):
+            state = copy.deepcopy(prompts.state_dict())  # before the draw: a checkpoint taken while it is ahead
             examples, num_samples = draw(prompts)
-            self.asked.append((examples, num_samples, greedy))
+            self.asked.append((examples, num_samples, greedy, state))
             self.requests.put((step - 1, examples, num_samples, greedy))
         with trainer.timer("generation"):
-            (examples, num_samples, greedy), out = self.asked.popleft(), self.receive()
-        out = {key: tensors(value) for key, value in out.items()}
-        rollout = self.unpack(examples, num_samples, out["prompt_ids"], out["prompt_mask"], out["completion_ids"],
-                              out["mask"], out["completions"])
+            (examples, num_samples, greedy, _), out = self.asked.popleft(), tensors(self.receive())
+        rollout = self.unpack(examples, num_samples, out)
         rollout.sampler_logp = out["logp"].to(rollout.mask.device)
         rollout.ref_logp = None if out["ref_logp"] is None else out["ref_logp"].to(rollout.mask.device)
         rollout.version = torch.full((len(rollout),), out["version"], device=rollout.mask.device)
-        rollout.greedy = self.unpack(examples, 1, out["prompt_ids"], out["prompt_mask"], *out["greedy"]) \
-            if greedy else None
-        rollout.rewards = self.on_device(out["rewards"])  # ReMax's greedy completions: rewarded by the learner
-        mask = out["mask"]
+        rollout.greedy = self.unpack(examples, 1, out["greedy"]) if greedy else None  # the same weights
         if isinstance(self.sample, tree.Sampling):  # train/decoded_per_completion: the tokens the process decoded
-            self.sample.decoded, self.sample.completions = self.sample.decoded + int(mask.sum()), \
-                self.sample.completions + len(mask)
+            self.sample.decoded, self.sample.completions = self.sample.decoded + int(rollout.mask.sum()), \
+                self.sample.completions + len(rollout)
         self.received.append((rollout.version, out["times"]))
         self.sampler_spans += out["spans"]
         return rollout
 
-    def unpack(self, examples, num_samples, prompt_ids, prompt_mask, completion_ids, mask, completions=None):
-        """A Rollout of the sampler's tensors, on the learner's device (each prompt's num_samples rows adjacent), with
-        the completions' texts the sampler decoded (None: decoded here)."""
-        trainer, device = self.trainer, self.trainer.accelerator.device
-        prompt_ids, prompt_mask = (x.repeat_interleave(num_samples, dim=0).to(device) for x in (prompt_ids,
-                                                                                               prompt_mask))
-        completion_ids, mask = completion_ids.to(device), mask.to(device)
-        trainer.generated += len(completion_ids)
-        return Rollout([ex for ex in examples for _ in range(num_samples)], prompt_ids, prompt_mask, completion_ids,
-                       mask, completions or tasks.decode_completions(trainer.tokenizer, completion_ids, mask),
-                       group_size=num_samples)
+    def rewound(self):
+        """The prompt sampler's state before the oldest batch asked for and not yet taken (None: nothing is ahead),
+        which a checkpoint saves: the resumed run draws those prompts again, and so trains on the prompts of the
+        run it continues, in the same order (sampled with the checkpoint's weights)."""
+        return self.asked[0][3] if self.asked else None
 
-    def on_device(self, rewards):
-        """The sampler's (rewards, correct, stats, error) with their tensors on the learner's device (None: None)."""
-        if rewards is None:
-            return None
-        device = self.trainer.accelerator.device
-        return rewards[0].to(device), rewards[1].to(device), *rewards[2:]
+    def unpack(self, examples, num_samples, batch):
+        """A Rollout of one of the sampler's batches (`draw_batch`'s, with its texts and rewards), on the learner's
+        device, each prompt's num_samples rows adjacent; its rewards: None with --reward_model (the learner's)."""
+        trainer, device = self.trainer, self.trainer.accelerator.device
+        prompt_ids, prompt_mask, completion_ids, mask, token_mask = (batch[key].to(device) for key in (
+            "prompt_ids", "prompt_mask", "completion_ids", "mask", "token_mask"))
+        trainer.generated += len(completion_ids)
+        rollout = Rollout([ex for ex in examples for _ in range(num_samples)], prompt_ids, prompt_mask, completion_ids,
+                          mask, batch["completions"], group_size=num_samples, episodes=batch["episodes"],
+                          token_mask=None if batch["episodes"] is None else token_mask)
+        rewards = batch["rewards"]
+        rollout.rewards = None if rewards is None else (rewards[0].to(device), rewards[1].to(device), *rewards[2:])
+        return rollout
 
     def receive(self):
         """The next batch from the sampler process; its death (or an error it sent) stops the learner."""
@@ -148,7 +150,7 @@ class AsyncRolloutSampler:
                 raise SystemExit(f"error: the sampler process died (exit code {self.process.exitcode}) before "
                                  "sending its batch.") from None
         if "error" in out:
-            raise SystemExit(f"error: the sampler process failed: {out['error']}")
+            raise SystemExit(out["error"])
         return out
 
     @torch.no_grad()
@@ -196,16 +198,17 @@ class AsyncRolloutSampler:
                 **{f"time/{phase}_s": seconds for phase, seconds in times.items()}}
 
 
-def serve(cfg, seed, weights, version, lock, requests, results, parent_pid, threads, device, reward_scorer):
+def serve(cfg, seed, weights, version, lock, requests, results, parent_pid, threads, device, reward_scorer, play):
     """The sampler process: for each request (the learner's version then, examples, G, greedy), wait for those
-    weights or newer, load the newest, sample G completions per prompt (with greedy also each prompt's greedy one,
-    the same weights), score them, reward the sampled ones (reward_scorer: tasks.reward_scorer, the learner's reward
-    function; not with --reward_model, which stays in the learner's process), and send them with the version that
-    sampled them (also the reward functions' trainer_state().global_step) and the wall-clock spans of each phase. It
-    samples on the learner's device (a GPU: the same one), reads the weights from shared CPU memory and sends CPU
-    tensors. seed: the one its learner's rank samples with in a synchronous run (cfg.seed + its process index).
-    With a KL term it also holds the frozen reference and scores each batch with it, as the learner's
-    trainer.reference_logprobs would (at the sampling temperature, on the whole distribution)."""
+    weights or newer, load the newest, sample G completions per prompt or play G episodes (`draw_batch`; with greedy
+    also each prompt's greedy one, the same weights), score them with the reference (with a KL term: as the learner's
+    trainer.reference_logprobs would, at the sampling temperature on the whole distribution), reward them
+    (reward_scorer: tasks.reward_scorer, the learner's reward function; not with --reward_model, which stays in the
+    learner's process), and send them with the version that sampled them (also the reward functions'
+    trainer_state().global_step) and the wall-clock spans of each phase. It samples on the learner's device (a GPU:
+    the same one), reads the weights from shared CPU memory and sends CPU arrays. seed: the one its learner's rank
+    samples with in a synchronous run (cfg.seed + its process index). play: sampling.play, which plays an
+    environment's episodes (passed in: support/sampling.py imports this module)."""
     from transformers.utils import logging
 
     torch.set_num_threads(threads)
@@ -213,63 +216,84 @@ def serve(cfg, seed, weights, version, lock, requests, results, parent_pid, thre
     # no progress bar: its tqdm lock is a named semaphore, which a sampler killed would leave for the learner to report
     logging.disable_progress_bar()
     try:
-        torch.manual_seed(seed)  # the seed this rank's learner samples with in a synchronous run
-        tokenizer, model = models.load_tokenizer(cfg), models.load_model(cfg, trainable=False).to(device)
-        reference = models.load_model(cfg, trainable=False).to(device) if holds_reference(cfg) else None
-        params, have = list(model.parameters()), -1
-        sample, score = (fast.generate, fast.token_logprobs) if cfg.fast else (common.generate, common.token_logprobs)
+        tokenizer, model = models.load_tokenizer(cfg), models.load_model(cfg, trainable=False)
+        if cfg.lora_r > 0:  # the policy's adapter, frozen here: the learner publishes its weights only
+            model = models.add_lora(model, models.lora_config(cfg, "CAUSAL_LM")).eval().requires_grad_(False)
+        model = model.to(device)
+        reference = None
+        if holds_reference(cfg):  # under LoRA the policy with its adapter off, as the learner's would be
+            reference = models.load_reference(cfg, model).to(device)
+        params, have = [dict(model.named_parameters())[name] for name in weights], -1
+        weights = list(weights.values())
+        score = fast.token_logprobs if cfg.fast else common.token_logprobs
+        environment = environments.load(cfg, tokenizer)  # --environment / --tools: the episodes are played here
         reward = None if cfg.reward_model else reward_scorer(cfg, device)  # one reward model: the learner's
+        torch.manual_seed(seed)  # the seed this rank's learner samples with in a synchronous run (LoRA's init drew)
         while (request := receive(requests, parent_pid)) != "stop":
             oldest, examples, num_samples, greedy = request
             spans, start = [], time.time()
             while version.value < oldest:  # bounded staleness: the learner's weights when it asked, or newer
                 leave_if_orphaned(parent_pid)
                 time.sleep(POLL_S)
-            with lock:
+            with lock, torch.no_grad():  # no_grad: peft's disable_adapter (the reference) makes the adapter trainable
                 if version.value != have:
                     have = version.value
                     for p, w in zip(params, weights, strict=True):
                         p.copy_(w)
             spans.append(("wait", start, time.time()))
             with torch.inference_mode():
-                prompt_ids, prompt_mask = tasks.tokenize_prompts(tokenizer, [ex["prompt"] for ex in examples], device)
-                if cfg.fast:  # with the log-prob of each draw, taken as it is drawn: mu at no extra pass
-                    completion_ids, logp = sample(model, tokenizer, prompt_ids, prompt_mask, cfg,
-                                                  num_samples=num_samples, logprobs=True)
-                else:
-                    completion_ids = sample(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=num_samples)
-                mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
-                out = {"greedy": None, "rewards": None, "ref_logp": None}
-                if greedy:
-                    greedy_ids = sample(model, tokenizer, prompt_ids, prompt_mask, cfg, greedy=True)
-                    out["greedy"] = (greedy_ids, common.completion_mask(greedy_ids, tokenizer.eos_token_id))
+                out = draw_batch(model, tokenizer, environment, play, examples, num_samples, cfg, device)
+                out["greedy"] = draw_batch(model, tokenizer, environment, play, examples, 1, cfg, device,
+                                           greedy=True) if greedy else None
                 spans.append(("generation", spans[-1][2], time.time()))
-                ids = torch.cat([prompt_ids.repeat_interleave(num_samples, dim=0), completion_ids], 1)
-                attention = torch.cat([prompt_mask.repeat_interleave(num_samples, dim=0), mask], 1)
+                ids, n = torch.cat([out["prompt_ids"], out["completion_ids"]], 1), out["mask"].shape[1]
+                attention = torch.cat([out["prompt_mask"], out["token_mask"]], 1)
 
                 def scored(by, **sampling):  # by's (B, T) log-probs of the completions, micro-batch by micro-batch
-                    return torch.cat([score(by, ids[s], attention[s], mask.shape[1], cfg.temperature, **sampling)
+                    return torch.cat([score(by, ids[s], attention[s], n, cfg.temperature, **sampling)
                                       for s in micro_batches(len(ids), cfg.micro_batch_size)])
-                if not cfg.fast:  # the plain definition: a pass that scores the draws as they were drawn
-                    logp = scored(model, top_k=cfg.top_k, top_p=cfg.top_p)
-                if reference is not None:
-                    out["ref_logp"] = scored(reference)
+                if out["logp"] is None:  # the plain definition (and episodes): a pass that scores the draws
+                    out["logp"] = scored(model, top_k=cfg.top_k, top_p=cfg.top_p)
+                out["ref_logp"] = None if reference is None else scored(reference)
                 spans.append(("scoring", spans[-1][2], time.time()))
-            out["completions"] = tasks.decode_completions(tokenizer, completion_ids, mask)
-            if reward is not None:
-                reward_functions.trainer_state().global_step = have
-                rows = [ex for ex in examples for _ in range(num_samples)]
-                out["rewards"] = reward(rows, out["completions"])
-                spans.append(("reward", spans[-1][2], time.time()))
-            out.update(prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids, mask=mask,
-                       logp=logp)
-            out = {key: arrays(value) for key, value in out.items()}  # sent as bytes: no shared memory per tensor
-            results.put({**out, "version": have, "spans": spans,
+            reward_functions.trainer_state().global_step = have
+            for batch, rows in ((out, [ex for ex in examples for _ in range(num_samples)]), (out["greedy"], examples)):
+                if batch is not None:
+                    batch["completions"] = tasks.decode_completions(tokenizer, batch["completion_ids"],
+                                                                    batch["token_mask"], batch["episodes"])
+                    batch["rewards"] = None if reward is None else reward(rows, batch["completions"])
+                    for episode in batch["episodes"] or []:  # the environments stay here; their records go
+                        episode.env = None
+            spans.append(("reward", spans[-1][2], time.time()))
+            results.put({**arrays(out), "version": have, "spans": spans,
                          "times": {f"sampler_{phase}": end - begin for phase, begin, end in spans}})
         results.cancel_join_thread()  # "stop": the learner takes no more batches, so one sent ahead need not wait
-    except Exception as e:  # one line for the learner to print
-        results.put({"error": f"{type(e).__name__}: {e} (in {traceback.extract_tb(e.__traceback__)[-1].name})"})
+    except (Exception, SystemExit) as e:  # one line for the learner to print (an environment's is one already)
+        results.put({"error": str(e) if isinstance(e, SystemExit) else f"error: the sampler process failed: "
+                     f"{type(e).__name__}: {e} (in {traceback.extract_tb(e.__traceback__)[-1].name})"})
         time.sleep(1)  # the queue's feeder thread sends it before the process ends
+
+
+def draw_batch(model, tokenizer, environment, play, examples, num_samples, cfg, device, greedy=False):
+    """num_samples completions of each example's prompt (greedy: one greedy completion), or with an environment its
+    episodes (play: sampling.play), each example's rows adjacent: a dict of per-row prompt_ids, prompt_mask,
+    completion_ids, mask (the actions), token_mask, episodes (None without an environment) and logp, the log-probs
+    of single-turn draws taken as they were drawn (fast.generate(logprobs=True): mu at no extra pass), else None
+    (scored after)."""
+    if environment is not None:
+        batch = dict(zip(("prompt_ids", "prompt_mask", "completion_ids", "mask", "token_mask", "episodes"),
+                         play(model, tokenizer, environment, examples, cfg, num_samples, greedy)))
+        return {**batch, "logp": None}
+    k = 1 if greedy else num_samples
+    prompt_ids, prompt_mask = tasks.tokenize_prompts(tokenizer, [ex["prompt"] for ex in examples], device)
+    if cfg.fast and not greedy:
+        completion_ids, logp = fast.generate(model, tokenizer, prompt_ids, prompt_mask, cfg, k, logprobs=True)
+    else:
+        sample = fast.generate if cfg.fast else common.generate
+        completion_ids, logp = sample(model, tokenizer, prompt_ids, prompt_mask, cfg, k, greedy=greedy), None
+    mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
+    return {"prompt_ids": prompt_ids.repeat_interleave(k, dim=0), "prompt_mask": prompt_mask.repeat_interleave(k, 0),
+            "completion_ids": completion_ids, "mask": mask, "token_mask": mask, "episodes": None, "logp": logp}
 
 
 def holds_reference(cfg):
@@ -290,7 +314,9 @@ def split_threads(device):
 
 def arrays(x):
     """A CPU tensor as a numpy array, which the queue pickles by value (a torch tensor would go through a shared-
-    memory file per tensor: milliseconds per batch); a tuple: each of its items; anything else: itself."""
+    memory file per tensor: milliseconds per batch); a tuple or dict: each of its items; anything else: itself."""
+    if isinstance(x, dict):
+        return {key: arrays(value) for key, value in x.items()}
     if isinstance(x, tuple):
         return tuple(map(arrays, x))
     return x.cpu().numpy() if isinstance(x, torch.Tensor) else x
@@ -298,6 +324,8 @@ def arrays(x):
 
 def tensors(x):
     """arrays' inverse, in the learner's process."""
+    if isinstance(x, dict):
+        return {key: tensors(value) for key, value in x.items()}
     if isinstance(x, tuple):
         return tuple(map(tensors, x))
     return torch.from_numpy(x) if isinstance(x, np.ndarray) else x

@@ -171,8 +171,10 @@ class Checkpointer:
                 break                                    # a signal arrived: saved, stop
     """
 
-    def __init__(self, cfg, accelerator, sampler):
-        self.cfg, self.accelerator, self.sampler = cfg, accelerator, sampler
+    def __init__(self, cfg, accelerator, sampler, rewound=None):
+        """rewound: None, or () -> the prompt sampler's state to save in place of its own, or None for its own
+        (--async_rollouts: its state before the batches drawn ahead, which the resumed run draws again)."""
+        self.cfg, self.accelerator, self.sampler, self.rewound = cfg, accelerator, sampler, rewound
         self.probe_prompts = [ex["prompt"] for ex in sampler.examples[:PROBE_PROMPTS]]  # read before each save
         self.stop_requested = False
         self.stop_agreed = (None, False)  # (step, whether a signal arrived on any rank), from saves_after
@@ -221,7 +223,7 @@ class Checkpointer:
         self.accelerator.wait_for_everyone()
         self.accelerator.save_state(tmp)
         with open(os.path.join(tmp, f"sampler_rank{self.accelerator.process_index}.json"), "w") as f:
-            json.dump(self.sampler.state_dict(), f)
+            json.dump((self.rewound and self.rewound()) or self.sampler.state_dict(), f)
         save_model(self.accelerator, policy, tokenizer, os.path.join(tmp, "model"))
         self.accelerator.wait_for_everyone()  # every rank's files are on disk
         if main:  # trainer_state.json, last, records the size and checksum of every other file

@@ -106,7 +106,7 @@ class Trainer:
         self.rollout_sampler = sampling.rollout_sampler(self, policy, rollout_model, rollout_lag,
                                                         sampler.sample_with(self.sample))  # --sampler tree: trees
         set_seed(cfg.seed + accelerator.process_index)  # each rank samples different completions
-        self.ckpt = checkpoint.Checkpointer(cfg, accelerator, sampler)
+        self.ckpt = checkpoint.Checkpointer(cfg, accelerator, sampler, self.rollout_sampler.rewound)
         self.logger, self.viewer, self.start_step, self.at_step = None, None, 0, 1  # at_step: the step running
         self.timer, self.generated, self.update_loss, self.update_stats = run.StepTimer(), 0, 0.0, []  # this step's
         # sampling and scoring record no gradient: inference mode is cheaper than no_grad (their outputs are
@@ -145,13 +145,10 @@ class Trainer:
         return self.rollout_sampler.rollout(prompts, greedy)
 
     def reference_logprobs(self, ref_model, rollout):
-        """(B, T) log-probs of the completions under the frozen reference (None: None), on its whole distribution;
-        --async_rollouts: the sampler process's, which holds the reference (async_sampling.holds_reference)."""
-        if rollout.ref_logp is not None:
-            return self.viewer.scored(self.at_step, "ref_logp", rollout, rollout.ref_logp)
-        if ref_model is None:
-            return None
-        return self.viewer.scored(self.at_step, "ref_logp", rollout, self._logprobs(ref_model, rollout, False))
+        """(B, T) log-probs of the completions under the frozen reference (None: None), on its whole distribution
+        (--async_rollouts: scored in the sampler process, which holds it: async_sampling.holds_reference)."""
+        logp = rollout.ref_logp if ref_model is None else self._logprobs(ref_model, rollout, False)
+        return logp if logp is None else self.viewer.scored(self.at_step, "ref_logp", rollout, logp)
 
     def old_logprobs(self, rollout):
         """(B, T) log-probs under the policy before the update (pi_old), scored as it samples; a mixture of experts

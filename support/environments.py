@@ -343,7 +343,8 @@ def load(cfg, tokenizer, examples=None):
 def refuse(cfg):
     """What episodes do not run with yet, one line each."""
     moe = routing.names_moe(cfg.model_name_or_path)
-    for refused, what in ((cfg.async_rollouts > 0, "--async_rollouts: the sampler process plays single turns"),
+    for refused, what in ((cfg.async_rollouts > 0 and cfg.reward_model, "--async_rollouts and --reward_model: the "
+                           "learner would reward episodes whose environments live in the sampler process"),
                           (getattr(cfg, "sampler", "independent") != "independent",
                            "--sampler tree: a tree's segments are single turns"),
                           (moe, "a mixture-of-experts policy: an episode's routing is not recorded")):

@@ -68,7 +68,8 @@ class Rollout:
                        self.completion_ids[rows], self.mask[rows], [self.completions[i] for i in rows.tolist()],
                        None if self.routing is None else tuple(x[rows] for x in self.routing),
                        group_size=self.group_size, sampler_logp=take(self.sampler_logp, rows),
-                       ref_logp=take(self.ref_logp, rows), version=take(self.version, rows), token_mask=take(self.token_mask, rows),
+                       ref_logp=take(self.ref_logp, rows), version=take(self.version, rows),
+                       token_mask=take(self.token_mask, rows),
                        episodes=None if self.episodes is None else [self.episodes[i] for i in rows.tolist()])
 
     @staticmethod

@@ -22,7 +22,7 @@ def any_process(accelerator, flag):
 def rollout_sampler(trainer, policy, rollout_model, rollout_lag, sample):
     """The RolloutSampler, or with --async_rollouts the sampler process's (support/async_sampling.py)."""
     if trainer.cfg.async_rollouts:
-        return async_sampling.AsyncRolloutSampler(trainer, policy, sample)
+        return async_sampling.AsyncRolloutSampler(trainer, policy, sample, play)
     return RolloutSampler(trainer, policy, rollout_model, rollout_lag, sample)
 
 
@@ -31,6 +31,8 @@ class RolloutSampler:
     it before each rollout: to this step's weights, or with `rollout_lag` k to those of k steps ago. `sample` is
     fast.generate or common.generate; `inference`, the context the passes run in; `trainer` gives the timer, the
     step running and, when sampling fails, the check that stops a run whose weights broke."""
+
+    rewound = None  # a checkpoint saves the prompt sampler's own state: no batch is drawn ahead (async_sampling's is)
 
     def __init__(self, trainer, policy, rollout_model, rollout_lag, sample):
         self.trainer, self.policy, self.rollout_model, self.rollout_lag = trainer, policy, rollout_model, rollout_lag

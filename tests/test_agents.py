@@ -248,6 +248,28 @@ def test_every_loop_trains_on_calculator_episodes_and_trls_shapes_train_unchange
             assert "train/reward/call_cost" in train[0]
 
 
+def test_the_sampler_process_plays_the_episodes_and_rewards_them_with_their_environments(tmp_path):
+    """--async_rollouts: the sampler process loads the environment, plays the episodes (a scoring pass gives their
+    behaviour log-probs), rewards them with functions that read the environments' instances there, and sends their
+    records. Step 1 is the synchronous run's; ReMax's greedy episodes and their rewards come from it too."""
+    agent = ["--model_name_or_path", "embedded_model/agent", "--dataset", "tool_arithmetic", "--max_new_tokens", "40",
+             "--batch_size", "16"]
+    trl = ["grpo.py", "--environment", "examples/agents.py:Calculator", "--reward_fn", "examples/agents.py:call_cost",
+           *agent, "--num_generations", "4"]
+    outputs = run_scripts({"sync": trl, "async": [*trl, "--async_rollouts", "1", "--num_steps", "3"],
+                           "remax": ["remax.py", "--environment", "calculator", "--async_rollouts", "1",
+                                     "--batch_size", "16"]}, tmp_path, steps=1)
+    sync, run, remax_run = ([row for row in outputs[name][1] if "train/turns" in row]
+                            for name in ("sync", "async", "remax"))
+    assert [row["train/staleness_max"] for row in run] == [0, 1, 1]
+    for key in ("train/reward", "train/reward/call_cost", "train/loss", "train/grad_norm", "train/tool_calls",
+                "train/turns", "train/env_token_frac"):
+        assert run[0][key] == sync[0][key], key
+    assert run[0]["train/mismatch_k3"] < 1e-10 < run[1]["train/mismatch_k3"]
+    assert all(row["train/tool_calls"] > 0 for row in run)
+    assert "train/greedy_reward" in remax_run[0] and remax_run[0]["train/tool_calls"] > 0
+
+
 def test_two_processes_play_episodes_of_their_own_lengths_and_step_together(tmp_path):
     """Each rank's episodes end at their own turns and lengths: the ranks still agree (the same number of
     micro-batches and collectives), the rollout viewer gathers their rows, and the replicas stay identical."""

@@ -113,8 +113,28 @@ def test_every_loop_takes_its_rollouts_from_the_sampler_process_at_most_k_steps_
         assert all(r["train/sampling_rounds"] >= 1 for r in rows)
 
 
+def test_under_lora_the_learner_publishes_only_the_adapters_and_the_reference_is_the_samplers_base(
+        tmp_path, monkeypatch):
+    """--lora_r: the sampler process builds the same adapter and receives only its weights after each step (fewer
+    than a tenth of the model's here); its reference is its own policy with the adapter off, as the learner's
+    would be. Step 1 is the synchronous LoRA run's (the sampler seeds after its adapter's random init): the same
+    completions, reward, loss and gradient."""
+    from support import models
+    published, publish = [], async_sampling.AsyncRolloutSampler.publish
+    monkeypatch.setattr(async_sampling.AsyncRolloutSampler, "publish", lambda self, version: published.append(
+        (self.names, sum(w.numel() for w in self.weights))) or publish(self, version))
+    lora = ["--lora_r", "4", "--learning_rate", "1e-2"]
+    sync = run(tmp_path / "sync", *lora, steps=1)
+    rows = run(tmp_path / "async", *lora, "--async_rollouts", "1", steps=3)
+    names, size = published[0]
+    assert names and all(".lora_" in name for name in names) and len(published) == 3  # versions 0, 1, 2
+    assert size < models.load_model(grpo.Config(), trainable=False).num_parameters() / 10
+    for key in ("train/reward", "train/completion_len", "train/loss", "train/grad_norm"):
+        assert rows[0][key] == sync[0][key], key
+    assert [r["train/staleness_max"] for r in rows] == [0, 1, 1] and rows[-1]["train/kl_k3"] > 0
+
+
 @pytest.mark.parametrize("flags, what", [
-    ({"lora_r": 4}, "--lora_r"),
     ({"rollout_lag": 2}, "--rollout_lag"),
     ({"budget": "knapsack"}, "--budget"),
     ({"sampler": "tree"}, "--sampler"),
@@ -183,13 +203,27 @@ def test_under_ddp_each_rank_has_its_own_sampler_process_and_none_outlives_the_r
         time.sleep(0.05)
 
 
-def test_a_resumed_run_restarts_its_sampler_from_the_checkpoints_weights(tmp_path):
-    """--resume_from: the batches asked for ahead are not in the checkpoint; the sampler process of the resumed run
-    starts from the checkpoint's weights, so its first batch has the checkpoint's version (staleness 0)."""
-    run(tmp_path, "--async_rollouts", "1", "--save_steps", "2", steps=2)
-    rows = run(tmp_path, "--async_rollouts", "1", "--resume_from", "latest", steps=4)
-    assert [r["step"] for r in rows if "train/staleness_max" in r][-2:] == [3, 4]
-    assert [r["train/staleness_max"] for r in rows if r["step"] > 2] == [0, 1]
+def test_a_resumed_run_trains_on_the_prompts_of_the_run_it_continues_from_the_checkpoints_weights(tmp_path,
+                                                                                                   monkeypatch):
+    """--resume_from: the batches asked for ahead are not in the checkpoint, but the prompt sampler's state before
+    them is, so the resumed run draws them again: steps 3 and 4 train on the prompts of an uninterrupted run's, in
+    order. Its sampler process starts from the checkpoint's weights: its first batch has their version (staleness
+    0)."""
+    from support import engine
+    taken, rollout = collections.defaultdict(list), engine.Trainer.rollout
+
+    def recorded(trainer, prompts, greedy=False):
+        out = rollout(trainer, prompts, greedy)
+        taken[trainer.cfg.output_dir].append(out.prompts)
+        return out
+    monkeypatch.setattr(engine.Trainer, "rollout", recorded)
+    run(tmp_path / "whole", "--async_rollouts", "2", "--save_steps", "2", steps=4)  # saved with batches 3, 4 ahead
+    run(tmp_path / "resumed", "--async_rollouts", "2", "--resume_from", str(tmp_path / "whole/checkpoint-2"), steps=4)
+    whole, resumed = taken[str(tmp_path / "whole")], taken[str(tmp_path / "resumed")]
+    assert len(whole) == 4 and len(resumed) == 2 and whole[2] != whole[3]
+    assert resumed == whole[2:]
+    rows = [r for r in read_metrics(tmp_path / "resumed" / "metrics.jsonl") if "train/staleness_max" in r]
+    assert [(r["step"], r["train/staleness_max"]) for r in rows] == [(3, 0), (4, 1)]
 
 
 def sampling_that_fails(*args):

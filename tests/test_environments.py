@@ -137,7 +137,8 @@ def tools_file(tmp_path):
 def flags(environment="", tools="", tool_timeout=5.0, use_chat_template=True, **more):
     return SimpleNamespace(**{"environment": environment, "tools": tools, "tool_timeout": tool_timeout,
                               "system_prompt": "", "use_chat_template": use_chat_template,
-                              "model_name_or_path": config.EMBEDDED_MODEL, "async_rollouts": 0, **more})
+                              "model_name_or_path": config.EMBEDDED_MODEL, "async_rollouts": 0, "reward_model": "",
+                              **more})
 
 
 def load(tokenizer=TEXT_TOKENIZER, examples=({"prompt": "1+2=", "answer": "3"},), **kw):
@@ -312,7 +313,9 @@ def test_reward_functions_receive_the_episodes_and_their_environments(tools_file
     assert "episodes" not in kwargs and "environments" not in kwargs
 
 
-@pytest.mark.parametrize("more, what", [({"async_rollouts": 1}, "--async_rollouts"), ({"sampler": "tree"}, "--sampler tree"),
+@pytest.mark.parametrize("more, what", [({"async_rollouts": 1, "reward_model": "rm"},
+                                         "--async_rollouts and --reward_model"),
+                                        ({"sampler": "tree"}, "--sampler tree"),
                                         ({"model_name_or_path": "embedded_model/moe"}, "a mixture-of-experts policy")])
 def test_what_episodes_do_not_run_with_is_one_line_before_any_model_loads(more, what):
     with pytest.raises(SystemExit) as exit_info:
