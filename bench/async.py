@@ -75,7 +75,8 @@ LANES = {"learner": {"generation": ("wait for the batch", "0.85"), "reward": ("r
                      "scoring": ("scoring (reference)", "tab:orange"), "forward_backward": ("forward/backward", "tab:red"),
                      "optimizer": ("optimizer step", "tab:purple"), "publish": ("publish weights", "black")},
          "sampler": {"wait": ("wait for weights", "0.85"), "generation": ("sampling", "tab:blue"),
-                     "scoring": ("scoring (behaviour log-probs)", "tab:cyan")}}
+                     "scoring": ("scoring (the reference)", "tab:cyan"),
+                     "reward": ("texts and rewards", "tab:green")}}
 
 
 def plot_timeline(path, out, steps):
@@ -131,7 +132,7 @@ def main():
     sync = statistics.mean(r["step_s"] for r in results[args.variants[0]])
     lines = ["| sampling | held-out accuracy (start → end) | s per step (learner) | speed-up "
              "| learner, s per step: wait for the batch / scoring / update "
-             "| sampler process, s per batch: sampling / scoring | staleness (steps) | mismatch k3 per token "
+             "| sampler process, s per batch: sampling / scoring (reference) | staleness (steps) | mismatch k3 per token "
              "| first step, s | wall time of the run, s |", "|---" * 10 + "|"]
     for name, runs in results.items():
         col = {key: [r[key] for r in runs] for key in runs[0]}
