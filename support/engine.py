@@ -67,7 +67,8 @@ def load_models(cfg, accelerator, reference, rollout_copy=False):
     policy = models.load_model(cfg)
     if cfg.keep_routing != "none":
         routing.check_moe(policy)
-    # --async_rollouts: the sampler process holds the reference and scores each batch with it (rollout.ref_logp)
+    # --async_rollouts: the sampler process holds the reference and scores each batch with it (rollout.ref_logp;
+    # async_sampling.holds_reference: beta > 0, when every loop asks for one)
     ref_model = models.load_reference(cfg, policy) if reference and not cfg.async_rollouts else None
     rollout_model = models.load_rollout_model(cfg, policy) if rollout_copy else None
     optimizer, scheduler = models.make_optimizer(policy, cfg)
