@@ -35,10 +35,9 @@ from support.rollout import Rollout, micro_batches
 POLL_S = 0.05  # how often a waiting process checks the other one
 
 
-def check(cfg, accelerator):
+def check(cfg):
     """Before any model loads: the combinations the sampler process does not support yet, one line each."""
-    refuse = [(accelerator.state.deepspeed_plugin is not None, "DeepSpeed: run without it"),
-              (getattr(cfg, "rollout_lag", 0) > 0 or getattr(cfg, "rollout_dtype", cfg.torch_dtype) != cfg.torch_dtype,
+    refuse = [(getattr(cfg, "rollout_lag", 0) > 0 or getattr(cfg, "rollout_dtype", cfg.torch_dtype) != cfg.torch_dtype,
                "--rollout_lag or --rollout_dtype: the sampler process is the stale copy"),
               (getattr(cfg, "budget", "uniform") != "uniform", "--budget knapsack: it allocates from fresh outcomes"),
               (getattr(cfg, "sampler", "independent") != "independent", "--sampler tree: the process samples each "
@@ -67,10 +66,11 @@ class AsyncRolloutSampler:
     def __init__(self, trainer, policy, sample, play):
         self.trainer, self.ahead = trainer, trainer.cfg.async_rollouts
         # the weights that train, by name: the whole model's, or under --lora_r only the adapters'
-        self.names, self.params = zip(*[(name, p) for name, p in trainer.accelerator.unwrap_model(
-            policy.model).named_parameters() if p.requires_grad])
+        self.model = trainer.accelerator.unwrap_model(policy.model)
+        self.names, self.params = zip(*[(name, p) for name, p in self.model.named_parameters() if p.requires_grad])
         ctx = mp.get_context("spawn")
-        self.weights = [p.detach().to("cpu", copy=True).share_memory_() for p in self.params]
+        with models.gathered_parameters(self.model):  # ZeRO-3: each weight whole for the copy (every rank at once)
+            self.weights = [p.detach().to("cpu", copy=True).share_memory_() for p in self.params]
         self.version, self.lock = ctx.Value("i", -1), ctx.Lock()  # -1: nothing published yet
         self.requests, self.results = ctx.Queue(), ctx.Queue()
         self.asked = collections.deque()  # the (examples, completions of each, greedy) asked for, in order
@@ -156,7 +156,7 @@ class AsyncRolloutSampler:
     @torch.no_grad()
     def publish(self, version):
         """The learner's weights into shared memory, for the sampler's next batch, with their version (steps done)."""
-        with self.trainer.timer("publish"), self.lock:
+        with self.trainer.timer("publish"), models.gathered_parameters(self.model), self.lock:  # ZeRO-3: once
             for shared, p in zip(self.weights, self.params):
                 shared.copy_(p.detach())
             self.version.value = version

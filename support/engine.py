@@ -62,7 +62,7 @@ def load_models(cfg, accelerator, reference, rollout_copy=False):
     --rollout_dtype or --rollout_lag asks for one (models.load_rollout_model), else None. Every rank starts
     from the same weights."""
     if cfg.async_rollouts:  # what the sampler process does not support, refused before any model loads
-        async_sampling.check(cfg, accelerator)
+        async_sampling.check(cfg)
     set_seed(cfg.seed)
     policy = models.load_model(cfg)
     if cfg.keep_routing != "none":

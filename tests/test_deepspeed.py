@@ -93,6 +93,30 @@ def test_zero2_and_zero3_shard_save_complete_models_and_train_alike(script, args
     assert any(r["train/kl_seq"] != 0 for r in rows[3])  # the reference (an evaluation engine) takes part
 
 
+def test_a_sampler_process_beside_zero2_and_zero3_learners_gets_whole_weights(tmp_path):
+    """--async_rollouts 1 under ZeRO-2 and ZeRO-3 (2 processes): each rank's sampler process, a plain model, gets the
+    learner's weights after each step, under ZeRO-3 gathered for the copy (models.gathered_parameters). The sampler
+    draws the same completions under both stages at every step, so the ZeRO-3 ranks sent the whole weights, not
+    their shards; the learners stay sharded and their replicas equal."""
+    pytest.importorskip("deepspeed")
+    from support import run
+
+    summaries = launch_zero("grpo.py", [(stage, ["--num_generations", "2", "--async_rollouts", "1"],
+                                         tmp_path / str(stage)) for stage in (2, 3)])
+    rows = {stage: [r for r in run.read_metrics(tmp_path / str(stage) / "metrics.jsonl") if r["step"] > 0]
+            for stage in (2, 3)}
+    for stage, summary in zip((2, 3), summaries):
+        n, shards = summary["sharding"]["params"], summary["sharding"]["params_per_rank"]
+        assert (shards == [n, n]) if stage == 2 else all(n / 2 <= k < 0.51 * n for k in shards)
+        a, b = summary["replica_weight_checksums"]
+        assert a == b
+        assert [r["train/staleness_max"] for r in rows[stage]] == [0, 1, 1]
+    for key in ("train/reward", "train/completion_len"):
+        assert [r[key] for r in rows[2]] == [r[key] for r in rows[3]], key
+    assert rows[3][-1]["train/mismatch_k3"] == pytest.approx(rows[2][-1]["train/mismatch_k3"], rel=1e-4)
+    assert rows[3][-1]["train/kl_seq"] > 0  # the reference, in the sampler processes, sees the policy move
+
+
 def test_zero3_generation_gathers_once_and_nonfinite_steps_are_skipped(tmp_path):
     pytest.importorskip("deepspeed")
     from conftest import free_port
