@@ -11,6 +11,7 @@ summary.json is reused (--force reruns it).
     python bench/async.py --seeds 0 --variants synchronous "synchronous, 1 thread"    # two cores or one, in turn
     python bench/async.py --learning_rate 3e-4 --variants synchronous "K = 4" "K = 4 + TIS" "K = 4 + M2PO"
     python bench/async.py --steps 2 --seeds 0 --out /tmp/async        # smoke test
+    python bench/async.py --environment calculator --variants synchronous "K = 1" --out runs/async_agents  # episodes
     python bench/async.py --steps 20 --seeds 0 --variants "K = 1" --timeline docs/figures/async_timeline.png
 
 Writes to --out (default runs/async): results.md (the table and the command), results.json and one folder per run.
@@ -46,11 +47,13 @@ VARIANTS = {  # name -> (extra grpo.py arguments, OMP_NUM_THREADS of the run: an
 def run_one(name, seed, args):
     flags, threads = VARIANTS[name]
     lr = [] if args.learning_rate is None else ["--learning_rate", str(args.learning_rate)]
+    environment = ["--environment", args.environment] if args.environment else []
     label = name.replace(" ", "").replace(",", "_").replace("=", "").replace("+", "_")
-    run_dir = Path(args.out) / f"{label}{'-lr' + lr[1] if lr else ''}-threads{threads}-seed{seed}"
+    run_dir = Path(args.out) / (f"{label}{'-lr' + lr[1] if lr else ''}{'-' + args.environment if environment else ''}"
+                                f"-threads{threads}-seed{seed}")
     cmd = [sys.executable, str(ROOT / "grpo.py"), "--seed", str(seed), "--num_steps", str(args.steps),
            "--eval_every", str(args.steps), "--log_every", str(args.steps), "--save_model", "false",
-           "--output_dir", str(run_dir), *lr, *flags]
+           "--output_dir", str(run_dir), *lr, *environment, *flags]
     return run_cached(cmd, run_dir, args.force, threads)
 
 
@@ -112,6 +115,8 @@ def main():
     parser.add_argument("--steps", type=int, default=200, help="grpo.py --num_steps of every run.")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--learning_rate", type=float, default=None, help="grpo.py --learning_rate (default: its).")
+    parser.add_argument("--environment", default="", help="grpo.py --environment of every run (calculator: the agent "
+                        "model's episodes, docs/agents.md).")
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=["synchronous", "K = 1", "K = 2"])
     parser.add_argument("--out", default="runs/async")
     parser.add_argument("--force", action="store_true", help="Rerun finished runs.")
