@@ -252,7 +252,7 @@ def serve(cfg, seed, weights, version, lock, requests, results, parent_pid, thre
                 def scored(by, **sampling):  # by's (B, T) log-probs of the completions, micro-batch by micro-batch
                     return torch.cat([score(by, ids[s], attention[s], n, cfg.temperature, **sampling)
                                       for s in micro_batches(len(ids), cfg.micro_batch_size)])
-                if out["logp"] is None:  # the plain definition (and episodes): a pass that scores the draws
+                if out["logp"] is None:  # the plain definition (--fast False): a pass that scores the draws
                     out["logp"] = scored(model, top_k=cfg.top_k, top_p=cfg.top_p)
                 out["ref_logp"] = None if reference is None else scored(reference)
                 spans.append(("scoring", spans[-1][2], time.time()))
@@ -278,12 +278,11 @@ def draw_batch(model, tokenizer, environment, play, examples, num_samples, cfg, 
     """num_samples completions of each example's prompt (greedy: one greedy completion), or with an environment its
     episodes (play: sampling.play), each example's rows adjacent: a dict of per-row prompt_ids, prompt_mask,
     completion_ids, mask (the actions), token_mask, episodes (None without an environment) and logp, the log-probs
-    of single-turn draws taken as they were drawn (fast.generate(logprobs=True): mu at no extra pass), else None
-    (scored after)."""
-    if environment is not None:
-        batch = dict(zip(("prompt_ids", "prompt_mask", "completion_ids", "mask", "token_mask", "episodes"),
-                         play(model, tokenizer, environment, examples, cfg, num_samples, greedy)))
-        return {**batch, "logp": None}
+    of the draws taken as they were drawn (fast.generate(logprobs=True), fast.CachedTurns: mu at no extra pass),
+    else None (--fast False, greedy: scored after)."""
+    if environment is not None:  # logp: the actions' log-probs as drawn (None under --fast False)
+        return dict(zip(("prompt_ids", "prompt_mask", "completion_ids", "mask", "token_mask", "episodes", "logp"),
+                        play(model, tokenizer, environment, examples, cfg, num_samples, greedy, logprobs=True)))
     k = 1 if greedy else num_samples
     prompt_ids, prompt_mask = tasks.tokenize_prompts(tokenizer, [ex["prompt"] for ex in examples], device)
     if cfg.fast and not greedy:

@@ -13,6 +13,8 @@ draws from the same seed) by tests/test_fast.py. Read the spec; this is how it i
 - under DeepSpeed ZeRO-3 the weights are gathered once for a whole generate call, not once per token
   (`models.gathered_parameters`).
 """
+import collections
+
 import torch
 
 import common
@@ -182,12 +184,15 @@ class CachedTurns:
     what the row has not fed yet (its prompt at the first turn; then the last token it sampled and the environment's
     reply), right-padded into one block, and samples from there. A row whose turn has ended goes on running until
     every row's has, on a padding token its attention mask hides (a hole in the cache, which the positions skip),
-    so the rows stay one batch across turns; a row whose episode has ended leaves the cache."""
+    so the rows stay one batch across turns; a row whose episode has ended leaves the cache. With logprobs,
+    `drawn[row]` keeps the log-prob of each token the row drew, in order, under the processed scores it was drawn
+    from (the behaviour policy mu of its actions: `drawn_logprobs`)."""
 
-    def __init__(self, model, tokenizer, cfg, stop_ids, greedy=False):
+    def __init__(self, model, tokenizer, cfg, stop_ids, greedy=False, logprobs=False):
         self.model, self.gen = model, common.generation_config(tokenizer, cfg, greedy)
         self.stop = torch.tensor([tokenizer.eos_token_id, *stop_ids])
         self.rows, self.cache, self.attention, self.positions, self.unfed = [], None, None, None, []
+        self.drawn = collections.defaultdict(list) if logprobs else None
 
     @torch.no_grad()
     def __call__(self, rows, histories, appended, max_new_tokens):
@@ -215,9 +220,11 @@ class CachedTurns:
         logits = out.logits[torch.arange(len(rows), device=device), lengths - 1].float()  # each row's last token's
         tokens = torch.full((len(rows), max_new_tokens), gen.pad_token_id, dtype=torch.long, device=device)
         going = torch.ones(len(rows), dtype=torch.bool, device=device)  # the rows whose turn goes on
+        drawn = torch.zeros(tokens.shape, device=device)  # each row's tokens' log-probs, as they are drawn
         for t in range(max_new_tokens):
-            token = self._draw(logits)
+            token, logp = self._draw(logits)
             tokens[going, t] = token[going]
+            drawn[:, t] = logp
             fed = going  # this step's token goes into the cache at the next forward (the stop token included)
             going = going & ~torch.isin(token, self.stop.to(device))
             if not going.any() or t + 1 == max_new_tokens:
@@ -229,13 +236,26 @@ class CachedTurns:
             self.positions = self.positions + fed.long()
         turns = [until_stop(row, self.stop.tolist()) for row in tokens[:, :t + 1].tolist()]
         self.unfed = [turn[-1:] if f else [] for turn, f in zip(turns, fed.tolist())]  # fed with the next block
+        if self.drawn is not None:
+            for row, turn, logp in zip(rows, turns, drawn.tolist()):
+                self.drawn[row] += logp[:len(turn)]
         return turns
 
     def _draw(self, logits):
-        """One token per row, as transformers' generate draws it (greedy: argmax)."""
+        """One token per row, as transformers' generate draws it (greedy: argmax), and its log-prob under the
+        processed scores it was drawn from (greedy: 0)."""
         gen = self.gen
         if not gen.do_sample:
-            return logits.argmax(dim=-1)
-        probs = torch.softmax(common.sampling_mask(logits / gen.temperature, gen.top_k or 0, gen.top_p), dim=-1)
-        return torch.multinomial(probs, num_samples=1).squeeze(1)
+            return logits.argmax(dim=-1), torch.zeros(len(logits), device=logits.device)
+        scores = common.sampling_mask(logits / gen.temperature, gen.top_k or 0, gen.top_p)
+        token = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+        return token, scores.gather(1, token[:, None]).squeeze(1) - torch.logsumexp(scores, dim=-1)
+
+    def drawn_logprobs(self, mask):
+        """(B, T) the rows' drawn log-probs at the actions of their episodes (mask: play_episodes' action mask, whose
+        ones are each row's drawn tokens in order, the last turn cut to the token budget), 0 elsewhere."""
+        logp = torch.zeros(mask.shape)
+        kept = mask.sum(1).tolist()
+        logp[mask.bool().cpu()] = torch.tensor([x for row, n in enumerate(kept) for x in self.drawn[row][:n]])
+        return logp
 

@@ -111,22 +111,24 @@ class RolloutSampler:
                        token_mask=None if episodes is None else token_mask)
 
 
-def play(model, tokenizer, environment, examples, cfg, num_samples=1, greedy=False):
+def play(model, tokenizer, environment, examples, cfg, num_samples=1, greedy=False, logprobs=False):
     """agents.play_episodes of num_samples episodes of each example (one greedy episode each), each example's
     adjacent, in calls of at most --generation_batch_size episodes, each turn sampled by support/fast.py's
     CachedTurns or (--fast False) the plain agents.sample_turn_plain; under ZeRO-3 the weights gathered once.
     Returns (prompt_ids, prompt_mask, completion_ids, mask, token_mask, episodes), on the model's device, the
-    calls' padded as if played together."""
+    calls' padded as if played together; with logprobs also the (B, T) log-probs of the actions as they were drawn
+    (CachedTurns.drawn_logprobs; None under --fast False)."""
     k = 1 if greedy else num_samples
     n = max(1, cfg.generation_batch_size // k) if cfg.generation_batch_size else len(examples)
-    device, played = next(model.parameters()).device, []
+    device, played, drawn = next(model.parameters()).device, [], []
     with common.sampling_mode(model), models.gathered_parameters(model):
         for i in range(0, len(examples), n):
-            sample_turn = (fast.CachedTurns if cfg.fast else agents.sample_turn_plain)(
-                model, tokenizer, cfg, environment.stop_ids, greedy)
+            sample_turn = fast.CachedTurns(model, tokenizer, cfg, environment.stop_ids, greedy, logprobs) \
+                if cfg.fast else agents.sample_turn_plain(model, tokenizer, cfg, environment.stop_ids, greedy)
             played.append(agents.play_episodes(sample_turn, environment, tokenizer,
                                                [ex for ex in examples[i:i + n] for _ in range(k)], cfg.max_new_tokens,
                                                cfg.max_turns))
+            drawn.append(sample_turn.drawn_logprobs(played[-1][3]) if logprobs and cfg.fast else None)
     width = max(p[0].shape[1] for p in played)  # the prompts: left-padded to the widest
     prompt_ids = torch.cat([torch.nn.functional.pad(p[0], (width - p[0].shape[1], 0), value=tokenizer.pad_token_id)
                             for p in played])
@@ -134,7 +136,10 @@ def play(model, tokenizer, environment, examples, cfg, num_samples=1, greedy=Fal
     completion_ids, mask, token_mask = (common.pad_completions([p[j] for p in played], pad)
                                         for j, pad in ((2, tokenizer.pad_token_id), (3, 0), (4, 0)))
     tensors = (prompt_ids, prompt_mask, completion_ids, mask, token_mask)
-    return (*(t.to(device) for t in tensors), [e for p in played for e in p[5]])
+    out = (*(t.to(device) for t in tensors), [e for p in played for e in p[5]])
+    if not logprobs:
+        return out
+    return (*out, None if drawn[0] is None else common.pad_completions(drawn, 0.0).to(device))
 
 
 def greedy_play(environment, cfg):

@@ -118,6 +118,27 @@ def test_cached_turns_give_the_plain_loops_draws_and_tokens(tokenizer, random_mo
     assert [e.tool_calls for e in plain[3]] == [e.tool_calls for e in cached[3]]
 
 
+@pytest.mark.parametrize("sampling", [Sampling(), Sampling(temperature=0.7, top_k=6, top_p=0.9)],
+                         ids=["plain-sampler", "top-k-top-p"])
+def test_cached_turns_keep_the_log_probs_of_the_actions_as_drawn(tokenizer, random_model, sampling):
+    """CachedTurns(logprobs=True), the behaviour log-probs of episodes in the sampler process: the same draws as
+    without, and at every action the log-prob that scoring the whole episode gives it (the environment's tokens in
+    the context, the same temperature, top-k, top-p), to 1e-5; 0 at the environment's tokens and the padding."""
+    spec = ToySpec(tokenizer)
+    sample_turn = fast.CachedTurns(random_model, tokenizer, sampling, spec.stop_ids, logprobs=True)
+    torch.manual_seed(5)
+    prompt_ids, prompt_mask, ids, mask, token_mask, episodes = agents.play_episodes(
+        sample_turn, spec, tokenizer, prompts(tokenizer)[0], sampling.max_new_tokens, 4)
+    assert [torch.equal(a, b) for a, b in zip((ids, mask, token_mask), play(random_model, tokenizer, spec, sampling,
+                                                                              plain=False)[:3])] == [True] * 3
+    logp = sample_turn.drawn_logprobs(mask)
+    assert any(e.truncated for e in episodes) and (token_mask - mask).sum() > 0  # cut turns, replies in context
+    scored = fast.token_logprobs(random_model, torch.cat([prompt_ids, ids], 1), torch.cat([prompt_mask, token_mask], 1),
+                                 ids.shape[1], sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
+    torch.testing.assert_close(logp[mask.bool()], scored[mask.bool()], rtol=0, atol=1e-5)
+    assert (logp[~mask.bool()] == 0).all()
+
+
 def test_the_ids_are_the_sampled_and_inserted_ones_and_the_mask_marks_the_models(tokenizer, random_model):
     ids, mask, token_mask, episodes = play(random_model, tokenizer, ToySpec(tokenizer), Sampling(), plain=False)
     spec = ToySpec(tokenizer)
