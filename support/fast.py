@@ -220,11 +220,12 @@ class CachedTurns:
         logits = out.logits[torch.arange(len(rows), device=device), lengths - 1].float()  # each row's last token's
         tokens = torch.full((len(rows), max_new_tokens), gen.pad_token_id, dtype=torch.long, device=device)
         going = torch.ones(len(rows), dtype=torch.bool, device=device)  # the rows whose turn goes on
-        drawn = torch.zeros(tokens.shape, device=device)  # each row's tokens' log-probs, as they are drawn
+        drawn = torch.zeros(tokens.shape, device=device)  # with logprobs: each row's tokens', as they are drawn
         for t in range(max_new_tokens):
-            token, logp = self._draw(logits)
+            token, logp = self._draw(logits, self.drawn is not None)
             tokens[going, t] = token[going]
-            drawn[:, t] = logp
+            if logp is not None:
+                drawn[:, t] = logp
             fed = going  # this step's token goes into the cache at the next forward (the stop token included)
             going = going & ~torch.isin(token, self.stop.to(device))
             if not going.any() or t + 1 == max_new_tokens:
@@ -241,14 +242,16 @@ class CachedTurns:
                 self.drawn[row] += logp[:len(turn)]
         return turns
 
-    def _draw(self, logits):
-        """One token per row, as transformers' generate draws it (greedy: argmax), and its log-prob under the
-        processed scores it was drawn from (greedy: 0)."""
+    def _draw(self, logits, with_logp=False):
+        """One token per row, as transformers' generate draws it (greedy: argmax), and with_logp its log-prob under
+        the processed scores it was drawn from (greedy: 0), else None."""
         gen = self.gen
         if not gen.do_sample:
-            return logits.argmax(dim=-1), torch.zeros(len(logits), device=logits.device)
+            return logits.argmax(dim=-1), torch.zeros(len(logits), device=logits.device) if with_logp else None
         scores = common.sampling_mask(logits / gen.temperature, gen.top_k or 0, gen.top_p)
         token = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+        if not with_logp:
+            return token, None
         return token, scores.gather(1, token[:, None]).squeeze(1) - torch.logsumexp(scores, dim=-1)
 
     def drawn_logprobs(self, mask):
