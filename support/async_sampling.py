@@ -142,7 +142,7 @@ class AsyncRolloutSampler:
                 break
             except queue.Empty:
                 pass
-            except (ConnectionError, EOFError):  # a batch half sent: its tensors' handles went with the process
+            except (ConnectionError, EOFError):  # a batch half sent: the process died while its feeder wrote it
                 self.process.join(timeout=10)
                 if self.process.is_alive():
                     raise
@@ -279,10 +279,11 @@ def draw_batch(model, tokenizer, environment, play, examples, num_samples, cfg, 
     episodes (play: sampling.play), each example's rows adjacent: a dict of per-row prompt_ids, prompt_mask,
     completion_ids, mask (the actions), token_mask, episodes (None without an environment) and logp, the log-probs
     of the draws taken as they were drawn (fast.generate(logprobs=True), fast.CachedTurns: mu at no extra pass),
-    else None (--fast False, greedy: scored after)."""
-    if environment is not None:  # logp: the actions' log-probs as drawn (None under --fast False)
-        return dict(zip(("prompt_ids", "prompt_mask", "completion_ids", "mask", "token_mask", "episodes", "logp"),
-                        play(model, tokenizer, environment, examples, cfg, num_samples, greedy, logprobs=True)))
+    else None (--fast False: scored after; greedy: not needed)."""
+    if environment is not None:  # logp: the actions' log-probs as drawn (None under --fast False; greedy: none)
+        played = play(model, tokenizer, environment, examples, cfg, num_samples, greedy, logprobs=not greedy)
+        keys = ("prompt_ids", "prompt_mask", "completion_ids", "mask", "token_mask", "episodes", "logp")
+        return {"logp": None, **dict(zip(keys, played))}
     k = 1 if greedy else num_samples
     prompt_ids, prompt_mask = tasks.tokenize_prompts(tokenizer, [ex["prompt"] for ex in examples], device)
     if cfg.fast and not greedy:

@@ -103,6 +103,12 @@ def token_logprobs(model, input_ids, attention_mask, num_completion_tokens, temp
 
 
 @torch.no_grad()
+def drawn_logprob(scores, token):
+    """(B,) each row's drawn token's log-prob under the processed (B, V) scores it was drawn from: the behaviour
+    policy mu of the draw, which `decode` and `CachedTurns` keep as they draw (async_sampling)."""
+    return scores.gather(1, token[:, None]).squeeze(1) - torch.logsumexp(scores, dim=-1)
+
+
 def decode(model, input_ids, attention_mask, cache, gen, scores=None, logprobs=False):
     """The steps of transformers' generate (its `_sample`) for a GenerationConfig `gen` of common.generation_config:
     the last position's fp32 logits, EOS held back for gen.min_new_tokens, temperature, top-k, top-p
@@ -138,7 +144,7 @@ def decode(model, input_ids, attention_mask, cache, gen, scores=None, logprobs=F
         if scores is not None:
             scores.append((t, rows, logits))
         if logprobs:  # the behaviour policy mu of what was drawn, at no extra pass (async_sampling)
-            drawn_logp[rows, t] = logits.gather(1, token[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
+            drawn_logp[rows, t] = drawn_logprob(logits, token)
         tokens[rows, t] = token
         going = token != gen.eos_token_id
         if not going.any():
@@ -252,7 +258,7 @@ class CachedTurns:
         token = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
         if not with_logp:
             return token, None
-        return token, scores.gather(1, token[:, None]).squeeze(1) - torch.logsumexp(scores, dim=-1)
+        return token, drawn_logprob(scores, token)
 
     def drawn_logprobs(self, mask):
         """(B, T) the rows' drawn log-probs at the actions of their episodes (mask: play_episodes' action mask, whose
