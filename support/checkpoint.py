@@ -47,7 +47,7 @@ def trainer_state(cfg, step, world_size, script=None, files=None):
     """What trainer_state.json records: the step, what made the checkpoint (the script, the world size
     and every flag, the model among them), which a resume is checked against, and the size and SHA-256
     of every other file of the checkpoint (`files`, from file_records), which a resume verifies."""
-    script = script or os.path.basename(sys.argv[0])
+    script = script or config.script_name()
     return {"step": step, "script": script, "world_size": world_size, "config": asdict(cfg), "files": files or {}}
 
 
@@ -97,7 +97,7 @@ def find_checkpoint(cfg, world_size, script=None):
     --output_dir that verifies: damaged ones are skipped with a warning. Without --resume_from an
     --output_dir holding checkpoints is refused: this run's first save would delete them. Warnings and
     notes go to stderr."""
-    script = script or os.path.basename(sys.argv[0])
+    script = script or config.script_name()
     complete, partial = list_checkpoints(cfg.output_dir)
     if not cfg.resume_from:
         if complete:
@@ -190,61 +190,15 @@ class Checkpointer:
         print(f"\nsignal {signum}: saving a checkpoint at the end of this step (Ctrl-C again to quit now)", flush=True)
 
     def resume(self):
-        """The step to start after: 0, or the step of the checkpoint find_checkpoint picks for
-        --resume_from, whose state is then loaded. The main process verifies the checkpoint (and sets
-        cfg.resume_from to it); an error stops every rank."""
-        found = [find_checkpoint(self.cfg, self.accelerator.num_processes) if self.accelerator.is_main_process
-                 else None]
-        if self.accelerator.num_processes > 1:
-            broadcast_object_list(found)
-        path, error = found[0]
-        if error:
-            raise SystemExit(error if self.accelerator.is_main_process else 1)
-        self.cfg.resume_from = path
-        if not path:
-            return 0
-        self.accelerator.load_state(self.cfg.resume_from)
-        with open(os.path.join(self.cfg.resume_from, f"sampler_rank{self.accelerator.process_index}.json")) as f:
-            self.sampler.load_state_dict(json.load(f))
-        with open(os.path.join(self.cfg.resume_from, "trainer_state.json")) as f:
-            step = json.load(f)["step"]
-        if self.accelerator.is_main_process:
-            print(f"resumed from {self.cfg.resume_from} at step {step}", flush=True)
-        return step
+        """load_checkpoint's step (0: none) for this run's prompt sampler."""
+        return load_checkpoint(self.cfg, self.accelerator, self.sampler)
 
     def save(self, step, policy, tokenizer):
-        """Write tmp-checkpoint-N, rename it checkpoint-N when every rank is done, then drop the
-        partial folders of killed runs and the checkpoints beyond --save_total_limit."""
-        path = os.path.join(self.cfg.output_dir, f"{CHECKPOINT_PREFIX}{step}")
-        tmp = os.path.join(self.cfg.output_dir, f"{PARTIAL_PREFIX}{step}")
-        main = self.accelerator.is_main_process
-        if main and os.path.exists(tmp):
-            shutil.rmtree(tmp)  # left by a killed run
-        self.accelerator.wait_for_everyone()
-        self.accelerator.save_state(tmp)
-        with open(os.path.join(tmp, f"sampler_rank{self.accelerator.process_index}.json"), "w") as f:
-            json.dump((self.rewound and self.rewound()) or self.sampler.state_dict(), f)
-        save_model(self.accelerator, policy, tokenizer, os.path.join(tmp, "model"))
-        self.accelerator.wait_for_everyone()  # every rank's files are on disk
-        if main:  # trainer_state.json, last, records the size and checksum of every other file
-            state = trainer_state(self.cfg, step, self.accelerator.num_processes, files=file_records(tmp))
-            with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
-                json.dump(state, f, indent=2)
-            if os.path.exists(path):
-                shutil.rmtree(path)
-            os.rename(tmp, path)
-            self._prune(keep=path)
-        self.accelerator.wait_for_everyone()
+        """save_checkpoint, with the prompt sampler's state (or its state before the batches drawn ahead)."""
+        state = (self.rewound and self.rewound()) or self.sampler.state_dict()
+        path = save_checkpoint(self.cfg, self.accelerator, step, policy, tokenizer, state)
         self.last_saved = step
         return path
-
-    def _prune(self, keep):
-        complete, partial = list_checkpoints(self.cfg.output_dir)
-        older = [p for p in complete if p != keep]
-        limit = self.cfg.save_total_limit
-        beyond = older[:max(0, len(older) - (limit - 1))] if limit else []
-        for old in partial + beyond:
-            shutil.rmtree(old, ignore_errors=True)
 
     def check_finite(self, step, loss, grad_norm, policy, tokenizer):
         """Call between clipping and optimizer.step(): a NaN/inf loss or gradient norm (on any rank)
@@ -331,11 +285,78 @@ class Checkpointer:
     def stop_if_broken(self, step, policy, tokenizer, finite=None):
         """stop_broken(step) on every rank when the weights or logits are not finite on one of them
         (`finite`: this rank's finite_weights_and_logits verdict, computed here if not given)."""
-        if finite is None:
-            finite = finite_weights_and_logits(self.accelerator.unwrap_model(policy), tokenizer, self.probe_prompts)
-        broken = torch.tensor(float(not finite), device=self.accelerator.device)
-        if self.accelerator.reduce(broken, reduction="sum") > 0:
+        if not all_finite(self.accelerator, policy, tokenizer, self.probe_prompts, finite):
             self.stop_broken(step)
+
+
+def load_checkpoint(cfg, accelerator, sampler):
+    """The step to start after: 0, or the step of the checkpoint find_checkpoint picks for --resume_from, whose
+    state is then loaded (accelerate's: models, optimizers, schedulers, every rank's RNG states; and the prompt
+    sampler's). The main process verifies the checkpoint (and sets cfg.resume_from to it); an error stops every
+    rank."""
+    found = [find_checkpoint(cfg, accelerator.num_processes) if accelerator.is_main_process else None]
+    if accelerator.num_processes > 1:
+        broadcast_object_list(found)
+    path, error = found[0]
+    if error:
+        raise SystemExit(error if accelerator.is_main_process else 1)
+    cfg.resume_from = path
+    if not path:
+        return 0
+    accelerator.load_state(path)
+    with open(os.path.join(path, f"sampler_rank{accelerator.process_index}.json")) as f:
+        sampler.load_state_dict(json.load(f))
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        step = json.load(f)["step"]
+    if accelerator.is_main_process:
+        print(f"resumed from {path} at step {step}", flush=True)
+    return step
+
+
+def save_checkpoint(cfg, accelerator, step, policy, tokenizer, sampler_state):
+    """Write tmp-checkpoint-N (accelerate's state, each rank's prompt-sampler state, the policy as save_pretrained
+    in model/, trainer_state.json last), rename it checkpoint-N when every rank is done, then drop the partial
+    folders of killed runs and the checkpoints beyond --save_total_limit. Returns its path."""
+    path = os.path.join(cfg.output_dir, f"{CHECKPOINT_PREFIX}{step}")
+    tmp = os.path.join(cfg.output_dir, f"{PARTIAL_PREFIX}{step}")
+    main = accelerator.is_main_process
+    if main and os.path.exists(tmp):
+        shutil.rmtree(tmp)  # left by a killed run
+    accelerator.wait_for_everyone()
+    accelerator.save_state(tmp)
+    with open(os.path.join(tmp, f"sampler_rank{accelerator.process_index}.json"), "w") as f:
+        json.dump(sampler_state, f)
+    save_model(accelerator, policy, tokenizer, os.path.join(tmp, "model"))
+    accelerator.wait_for_everyone()  # every rank's files are on disk
+    if main:  # trainer_state.json, last, records the size and checksum of every other file
+        state = trainer_state(cfg, step, accelerator.num_processes, files=file_records(tmp))
+        with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+            json.dump(state, f, indent=2)
+        if os.path.exists(path):
+            shutil.rmtree(path)
+        os.rename(tmp, path)
+        prune(cfg, keep=path)
+    accelerator.wait_for_everyone()
+    return path
+
+
+def prune(cfg, keep):
+    """Delete the partial checkpoints, and the complete ones beyond --save_total_limit but `keep`."""
+    complete, partial = list_checkpoints(cfg.output_dir)
+    older = [p for p in complete if p != keep]
+    limit = cfg.save_total_limit
+    beyond = older[:max(0, len(older) - (limit - 1))] if limit else []
+    for old in partial + beyond:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def all_finite(accelerator, policy, tokenizer, prompts, finite=None):
+    """Whether the policy's weights and logits on `prompts` are finite on every rank (`finite`: this rank's
+    finite_weights_and_logits verdict, computed here if not given)."""
+    if finite is None:
+        finite = finite_weights_and_logits(accelerator.unwrap_model(policy), tokenizer, prompts)
+    broken = torch.tensor(float(not finite), device=accelerator.device)
+    return not accelerator.reduce(broken, reduction="sum") > 0
 
 
 def loss_scaling(accelerator):

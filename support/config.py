@@ -1,10 +1,8 @@
 """Configuration every script shares: TrainConfig (each algorithm file subclasses it with
 what it adds), GroupConfig (the group methods' shared fields and defaults), parsing and the
 Accelerator."""
-import atexit
 import functools
 import json
-import logging
 import os
 import re
 import sys
@@ -51,10 +49,76 @@ DUAL_CLIP = Rule(lambda v: v == 0 or v > 1, "0 (off) or > 1")
 
 
 @dataclass
-class TrainConfig:
-    # model and data
+class BaseConfig:
+    """The flags every training script has: the lesson files' (helpers.TrainConfig) and the lab's (TrainConfig adds
+    the rest). A lesson file keeps each lab flag at its default: the class attributes after the fields."""
     model_name_or_path: str = arg(EMBEDDED_MODEL, "Causal LM: Hub name or local folder (default: the embedded model).")
     dataset: str = arg("arithmetic", "'arithmetic' (built-in), 'gsm8k' (Hub) or a local .json/.jsonl/.parquet file.")
+    # action "extend": the flag can be repeated, each time with one or more values
+    reward_fn: list[str] = field(default_factory=list, metadata={"action": "extend", "help": (
+        "A reward function FILE.py:NAME, f(completions, **kwargs) -> list of float or None as in TRL, "
+        "added to the reward (repeatable).")})
+    lora_r: int = arg(0, "LoRA rank (0 = full fine-tuning); the reference is then the policy with its adapter off.")
+    output_dir: str = arg("", "Where metrics, plots, checkpoints and the final model go (default: runs/<script name>).")
+    seed: int = arg(0, "Random seed; rank r samples with seed + r.")
+    num_steps: int = arg(200, "Optimizer steps (one rollout batch each).")
+    batch_size: int = arg(64, "Sampled completions per step per process (the ones the loss trains on).")
+    learning_rate: float = arg(1e-4, "Policy learning rate (AdamW); papers use ~1e-6 for 7B models.")
+    max_grad_norm: float = arg(1.0, "Clip the global gradient norm to this value (0 = off).")
+    micro_batch_size: int = arg(0, "Sequences per forward/backward pass on each process; gradients add up to the "
+                                "whole batch's (0 = the whole batch in one pass).")
+    max_new_tokens: int = arg(8, "Maximum completion length in tokens.")
+    temperature: float = arg(1.0, "Sampling temperature; log-probs are computed at the same temperature.")
+    top_p: float = arg(1.0, "Nucleus sampling; log-probs are scored on the same truncated, renormalised distribution.")
+    top_k: int = arg(0, "Top-k sampling (0 = off); log-probs are scored on the same truncated distribution.")
+    eval_every: int = arg(25, "Held-out greedy accuracy every N steps (and at start and end).")
+    log_every: int = arg(10, "Print a metrics line and two samples every N steps (every step goes to metrics.jsonl).")
+    save_steps: int = arg(0, "Write a resumable checkpoint every N steps (0 = none; the lab also saves on Ctrl-C or SIGTERM).")
+    resume_from: str = arg("", "A checkpoint folder (output_dir/checkpoint-N) to continue from, or 'latest': "
+                           "the newest checkpoint in --output_dir whose files verify (none: start at step 0).")
+
+    # the lab's flags (TrainConfig's fields), at their defaults
+    prompt_column, answer_column, answer_check, system_prompt = "question", "answer", "number", ""
+    eval_size, train_size, use_chat_template, max_prompt_length = 200, 0, True, 512
+    torch_dtype, gradient_checkpointing, lora_alpha, lora_target_modules, merge_lora = "float32", False, 16, \
+        "all-linear", False
+    reward_model, reward_model_dtype, reward_model_weight, rule_reward_weight = "", "float32", 1.0, 1.0
+    reward_weights, reward_scales = (), "uniform"
+    warmup_steps, generation_batch_size, log_rollouts, report_to = 0, 0, 0, "none"
+    save_total_limit, save_model, async_rollouts, fast, keep_routing = 2, True, 0, True, "none"
+
+    def __post_init__(self):
+        check_rules(self, **{name: POSITIVE for name in ("num_steps", "batch_size", "learning_rate", "max_new_tokens",
+                                                        "temperature", "eval_every", "log_every")})
+        check_rules(self, **{name: NON_NEGATIVE for name in ("lora_r", "save_steps", "max_grad_norm", "top_k",
+                                                            "micro_batch_size")})
+        check_rules(self, top_p=Rule(lambda v: 0 < v <= 1, "in (0, 1]"))
+        if self.dataset not in ("arithmetic", "tool_arithmetic", "gsm8k"):
+            if not self.dataset.endswith((".json", ".jsonl", ".parquet")):
+                raise ValueError("--dataset must be 'arithmetic', 'tool_arithmetic', 'gsm8k' or a .json/.jsonl/"
+                                 f".parquet file (got {self.dataset!r}).")
+            if not os.path.isfile(self.dataset):
+                raise ValueError(f"--dataset {self.dataset!r}: no such file.")
+        if self.resume_from not in ("", "latest"):
+            if not os.path.isdir(self.resume_from):
+                raise ValueError(f"--resume_from {self.resume_from!r}: no such folder (give output_dir/checkpoint-N "
+                                 "or 'latest').")
+            if not os.path.isfile(os.path.join(self.resume_from, "trainer_state.json")):
+                raise ValueError(f"--resume_from {self.resume_from!r} is not a complete checkpoint (no "
+                                 "trainer_state.json: a run stopped while writing it, or it is not a checkpoint); "
+                                 "--resume_from latest picks the newest one whose files verify.")
+        for spec in self.reward_fn:
+            reward_function(spec)  # runs its file: a missing file or name is an error before any model loads
+        names = [spec.rpartition(":")[2] for spec in self.reward_fn]
+        twice = sorted({name for name in names if names.count(name) > 1})
+        if twice:
+            raise ValueError(f"--reward_fn: two functions named {twice[0]!r}; their metric train/reward/{twice[0]} "
+                             "would mix them: rename one.")
+
+
+@dataclass
+class TrainConfig(BaseConfig):
+    """The lab's flags (lab/*.py), after BaseConfig's."""
     prompt_column: str = arg("question", "Prompt column of --dataset gsm8k or a local file.")
     answer_column: str = arg("answer", "Answer column ('' for prompts without answers, scored by --reward_fn or "
                              "--reward_model).")
@@ -72,42 +136,19 @@ class TrainConfig:
     reward_model_dtype: str = arg("float32", "dtype of the reward model (float32, bfloat16, float16).")
     reward_model_weight: float = arg(1.0, "Weight of the reward-model score in the reward.")
     rule_reward_weight: float = arg(1.0, "Weight of the rule (correctness) reward; 0 with --reward_model for RLHF.")
-    # action "extend": the flag can be repeated, each time with one or more values
-    reward_fn: list[str] = field(default_factory=list, metadata={"action": "extend", "help": (
-        "A reward function FILE.py:NAME, f(completions, **kwargs) -> list of float or None as in TRL, "
-        "added to the reward (repeatable).")})
     reward_weights: list[float] = field(default_factory=list, metadata={"action": "extend", "help": (
         "One weight per --reward_fn, in order (default: 1 each).")})
     reward_scales: str = arg("uniform", "'uniform' (1/0 for right/wrong) or 'hetero' (each family on its own offset).")
-    lora_r: int = arg(0, "LoRA rank (0 = full fine-tuning); the reference is then the policy with its adapter off.")
     lora_alpha: int = arg(16, "LoRA alpha.")
     lora_target_modules: str = arg("all-linear", "Comma-separated module names for LoRA, or 'all-linear'.")
     merge_lora: bool = arg(False, "Save the final model with the LoRA adapter merged into the weights.")
-    # the run
-    output_dir: str = arg("", "Where metrics, plots, checkpoints and the final model go (default: runs/<script name>).")
-    seed: int = arg(0, "Random seed; rank r samples with seed + r.")
-    num_steps: int = arg(200, "Optimizer steps (one rollout batch each).")
-    batch_size: int = arg(64, "Sampled completions per step per process (the ones the loss trains on).")
-    learning_rate: float = arg(1e-4, "Policy learning rate (AdamW); papers use ~1e-6 for 7B models.")
     warmup_steps: int = arg(0, "Linear learning-rate warm-up steps, then constant.")
-    max_grad_norm: float = arg(1.0, "Clip the global gradient norm to this value (0 = off).")
-    micro_batch_size: int = arg(0, "Sequences per forward/backward pass on each process; gradients add up to the "
-                                "whole batch's (0 = the whole batch in one pass).")
     generation_batch_size: int = arg(0, "Sequences per generate call on each process (0 = all at once).")
-    max_new_tokens: int = arg(8, "Maximum completion length in tokens.")
-    temperature: float = arg(1.0, "Sampling temperature; log-probs are computed at the same temperature.")
-    top_p: float = arg(1.0, "Nucleus sampling; log-probs are scored on the same truncated, renormalised distribution.")
-    top_k: int = arg(0, "Top-k sampling (0 = off); log-probs are scored on the same truncated distribution.")
-    eval_every: int = arg(25, "Held-out greedy accuracy every N steps (and at start and end).")
-    log_every: int = arg(10, "Print a metrics line and two samples every N steps (every step goes to metrics.jsonl).")
     log_rollouts: int = arg(4, "Show N completions of step 1, each evaluation and the last step, token by token, in "
                             "output_dir/rollouts.html (0 = off; docs/viewer.md).")
     report_to: str = arg("none", "Extra trackers: 'none', 'tensorboard' or 'wandb'.")
-    save_steps: int = arg(0, "Write a resumable checkpoint every N steps (0 = only on Ctrl-C/SIGTERM).")
     save_total_limit: int = arg(2, "Keep the newest N complete checkpoints in --output_dir, delete older ones "
                                 "(0 = keep all).")
-    resume_from: str = arg("", "A checkpoint folder (output_dir/checkpoint-N) to continue from, or 'latest': "
-                           "the newest checkpoint in --output_dir whose files verify (none: start at step 0).")
     save_model: bool = arg(True, "Save the final policy with save_pretrained (+ tokenizer) in output_dir/final.")
     async_rollouts: int = arg(0, "Sample in a process of its own, up to K optimizer steps ahead of the learner (0 = "
                               "in turn with the updates; docs/async.md).")
@@ -124,33 +165,17 @@ class TrainConfig:
     reuses_batch = False
 
     def __post_init__(self):
-        check_rules(self, **{name: POSITIVE for name in ("num_steps", "batch_size", "learning_rate", "max_new_tokens",
-                                                        "temperature", "eval_every", "log_every", "max_prompt_length",
-                                                        "eval_size")})
-        check_rules(self, **{name: NON_NEGATIVE for name in ("train_size", "lora_r", "save_steps", "save_total_limit",
-                                                            "max_grad_norm", "top_k", "micro_batch_size",
-                                                            "generation_batch_size", "log_rollouts")})
-        check_rules(self, keep_routing=one_of("none", "r2", "r3"), top_p=Rule(lambda v: 0 < v <= 1, "in (0, 1]"))
+        super().__post_init__()
+        check_rules(self, max_prompt_length=POSITIVE, eval_size=POSITIVE)
+        check_rules(self, **{name: NON_NEGATIVE for name in ("train_size", "save_total_limit", "generation_batch_size",
+                                                            "log_rollouts")})
+        check_rules(self, keep_routing=one_of("none", "r2", "r3"))
         check(self.keep_routing != "r2" or self.reuses_batch,
               "--keep_routing r2 replays the routing of the pi_old pass in the updates that follow it, and this run "
               "makes one update per batch (no pi_old pass): give --num_epochs > 1, or --keep_routing r3.")
         check_rules(self, reward_scales=one_of("uniform", "hetero"), report_to=one_of("none", "tensorboard", "wandb"),
                     answer_check=one_of("number", "exact"), async_rollouts=NON_NEGATIVE)
-        if self.dataset not in ("arithmetic", "tool_arithmetic", "gsm8k"):
-            if not self.dataset.endswith((".json", ".jsonl", ".parquet")):
-                raise ValueError("--dataset must be 'arithmetic', 'tool_arithmetic', 'gsm8k' or a .json/.jsonl/"
-                                 f".parquet file (got {self.dataset!r}).")
-            if not os.path.isfile(self.dataset):
-                raise ValueError(f"--dataset {self.dataset!r}: no such file.")
         check_rules(self, torch_dtype=one_of(*DTYPES), reward_model_dtype=one_of(*DTYPES))
-        if self.resume_from not in ("", "latest"):
-            if not os.path.isdir(self.resume_from):
-                raise ValueError(f"--resume_from {self.resume_from!r}: no such folder (give output_dir/checkpoint-N "
-                                 "or 'latest').")
-            if not os.path.isfile(os.path.join(self.resume_from, "trainer_state.json")):
-                raise ValueError(f"--resume_from {self.resume_from!r} is not a complete checkpoint (no "
-                                 "trainer_state.json: a run stopped while writing it, or it is not a checkpoint); "
-                                 "--resume_from latest picks the newest one whose files verify.")
         if self.torch_dtype != "float32" and self.lora_r == 0:
             say(f"warning: --torch_dtype {self.torch_dtype} without --lora_r trains the weights in "
                 f"{self.torch_dtype} itself, where an update below about 0.3% (bfloat16) or 0.05% (float16) of "
@@ -159,13 +184,6 @@ class TrainConfig:
         if self.system_prompt and self.dataset in ("arithmetic", "tool_arithmetic"):
             raise ValueError("--system_prompt is for instruct models on --dataset gsm8k or a file; the arithmetic "
                              "task's prompts are bare sums.")
-        for spec in self.reward_fn:
-            reward_function(spec)  # runs its file: a missing file or name is an error before any model loads
-        names = [spec.rpartition(":")[2] for spec in self.reward_fn]
-        twice = sorted({name for name in names if names.count(name) > 1})
-        if twice:
-            raise ValueError(f"--reward_fn: two functions named {twice[0]!r}; their metric train/reward/{twice[0]} "
-                             "would mix them: rename one.")
         if self.reward_weights and len(self.reward_weights) != len(self.reward_fn):
             raise ValueError(f"--reward_weights has {len(self.reward_weights)} values for {len(self.reward_fn)} "
                              "--reward_fn: give one weight per function, in order.")
@@ -237,10 +255,16 @@ class GroupConfig(CorrectionConfig):
                              "prompts are sampled per step.")
 
 
+def script_name():
+    """The running script as runs name it: grpo.py (the lesson) or lab/grpo.py (the lab's)."""
+    path = os.path.abspath(sys.argv[0])
+    return os.path.relpath(path, ROOT) if path.startswith(ROOT + os.sep) else os.path.basename(path)
+
+
 def parse_config(config_class, args=None):
     """Parse the command line into `config_class`; a bad value exits with one clear line. (What needs a
     checkpoint's files, --resume_from latest among them, is checked by checkpoint.Checkpointer.resume.)"""
-    script = os.path.basename(sys.argv[0])
+    script = script_name()
     parser = command_line(config_class)
     try:
         cfg, unknown = parser.parse_args_into_dataclasses(args=args, return_remaining_strings=True)
@@ -362,71 +386,6 @@ def read_json(path):
             return json.load(f)
     except (OSError, ValueError):
         return {}
-
-
-def make_accelerator(cfg):
-    """An Accelerator that falls back to CPU (gloo between processes) when there is no GPU, so `accelerate launch
-    --multi_gpu --num_processes 2 x.py` (or `torchrun --nproc_per_node 2`) gives 2-process data parallelism on a
-    laptop. (`accelerate launch --cpu --num_processes 2` starts ONE process in accelerate 1.x unless an MPI
-    hostfile is given.) A DeepSpeed config (configs/zero2.yaml, zero3.yaml) stays DeepSpeed without a GPU too:
-    DeepSpeed's CPU accelerator, gloo between processes; its settings come from the flags (deepspeed_settings)."""
-    from accelerate import Accelerator
-
-    use_cpu = os.environ.get("ACCELERATE_USE_CPU", "false").lower() in ("1", "true")
-    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() in ("1", "true")
-    if deepspeed and not torch.cuda.is_available():
-        from accelerate import PartialState
-
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read when deepspeed is first imported, just below
-        PartialState(backend="gloo")  # else accelerate finds no backend: every process would think it is rank 0
-    # cpu=True would silently turn a DeepSpeed config into plain multi-process CPU data parallelism
-    cpu = (not torch.cuda.is_available() or use_cpu) and not deepspeed
-    accelerator = Accelerator(cpu=cpu, log_with=None if cfg.report_to == "none" else cfg.report_to,
-                              project_dir=cfg.output_dir)
-    atexit.register(close_process_group)
-    if accelerator.state.deepspeed_plugin is not None:
-        deepspeed_settings(accelerator.state.deepspeed_plugin.deepspeed_config, cfg, accelerator.num_processes)
-    return accelerator
-
-
-def leave_run(num_processes, code=0):
-    """The last call of a run on every rank, after the process group is closed. One process returns. Several
-    leave at once (os._exit(code), after flushing what they printed) rather than tear the interpreter down: a
-    gloo worker thread can still be releasing the tensors of a finished collective (DeepSpeed's all-gathers
-    hold Python-owned views), which takes the GIL, and a thread that asks for it while the interpreter
-    finalizes is stopped inside a C++ destructor: the rank aborts (SIGABRT, "terminate called without an
-    active exception") after a complete run, about once in 50 two-process runs on 2 busy cores."""
-    if num_processes > 1:
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-
-
-def close_process_group():
-    """Run at exit on every rank. A run that reached its end has closed its group and left (leave_run); one
-    that did not (an error: SystemExit "error: ..." or a traceback, already printed) closes it here, where the
-    interpreter is still whole, and with several processes leaves with exit code 1 for leave_run's reason."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        num_processes = torch.distributed.get_world_size()
-        torch.distributed.destroy_process_group()
-        leave_run(num_processes, code=1)
-
-
-def deepspeed_settings(ds_config, cfg, num_processes):
-    """Set what DeepSpeed reads from the flags, in place: the micro-batch (no dataloader is prepared, so DeepSpeed
-    cannot infer it), clipping at --max_grad_norm (DeepSpeed clips inside its step), and one micro-batch per
-    optimizer step as DeepSpeed counts them: the loops weigh and accumulate the micro-batches themselves, so
-    DeepSpeed must not divide the loss again."""
-    accumulation = ds_config.get("gradient_accumulation_steps", 1)
-    if accumulation not in (1, "auto"):
-        raise SystemExit(f"error: the DeepSpeed config's gradient_accumulation_steps is {accumulation}: set it to 1; "
-                         "--micro_batch_size splits each batch into micro-batches and accumulates them.")
-    ds_config["gradient_accumulation_steps"] = 1
-    ds_config["train_micro_batch_size_per_gpu"] = cfg.micro_batch_size or cfg.batch_size
-    ds_config["train_batch_size"] = ds_config["train_micro_batch_size_per_gpu"] * num_processes
-    ds_config["gradient_clipping"] = cfg.max_grad_norm  # 0 = off, as the flag
-    return ds_config
 
 
 def check_rules(cfg, **rules):

@@ -26,7 +26,7 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 import common
-from support import async_sampling, checkpoint, config, environments, fast, models, routing, run, sampling, tasks, view
+from support import async_sampling, checkpoint, config, environments, fast, helpers, models, routing, run, sampling, tasks, view
 from support.rollout import MicroBatch, Rollout, micro_batches
 from support.sampling import any_process  # noqa: F401  (dapo.py: engine.any_process)
 
@@ -84,9 +84,7 @@ def mean_over_processes(accelerator, value):
     return accelerator.reduce(torch.as_tensor(value, dtype=torch.float32, device=accelerator.device), "mean").item()
 
 
-def fewest(accelerator, n):
-    """The smallest of the processes' values of the integer n."""
-    return min(accelerator.gather(torch.tensor([n], device=accelerator.device)).tolist())
+fewest = helpers.fewest  # (dapo.py: engine.fewest)
 
 
 class Trainer:
@@ -266,7 +264,7 @@ class Trainer:
             models.step_optimizers(accelerator, trainables)
         stats = {"loss": self.update_loss,
                  **{"grad_norm" if t is self.policy else f"{t.name}_grad_norm": n for t, n in zip(trainables, norms)}}
-        stats.update(combine(self.update_stats))
+        stats.update(helpers.combine(self.update_stats))
         self.update_loss, self.update_stats = 0.0, []
         return stats
 
@@ -308,27 +306,9 @@ class Trainer:
             models.save_model(accelerator, self.policy.model, self.tokenizer, f"{cfg.output_dir}/final", cfg.merge_lora)
         accelerator.wait_for_everyone()
         accelerator.end_training()  # close the process group on every rank
-        config.leave_run(accelerator.num_processes)  # several processes: os._exit, see its docstring
+        helpers.leave_run(accelerator.num_processes)  # several processes: os._exit, see its docstring
 
 
 def loop_rows(mb):
     """The micro-batch's rows, as an error message names them."""
     return f"{int(mb.rows[0])}-{int(mb.rows[-1])}" if len(mb.rows) else "none"
-
-
-def combine(shares_and_stats):
-    """One value per statistic of an update from its micro-batches' (token share, stats): a plain value is a mean
-    over the micro-batch's tokens, combined by the token shares; a common.Extreme takes the max or min; a
-    common.Sums adds its sums over the micro-batches, then finishes (a fraction of sequences, an effective sample
-    size): each the same with or without --micro_batch_size."""
-    out = {}
-    for key in shares_and_stats[0][1] if shares_and_stats else ():
-        values = [stats[key] for _, stats in shares_and_stats]
-        if isinstance(values[0], common.Extreme):
-            stacked = torch.stack([torch.as_tensor(v.value, dtype=torch.float32) for v in values])
-            out[key] = stacked.max() if values[0].reduce == "max" else stacked.min()
-        elif isinstance(values[0], common.Sums):
-            out[key] = values[0]._replace(sums=[sum(parts) for parts in zip(*(v.sums for v in values))]).value()
-        else:
-            out[key] = sum(share * v for (share, _), v in zip(shares_and_stats, values))
-    return out

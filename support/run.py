@@ -11,7 +11,7 @@ from dataclasses import asdict
 import torch
 from tqdm.auto import tqdm
 
-from support import models, routing
+from support import config, models, routing
 
 
 class StepTimer:
@@ -84,7 +84,7 @@ class MetricLogger:
                 f.writelines(json.dumps(r) + "\n" for r in kept)
             os.replace(self.path + ".tmp", self.path)
             with open(os.path.join(cfg.output_dir, "config.json"), "w") as f:  # the script tells runs apart
-                json.dump({"script": os.path.basename(sys.argv[0]), **asdict(cfg)}, f, indent=2)
+                json.dump({"script": config.script_name(), **asdict(cfg)}, f, indent=2)
         if cfg.report_to != "none":
             accelerator.init_trackers(os.path.basename(cfg.output_dir.rstrip("/")) or "run", config=asdict(cfg))
 

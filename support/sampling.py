@@ -11,12 +11,8 @@ import torch
 import agents
 import common
 from support import async_sampling, fast, models, reward_functions, routing, tasks, tree
+from support.helpers import any_process
 from support.rollout import Rollout
-
-
-def any_process(accelerator, flag):
-    """True on every process when `flag` is True on one of them."""
-    return bool(accelerator.reduce(torch.tensor(float(flag), device=accelerator.device), "sum") > 0)
 
 
 def rollout_sampler(trainer, policy, rollout_model, rollout_lag, sample):

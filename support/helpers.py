@@ -1,0 +1,240 @@
+"""The plain helpers of the lesson files (remax.py, rloo.py, grpo.py, dapo.py, ppo.py): data in, data out. Loading
+(the accelerator, the data, the policy and its optimizer, the reference), sampling a batch of completions, scoring
+them with no gradient, the metrics of an update, evaluation, logging, checkpoints. None keeps state a loop does not
+see; the update itself (micro-batches, backward, clip, optimizer step) is written out in each loop. The lab's engine
+(support/engine.py) runs on the same pieces."""
+import atexit
+import logging
+import os
+import sys
+import time
+
+import torch
+from accelerate.utils import set_seed
+from tqdm.auto import tqdm
+
+import common
+from support import checkpoint, config, models, run, tasks
+from support.config import (  # noqa: F401 (the lessons')
+    AT_LEAST_ONE, DUAL_CLIP, FRACTION, NON_NEGATIVE, POSITIVE, PROBABILITY, BaseConfig as TrainConfig, arg, check,
+    check_rules, one_of)
+from support.fast import generate, token_logprobs
+from support.rollout import Rollout, micro_batches  # noqa: F401 (the lessons')
+from support.tasks import make_reward_fn  # noqa: F401 (the lessons')
+
+parse_config = config.parse_config
+
+
+# ---- setup ----
+def make_accelerator(cfg):
+    """An Accelerator that falls back to CPU (gloo between processes) when there is no GPU, so `accelerate launch
+    --multi_gpu --num_processes 2 x.py` (or `torchrun --nproc_per_node 2`) gives 2-process data parallelism on a
+    laptop. (`accelerate launch --cpu --num_processes 2` starts ONE process in accelerate 1.x unless an MPI
+    hostfile is given.) A DeepSpeed config (configs/zero2.yaml, zero3.yaml) stays DeepSpeed without a GPU too:
+    DeepSpeed's CPU accelerator, gloo between processes; its settings come from the flags (deepspeed_settings)."""
+    from accelerate import Accelerator
+
+    use_cpu = os.environ.get("ACCELERATE_USE_CPU", "false").lower() in ("1", "true")
+    deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() in ("1", "true")
+    if deepspeed and not torch.cuda.is_available():
+        from accelerate import PartialState
+
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read when deepspeed is first imported, just below
+        PartialState(backend="gloo")  # else accelerate finds no backend: every process would think it is rank 0
+    # cpu=True would silently turn a DeepSpeed config into plain multi-process CPU data parallelism
+    cpu = (not torch.cuda.is_available() or use_cpu) and not deepspeed
+    accelerator = Accelerator(cpu=cpu, log_with=None if cfg.report_to == "none" else cfg.report_to,
+                              project_dir=cfg.output_dir)
+    atexit.register(close_process_group)
+    if accelerator.state.deepspeed_plugin is not None:
+        deepspeed_settings(accelerator.state.deepspeed_plugin.deepspeed_config, cfg, accelerator.num_processes)
+    return accelerator
+
+
+def deepspeed_settings(ds_config, cfg, num_processes):
+    """Set what DeepSpeed reads from the flags, in place: the micro-batch (no dataloader is prepared, so DeepSpeed
+    cannot infer it), clipping at --max_grad_norm (DeepSpeed clips inside its step), and one micro-batch per
+    optimizer step as DeepSpeed counts them: the loops weigh and accumulate the micro-batches themselves, so
+    DeepSpeed must not divide the loss again."""
+    accumulation = ds_config.get("gradient_accumulation_steps", 1)
+    if accumulation not in (1, "auto"):
+        raise SystemExit(f"error: the DeepSpeed config's gradient_accumulation_steps is {accumulation}: set it to 1; "
+                         "--micro_batch_size splits each batch into micro-batches and accumulates them.")
+    ds_config["gradient_accumulation_steps"] = 1
+    ds_config["train_micro_batch_size_per_gpu"] = cfg.micro_batch_size or cfg.batch_size
+    ds_config["train_batch_size"] = ds_config["train_micro_batch_size_per_gpu"] * num_processes
+    ds_config["gradient_clipping"] = cfg.max_grad_norm  # 0 = off, as the flag
+    return ds_config
+
+
+def load_data(cfg, accelerator):
+    """The tokenizer and the (train, eval) examples; the main process downloads first, the others read its cache."""
+    with accelerator.main_process_first():
+        tokenizer = models.load_tokenizer(cfg)
+        train_data, eval_data = tasks.load_task(cfg, tokenizer)
+    return tokenizer, train_data, eval_data
+
+
+def load_models(cfg, accelerator, reference):
+    """(policy, reference, optimizer): the policy (full or LoRA) and its AdamW, prepared (DDP or DeepSpeed), the same
+    weights on every rank; the frozen reference pi_ref (None unless `reference`), in the policy's precision."""
+    set_seed(cfg.seed)
+    policy = models.load_model(cfg)
+    ref_model = models.load_reference(cfg, policy) if reference else None
+    optimizer, scheduler = models.make_optimizer(policy, cfg)  # a constant learning rate (lab: --warmup_steps)
+    policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
+    return policy, models.prepare_frozen(accelerator, ref_model), optimizer
+
+
+def prompt_sampler(train_data, num_prompts, cfg, accelerator):
+    """Endless shuffled batches of num_prompts examples (.next()), each process from its own shard."""
+    return tasks.PromptSampler(train_data, num_prompts, cfg.seed, accelerator.process_index, accelerator.num_processes)
+
+
+# ---- sampling and scoring, with no gradient ----
+@torch.no_grad()
+def sample(policy, tokenizer, examples, cfg, accelerator, num_samples=1, greedy=False):
+    """A Rollout: num_samples completions of each example's prompt (or one greedy completion), each example's
+    samples adjacent, with their mask (1 up to and including the first EOS) and their text."""
+    prompt_ids, prompt_mask = tasks.tokenize_prompts(tokenizer, [ex["prompt"] for ex in examples], accelerator.device)
+    completion_ids = generate(accelerator.unwrap_model(policy), tokenizer, prompt_ids, prompt_mask, cfg,
+                              num_samples=num_samples, greedy=greedy).clone()
+    k = len(completion_ids) // len(examples)
+    mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
+    return Rollout([ex for ex in examples for _ in range(k)], prompt_ids.repeat_interleave(k, 0),
+                   prompt_mask.repeat_interleave(k, 0), completion_ids, mask,
+                   tasks.decode_completions(tokenizer, completion_ids, mask), group_size=k)
+
+
+@torch.no_grad()
+def score(model, rollout, cfg, truncated=True):
+    """(B, T) log-probs of the rollout's completions under `model`, --micro_batch_size rows at a time: at the
+    sampling temperature, and (truncated) on the top-k / top-p distribution that was sampled; the reference is
+    scored on its whole distribution."""
+    sampling = {"top_k": cfg.top_k, "top_p": cfg.top_p} if truncated else {}
+    num_tokens = rollout.mask.shape[1]
+    return torch.cat([token_logprobs(model, rollout.input_ids[rows], rollout.attention_mask[rows], num_tokens,
+                                     cfg.temperature, **sampling)
+                      for rows in micro_batches(len(rollout), cfg.micro_batch_size)]).clone()
+
+
+def any_process(accelerator, flag):
+    """True on every process when `flag` is True on one of them."""
+    return bool(accelerator.reduce(torch.tensor(float(flag), device=accelerator.device), "sum") > 0)
+
+
+def fewest(accelerator, n):
+    """The smallest of the processes' values of the integer n."""
+    return min(accelerator.gather(torch.tensor([n], device=accelerator.device)).tolist())
+
+
+# ---- the update's numbers ----
+def combine(shares_and_stats):
+    """One value per statistic of an update from its micro-batches' (token share, stats): a plain value is a mean
+    over the micro-batch's tokens, combined by the token shares; a common.Extreme takes the max or min; a
+    common.Sums adds its sums over the micro-batches, then finishes (a fraction of sequences, an effective sample
+    size): each the same with or without --micro_batch_size."""
+    out = {}
+    for key in shares_and_stats[0][1] if shares_and_stats else ():
+        values = [stats[key] for _, stats in shares_and_stats]
+        if isinstance(values[0], common.Extreme):
+            stacked = torch.stack([torch.as_tensor(v.value, dtype=torch.float32) for v in values])
+            out[key] = stacked.max() if values[0].reduce == "max" else stacked.min()
+        elif isinstance(values[0], common.Sums):
+            out[key] = values[0]._replace(sums=[sum(parts) for parts in zip(*(v.sums for v in values))]).value()
+        else:
+            out[key] = sum(share * v for (share, _), v in zip(shares_and_stats, values))
+    return out
+
+
+def check_finite(accelerator, loss, grad_norm, step):
+    """Stop every rank, before the optimizer step, when the loss or the gradient norm is not finite on one of them
+    (under fp16 loss scaling an inf norm is an overflow the optimizer step skips: not an error)."""
+    norm = torch.as_tensor(0.0 if grad_norm is None else grad_norm, device=accelerator.device)
+    bad = ~torch.isfinite(loss.detach()).all() | (~torch.isfinite(norm).all() & ~checkpoint.loss_scaling(accelerator))
+    if accelerator.reduce(bad.float(), reduction="sum") > 0:
+        raise SystemExit(f"error: non-finite loss ({loss.item()}) or gradient norm ({norm.tolist()}) at step {step}; "
+                         "the update was not applied. Lower --learning_rate, keep --max_grad_norm on, or check the "
+                         "rewards.")
+
+
+# ---- the run: steps, evaluation, logging, checkpoints ----
+def resume(cfg, accelerator, prompts):
+    """The step to start after: 0, or that of the checkpoint --resume_from names (its weights, optimizer, every
+    rank's random state and prompt order loaded)."""
+    return checkpoint.load_checkpoint(cfg, accelerator, prompts)
+
+
+def open_log(cfg, accelerator, start_step):
+    """The metrics log (output_dir/metrics.jsonl: a resumed run keeps its rows up to its step)."""
+    return run.MetricLogger(cfg, accelerator, start_step)
+
+
+def steps(cfg, start_step, accelerator):
+    """The step numbers still to run, with a progress bar on the main process."""
+    name = os.path.splitext(os.path.basename(sys.argv[0]))[0]
+    return tqdm(range(start_step + 1, cfg.num_steps + 1), desc=name, disable=accelerator.process_index > 0)
+
+
+def evaluate(policy, tokenizer, eval_data, cfg, accelerator):
+    """Held-out greedy accuracy of the policy, overall and per family (eval/accuracy, eval/acc_<family>)."""
+    return tasks.evaluate(policy, tokenizer, eval_data, cfg, accelerator, generate=generate)
+
+
+def log_step(logger, step, metrics, rollout, rewards, started, evaluation=None):
+    """Average the step's metrics over the processes, add the completions' length and the step's seconds, and log
+    them (with the evaluation's when there is one) and two samples. `started`: time.time() when the step began."""
+    seconds = time.time() - started
+    metrics = {**metrics, "train/completion_len": rollout.mask.sum(1).float().mean(), "time/step_s": seconds}
+    metrics = run.reduce_metrics(logger.accelerator, metrics)
+    logger.log(step, {**metrics, **(evaluation or {})}, samples=zip(rollout.prompts, rollout.completions,
+                                                                    rewards.tolist()))
+
+
+def save_checkpoint(cfg, accelerator, step, policy, tokenizer, prompts):
+    """Every --save_steps: output_dir/checkpoint-N, complete or absent, from finite weights only."""
+    if cfg.save_steps and step % cfg.save_steps == 0:
+        check_weights(accelerator, step, policy, tokenizer, prompts)
+        checkpoint.save_checkpoint(cfg, accelerator, step, policy, tokenizer, prompts.state_dict())
+
+
+def check_weights(accelerator, step, policy, tokenizer, prompts):
+    """Stop every rank when the policy's weights, or its logits on a training prompt, are not finite on one."""
+    if not checkpoint.all_finite(accelerator, policy, tokenizer, [ex["prompt"] for ex in prompts.examples[:1]]):
+        raise SystemExit(f"error: the update of step {step} made the policy's weights or logits non-finite; nothing "
+                         "was saved from them. Lower --learning_rate.")
+
+
+def finish(cfg, accelerator, logger, policy, tokenizer, prompts):
+    """summary.json and curves.png, the final policy saved (output_dir/final, from finite weights only), the process
+    group closed, several processes ended."""
+    logger.finish(policy)
+    check_weights(accelerator, cfg.num_steps, policy, tokenizer, prompts)
+    models.save_model(accelerator, policy, tokenizer, f"{cfg.output_dir}/final")
+    accelerator.wait_for_everyone()
+    accelerator.end_training()  # close the process group on every rank
+    leave_run(accelerator.num_processes)  # several processes: os._exit, see its docstring
+
+
+def leave_run(num_processes, code=0):
+    """The last call of a run on every rank, after the process group is closed. One process returns. Several
+    leave at once (os._exit(code), after flushing what they printed) rather than tear the interpreter down: a
+    gloo worker thread can still be releasing the tensors of a finished collective (DeepSpeed's all-gathers
+    hold Python-owned views), which takes the GIL, and a thread that asks for it while the interpreter
+    finalizes is stopped inside a C++ destructor: the rank aborts (SIGABRT, "terminate called without an
+    active exception") after a complete run, about once in 50 two-process runs on 2 busy cores."""
+    if num_processes > 1:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def close_process_group():
+    """Run at exit on every rank. A run that reached its end has closed its group and left (leave_run); one
+    that did not (an error: SystemExit "error: ..." or a traceback, already printed) closes it here, where the
+    interpreter is still whole, and with several processes leaves with exit code 1 for leave_run's reason."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        num_processes = torch.distributed.get_world_size()
+        torch.distributed.destroy_process_group()
+        leave_run(num_processes, code=1)
