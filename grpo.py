@@ -57,25 +57,20 @@ class Config(helpers.TrainConfig):
                     kl_estimator=one_of("k1", "k2", "k3"), loss_agg=one_of(*common.LOSS_AGG_MODES),
                     importance_sampling_level=one_of("token", "sequence"),
                     scale_rewards=one_of("group", "batch", "none"))
-        sequence = self.importance_sampling_level == "sequence"  # GSPO's clip range: v2 section 5.1
-        check(sequence or self.epsilon_high is None, "--epsilon_high needs "
-              "--importance_sampling_level sequence")
-        if sequence and self.epsilon_high is None:
-            self.epsilon_high = 4e-4 if self.epsilon is None else self.epsilon
-        self.epsilon = (3e-4 if sequence else 0.2) if self.epsilon is None else self.epsilon
-        check(not sequence or self.loss_agg != "token-mean", "--importance_sampling_level "
-              "sequence: one term per sequence, which --loss_agg token-mean would weigh by length.")
-        high = self.epsilon_high or self.epsilon
-        self.clip = common.Clip(self.epsilon, high, 0.0, self.importance_sampling_level)
+        level = self.importance_sampling_level  # GSPO's clip range: v2 section 5.1
+        check(level == "sequence" or self.epsilon_high is None, "--epsilon_high is GSPO's.")
+        check(level == "token" or self.loss_agg != "token-mean", "GSPO: one term per sequence, "
+              "which --loss_agg token-mean would weigh by its length.")
+        high = self.epsilon_high or self.epsilon or (4e-4 if level == "sequence" else 0.2)
+        self.epsilon = self.epsilon or (3e-4 if level == "sequence" else 0.2)
+        self.clip = common.Clip(self.epsilon, high, 0.0, level)
 
 
 def grpo_advantages(rewards, group_size, scale_rewards="group", eps=1e-6):
     """A_i = (r_i - mean(r_group)) / (std + eps) for (B,) rewards, each group's G samples adjacent.
 
-    std is torch.std (Bessel's correction, ddof=1, as TRL and verl); eps = 1e-6 as verl (TRL uses
-    1e-4). scale_rewards: 'group' divides by the group's std (GRPO), 'batch' by the std of all B
-    rewards, 'none' only centres (Dr. GRPO). A group whose rewards are all equal gets exactly 0 for
-    every member. Returns (B,).
+    std with Bessel's correction (as TRL and verl); eps = 1e-6 as verl. scale_rewards: 'group'
+    (GRPO), 'batch' (the std of all B rewards) or 'none' (Dr. GRPO). An all-equal group gets 0.
     """
     # BEGIN SOLUTION
     grouped = rewards.view(-1, group_size)  # (B / G, G)
@@ -95,18 +90,13 @@ def grpo_loss(logp, old_logp, ref_logp, adv, mask, clip, beta, loss_agg="seq-mea
               kl_term=common.KLTerm(), pg_weight=None):
     """Clipped surrogate plus beta * KL to the reference, per token (DeepSeekMath eq. 3).
 
-    logp: (B, T) log-probs under the policy being trained (with grad); old_logp: (B, T) at sampling
-    time (detached); adv: (B,), the same for every token. pg_weight (B, T), detached, multiplies the
-    surrogate (TIS, masks). clip: a common.Clip (or a tuple of its fields), the range of the ratio
-    and its dual clip, or a number epsilon: [1 - epsilon, 1 + epsilon]; at clip.level "sequence"
-    (GSPO) each token of sequence i gets s_i = exp(mean_t log rho_t), clipped once per sequence.
-    ref_logp: (B, T) under the reference, or None when beta == 0; the KL term (kl_term: its
-    estimator and ratio weight, common.kl_penalty) keeps its gradient through logp. loss_agg: a mode
-    of common.aggregate_loss, or the micro-batch's common.Aggregation. Returns (loss, stats):
-    clip_frac_low / clip_frac_high, the fraction of tokens clipped below (ratio < 1 - clip.low, A <
-    0) and above (ratio > 1 + clip.high, A > 0); approx_kl, k3 of the token ratio, an estimate of
-    KL(pi_old || pi_theta); kl_k3, the mean k3 to the reference; kl_term, the mean of the term beta
-    multiplies (the KL term stays per token).
+    logp: (B, T) under the policy trained (with grad); old_logp, ref_logp: (B, T) detached, at
+    sampling time and under the reference (None when beta == 0); adv: (B,). clip: a common.Clip (its
+    range, dual clip and level: "sequence" is GSPO's s_i = exp(mean_t log rho_t)) or epsilon.
+    kl_term: the KL term's estimator and ratio weight (common.kl_penalty); pg_weight: (B, T) detached
+    weights of the surrogate (the lab's corrections); loss_agg: common.aggregate_loss's mode or a
+    micro-batch's Aggregation. Returns (loss, stats): clip_frac_low / _high (ratio < 1 - low with
+    A < 0, > 1 + high with A > 0), approx_kl (k3 of the ratio), kl_k3 and kl_term (the term's mean).
     """
     clip = common.Clip(*clip) if isinstance(clip, tuple) else common.Clip(clip, clip)
     kl_term = common.KLTerm(*kl_term)
@@ -186,6 +176,7 @@ def main():
                     with_entropy=True, top_k=cfg.top_k, top_p=cfg.top_p)
                 old = logp.detach() if old_logp is None else old_logp[rows]  # mu = 1: pi_theta
                 ref = None if ref_logp is None else ref_logp[rows]
+                kl = torch.zeros_like(logp) if ref is None else common.kl_k1(logp.detach(), ref)
                 # its part of the batch's loss: the weighted losses sum to the batch's
                 weight = common.micro_batch_weight(mask[rows], cfg.loss_agg, num_tokens, B)
                 agg = common.Aggregation(cfg.loss_agg, cfg.max_new_tokens, weight)
@@ -199,8 +190,7 @@ def main():
                 entropy = common.masked_mean(entropy, mask[rows])
                 share = mask[rows].sum() / mask.sum().clamp(min=1)  # its stats' weight
                 update_stats.append((share, {**stats, "entropy": entropy}))
-                if ref is not None:
-                    kl_seq += common.masked_sum(common.kl_k1(logp.detach(), ref), mask[rows]) / B
+                kl_seq += common.masked_sum(kl, mask[rows]) / B
             max_norm = cfg.max_grad_norm or float("inf")
             grad_norm = accelerator.clip_grad_norm_(policy.parameters(), max_norm)
             helpers.check_finite(accelerator, update_loss, grad_norm, step)

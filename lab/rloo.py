@@ -14,14 +14,20 @@ Loss: -A_i * log pi(y_i | x) (a sum of token log-probs), averaged, one on-policy
     accelerate launch --multi_gpu --num_processes 2 rloo.py      # data-parallel on CPU
     python rloo.py --reward_scales hetero                        # the group baseline adapts per prompt
 """
+import os
+import sys
 from dataclasses import dataclass
 
-import torch
+if __name__ == "__main__":  # run as lab/rloo.py: the repository's root first, so that `rloo` is the lesson
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-import common
-import exploration
-from support import budget, config, engine, environments, tasks
-from support.config import arg
+import torch  # noqa: E402
+
+import common  # noqa: E402
+import exploration  # noqa: E402
+from rloo import rloo_advantages, rloo_loss  # noqa: E402  (the lesson's math)
+from support import budget, config, engine, environments, helpers, tasks  # noqa: E402
+from support.config import arg  # noqa: E402
 
 
 @dataclass
@@ -37,39 +43,10 @@ class Config(environments.AgentConfig, budget.ExplorationConfig, config.GroupCon
         config.check(self.budget == "uniform" or self.micro_batch_size == 0, "--budget knapsack: --micro_batch_size 0.")
 
 
-def rloo_advantages(rewards, group_size, group_ids=None):
-    """A_i = r_i - mean_{j != i} r_j within each group, for (B,) rewards with each group's G samples
-    adjacent. Returns (B,). group_ids: (B,) groups of any size, or (B, D) tree ancestors."""
-    if group_ids is not None:
-        return exploration.rloo_advantages_by_group(rewards, group_ids)
-    # BEGIN SOLUTION
-    grouped = rewards.view(-1, group_size)  # (B / G, G)
-    baseline = (grouped.sum(dim=1, keepdim=True) - grouped) / (group_size - 1)
-    adv = grouped - baseline
-    return adv.view(-1)
-    # END SOLUTION
-
-
-def rloo_loss(logp, adv, mask, pg_weight=None, loss_agg="seq-mean-token-sum"):
-    """REINFORCE with the whole completion as one action: mean_i of -A_i * sum_t logp_{i,t}.
-
-    logp: (B, T) per-token log-probs (with grad); adv: (B,) detached; mask: (B, T); pg_weight
-    (B, T), detached, multiplies each token's log-prob (TIS, masks). loss_agg: seq-mean-token-sum, the mean over
-    sequences of their sums, or the micro-batch's common.Aggregation of it.
-    Returns (loss, stats) with stats: seq_logp_mean, the mean sequence log-prob log pi(y_i|x)."""
-    # BEGIN SOLUTION
-    seq_logp = common.masked_sum(logp, mask, dim=1)  # log pi(y_i | x)
-    if pg_weight is not None:  # a padding weight may hold anything: keep it out of the gradient
-        logp = torch.where(mask.bool(), pg_weight, 0.0) * logp
-    loss = common.aggregate_loss(-adv.detach()[:, None] * logp, mask, loss_agg)
-    return loss, {"seq_logp_mean": seq_logp.detach().mean()}
-    # END SOLUTION
-
-
 def main():
     cfg = config.parse_config(Config)
     # ---- setup: accelerator, data, policy, reference (PLUMBING: skip on a first read) ----
-    accelerator = config.make_accelerator(cfg)
+    accelerator = helpers.make_accelerator(cfg)
     tokenizer, train_data, eval_data = engine.load_data(cfg, accelerator)
     reward_fn = tasks.make_reward_fn(cfg, accelerator)
     policy, ref_model, rollout_model = engine.load_models(cfg, accelerator, reference=cfg.beta > 0, rollout_copy=True)
@@ -96,7 +73,8 @@ def main():
             logp, entropy = trainer.policy_logprobs(rollout, mb)  # (b, T), with gradient; mb.mask: the actions
             kl = common.kl_k1(logp.detach(), mb.of(ref_logp)) if ref_logp is not None else torch.zeros_like(logp)
             rewards_kl.append(mb.of(rewards) - cfg.beta * common.masked_sum(kl, mb.mask, dim=1))  # r - beta sum_t k1_t
-            adv.append(rloo_advantages(rewards_kl[-1], group_size, group_ids=mb.of(ids)))
+            adv.append(rloo_advantages(rewards_kl[-1], group_size) if ids is None else  # knapsack, trees
+                       exploration.rloo_advantages_by_group(rewards_kl[-1], mb.of(ids)))
             pg_weight, correction, per_row = None, {}, {}
             if rollout_logp is not None or cfg.geo_mask_delta > 0:  # a sampler that is not this policy: TIS, mask
                 pg_weight, correction, per_row = common.rollout_correction(
