@@ -1,39 +1,43 @@
 """ReMax: REINFORCE with the greedy response's reward as baseline (Li et al., 2023, ICML 2024,
 https://arxiv.org/abs/2310.10505).
 
-For each prompt x, sample one response y ~ pi(.|x) and decode one greedy response y_greedy.
-The advantage is A = r(x, y) - r(x, y_greedy): the greedy reward is a baseline that does not
-depend on the sampled y, so the gradient stays unbiased, and it tracks how hard each prompt is,
-which is what plain REINFORCE lacks when prompts differ (--baseline none shows the failure).
-A per-token k1 penalty -beta * (logp - ref_logp) is folded into the return (reward-to-go).
-Loss: -A_t * log pi(y_t | x, y_<t), one on-policy update per batch: no ratio, no clipping,
-no value model. The price is one extra greedy generation per prompt.
+For each prompt x, sample one response y ~ pi(.|x) and decode one greedy response y_greedy. The
+advantage is A = r(x, y) - r(x, y_greedy): the greedy reward is a baseline that does not depend on
+the sampled y, so the gradient stays unbiased, and it tracks how hard each prompt is, which is what
+plain REINFORCE lacks when prompts differ (--baseline none shows the failure). A per-token k1
+penalty -beta * (logp - ref_logp) is folded into the return (reward-to-go). Loss: -A_t * log pi(y_t
+| x, y_<t), one on-policy update per batch: no ratio, no clipping, no value model. The price is one
+extra greedy generation per prompt.
 
     accelerate launch remax.py                                   # embedded model and task
     accelerate launch --multi_gpu --num_processes 2 remax.py     # data-parallel on CPU
-    python remax.py --reward_scales hetero --baseline none       # watch REINFORCE fail
+    python remax.py --baseline none                              # plain REINFORCE
 """
+import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
+from accelerate.utils import set_seed
 
 import common
-from support import config, engine, environments, tasks
-from support.config import arg
+from support import helpers
+from support.fast import token_logprobs  # common.token_logprobs, faster; equal (tests/test_fast.py)
+from support.helpers import arg, check, check_rules, one_of
 
 
 @dataclass
-class Config(environments.AgentConfig, config.CorrectionConfig):
+class Config(helpers.TrainConfig):
     baseline: str = arg("greedy", "'greedy' (ReMax) or 'none' (plain REINFORCE).")
-    beta: float = arg(0.05, "Coefficient of the per-token k1 penalty folded into the return (0 = no reference).")
-    adv_clip: float = arg(5.0, "Clip the advantage r - r_greedy to [-adv_clip, adv_clip] (0 = off).")
-    loss_agg: str = arg("token-mean", "Loss aggregation: token-mean | seq-mean-token-mean | seq-mean-token-sum-norm.")
+    beta: float = arg(0.05, "Coefficient of the per-token k1 penalty in the return (0 = none).")
+    adv_clip: float = arg(5.0, "Clip the advantage r - r_greedy to +- adv_clip (0 = off).")
+    loss_agg: str = arg("token-mean", "Loss aggregation: token-mean | seq-mean-token-mean | "
+                        "seq-mean-token-sum-norm.")
 
     def __post_init__(self):
         super().__post_init__()
-        config.check_rules(self, beta=config.NON_NEGATIVE)
-        config.check_rules(self, baseline=config.one_of("greedy", "none"), adv_clip=config.NON_NEGATIVE,
-                           loss_agg=config.one_of(*common.LOSS_AGG_MODES))
+        check_rules(self, beta=helpers.NON_NEGATIVE, adv_clip=helpers.NON_NEGATIVE,
+                    baseline=one_of("greedy", "none"), loss_agg=one_of(*common.LOSS_AGG_MODES))
 
 
 def remax_advantages(rewards, greedy_rewards):
@@ -46,16 +50,16 @@ def remax_advantages(rewards, greedy_rewards):
 def remax_loss(logp, adv, kl, mask, beta, loss_agg="token-mean", pg_weight=None):
     """REINFORCE loss with the k1 penalty folded into the return.
 
-    logp, kl: (B, T) per-token log-probs (with grad) and k1 = logp - ref_logp (detached);
-    adv: (B,) sequence advantage. Per-token return G_t = A - beta * sum_{t'>=t} k1_t'
-    (reward-to-go: the penalty on earlier tokens does not depend on later actions).
-    Loss = aggregate(-G_t * logp_t); loss_agg: a mode of common.aggregate_loss, or the micro-batch's
-    common.Aggregation (with seq-mean-token-sum-norm's constant, --max_new_tokens). Only with that constant
-    normaliser is the expected gradient of the KL part that of beta * KL_seq(pi || ref) (divided by max_len);
-    token-mean (the default, as the official code) divides by the batch's token count, a ratio estimator biased
-    at small batches, and seq-mean-token-mean weighs each sequence by 1/|y| (docs/algorithms.md). pg_weight (B, T),
-    detached, multiplies each token's term (TIS, masks: --async_rollouts). Returns (loss, stats) with stats:
-    return_mean (mean G_t over tokens).
+    logp, kl: (B, T) per-token log-probs (with grad) and k1 = logp - ref_logp (detached); adv: (B,)
+    sequence advantage. Per-token return G_t = A - beta * sum_{t'>=t} k1_t' (reward-to-go: the
+    penalty on earlier tokens does not depend on later actions). Loss = aggregate(-G_t * logp_t);
+    loss_agg: a mode of common.aggregate_loss, or the micro-batch's common.Aggregation (with
+    seq-mean-token-sum-norm's constant, --max_new_tokens). Only with that constant normaliser is the
+    expected gradient of the KL part that of beta * KL_seq(pi || ref) (divided by max_len);
+    token-mean (the default, as the official code) divides by the batch's token count, a ratio
+    estimator biased at small batches, and seq-mean-token-mean weighs each sequence by 1/|y|
+    (docs/algorithms.md). pg_weight (B, T), detached, multiplies each token's term (TIS, masks:
+    --async_rollouts). Returns (loss, stats) with stats: return_mean (mean G_t over tokens).
     """
     # BEGIN SOLUTION
     returns = (adv[:, None] - beta * common.reward_to_go(kl, mask)).detach()
@@ -67,56 +71,72 @@ def remax_loss(logp, adv, kl, mask, beta, loss_agg="token-mean", pg_weight=None)
 
 
 def main():
-    cfg = config.parse_config(Config)
-    # ---- setup: accelerator, data, policy, reference (PLUMBING: skip on a first read) ----
-    accelerator = config.make_accelerator(cfg)
-    tokenizer, train_data, eval_data = engine.load_data(cfg, accelerator)
-    reward_fn = tasks.make_reward_fn(cfg, accelerator)
-    policy, ref_model, rollout_model = engine.load_models(cfg, accelerator, reference=cfg.beta > 0)
-    sampler = tasks.PromptSampler(train_data, cfg.batch_size, cfg.seed, accelerator.process_index,
-                                  accelerator.num_processes)
-    trainer = engine.Trainer(cfg, accelerator, tokenizer, sampler, eval_data, policy, rollout_model)
-    if trainer.resume() == 0:  # --resume_from: the checkpoint's step, else 0
-        trainer.evaluate(step=0)  # held-out accuracy before training
+    cfg = helpers.parse_config(Config)
+    # ---- setup: accelerator, data, policy and optimizer, reference (PLUMBING: skip at first) ----
+    accelerator = helpers.make_accelerator(cfg)
+    tokenizer, train_data, eval_data = helpers.load_data(cfg, accelerator)
+    reward_fn = helpers.make_reward_fn(cfg, accelerator)
+    policy, ref_model, optimizer = helpers.load_models(cfg, accelerator, reference=cfg.beta > 0)
+    prompts = helpers.prompt_sampler(train_data, cfg.batch_size, cfg, accelerator)
+    set_seed(cfg.seed + accelerator.process_index)  # each rank samples different completions
+    start = helpers.resume(cfg, accelerator, prompts)  # --resume_from: its step, else 0
+    logger = helpers.open_log(cfg, accelerator, start)
+    if start == 0:  # held-out accuracy before training
+        logger.log(0, helpers.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
 
-    for step in trainer.steps():
+    for step in helpers.steps(cfg, start, accelerator):
+        started = time.time()
         # ---- rollout: one sampled response per prompt, and (ReMax) its greedy one ----
-        rollout = trainer.rollout(sampler, greedy=cfg.baseline == "greedy")  # the greedy: rollout.greedy
+        examples = prompts.next()
+        rollout = helpers.sample(policy, tokenizer, examples, cfg, accelerator)
+        if cfg.baseline == "greedy":
+            greedy = helpers.sample(policy, tokenizer, examples, cfg, accelerator, greedy=True)
+        mask, B, T = rollout.mask, *rollout.mask.shape  # (B, T): 1 on each completion's tokens
 
         # ---- reward, and the log-probs the loss compares with ----
-        with trainer.timer("reward"):
-            rewards, correct, reward_stats = reward_fn(rollout.examples, rollout.completions, rollout.rewards)
-        ref_logp = trainer.reference_logprobs(ref_model, rollout)  # pi_ref (None when beta = 0)
-        rollout_logp = trainer.sampler_logprobs(rollout)  # the sampler's, when it is a copy
+        rewards, correct, reward_stats = reward_fn(rollout.examples, rollout.completions)  # (B,)
+        ref_logp = helpers.score(ref_model, rollout, cfg, truncated=False) if cfg.beta > 0 else None
 
-        # ---- advantages: the reward of the greedy response is the baseline (ReMax), or none (REINFORCE) ----
+        # ---- advantages: the reward of the greedy response is the baseline (ReMax), or none ----
         if cfg.baseline == "greedy":
-            with trainer.timer("reward"):
-                greedy = rollout.greedy  # its rewards: None, or the sampler process's (--async_rollouts)
-                greedy_rewards, _, _ = reward_fn(greedy.examples, greedy.completions, greedy.rewards)
+            greedy_rewards, _, _ = reward_fn(greedy.examples, greedy.completions)
         else:
             greedy_rewards = torch.zeros_like(rewards)
         adv = remax_advantages(rewards, greedy_rewards)
         if cfg.adv_clip > 0:
             adv = adv.clamp(-cfg.adv_clip, cfg.adv_clip)
 
-        # ---- update: one on-policy optimizer step, the batch's gradient summed over its micro-batches ----
-        kl_seq = 0.0
-        for mb in trainer.micro_batches(rollout, common.Aggregation(cfg.loss_agg, cfg.max_new_tokens)):
-            logp, entropy = trainer.policy_logprobs(rollout, mb)  # (b, T), with gradient; mb.mask: the actions
-            kl = common.kl_k1(logp.detach(), mb.of(ref_logp)) if ref_logp is not None else torch.zeros_like(logp)
-            pg_weight, correction, per_row = None, {}, {}
-            if rollout_logp is not None or cfg.geo_mask_delta > 0:  # a sampler that is not this policy: TIS, mask
-                pg_weight, correction, per_row = common.rollout_correction(
-                    logp, logp.detach(), mb.of(rollout_logp), mb.of(adv), mb.mask, cfg.tis_cap, cfg.geo_mask_delta,
-                    cfg.tis_level, cfg.tis_veto, cfg.m2po_tau)
-            loss, stats = remax_loss(logp, mb.of(adv), kl, mb.mask, cfg.beta, mb.agg, pg_weight)
-            stats = {**stats, **correction, "entropy": common.masked_mean(entropy, mb.mask)}
-            trainer.backward(loss, mb, stats, per_row)
-            kl_seq += common.masked_sum(kl, mb.mask) / len(rollout)
-        update = trainer.step(policy)  # clip, check finite, optimizer step, zero_grad
+        # ---- update: one on-policy optimizer step, summing its micro-batches' gradients ----
+        num_tokens = accelerator.reduce(mask.sum().float(), "mean")  # per process, as DDP averages
+        batches = helpers.micro_batches(B, cfg.micro_batch_size)
+        for epoch in range(1):  # on-policy: one update per batch (GRPO: mu)
+            update_loss, update_stats, kl_seq = 0.0, [], 0.0
+            for rows in batches:
+                logp, entropy = token_logprobs(  # (b, T), with gradient
+                    policy, rollout.input_ids[rows], rollout.attention_mask[rows], T, cfg.temperature,
+                    with_entropy=True, top_k=cfg.top_k, top_p=cfg.top_p)
+                ref = None if ref_logp is None else ref_logp[rows]
+                kl = torch.zeros_like(logp) if ref is None else common.kl_k1(logp.detach(), ref)
+                # its part of the batch's loss: the weighted losses sum to the batch's
+                weight = common.micro_batch_weight(mask[rows], cfg.loss_agg, num_tokens, B)
+                agg = common.Aggregation(cfg.loss_agg, cfg.max_new_tokens, weight)
+                loss, stats = remax_loss(logp, adv[rows], kl, mask[rows], cfg.beta, agg)
+                last = rows == batches[-1]  # DDP averages the gradients after the last one only
+                accelerator.sync_gradients = last  # (and DeepSpeed steps there)
+                with nullcontext() if last else accelerator.no_sync(policy):
+                    accelerator.backward(loss)
+                update_loss += loss.detach()
+                entropy = common.masked_mean(entropy, mask[rows])
+                share = mask[rows].sum() / mask.sum().clamp(min=1)  # its stats' weight
+                update_stats.append((share, {**stats, "entropy": entropy}))
+                kl_seq += common.masked_sum(kl, mask[rows]) / B
+            max_norm = cfg.max_grad_norm or float("inf")
+            grad_norm = accelerator.clip_grad_norm_(policy.parameters(), max_norm)
+            helpers.check_finite(accelerator, update_loss, grad_norm, step)
+            optimizer.step()
+            optimizer.zero_grad()
 
-        # ---- log (PLUMBING: docs/metrics.md says what each metric means) ----
+        # ---- log, evaluate, checkpoint (PLUMBING: docs/metrics.md says what each one means) ----
         metrics = {
             "train/reward": rewards.mean(),
             "train/reward_std": rewards.std(),
@@ -124,15 +144,19 @@ def main():
             "train/greedy_reward": greedy_rewards.mean(),
             "train/adv_mean": adv.mean(),
             "train/adv_std": adv.std(),
+            "train/adv_abs_max": adv.abs().max(),
             "train/kl_seq": kl_seq,
-            **{f"train/{key}": value for key, value in update.items()},
+            "train/loss": update_loss,
+            "train/grad_norm": grad_norm,
+            **{f"train/{key}": value for key, value in helpers.combine(update_stats).items()},
             **reward_stats,
         }
-        if trainer.end_step(step, metrics, rollout, rewards, adv):
-            break
+        due = step % cfg.eval_every == 0 or step == cfg.num_steps
+        evaluation = helpers.evaluate(policy, tokenizer, eval_data, cfg, accelerator) if due else {}
+        helpers.log_step(logger, step, metrics, rollout, rewards, started, evaluation)
+        helpers.save_checkpoint(cfg, accelerator, step, policy, tokenizer, prompts)
 
-    # ---- end: save, plot (PLUMBING) ----
-    trainer.finish()
+    helpers.finish(cfg, accelerator, logger, policy, tokenizer, prompts)
 
 
 if __name__ == "__main__":

@@ -13,13 +13,19 @@ no value model. The price is one extra greedy generation per prompt.
     accelerate launch --multi_gpu --num_processes 2 remax.py     # data-parallel on CPU
     python remax.py --reward_scales hetero --baseline none       # watch REINFORCE fail
 """
+import os
+import sys
 from dataclasses import dataclass
 
-import torch
+if __name__ == "__main__":  # run as lab/remax.py: the repository's root first, so that `remax` is the lesson
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-import common
-from support import config, engine, environments, tasks
-from support.config import arg
+import torch  # noqa: E402
+
+import common  # noqa: E402
+from remax import remax_advantages, remax_loss  # noqa: E402  (the lesson's math)
+from support import config, engine, environments, helpers, tasks  # noqa: E402
+from support.config import arg  # noqa: E402
 
 
 @dataclass
@@ -36,40 +42,10 @@ class Config(environments.AgentConfig, config.CorrectionConfig):
                            loss_agg=config.one_of(*common.LOSS_AGG_MODES))
 
 
-def remax_advantages(rewards, greedy_rewards):
-    """A_i = r(x_i, y_i) - r(x_i, y_greedy_i): the greedy response's reward as baseline. (B,)"""
-    # BEGIN SOLUTION
-    return rewards - greedy_rewards
-    # END SOLUTION
-
-
-def remax_loss(logp, adv, kl, mask, beta, loss_agg="token-mean", pg_weight=None):
-    """REINFORCE loss with the k1 penalty folded into the return.
-
-    logp, kl: (B, T) per-token log-probs (with grad) and k1 = logp - ref_logp (detached);
-    adv: (B,) sequence advantage. Per-token return G_t = A - beta * sum_{t'>=t} k1_t'
-    (reward-to-go: the penalty on earlier tokens does not depend on later actions).
-    Loss = aggregate(-G_t * logp_t); loss_agg: a mode of common.aggregate_loss, or the micro-batch's
-    common.Aggregation (with seq-mean-token-sum-norm's constant, --max_new_tokens). Only with that constant
-    normaliser is the expected gradient of the KL part that of beta * KL_seq(pi || ref) (divided by max_len);
-    token-mean (the default, as the official code) divides by the batch's token count, a ratio estimator biased
-    at small batches, and seq-mean-token-mean weighs each sequence by 1/|y| (docs/algorithms.md). pg_weight (B, T),
-    detached, multiplies each token's term (TIS, masks: --async_rollouts). Returns (loss, stats) with stats:
-    return_mean (mean G_t over tokens).
-    """
-    # BEGIN SOLUTION
-    returns = (adv[:, None] - beta * common.reward_to_go(kl, mask)).detach()
-    if pg_weight is not None:  # a padding weight may hold anything: keep it out of the gradient
-        logp = torch.where(mask.bool(), pg_weight, 0.0) * logp
-    loss = common.aggregate_loss(-returns * logp, mask, loss_agg)
-    return loss, {"return_mean": common.masked_mean(returns, mask)}
-    # END SOLUTION
-
-
 def main():
     cfg = config.parse_config(Config)
     # ---- setup: accelerator, data, policy, reference (PLUMBING: skip on a first read) ----
-    accelerator = config.make_accelerator(cfg)
+    accelerator = helpers.make_accelerator(cfg)
     tokenizer, train_data, eval_data = engine.load_data(cfg, accelerator)
     reward_fn = tasks.make_reward_fn(cfg, accelerator)
     policy, ref_model, rollout_model = engine.load_models(cfg, accelerator, reference=cfg.beta > 0)
