@@ -1,70 +1,65 @@
 """DAPO: Decoupled Clip and Dynamic sAmpling Policy Optimization (Yu et al., 2025,
 https://arxiv.org/abs/2503.14476).
 
-For each prompt x, sample a group of G responses y_1..y_G ~ pi(.|x): the group is the baseline,
-so no value model and no greedy decode. The price is G generations per prompt.
-GRPO's advantage A_i = (r_i - mean(r)) / (std(r) + eps) and clipped surrogate, with four changes, each a flag or a line:
-  1. Clip-higher: clip(rho, 1 - epsilon_low, 1 + epsilon_high) with epsilon_high > epsilon_low, so low-probability
-     tokens with A > 0 can grow further before the clip stops them (entropy collapse is slower).
-  2. Dynamic sampling: a group whose answers are all right or all wrong has A = 0 and teaches nothing. Drop it and
-     sample new prompts until the batch holds batch_size / G groups of mixed correctness (--max_sampling_rounds).
-  3. Token-mean: the loss is the mean over all tokens of the batch, so long responses weigh by their length
-     (GRPO averages per sequence first).
-  4. Overlong shaping: a length penalty, 0 up to max_len - cache_len tokens, falling linearly to -1 at max_len,
-     is added to the reward.
-No KL term and no reference model: the policy is meant to move far from its start.
+For each prompt x, sample a group of G responses y_1..y_G ~ pi(.|x): the group is the baseline, so
+no value model and no greedy decode. The price is G generations per prompt. GRPO's advantage and
+clipped surrogate, with four changes and no KL term (the policy is meant to move far):
+  1. Clip-higher: clip(rho_t, 1 - epsilon_low, 1 + epsilon_high), epsilon_high > epsilon_low.
+  2. Dynamic sampling: drop each group whose answers are all right or all wrong (A = 0) and sample
+     more until the batch holds batch_size / G groups of mixed answers.
+  3. Token-mean: the loss is the mean over all the batch's tokens (GRPO: per sequence first).
+  4. Overlong shaping: a length penalty, 0 up to max_len - cache_len tokens, -1 at max_len.
 
     accelerate launch dapo.py                                    # embedded model and task
     accelerate launch --multi_gpu --num_processes 2 dapo.py      # data-parallel on CPU
     python dapo.py --epsilon_high 0.2 --overlong_cache_len 0     # symmetric clip, no length shaping
 """
-import sys
+import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
+from accelerate.utils import set_seed
 
 import common
-import exploration
-from support import budget, config, engine, environments, tasks
-from support.config import arg
+from support import helpers
+from support.fast import token_logprobs  # common.token_logprobs, faster; equal (tests/test_fast.py)
+from support.helpers import arg, check, check_rules, one_of
 
 
 @dataclass
-class Config(environments.AgentConfig, budget.ExplorationConfig, config.GroupConfig):
+class Config(helpers.TrainConfig):
+    num_generations: int = arg(8, "G: completions per prompt, >= 2 (batch_size / G prompts).")
+    num_steps: int = arg(600, "Optimizer steps (one rollout batch each).")
+    eval_every: int = arg(50, "Held-out greedy accuracy every N steps (and at start and end).")
     epsilon_low: float = arg(0.2, "Clip the ratio below at 1 - epsilon_low (DAPO: 0.2).")
-    epsilon_high: float = arg(0.28, "Clip the ratio above at 1 + epsilon_high (DAPO: 0.28), >= epsilon_low.")
-    dual_clip_c: float = arg(0.0, "Dual clip: a token with A < 0 loses at most c |A|, whatever its ratio (0 = off).")
-    num_epochs: int = arg(1, "mu: optimizer updates per rollout batch (1 = on-policy, the clip is inert).")
-    max_sampling_rounds: int = arg(8, "Dynamic sampling: at most this many generation rounds per step.")
-    dynamic_sampling_metric: str = arg("correct", "Drop groups whose 'correct' (DAPO) or 'reward' is all equal.")
-    overlong_cache_len: int = arg(3, "Overlong shaping: penalty from max_new_tokens - cache_len tokens on (0 = off).")
+    epsilon_high: float = arg(0.28, "Clip the ratio above at 1 + epsilon_high (DAPO: 0.28).")
+    num_epochs: int = arg(1, "mu: optimizer updates per rollout batch (1 = on-policy).")
+    max_sampling_rounds: int = arg(8, "Dynamic sampling: at most this many rounds per step.")
+    overlong_cache_len: int = arg(3, "Overlong shaping: a penalty from max_new_tokens - cache_len "
+                                  "tokens on (0 = off).")
 
     def __post_init__(self):
-        self.reuses_batch = self.num_epochs > 1
         super().__post_init__()
-        config.check_rules(self, dual_clip_c=config.DUAL_CLIP, num_epochs=config.AT_LEAST_ONE)
-        config.check_rules(self, epsilon_low=config.FRACTION, epsilon_high=config.POSITIVE,
-                           max_sampling_rounds=config.AT_LEAST_ONE,
-                           dynamic_sampling_metric=config.one_of("correct", "reward"))
-        config.check(self.epsilon_high >= self.epsilon_low,
-                     f"--epsilon_high ({self.epsilon_high}) must be >= --epsilon_low ({self.epsilon_low}).")
-        config.check(self.dynamic_sampling_metric == "reward" or self.answer_column or self.dataset == "arithmetic",
-                     "--answer_column '' gives no correctness to filter on: use --dynamic_sampling_metric reward.")
-        config.check(0 <= self.overlong_cache_len <= self.max_new_tokens,
-                     f"--overlong_cache_len must be in [0, --max_new_tokens] (got {self.overlong_cache_len}).")
-        self.clip = common.Clip(self.epsilon_low, self.epsilon_high, self.dual_clip_c)
+        G = self.num_generations
+        check(G >= 2, f"--num_generations must be >= 2: the group is the baseline (got {G}).")
+        check(self.batch_size % G == 0, f"--batch_size ({self.batch_size}) must be divisible by "
+              f"--num_generations ({G}): batch_size / G prompts are sampled per step.")
+        check_rules(self, epsilon_low=helpers.FRACTION, epsilon_high=helpers.POSITIVE,
+                    num_epochs=helpers.AT_LEAST_ONE, max_sampling_rounds=helpers.AT_LEAST_ONE)
+        check(self.epsilon_high >= self.epsilon_low, f"--epsilon_high ({self.epsilon_high}) must "
+              f"be >= --epsilon_low ({self.epsilon_low}).")
+        check(0 <= self.overlong_cache_len <= self.max_new_tokens, "--overlong_cache_len must be "
+              f"in [0, --max_new_tokens] (got {self.overlong_cache_len}).")
+        self.clip = common.Clip(self.epsilon_low, self.epsilon_high)
 
 
-def grpo_advantages(rewards, group_size, scale_rewards="group", eps=1e-6, group_ids=None):
+def grpo_advantages(rewards, group_size, scale_rewards="group", eps=1e-6):
     """A_i = (r_i - mean(r_group)) / (std + eps) for (B,) rewards, each group's G samples adjacent.
 
-    std is torch.std (Bessel's correction, ddof=1, as TRL and verl); eps = 1e-6 as verl (TRL
-    uses 1e-4). scale_rewards: 'group' divides by the group's std (GRPO), 'batch' by the std of
-    all B rewards, 'none' only centres (Dr. GRPO). A group whose rewards are all equal gets
-    exactly 0 for every member. Returns (B,). group_ids: (B,) groups of any size, or (B, D) tree ancestors.
+    std with Bessel's correction (as TRL and verl); eps = 1e-6 as verl. scale_rewards: 'group'
+    (GRPO), 'batch' (the std of all B rewards) or 'none' (Dr. GRPO). An all-equal group gets 0.
     """
-    if group_ids is not None:
-        return exploration.grpo_advantages_by_group(rewards, group_ids, scale_rewards, eps)
     # BEGIN SOLUTION
     grouped = rewards.view(-1, group_size)  # (B / G, G)
     adv = grouped - grouped.mean(dim=1, keepdim=True)
@@ -79,12 +74,10 @@ def grpo_advantages(rewards, group_size, scale_rewards="group", eps=1e-6, group_
     # END SOLUTION
 
 
-def dynamic_sampling_filter(correct, group_size, group_ids=None):
+def dynamic_sampling_filter(correct, group_size):
     """Keep mask (num_groups,) bool: True for a group whose 0/1 correctness is mixed (some right,
     some wrong), False when all are right or all are wrong. Filters on correctness, not on the
-    shaped reward (an all-wrong group with different lengths is still dropped). group_ids: as grpo_advantages'."""
-    if group_ids is not None:
-        return ~exploration.all_equal(correct, group_ids)
+    shaped reward (an all-wrong group with different lengths is still dropped)."""
     # BEGIN SOLUTION
     grouped = correct.view(-1, group_size)
     return (grouped != grouped[:, :1]).any(dim=1)
@@ -92,7 +85,7 @@ def dynamic_sampling_filter(correct, group_size, group_ids=None):
 
 
 def overlong_penalty(lengths, max_len, cache_len):
-    """DAPO's soft overlong punishment (eq. 13), added to the reward, for (B,) lengths in tokens:
+    """DAPO's soft overlong punishment (eq. 13), added to the reward, for (B,) lengths:
 
         0                                   if L <= max_len - cache_len
         ((max_len - cache_len) - L) / cache_len   if max_len - cache_len < L <= max_len
@@ -109,19 +102,17 @@ def overlong_penalty(lengths, max_len, cache_len):
 
 
 def dapo_loss(logp, old_logp, adv, mask, clip, pg_weight=None, loss_agg="token-mean"):
-    """Clipped surrogate with the decoupled clip range, token-mean over the whole batch (DAPO eq. 8).
+    """Clipped surrogate with the decoupled clip range, token-mean over the batch (DAPO eq. 8).
 
-    logp: (B, T) log-probs under the policy being trained (with grad); old_logp: (B, T) at sampling
-    time (detached); adv: (B,), the same for every token. pg_weight (B, T), detached, multiplies the
-    surrogate (TIS, masks). clip: a common.Clip (or a tuple of its fields), the range of the ratio and its dual
-    clip: [1 - epsilon_low, 1 + epsilon_high]. loss_agg: token-mean, or the micro-batch's common.Aggregation of it.
-    Returns (loss, stats): clip_frac_low / clip_frac_high, the fraction of tokens clipped below
-    (ratio < 1 - clip.low, A < 0) and above (ratio > 1 + clip.high, A > 0); approx_kl, k3 of the token ratio, an
-    estimate of KL(pi_old || pi_theta).
+    logp: (B, T) under the policy trained (with grad); old_logp: (B, T) detached, at sampling time;
+    adv: (B,). clip: a common.Clip, [1 - epsilon_low, 1 + epsilon_high] and its dual clip.
+    pg_weight: (B, T) detached weights of the surrogate (the lab's corrections); loss_agg:
+    token-mean or a micro-batch's Aggregation of it. Returns (loss, stats): clip_frac_low / _high
+    (ratio < 1 - low with A < 0, > 1 + high with A > 0) and approx_kl (k3 of the ratio).
     """
-    clip = common.Clip(*clip)
-    # the padding may hold anything (NaN, a gap past exp's range): there the detached inputs take logp's value,
-    # so the gradient at a padded position is 0, not 0 * inf = NaN from an exp's backward
+    clip = common.Clip(*clip) if isinstance(clip, tuple) else common.Clip(clip, clip)
+    # the padding may hold anything (NaN, a gap past exp's range): there the detached inputs take
+    # logp's value, so the gradient at a padded position is 0, not 0 * inf = NaN from exp's backward
     old_logp = torch.where(mask.bool(), old_logp, logp.detach())
     # BEGIN SOLUTION
     log_ratio = logp - old_logp  # (B, T)
@@ -143,105 +134,98 @@ def dapo_loss(logp, old_logp, adv, mask, clip, pg_weight=None, loss_agg="token-m
     # END SOLUTION
 
 
-def fill_batch(kept, batch_size, accelerator, pad_token_id):
-    """The kept rows as one (rollout, rewards, correct), as many on every process (the fewest kept, at most
-    batch_size: they step together); three Nones when a process kept nothing: every process skips the step."""
-    n = engine.fewest(accelerator, min(sum(len(rollout) for rollout, _, _ in kept), batch_size))
-    if n == 0:
-        return None, None, None
-    rollout = engine.Rollout.cat([rollout for rollout, _, _ in kept], pad_token_id, limit=n)
-    return rollout, torch.cat([r for _, r, _ in kept])[:n], torch.cat([c for _, _, c in kept])[:n]
-
-
 def main():
-    cfg = config.parse_config(Config)
-    # ---- setup: accelerator, data, policy, reference (PLUMBING: skip on a first read) ----
-    accelerator = config.make_accelerator(cfg)
-    tokenizer, train_data, eval_data = engine.load_data(cfg, accelerator)
-    reward_fn = tasks.make_reward_fn(cfg, accelerator)
-    policy, _, rollout_model = engine.load_models(cfg, accelerator, reference=False, rollout_copy=True)  # no KL term
-    group_size = cfg.num_generations
-    sampler = budget.BudgetSampler(train_data, cfg, accelerator.process_index, accelerator.num_processes)
-    trainer = engine.Trainer(cfg, accelerator, tokenizer, sampler, eval_data, policy, rollout_model, cfg.rollout_lag)
-    if trainer.resume() == 0:  # --resume_from: the checkpoint's step, else 0
-        trainer.evaluate(step=0)  # held-out accuracy before training
+    cfg = helpers.parse_config(Config)
+    # ---- setup: accelerator, data, policy and optimizer, reference (PLUMBING: skip at first) ----
+    accelerator = helpers.make_accelerator(cfg)
+    tokenizer, train_data, eval_data = helpers.load_data(cfg, accelerator)
+    reward_fn = helpers.make_reward_fn(cfg, accelerator)
+    policy, _, optimizer = helpers.load_models(cfg, accelerator, reference=False)  # no KL term
+    G = cfg.num_generations
+    prompts = helpers.prompt_sampler(train_data, cfg.batch_size // G, cfg, accelerator)
+    set_seed(cfg.seed + accelerator.process_index)  # each rank samples different completions
+    start = helpers.resume(cfg, accelerator, prompts)  # --resume_from: its step, else 0
+    logger = helpers.open_log(cfg, accelerator, start)
+    if start == 0:  # held-out accuracy before training
+        logger.log(0, helpers.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
 
-    for step in trainer.steps():
-        # ---- rollout: groups of G sampled responses, with dynamic sampling: rounds of groups until the batch is
-        # full of groups whose answers are mixed (all right or all wrong: A = 0, nothing to learn, dropped) ----
-        kept, sampled_rewards, round_stats = [], [], []  # kept: (rollout, rewards, correct) of each round
-        while len(kept) < cfg.max_sampling_rounds and engine.any_process(  # every process samples as many rounds
-                accelerator, sum(len(rollout) for rollout, _, _ in kept) < cfg.batch_size):
-            rollout = trainer.rollout(sampler)  # each prompt's G samples adjacent (knapsack: its n_i)
-            with trainer.timer("reward"):
-                rewards, correct, reward_stats = reward_fn(rollout.examples, rollout.completions, rollout.rewards)
-            groups, _ = sampler.record(rollout, correct)  # each row's group; each prompt's success rate kept
-            keep = dynamic_sampling_filter(correct if cfg.dynamic_sampling_metric == "correct" else rewards, group_size,
-                                           group_ids=None if cfg.budget == "uniform" else groups)[groups]
-            kept.append((rollout.select(keep), rewards[keep], correct[keep]))
-            sampled_rewards.append(rewards)
-            round_stats.append(reward_stats)
-        reward_stats = {key: sum(s[key] for s in round_stats) / len(round_stats) for key in round_stats[0]}
-        held, sampled_rewards = sum(len(rollout) for rollout, _, _ in kept), torch.cat(sampled_rewards)
-        rollout, rewards, correct = fill_batch(kept, cfg.batch_size, accelerator, tokenizer.pad_token_id)
-        if held < cfg.batch_size:
-            print(f"warning: step {step} (rank {accelerator.process_index}): --max_sampling_rounds "
-                  f"{cfg.max_sampling_rounds} reached with {held // group_size} groups of mixed "
-                  f"{cfg.dynamic_sampling_metric}; " + ("skipping the step" if rollout is None else "training on those")
-                  + ". Raise --max_sampling_rounds to fill the batch.", file=sys.stderr, flush=True)
-        metrics = {"train/skipped_step": float(rollout is None), "train/sampling_rounds": len(kept),
-                   "train/groups_dropped": (len(sampled_rewards) - held) // group_size,
-                   "train/reward_sampled": sampled_rewards.mean()}
-        if rollout is None:
-            if trainer.end_step(step, metrics):  # a skipped step logs only what dynamic sampling did
-                break
+    for step in helpers.steps(cfg, start, accelerator):
+        started = time.time()
+        # ---- rollout: groups of G, in rounds until batch_size / G groups have mixed answers ----
+        rounds = []  # each round's (rollout, rewards, correct, keep, reward_stats)
+        while len(rounds) < cfg.max_sampling_rounds and helpers.any_process(  # as many everywhere
+                accelerator, sum(int(r[3].sum()) for r in rounds) < cfg.batch_size):
+            rollout = helpers.sample(policy, tokenizer, prompts.next(), cfg, accelerator, num_samples=G)
+            rewards, correct, reward_stats = reward_fn(rollout.examples, rollout.completions)
+            keep = dynamic_sampling_filter(correct, G).repeat_interleave(G)  # (B,) whole groups
+            rounds.append((rollout, rewards, correct, keep, reward_stats))
+        rollout, rewards, correct, reward_stats, metrics = helpers.fill_batch(rounds, cfg, accelerator,
+                                                                              tokenizer, step)
+        if rollout is None:  # no process kept a group: log what dynamic sampling did, and go on
+            helpers.log_step(logger, step, metrics, None, None, started)
             continue
+        mask, B, T = rollout.mask, *rollout.mask.shape  # (B, T): 1 on each completion's tokens
 
         # ---- reward: overlong shaping, after the filter; the log-probs the loss compares with ----
-        penalty = overlong_penalty(rollout.mask.sum(1), cfg.max_new_tokens, cfg.overlong_cache_len)
+        penalty = overlong_penalty(mask.sum(1), cfg.max_new_tokens, cfg.overlong_cache_len)
         rewards = rewards + penalty
-        old_logp = trainer.old_logprobs(rollout) if cfg.num_epochs > 1 else None  # pi_old; mu = 1: logp
-        rollout_logp = trainer.sampler_logprobs(rollout)  # the sampler's, when it is a copy
+        old_logp = helpers.score(policy, rollout, cfg) if cfg.num_epochs > 1 else None  # pi_old
 
         # ---- advantages: each reward standardised within its group ----
-        groups = exploration.group_ids(rollout.examples, rewards.device)  # (B,) each row's group (the last may be cut)
-        adv = grpo_advantages(rewards, group_size, group_ids=sampler.subgroups(rollout, groups))
+        adv = grpo_advantages(rewards, G)
 
-        # ---- update: mu optimizer steps on the same batch, each summing its micro-batches' gradients ----
-        for epoch in range(cfg.num_epochs):  # the stats are those of the last (most off-policy) update
-            for mb in trainer.micro_batches(rollout, common.Aggregation("token-mean")):
-                logp, entropy = trainer.policy_logprobs(rollout, mb)  # (b, T), with gradient; mb.mask: the actions
-                old = logp.detach() if old_logp is None else mb.of(old_logp)  # mu = 1: pi_old = pi_theta in value
-                pg_weight, correction, per_row = None, {}, {}
-                if rollout_logp is not None or cfg.geo_mask_delta > 0:  # a sampler that is not this policy: TIS, mask
-                    pg_weight, correction, per_row = common.rollout_correction(
-                        logp, old, mb.of(rollout_logp), mb.of(adv), mb.mask, cfg.tis_cap, cfg.geo_mask_delta,
-                        cfg.tis_level, cfg.tis_veto, cfg.m2po_tau)
-                loss, stats = dapo_loss(logp, old, mb.of(adv), mb.mask, cfg.clip, pg_weight, mb.agg)
-                stats = {**stats, **correction, "entropy": common.masked_mean(entropy, mb.mask)}
-                trainer.backward(loss, mb, stats, per_row)
-            update = trainer.step(policy)  # clip, check finite, optimizer step, zero_grad
+        # ---- update: mu optimizer steps, each summing its micro-batches' gradients ----
+        num_tokens = accelerator.reduce(mask.sum().float(), "mean")  # per process, as DDP averages
+        batches = helpers.micro_batches(B, cfg.micro_batch_size)
+        for epoch in range(cfg.num_epochs):  # the stats are the last (most off-policy) update's
+            update_loss, update_stats = 0.0, []
+            for rows in batches:
+                logp, entropy = token_logprobs(  # (b, T), with gradient
+                    policy, rollout.input_ids[rows], rollout.attention_mask[rows], T, cfg.temperature,
+                    with_entropy=True, top_k=cfg.top_k, top_p=cfg.top_p)
+                old = logp.detach() if old_logp is None else old_logp[rows]  # mu = 1: pi_theta
+                # its part of the batch's loss: the weighted losses sum to the batch's
+                weight = common.micro_batch_weight(mask[rows], "token-mean", num_tokens, B)
+                agg = common.Aggregation("token-mean", None, weight)
+                loss, stats = dapo_loss(logp, old, adv[rows], mask[rows], cfg.clip, loss_agg=agg)
+                last = rows == batches[-1]  # DDP averages the gradients after the last one only
+                accelerator.sync_gradients = last  # (and DeepSpeed steps there)
+                with nullcontext() if last else accelerator.no_sync(policy):
+                    accelerator.backward(loss)
+                update_loss += loss.detach()
+                entropy = common.masked_mean(entropy, mask[rows])
+                share = mask[rows].sum() / mask.sum().clamp(min=1)  # its stats' weight
+                update_stats.append((share, {**stats, "entropy": entropy}))
+            max_norm = cfg.max_grad_norm or float("inf")
+            grad_norm = accelerator.clip_grad_norm_(policy.parameters(), max_norm)
+            helpers.check_finite(accelerator, update_loss, grad_norm, step)
+            optimizer.step()
+            optimizer.zero_grad()
 
-        # ---- log (PLUMBING: docs/metrics.md says what each metric means) ----
+        # ---- log, evaluate, checkpoint (PLUMBING: docs/metrics.md says what each one means) ----
+        grouped = rewards.view(-1, G)
         metrics = {
             **metrics,
             "train/reward": rewards.mean(),
             "train/reward_std": rewards.std(),
             "train/correct": correct.mean(),
-            **sampler.metrics(rewards, adv, groups),  # frac_zero_std_groups, effective_samples, decoded, sizes
-            "train/groups_kept": int(groups[-1]) + 1,
+            "train/frac_zero_std_groups": (grouped == grouped[:, :1]).all(1).float().mean(),
+            "train/groups_kept": B // G,
             "train/overlong_penalty": penalty.mean(),
             "train/adv_mean": adv.mean(),
             "train/adv_std": adv.std(),
             "train/adv_abs_max": adv.abs().max(),
-            **{f"train/{key}": value for key, value in update.items()},
+            "train/loss": update_loss,
+            "train/grad_norm": grad_norm,
+            **{f"train/{key}": value for key, value in helpers.combine(update_stats).items()},
             **reward_stats,
         }
-        if trainer.end_step(step, metrics, rollout, rewards, adv):
-            break
+        due = step % cfg.eval_every == 0 or step == cfg.num_steps
+        evaluation = helpers.evaluate(policy, tokenizer, eval_data, cfg, accelerator) if due else {}
+        helpers.log_step(logger, step, metrics, rollout, rewards, started, evaluation)
+        helpers.save_checkpoint(cfg, accelerator, step, policy, tokenizer, prompts)
 
-    # ---- end: save, plot (PLUMBING) ----
-    trainer.finish()
+    helpers.finish(cfg, accelerator, logger, policy, tokenizer, prompts)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ bias: Dr. GRPO drops it). GSPO clips one ratio per sequence instead of one per t
     accelerate launch grpo.py                                    # embedded model and task
     accelerate launch --multi_gpu --num_processes 2 grpo.py      # data-parallel on CPU
     python grpo.py --scale_rewards none --loss_agg seq-mean-token-sum-norm   # Dr. GRPO
-    python grpo.py --importance_sampling_level sequence --beta 0  # GSPO
+    python grpo.py --importance_sampling_level sequence --epsilon 3e-4 --epsilon_high 4e-4  # GSPO
 """
 import time
 from contextlib import nullcontext
@@ -39,8 +39,8 @@ class Config(helpers.TrainConfig):
     beta: float = arg(0.04, "Coefficient of the per-token KL term to the reference (0 = none).")
     kl_estimator: str = arg("k3", "Estimator of that KL term: k3 (GRPO) | k2 | k1.")
     importance_sampling_level: str = arg("token", "The ratio: per token (GRPO) | sequence (GSPO).")
-    epsilon: float = arg(None, "Clip the ratio to 1 +- epsilon (default 0.2; GSPO: 3e-4).")
-    epsilon_high: float = arg(None, "GSPO: the upper clip 1 + epsilon_high (default 4e-4).")
+    epsilon: float = arg(0.2, "Clip the ratio to [1 - epsilon, 1 + epsilon_high] (GSPO: 3e-4).")
+    epsilon_high: float = arg(None, "The upper clip (default: epsilon; GSPO: 4e-4).")
     num_epochs: int = arg(1, "mu: optimizer updates per rollout batch (1 = on-policy).")
     scale_rewards: str = arg("group", "Divide A by the std of: group | batch | none (Dr. GRPO).")
     loss_agg: str = arg("seq-mean-token-mean", "Loss aggregation: seq-mean-token-mean (GRPO) | "
@@ -57,13 +57,10 @@ class Config(helpers.TrainConfig):
                     kl_estimator=one_of("k1", "k2", "k3"), loss_agg=one_of(*common.LOSS_AGG_MODES),
                     importance_sampling_level=one_of("token", "sequence"),
                     scale_rewards=one_of("group", "batch", "none"))
-        level = self.importance_sampling_level  # GSPO's clip range: v2 section 5.1
-        check(level == "sequence" or self.epsilon_high is None, "--epsilon_high is GSPO's.")
+        level = self.importance_sampling_level
         check(level == "token" or self.loss_agg != "token-mean", "GSPO: one term per sequence, "
               "which --loss_agg token-mean would weigh by its length.")
-        high = self.epsilon_high or self.epsilon or (4e-4 if level == "sequence" else 0.2)
-        self.epsilon = self.epsilon or (3e-4 if level == "sequence" else 0.2)
-        self.clip = common.Clip(self.epsilon, high, 0.0, level)
+        self.clip = common.Clip(self.epsilon, self.epsilon_high or self.epsilon, 0.0, level)
 
 
 def grpo_advantages(rewards, group_size, scale_rewards="group", eps=1e-6):

@@ -128,6 +128,31 @@ def fewest(accelerator, n):
     return min(accelerator.gather(torch.tensor([n], device=accelerator.device)).tolist())
 
 
+def fill_batch(rounds, cfg, accelerator, tokenizer, step):
+    """DAPO's dynamic sampling: the rows each round kept, as one (rollout, rewards, correct), as many on every
+    process (the fewest kept, at most --batch_size: they step together), padded as if sampled together, or
+    three Nones when a process kept nothing (every process skips the step); the rounds' mean reward_stats; and the
+    metrics of the sampling. rounds: (rollout, rewards, correct, keep: (B,) bool, reward_stats) of each round.
+    Warns when --max_sampling_rounds ended before the batch was full."""
+    kept = [(rollout.select(keep), rewards[keep], correct[keep]) for rollout, rewards, correct, keep, _ in rounds]
+    held, sampled = sum(len(rollout) for rollout, _, _ in kept), torch.cat([r[1] for r in rounds])
+    n = fewest(accelerator, min(held, cfg.batch_size))
+    if held < cfg.batch_size:
+        print(f"warning: step {step} (rank {accelerator.process_index}): --max_sampling_rounds "
+              f"{cfg.max_sampling_rounds} reached with {held // cfg.num_generations} groups kept; " + ("skipping the step" if n == 0 else "training on those") +
+              ". Raise --max_sampling_rounds to fill the batch.", file=sys.stderr, flush=True)
+    stats = [r[4] for r in rounds]
+    reward_stats = {key: sum(s[key] for s in stats) / len(stats) for key in stats[0]}
+    metrics = {"train/skipped_step": float(n == 0), "train/sampling_rounds": len(rounds),
+               "train/groups_dropped": (len(sampled) - held) // cfg.num_generations,
+               "train/reward_sampled": sampled.mean()}
+    if n == 0:
+        return None, None, None, reward_stats, metrics
+    rollout = Rollout.cat([rollout for rollout, _, _ in kept], tokenizer.pad_token_id, limit=n)
+    rewards, correct = torch.cat([r for _, r, _ in kept])[:n], torch.cat([c for _, _, c in kept])[:n]
+    return rollout, rewards, correct, reward_stats, metrics
+
+
 # ---- the update's numbers ----
 def combine(shares_and_stats):
     """One value per statistic of an update from its micro-batches' (token share, stats): a plain value is a mean
@@ -183,12 +208,15 @@ def evaluate(policy, tokenizer, eval_data, cfg, accelerator):
 
 def log_step(logger, step, metrics, rollout, rewards, started, evaluation=None):
     """Average the step's metrics over the processes, add the completions' length and the step's seconds, and log
-    them (with the evaluation's when there is one) and two samples. `started`: time.time() when the step began."""
-    seconds = time.time() - started
-    metrics = {**metrics, "train/completion_len": rollout.mask.sum(1).float().mean(), "time/step_s": seconds}
+    them (with the evaluation's when there is one) and two samples (none when rollout is None: a step skipped).
+    `started`: time.time() when the step began."""
+    metrics = {**metrics, "time/step_s": time.time() - started}
+    samples = ()
+    if rollout is not None:
+        metrics["train/completion_len"] = rollout.mask.sum(1).float().mean()
+        samples = zip(rollout.prompts, rollout.completions, rewards.tolist())
     metrics = run.reduce_metrics(logger.accelerator, metrics)
-    logger.log(step, {**metrics, **(evaluation or {})}, samples=zip(rollout.prompts, rollout.completions,
-                                                                    rewards.tolist()))
+    logger.log(step, {**metrics, **(evaluation or {})}, samples=samples)
 
 
 def save_checkpoint(cfg, accelerator, step, policy, tokenizer, prompts):
