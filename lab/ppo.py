@@ -20,15 +20,21 @@ greedy reward per prompt, and several updates per batch of samples.
     accelerate launch --multi_gpu --num_processes 2 ppo.py       # data-parallel (gloo on CPU)
     python ppo.py --adaptive_kl True --kl_target 1.0             # Ziegler et al. KL control
 """
+import os
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
-from transformers import AutoModelForSequenceClassification
+if __name__ == "__main__":  # run as lab/ppo.py: the repository's root first, so that `ppo` is the lesson
+    sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-import common
-from support import config, engine, environments, models, run, tasks
-from support.config import arg
+import torch  # noqa: E402
+
+import common  # noqa: E402
+from ppo import (AdaptiveKLController, ValueModel, decoupled_gae, explained_variance, last_action,  # noqa: E402
+                 length_adaptive_lam, ppo_policy_loss, ppo_value_loss)  # the lesson's math and models
+from support import config, engine, environments, helpers, models, run, tasks  # noqa: E402
+from support.config import arg  # noqa: E402
 
 
 @dataclass
@@ -74,168 +80,6 @@ class Config(environments.AgentConfig, config.CorrectionConfig):
         self.clip = common.Clip(self.epsilon, self.epsilon, self.dual_clip_c)
 
 
-def gae(rewards, values, mask, gamma, lam):
-    """Generalized advantage estimation (Schulman et al., 2016), per token. (B, T) in, out.
-
-    delta_t = r_t + gamma V_{t+1} - V_t,  A_t = delta_t + gamma lam A_{t+1},  R_t = A_t + V_t,
-    with V_{T+1} = 0 after the last valid token. `mask` is 1 on the tokens that are actions: a
-    completion's prefix, or an episode's model tokens (agents.py), where t + 1 is the next action,
-    the environment's tokens between them skipped. Positions where it is 0 contribute nothing and
-    get A = R = 0. lam is a number or a (B,) tensor, one lambda per sequence. Returns (advantages, returns).
-    """
-    # BEGIN SOLUTION
-    acts = mask.bool()
-    rewards = torch.where(acts, rewards, torch.zeros_like(rewards))
-    values = torch.where(acts, values, torch.zeros_like(values))
-    next_adv = torch.zeros_like(rewards[:, 0])
-    next_value = torch.zeros_like(values[:, 0])
-    advantages = torch.zeros_like(rewards)
-    for t in reversed(range(rewards.shape[1])):  # a position that is no action leaves the recursion as it is
-        delta = rewards[:, t] + gamma * next_value - values[:, t]
-        next_adv = torch.where(acts[:, t], delta + gamma * lam * next_adv, next_adv)
-        next_value = torch.where(acts[:, t], values[:, t], next_value)
-        advantages[:, t] = next_adv
-    advantages = torch.where(acts, advantages, torch.zeros_like(advantages))
-    returns = advantages + values
-    return advantages, returns
-    # END SOLUTION
-
-
-def decoupled_gae(rewards, values, mask, gamma, lam_policy, lam_critic):
-    """Decoupled GAE (VC-PPO, Yuan et al., 2025; VAPO): the policy's advantages with lam_policy,
-    the critic's targets R_t = A_t + V_t with lam_critic (1: the Monte Carlo return, which an
-    untrained V cannot bias). (B, T) in; returns (advantages, returns)."""
-    # BEGIN SOLUTION
-    advantages, _ = gae(rewards, values, mask, gamma, lam_policy)
-    _, returns = gae(rewards, values, mask, gamma, lam_critic)
-    return advantages, returns
-    # END SOLUTION
-
-
-def last_action(mask):
-    """(B,) the position of each row's last 1 in the (B, T) mask: its last action (0 when it has none)."""
-    positions = torch.arange(mask.shape[1], device=mask.device)
-    return torch.where(mask.bool(), positions, 0).max(dim=1).values
-
-
-def length_adaptive_lam(lengths, alpha):
-    """VAPO's length-adaptive GAE (Yue et al., 2025): lam = 1 - 1/(alpha |y|) per sequence, so the
-    total weight of the TD errors, 1/(1 - lam) = alpha |y|, grows with the length. Clamped at 0
-    (one-step TD) for |y| <= 1/alpha. (B,) lengths in, (B,) lambdas out."""
-    # BEGIN SOLUTION
-    return (1 - 1 / (alpha * lengths.float())).clamp(min=0.0)
-    # END SOLUTION
-
-
-def ppo_policy_loss(logp, old_logp, adv, mask, epsilon, dual_clip_c=0.0, loss_agg="token-mean", pg_weight=None):
-    """Clipped surrogate (Schulman et al., 2017, eq. 7), token-mean over the minibatch (loss_agg: token-mean, or
-    the micro-batch's common.Aggregation of it).
-
-    logp: (B, T) with grad; old_logp, adv: (B, T) from rollout time. Per token
-    -min(rho A, clip(rho, 1 - epsilon, 1 + epsilon) A), rho = exp(logp - old_logp): once the ratio
-    has moved past the clip in the direction A favours, the gradient is zero. With A < 0 it is
-    unbounded as rho grows; dual_clip_c > 1 caps that token's loss at c |A|. pg_weight (B, T), detached, multiplies
-    the surrogate (TIS, masks against a stale sampler: --async_rollouts).
-    Returns (loss, stats): clip_frac_low / clip_frac_high, the fraction of tokens clipped below
-    (rho < 1 - epsilon with A < 0) and above (rho > 1 + epsilon with A > 0); approx_kl, the k3
-    estimate of KL(pi_old || pi_theta) from the ratio.
-    """
-    # the padding may hold anything (NaN, a gap past exp's range): there the detached inputs take logp's value,
-    # so the gradient at a padded position is 0, not 0 * inf = NaN from an exp's backward
-    old_logp = torch.where(mask.bool(), old_logp, logp.detach())
-    # BEGIN SOLUTION
-    log_ratio = logp - old_logp
-    ratio = torch.exp(log_ratio)
-    surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - epsilon, 1 + epsilon) * adv)
-    if dual_clip_c > 0:  # dual clip (Ye et al., 2020)
-        surrogate = torch.where(adv < 0, torch.max(surrogate, dual_clip_c * adv), surrogate)
-    if pg_weight is not None:  # a padding weight may hold anything: keep it out of the gradient
-        surrogate = torch.where(mask.bool(), pg_weight, 0.0) * surrogate
-    loss = common.aggregate_loss(-surrogate, mask, loss_agg)
-    with torch.no_grad():
-        stats = {
-            "clip_frac_low": common.masked_mean(((ratio < 1 - epsilon) & (adv < 0)).float(), mask),
-            "clip_frac_high": common.masked_mean(((ratio > 1 + epsilon) & (adv > 0)).float(), mask),
-            "approx_kl": common.masked_mean(ratio - 1 - log_ratio, mask),
-        }
-    return loss, stats
-    # END SOLUTION
-
-
-def ppo_value_loss(values, old_values, returns, mask, epsilon_value, loss_agg="token-mean"):
-    """Clipped value loss, token-mean (loss_agg: token-mean, or the micro-batch's common.Aggregation of it):
-    0.5 max((V - R)^2, (V_old + clip(V - V_old, -c, c) - R)^2).
-
-    values: (B, T) with grad; old_values, returns: (B, T) from rollout time. Like the policy
-    clip, it keeps the critic near the one that produced the advantages.
-    Returns (loss, stats) with stats: clip_frac (fraction of tokens where the clipped term wins).
-    """
-    # BEGIN SOLUTION
-    values_clipped = old_values + torch.clamp(values - old_values, -epsilon_value, epsilon_value)
-    unclipped = (values - returns) ** 2
-    clipped = (values_clipped - returns) ** 2
-    loss = 0.5 * common.aggregate_loss(torch.max(unclipped, clipped), mask, loss_agg)
-    with torch.no_grad():
-        stats = {"clip_frac": common.masked_mean((clipped > unclipped).float(), mask)}
-    return loss, stats
-    # END SOLUTION
-
-
-def explained_variance(values, returns, mask):
-    """1 - Var[R - V] / Var[R] over the valid tokens: 1 = the critic predicts the returns,
-    0 = no better than their mean, < 0 = worse than the mean."""
-    def var(x):
-        return common.masked_mean((x - common.masked_mean(x, mask)) ** 2, mask)
-    return 1 - var(returns - values) / var(returns).clamp(min=1e-8)
-
-
-class ValueModel(torch.nn.Module):
-    """The critic: a sequence-classification model with one label (the policy's backbone plus a
-    scalar head `score`, as reward models are stored), applied at every position.
-    From a causal-LM checkpoint the backbone is loaded and the head newly initialised.
-    In --torch_dtype. Given a LoRA config (the policy's --lora_r) only the adapter and the head
-    train: the backbone stays a frozen copy, without gradients or AdamW state."""
-
-    def __init__(self, path, torch_dtype="float32", gradient_checkpointing=False, lora=None):
-        super().__init__()
-        self.model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1,
-                                                                        dtype=config.DTYPES[torch_dtype])
-        models.disable_dropout(self.model)
-        if gradient_checkpointing:
-            self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        if lora is not None:
-            self.model = models.add_lora(self.model, lora)  # the adapter's layers go into the model in place
-        self.train()  # dropout is off; train mode only lets gradient checkpointing act
-
-    def forward(self, input_ids, attention_mask, num_completion_tokens):
-        """(B, C) values V_t of the prefix before each of the last C tokens (the state in which
-        token t is chosen: the same positions whose logits give logp_t), in fp32."""
-        c = num_completion_tokens
-        model = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model  # under LoRA
-        position_ids = common.position_ids_from_mask(attention_mask)
-        hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                  use_cache=False).last_hidden_state
-        return model.score(hidden[:, -(c + 1):-1]).squeeze(-1).float()
-
-
-class AdaptiveKLController:
-    """Ziegler et al. (2019), section 2.2: move beta so that the KL per sequence tracks a target,
-    beta <- beta * (1 + clip(KL / target - 1, -0.2, 0.2) * n / horizon) after n samples."""
-
-    def __init__(self, beta, target, horizon):
-        self.value, self.target, self.horizon = beta, target, horizon
-
-    def update(self, kl, n):
-        error = min(max(kl / self.target - 1, -0.2), 0.2)
-        self.value *= 1 + error * n / self.horizon
-
-    def state_dict(self):  # saved in resumable checkpoints (accelerator.register_for_checkpointing)
-        return {"value": self.value}
-
-    def load_state_dict(self, state):
-        self.value = state["value"]
-
-
 # the critic's own panels, next to run.PLOT_KEYS in curves.png
 CRITIC_PLOT_KEYS = ("train/value_loss", "train/explained_variance", "train/value_clip_frac",
                     "train/clip_frac_high", "train/approx_kl", "train/beta")
@@ -244,7 +88,7 @@ CRITIC_PLOT_KEYS = ("train/value_loss", "train/explained_variance", "train/value
 def main():
     cfg = config.parse_config(Config)
     # ---- setup: accelerator, data, policy, critic, reference (PLUMBING: skip on a first read) ----
-    accelerator = config.make_accelerator(cfg)
+    accelerator = helpers.make_accelerator(cfg)
     if accelerator.state.deepspeed_plugin is not None:
         raise SystemExit("error: ppo.py trains two models (policy and critic) and accelerate's DeepSpeed integration "
                          "prepares one model per Accelerator: launch it with DDP (e.g. configs/ddp_8gpu.yaml).")

@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 import common
 from support import checkpoint, config, models, run, tasks
 from support.config import (  # noqa: F401 (the lessons')
-    AT_LEAST_ONE, DUAL_CLIP, FRACTION, NON_NEGATIVE, POSITIVE, PROBABILITY, BaseConfig as TrainConfig, arg, check,
+    DTYPES, AT_LEAST_ONE, DUAL_CLIP, FRACTION, NON_NEGATIVE, POSITIVE, PROBABILITY, BaseConfig as TrainConfig, arg, check,
     check_rules, one_of)
 from support.fast import generate, token_logprobs
 from support.rollout import Rollout, micro_batches  # noqa: F401 (the lessons')
@@ -86,6 +86,19 @@ def load_models(cfg, accelerator, reference):
     return policy, models.prepare_frozen(accelerator, ref_model), optimizer
 
 
+def load_critic(value_model, cfg, accelerator):
+    """(critic, its optimizer): PPO's value model and its AdamW at --critic_learning_rate, prepared."""
+    optimizer, scheduler = models.make_optimizer(value_model, cfg, cfg.critic_learning_rate)
+    critic, optimizer, scheduler = accelerator.prepare(value_model, optimizer, scheduler)
+    return critic, optimizer
+
+
+def save_critic(cfg, accelerator, critic, tokenizer):
+    """PPO's critic (under LoRA merged: a whole critic), saved with save_pretrained in output_dir/final/critic."""
+    models.save_model(accelerator, accelerator.unwrap_model(critic).model, tokenizer, f"{cfg.output_dir}/final/critic",
+                      merge_lora=True)
+
+
 def prompt_sampler(train_data, num_prompts, cfg, accelerator):
     """Endless shuffled batches of num_prompts examples (.next()), each process from its own shard."""
     return tasks.PromptSampler(train_data, num_prompts, cfg.seed, accelerator.process_index, accelerator.num_processes)
@@ -115,6 +128,13 @@ def score(model, rollout, cfg, truncated=True):
     num_tokens = rollout.mask.shape[1]
     return torch.cat([token_logprobs(model, rollout.input_ids[rows], rollout.attention_mask[rows], num_tokens,
                                      cfg.temperature, **sampling)
+                      for rows in micro_batches(len(rollout), cfg.micro_batch_size)]).clone()
+
+
+@torch.no_grad()
+def values(critic, rollout, cfg):
+    """(B, T) values of PPO's critic before each completion token, --micro_batch_size rows at a time."""
+    return torch.cat([critic(rollout.input_ids[rows], rollout.attention_mask[rows], rollout.mask.shape[1])
                       for rows in micro_batches(len(rollout), cfg.micro_batch_size)]).clone()
 
 
