@@ -1,0 +1,59 @@
+"""The two tiers run the same algorithm: each lesson file (grpo.py ...) and its lab file (lab/grpo.py) with no lab
+feature on give the same run, every shared metric of metrics.jsonl bit for bit and the same final weights, in one
+process with micro-batches and in two processes (DDP on CPU)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from safetensors.torch import load_file
+
+from conftest import ROOT, launch_two_processes, run_together
+
+ALGORITHMS = ("remax", "rloo", "grpo", "dapo", "ppo")
+# a few steps: the numbers part at the first that differs; PPO's step is 16 optimizer steps
+STEPS = {"ppo": ["--num_steps", "2", "--batch_size", "16", "--num_mini_batches", "2"]}
+SMALL = ["--num_steps", "3", "--batch_size", "32"]
+
+
+def metrics(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def assert_same_run(lesson, lab):
+    rows, lab_rows = metrics(lesson), metrics(lab)
+    assert [r["step"] for r in rows] == [r["step"] for r in lab_rows]
+    for row, lab_row in zip(rows, lab_rows):
+        shared = [k for k in row if k in lab_row and not k.startswith("time/")]
+        assert len(shared) >= 8 and "train/loss" in shared or row["step"] == 0
+        assert {k: row[k] for k in shared} == {k: lab_row[k] for k in shared}, row["step"]
+    weights, lab_weights = (load_file(os.path.join(d, "final", "model.safetensors")) for d in (lesson, lab))
+    assert weights.keys() == lab_weights.keys()
+    assert all(weights[k].equal(lab_weights[k]) for k in weights)
+
+
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_the_lesson_and_the_lab_give_the_same_run_with_micro_batches(name, tmp_path):
+    args = STEPS.get(name, SMALL) + ["--micro_batch_size", "8"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmds = [[sys.executable, script, *args, "--output_dir", str(tmp_path / tier)]
+            for script, tier in ((f"{name}.py", "lesson"), (f"lab/{name}.py", "lab"))]
+    for out in run_together(cmds, env):
+        assert out.returncode == 0, out.stderr[-3000:]
+    assert_same_run(tmp_path / "lesson", tmp_path / "lab")
+
+
+@pytest.mark.parametrize("name", ["grpo", "ppo"])
+def test_the_lesson_and_the_lab_give_the_same_run_in_two_processes(name, tmp_path):
+    args = STEPS.get(name, SMALL)
+    launch_two_processes(f"{name}.py", args, tmp_path / "lesson")
+    launch_two_processes(f"lab/{name}.py", args, tmp_path / "lab")
+    assert_same_run(tmp_path / "lesson", tmp_path / "lab")
+
+
+def test_a_lesson_file_has_no_lab_flag():
+    out = subprocess.run([sys.executable, "grpo.py", "--rollout_dtype", "bfloat16"], cwd=ROOT, capture_output=True,
+                         text=True)
+    assert out.returncode != 0 and "unknown flag --rollout_dtype" in out.stderr
