@@ -60,12 +60,12 @@ def runs_of(args, out):
     for algorithm in args.algorithms:
         for seed in args.seeds:
             folder = out / f"{algorithm}_s{seed}"
-            runs[algorithm, seed] = ([sys.executable, f"{algorithm}.py", "--environment", "calculator", "--seed",
+            runs[algorithm, seed] = ([sys.executable, f"lab/{algorithm}.py", "--environment", "calculator", "--seed",
                                       str(seed), "--num_steps", str(args.steps), "--eval_every", str(args.eval_every),
                                       *common_flags, "--output_dir", str(folder)], folder)
     for arm, flags in (("episodes", ["--environment", "calculator"]), ("single_turn", AGENT)):
         folder = out / f"cost_{arm}"
-        runs["cost", arm] = ([sys.executable, "grpo.py", *flags, "--batch_size", str(COST_BATCH), "--num_steps",
+        runs["cost", arm] = ([sys.executable, "lab/grpo.py", *flags, "--batch_size", str(COST_BATCH), "--num_steps",
                               str(args.cost_steps), "--eval_every",
                               str(10 ** 6), *common_flags, "--output_dir", str(folder)], folder)
     return runs

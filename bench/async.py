@@ -51,7 +51,7 @@ def run_one(name, seed, args):
     label = name.replace(" ", "").replace(",", "_").replace("=", "").replace("+", "_")
     run_dir = Path(args.out) / (f"{label}{'-lr' + lr[1] if lr else ''}{'-' + args.environment if environment else ''}"
                                 f"-threads{threads}-seed{seed}")
-    cmd = [sys.executable, str(ROOT / "grpo.py"), "--seed", str(seed), "--num_steps", str(args.steps),
+    cmd = [sys.executable, str(ROOT / "lab" / "grpo.py"), "--seed", str(seed), "--num_steps", str(args.steps),
            "--eval_every", str(args.steps), "--log_every", str(args.steps), "--save_model", "false",
            "--output_dir", str(run_dir), *lr, *environment, *flags]
     return run_cached(cmd, run_dir, args.force, threads)

@@ -35,7 +35,7 @@ VARIANTS = {"synchronous": [], "K = 1": ["--async_rollouts", "1"]}
 def run_one(name, model_path, args, workdir):
     """grpo.py through bench/gpu_check.py's child (random rewards, no evaluation): the medians of its steps 2 on."""
     out_dir = Path(workdir) / name.replace(" ", "").replace("=", "")
-    cmd = [sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--child", str(ROOT / "grpo.py"),
+    cmd = [sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--child", str(ROOT / "lab" / "grpo.py"),
            str(out_dir) + ".json", "--", "--model_name_or_path", model_path, "--num_steps", str(args.steps),
            "--batch_size", str(args.batch_size), "--num_generations", "4", "--micro_batch_size",
            str(args.micro_batch_size), "--max_new_tokens", str(args.max_new_tokens), "--eval_every", "1000000",

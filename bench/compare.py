@@ -12,7 +12,7 @@ put held-out accuracy and training reward against all three axes: completions tr
 sequences generated, and wall-clock seconds. Everything else is each script's default
 (learning rates, KL coefficients, group size 8, ...), so each algorithm runs as its file ships.
 
-Each run is `python <script>.py --seed S --num_steps N ...` in its own subprocess, --jobs at a
+Each run is `python lab/<script>.py --seed S --num_steps N ...` in its own subprocess, --jobs at a
 time with --threads torch threads each; its peak resident memory (ru_maxrss from wait4) is
 recorded. A run whose run.json says it finished with the same command is reused, so an
 interrupted comparison continues where it stopped (--force reruns everything).
@@ -43,12 +43,12 @@ import torch  # noqa: E402
 
 # name -> (script, extra arguments); colours fixed so the figures of both tasks match
 ALGORITHMS = {
-    "reinforce": ("remax.py", ["--baseline", "none"]),
-    "remax": ("remax.py", []),
-    "grpo": ("grpo.py", []),
-    "rloo": ("rloo.py", []),
-    "dapo": ("dapo.py", []),
-    "ppo": ("ppo.py", []),
+    "reinforce": ("lab/remax.py", ["--baseline", "none"]),
+    "remax": ("lab/remax.py", []),
+    "grpo": ("lab/grpo.py", []),
+    "rloo": ("lab/rloo.py", []),
+    "dapo": ("lab/dapo.py", []),
+    "ppo": ("lab/ppo.py", []),
 }
 COLORS = {"reinforce": "tab:gray", "remax": "tab:blue", "grpo": "tab:orange", "rloo": "tab:green",
           "dapo": "tab:red", "ppo": "tab:purple"}

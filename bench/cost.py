@@ -101,6 +101,13 @@ def record_models_and_optimizers():
     return loaded, optimizers
 
 
+def module_name(script):
+    """The name `script` imports under: lab.grpo for lab/grpo.py (whose `from grpo import ...` is the lesson's),
+    the stem for a file outside the repository."""
+    path = Path(script).resolve()
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts) if path.is_relative_to(ROOT) else path.stem
+
+
 def run_child(script, result_path, script_args):
     import torch
 
@@ -110,7 +117,7 @@ def run_child(script, result_path, script_args):
     loaded, optimizers = record_models_and_optimizers()
     tasks.evaluate = lambda *args, **kwargs: {"eval/accuracy": float("nan")}
 
-    spec = importlib.util.spec_from_file_location(Path(script).stem, script)
+    spec = importlib.util.spec_from_file_location(module_name(script), script)
     module = importlib.util.module_from_spec(spec)
     sys.modules[module.__name__] = module  # its Config pickles by name (--async_rollouts sends it to the sampler)
     spec.loader.exec_module(module)  # importing must not train
@@ -199,8 +206,8 @@ def run_algorithm(name, model_path, args, workdir):
 
 
 # name: (script, extra flags). ppo-1x1 isolates the critic from PPO's batch reuse.
-VARIANTS = {name: (f"{name}.py", []) for name in ALGORITHMS}
-VARIANTS["ppo-1x1"] = ("ppo.py", ["--num_epochs", "1", "--num_mini_batches", "1"])
+VARIANTS = {name: (f"lab/{name}.py", []) for name in ALGORITHMS}
+VARIANTS["ppo-1x1"] = ("lab/ppo.py", ["--num_epochs", "1", "--num_mini_batches", "1"])
 
 
 def mib(x):

@@ -11,7 +11,7 @@ equal), of train/effective_samples (rows with a non-zero advantage, of --batch_s
 (tokens per completion) and of train/decoded_per_completion (the tokens decoded per completion: fewer than its
 length where a tree shares prefixes).
 
-Each run is `python grpo.py --seed S ...` in its own subprocess, --jobs at a time, one torch thread each; a run
+Each run is `python lab/grpo.py --seed S ...` in its own subprocess, --jobs at a time, one torch thread each; a run
 whose summary.json exists is reused (--force reruns).
 
     python bench/exploration.py                                          # docs/exploration.md
@@ -55,7 +55,7 @@ def parse_args():
 
 
 def command(args, arm, seed, out):
-    return [sys.executable, "grpo.py", "--seed", str(seed), "--num_steps", str(args.steps), "--train_size",
+    return [sys.executable, "lab/grpo.py", "--seed", str(seed), "--num_steps", str(args.steps), "--train_size",
             str(args.train_size), "--eval_every", str(args.eval_every), "--log_rollouts", "0", "--save_model",
             "False", "--output_dir", str(out), *ARMS[arm]]
 

@@ -103,7 +103,7 @@ def run_one(algorithm, precision, launch, model_path, args, workdir):
                    "--save_model", "False", "--seed", "0", "--output_dir", str(out_dir)]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch["flags"], "--num_machines", "1",
            "--dynamo_backend", "no", "--mixed_precision", precision, str(Path(__file__).resolve()), "--child",
-           str(ROOT / f"{algorithm}.py"), str(result_path), "--", *script_args]
+           str(ROOT / "lab" / f"{algorithm}.py"), str(result_path), "--", *script_args]
     proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True)
     if proc.returncode != 0:
         print(f"[{name}] failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}", file=sys.stderr)

@@ -38,7 +38,7 @@ VARIANTS = {  # folder name -> (table name, extra grpo.py arguments); EPOCHS sta
 
 def run_one(variant, seed, args):
     run_dir = Path(args.out) / f"{variant}_s{seed}"
-    cmd = [sys.executable, str(ROOT / "grpo.py"), "--seed", str(seed), "--num_steps", str(args.num_steps),
+    cmd = [sys.executable, str(ROOT / "lab" / "grpo.py"), "--seed", str(seed), "--num_steps", str(args.num_steps),
            "--output_dir", str(run_dir), "--save_model", "False",
            *(["--batch_size", str(args.batch_size)] if args.batch_size else []),
            *[str(args.num_epochs) if a == "EPOCHS" else a for a in VARIANTS[variant][1]]]

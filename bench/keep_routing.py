@@ -31,7 +31,7 @@ SAMPLERS = {"bfloat16": ["--rollout_dtype", "bfloat16"], "stale": ["--rollout_la
 
 def run_one(sampler, keep, level, seed, args):
     run_dir = Path(args.out) / f"{sampler}-{keep}-{level}-seed{seed}"
-    cmd = [sys.executable, str(ROOT / "grpo.py"), "--model_name_or_path", str(ROOT / "embedded_model" / "moe"),
+    cmd = [sys.executable, str(ROOT / "lab" / "grpo.py"), "--model_name_or_path", str(ROOT / "embedded_model" / "moe"),
            "--seed", str(seed), "--num_steps", str(args.steps), "--eval_every", str(args.steps), "--log_every",
            str(args.steps), "--save_model", "false", "--num_epochs", "2", "--learning_rate", str(args.learning_rate),
            "--keep_routing", keep, "--tis_cap", "2", "--tis_level", level, "--output_dir", str(run_dir),

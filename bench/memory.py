@@ -50,7 +50,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.cost import (ALGORITHMS, LARGE_CONFIG, launch_child, make_large_model, mib, model_state,  # noqa: E402
-                        proc_status_bytes, record_models_and_optimizers, write_report)
+                        module_name, proc_status_bytes, record_models_and_optimizers, write_report)
 from support.run import read_metrics  # noqa: E402
 
 
@@ -160,7 +160,7 @@ def run_child(script, result_path, script_args):
     common.generation_config = generation_config_full_length
     tasks.evaluate = lambda *args, **kwargs: {"eval/accuracy": float("nan")}
 
-    spec = importlib.util.spec_from_file_location(Path(script).stem, script)
+    spec = importlib.util.spec_from_file_location(module_name(script), script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)  # importing must not train
     sys.argv = [script, *script_args]
@@ -193,7 +193,7 @@ def run_config(algorithm, batch_size, micro_batch_size, model_path, args, workdi
                    str(args.generation_batch_size), "--max_new_tokens", str(args.max_new_tokens),
                    "--eval_every", "1000000", "--log_every", "1000000", "--save_model", "False", "--seed", "0",
                    "--output_dir", str(out_dir)]
-    result = launch_child(Path(__file__).resolve(), name, f"{algorithm}.py", result_path, script_args, args.threads)
+    result = launch_child(Path(__file__).resolve(), name, f"lab/{algorithm}.py", result_path, script_args, args.threads)
     if result is None:
         return None
     rows = read_metrics(out_dir / "metrics.jsonl")

@@ -69,7 +69,7 @@ def run_ours(spec):
 
     from support import run, tasks
 
-    module = importlib.import_module(spec["algorithm"])  # importing must not train
+    module = importlib.import_module(f"lab.{spec['algorithm']}")  # importing must not train
     steps, log = [], run.MetricLogger.log
 
     def clocked_log(self, step, metrics, samples=()):
@@ -83,7 +83,7 @@ def run_ours(spec):
     run.MetricLogger.log = clocked_log
     if not spec["evaluate"]:  # the 75M model learns nothing here: no held-out generation at start and end
         tasks.evaluate = lambda *args, **kwargs: {"eval/accuracy": float("nan")}
-    sys.argv = [f"{spec['algorithm']}.py", *script_args(spec)]
+    sys.argv = [f"lab/{spec['algorithm']}.py", *script_args(spec)]
     baseline = proc_status_bytes("VmRSS")
     module.main()
     summary = json.loads((Path(spec["output_dir"]) / "summary.json").read_text())
@@ -126,7 +126,7 @@ def run_trl(spec):
     from support import config, models, tasks
 
     baseline = proc_status_bytes("VmRSS")
-    cfg = config.parse_config(importlib.import_module(spec["algorithm"]).Config, script_args(spec))
+    cfg = config.parse_config(importlib.import_module(f"lab.{spec['algorithm']}").Config, script_args(spec))
     tokenizer = models.load_tokenizer(cfg)
     train_data, eval_data = tasks.load_task(cfg, tokenizer)
     sampler = tasks.PromptSampler(train_data, cfg.batch_size // cfg.num_generations, cfg.seed)

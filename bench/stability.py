@@ -49,7 +49,7 @@ def run_one(name, seed, args):
     label = label_of(name, args).replace(" + ", "_").replace(" ", "_")
     lr = [] if args.learning_rate is None else ["--learning_rate", str(args.learning_rate)]
     run_dir = Path(args.out) / f"{label}{'-lr' + lr[1] if lr else ''}-seed{seed}"
-    cmd = [sys.executable, str(ROOT / "grpo.py"), "--seed", str(seed), "--num_steps", str(args.steps),
+    cmd = [sys.executable, str(ROOT / "lab" / "grpo.py"), "--seed", str(seed), "--num_steps", str(args.steps),
            "--eval_every", str(args.steps), "--log_every", str(args.steps), "--save_model", "false",
            "--output_dir", str(run_dir), *lr, *[str(args.lag) if a == "LAG" else a for a in VARIANTS[name]]]
     return run_cached(cmd, run_dir, args.force)

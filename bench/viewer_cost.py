@@ -3,8 +3,8 @@ one after the other for --rounds rounds (the order alternates), each a fresh pro
 other jobs a run is now and then slowed many times over, so the headline is the median over the rounds of each
 round's ratio: a slowed run moves one ratio, not the median. Wall time and the process's CPU time are both shown.
 
-    python bench/viewer_cost.py                                  # grpo.py --num_steps 20 --eval_every 10, 12 rounds
-    python bench/viewer_cost.py --script remax.py --rounds 6 -- --num_steps 50
+    python bench/viewer_cost.py                                  # lab/grpo.py --num_steps 20 --eval_every 10, 12 rounds
+    python bench/viewer_cost.py --script lab/remax.py --rounds 6 -- --num_steps 50
 """
 import argparse
 import os
@@ -35,7 +35,7 @@ def timed_run(script, args, output_dir):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--script", default="grpo.py")
+    parser.add_argument("--script", default="lab/grpo.py")
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("args", nargs="*", help="The run's flags (after --; default: the command in the docstring).")
     args = parser.parse_args(argv)

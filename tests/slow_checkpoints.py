@@ -1,7 +1,7 @@
 """Run a training script with every checkpoint write held open for SAVE_PAUSE_S seconds, so that a
 test's kill -9 lands inside a write for certain, whatever the speed of the machine.
 
-    python tests/slow_checkpoints.py remax.py --save_steps 1 ...
+    python tests/slow_checkpoints.py lab/remax.py --save_steps 1 ...
 
 The pause sits between accelerate's save_state (tmp-checkpoint-N exists, half-filled) and the
 policy's save_pretrained; nothing else changes, so the run's metrics are the script's own."""

@@ -234,7 +234,7 @@ def run_scripts(runs, tmp_path, jobs=2, steps=2):
 def test_a_run_of_one_turn_episodes_is_todays_run(tmp_path):
     """The arithmetic model never writes a call: with a tool and --max_turns 1 every episode is the single
     completion of today's run, and every metric the two runs share is the same."""
-    runs = run_scripts({"single": ["grpo.py"], "episodes": ["grpo.py", "--tools", "examples/agents.py:calculate",
+    runs = run_scripts({"single": ["lab/grpo.py"], "episodes": ["lab/grpo.py", "--tools", "examples/agents.py:calculate",
                                                             "--max_turns", "1"]}, tmp_path, steps=1)
     (_, single), (_, episodes) = runs["single"], runs["episodes"]
     assert len(single) == len(episodes) == 2
@@ -250,12 +250,12 @@ def test_every_loop_trains_on_calculator_episodes_and_trls_shapes_train_unchange
     show them."""
     agent = ["--model_name_or_path", "embedded_model/agent", "--dataset", "tool_arithmetic", "--max_new_tokens", "40"]
     small, group = ["--batch_size", "16"], ["--num_generations", "4"]
-    runs = {"dapo": ["dapo.py", "--environment", "calculator", *small, *group],
-            "remax": ["remax.py", "--environment", "calculator", *small],
-            "ppo": ["ppo.py", "--environment", "calculator", *small, "--num_epochs", "1", "--num_mini_batches", "1"],
-            "trl_class": ["grpo.py", "--environment", "examples/agents.py:Calculator", "--reward_fn",
+    runs = {"dapo": ["lab/dapo.py", "--environment", "calculator", *small, *group],
+            "remax": ["lab/remax.py", "--environment", "calculator", *small],
+            "ppo": ["lab/ppo.py", "--environment", "calculator", *small, "--num_epochs", "1", "--num_mini_batches", "1"],
+            "trl_class": ["lab/grpo.py", "--environment", "examples/agents.py:Calculator", "--reward_fn",
                           "examples/agents.py:call_cost", *agent, *small, *group],
-            "trl_tools": ["rloo.py", "--tools", "examples/agents.py:calculate", *agent, *small, *group]}
+            "trl_tools": ["lab/rloo.py", "--tools", "examples/agents.py:calculate", *agent, *small, *group]}
     outputs = run_scripts(runs, tmp_path, steps=1)
     # the printed samples show the whole episode (two random ones per run: some of them called the calculator)
     assert any("<result>" in stdout for stdout, _ in outputs.values())
@@ -275,10 +275,10 @@ def test_the_sampler_process_plays_the_episodes_and_rewards_them_with_their_envi
     records. Step 1 is the synchronous run's; ReMax's greedy episodes and their rewards come from it too."""
     agent = ["--model_name_or_path", "embedded_model/agent", "--dataset", "tool_arithmetic", "--max_new_tokens", "40",
              "--batch_size", "16"]
-    trl = ["grpo.py", "--environment", "examples/agents.py:Calculator", "--reward_fn", "examples/agents.py:call_cost",
+    trl = ["lab/grpo.py", "--environment", "examples/agents.py:Calculator", "--reward_fn", "examples/agents.py:call_cost",
            *agent, "--num_generations", "4"]
     outputs = run_scripts({"sync": trl, "async": [*trl, "--async_rollouts", "1", "--num_steps", "3"],
-                           "remax": ["remax.py", "--environment", "calculator", "--async_rollouts", "1",
+                           "remax": ["lab/remax.py", "--environment", "calculator", "--async_rollouts", "1",
                                      "--batch_size", "16"]}, tmp_path, steps=1)
     sync, run, remax_run = ([row for row in outputs[name][1] if "train/turns" in row]
                             for name in ("sync", "async", "remax"))
@@ -302,7 +302,7 @@ def test_two_processes_play_episodes_of_their_own_lengths_and_step_together(tmp_
     from conftest import ROOT, free_port
 
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-           "--main_process_port", str(free_port()), "grpo.py", "--environment", "calculator", "--num_steps", "2",
+           "--main_process_port", str(free_port()), "lab/grpo.py", "--environment", "calculator", "--num_steps", "2",
            "--eval_every", "2", "--batch_size", "16", "--num_generations", "4", "--log_rollouts", "4",
            "--output_dir", str(tmp_path)]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -359,7 +359,7 @@ def test_a_reset_that_raises_during_the_run_stops_it_with_one_line(tmp_path):
         "        if Flaky.made > 3:\n            raise KeyError('level')\n\n"
         "    def calculate(self, expression: str) -> str:\n        \"\"\"Calculate.\n\n        Args:\n"
         "            expression: a+b\n        \"\"\"\n        return expression\n")
-    out = subprocess.run([sys.executable, "grpo.py", "--environment", f"{tmp_path / 'env.py'}:Flaky",
+    out = subprocess.run([sys.executable, "lab/grpo.py", "--environment", f"{tmp_path / 'env.py'}:Flaky",
                           "--model_name_or_path", "embedded_model/agent", "--dataset", "tool_arithmetic",
                           "--num_steps", "2", "--output_dir", str(tmp_path / "run")],
                          cwd=ROOT, capture_output=True, text=True)

@@ -11,12 +11,8 @@ import time
 
 import pytest
 
-import dapo
-import grpo
-import ppo
-import remax
-import rloo
 from conftest import ROOT, launch_two_processes
+from lab import dapo, grpo, ppo, remax, rloo  # the lab's loops: --async_rollouts is theirs
 from support import async_sampling
 from support.run import read_metrics
 
@@ -26,7 +22,7 @@ FLAGS = ["--batch_size", "32", "--num_generations", "4", "--learning_rate", "1e-
 
 def run(out_dir, *flags, steps=4):
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(sys, "argv", ["grpo.py", "--num_steps", str(steps), *FLAGS, *flags, "--output_dir", str(out_dir)])
+        mp.setattr(sys, "argv", ["lab/grpo.py", "--num_steps", str(steps), *FLAGS, *flags, "--output_dir", str(out_dir)])
         grpo.main()
     return read_metrics(out_dir / "metrics.jsonl")[1:]
 
@@ -82,7 +78,7 @@ def test_the_sampler_runs_at_most_k_steps_ahead_and_its_staleness_shows_in_the_m
 
 
 def test_rloo_takes_its_rollouts_from_the_sampler_process_too(tmp_path, monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["rloo.py", "--num_steps", "3", *FLAGS, "--async_rollouts", "1", "--m2po_tau",
+    monkeypatch.setattr(sys, "argv", ["lab/rloo.py", "--num_steps", "3", *FLAGS, "--async_rollouts", "1", "--m2po_tau",
                                       "0.04", "--output_dir", str(tmp_path)])
     rloo.main()
     rows = read_metrics(tmp_path / "metrics.jsonl")[1:]
@@ -99,7 +95,7 @@ def test_every_loop_takes_its_rollouts_from_the_sampler_process_at_most_k_steps_
                                                                                        flags):
     """DAPO asks for a batch per round of dynamic sampling, ReMax's batches carry the greedy completions decoded with
     the same weights, PPO's critic stays in the learner; the sampler's log-probs are the behaviour policy."""
-    monkeypatch.setattr(sys, "argv", [module.__name__ + ".py", "--num_steps", "3", "--learning_rate", "1e-3",
+    monkeypatch.setattr(sys, "argv", [module.__name__.replace(".", "/") + ".py", "--num_steps", "3", "--learning_rate", "1e-3",
                                       "--eval_every", "100", "--save_model", "False", "--async_rollouts", "1", *flags,
                                       "--output_dir", str(tmp_path)])
     module.main()
@@ -186,7 +182,7 @@ def processes_marked(mark):
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/task"), reason="reads /proc")
-@pytest.mark.parametrize("script", ["grpo.py", "dapo.py"])
+@pytest.mark.parametrize("script", ["lab/grpo.py", "lab/dapo.py"])
 def test_under_ddp_each_rank_has_its_own_sampler_process_and_none_outlives_the_run(tmp_path, monkeypatch, script):
     """Two learner processes (gloo), each with a sampler process of its own: the replicas stay identical, every rank
     takes as many batches per step (DAPO: as many rounds), each at most K steps stale, and no process is left."""
@@ -243,7 +239,7 @@ def test_an_exception_in_the_sampler_process_stops_the_learner_with_one_line(tmp
 
 def start(tmp_path, **popen):
     """grpo.py --async_rollouts 1 in a process of its own, once its sampler has sent a batch: (learner, sampler pid)."""
-    learner = subprocess.Popen([sys.executable, "grpo.py", "--async_rollouts", "1", "--num_steps", "100000",
+    learner = subprocess.Popen([sys.executable, "lab/grpo.py", "--async_rollouts", "1", "--num_steps", "100000",
                                 "--batch_size", "8", "--num_generations", "2", "--eval_every", "100000",
                                 "--save_model", "False", "--output_dir", str(tmp_path)], cwd=ROOT, text=True,
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,

@@ -26,7 +26,8 @@ SLOW_CHECKPOINTS = str(ROOT / "tests" / "slow_checkpoints.py")
 
 
 def config_class(script):
-    return importlib.import_module(script).Config
+    """The lab's Config of a script (lab/<script>.py): the one the runs below are launched with."""
+    return importlib.import_module(f"lab.{script}").Config
 
 
 def comparable(rows):
@@ -86,9 +87,9 @@ def chaos(cmd, out_dir, kills, seed):
 
 
 def test_runs_killed_at_random_moments_resume_to_the_uninterrupted_metrics(tmp_path):
-    cmd = [sys.executable, "remax.py", *CHAOS_ARGS]
+    cmd = [sys.executable, "lab/remax.py", *CHAOS_ARGS]
     with uninterrupted(cmd + ["--output_dir", str(tmp_path / "full")]):  # runs beside the killed ones
-        slow = [sys.executable, SLOW_CHECKPOINTS, "remax.py", *CHAOS_ARGS]
+        slow = [sys.executable, SLOW_CHECKPOINTS, "lab/remax.py", *CHAOS_ARGS]
         partial_left = chaos(slow + ["--output_dir", str(tmp_path / "chaos")], tmp_path / "chaos", kills=3, seed=0)
     assert partial_left[0] >= 1  # the kill inside a save left a tmp-checkpoint-N that the resume skipped
     expected = comparable(run.read_metrics(tmp_path / "full" / "metrics.jsonl"))
@@ -105,8 +106,8 @@ def test_two_process_run_killed_and_resumed_matches_the_uninterrupted_one(tmp_pa
                 "--main_process_port", str(free_port()), *script, *CHAOS_ARGS, "--num_steps", "3",
                 "--output_dir", str(out_dir)]
 
-    with uninterrupted(launch(tmp_path / "full", "remax.py")):
-        assert chaos(launch(tmp_path / "chaos", SLOW_CHECKPOINTS, "remax.py"), tmp_path / "chaos", kills=1, seed=1)[0] >= 1
+    with uninterrupted(launch(tmp_path / "full", "lab/remax.py")):
+        assert chaos(launch(tmp_path / "chaos", SLOW_CHECKPOINTS, "lab/remax.py"), tmp_path / "chaos", kills=1, seed=1)[0] >= 1
     expected = comparable(run.read_metrics(tmp_path / "full" / "metrics.jsonl"))
     assert [r["step"] for r in expected] == list(range(4))
     assert comparable(run.read_metrics(tmp_path / "chaos" / "metrics.jsonl")) == expected
@@ -114,7 +115,7 @@ def test_two_process_run_killed_and_resumed_matches_the_uninterrupted_one(tmp_pa
     for name in ("sampler_rank0.json", "sampler_rank1.json", "random_states_0.pkl", "random_states_1.pkl"):
         assert (ckpt / name).exists(), name
     state = json.loads((ckpt / "trainer_state.json").read_text())
-    assert (state["script"], state["world_size"], state["config"]["batch_size"]) == ("remax.py", 2, 2)
+    assert (state["script"], state["world_size"], state["config"]["batch_size"]) == ("lab/remax.py", 2, 2)
     summary = json.loads((tmp_path / "chaos" / "summary.json").read_text())
     assert summary["num_processes"] == 2 and len(set(summary["replica_weight_checksums"])) == 1
 
@@ -396,7 +397,7 @@ def test_damaged_checkpoints_are_an_error_by_path_and_skipped_by_latest(tmp_path
     FileNotFoundError; a truncated model.safetensors (accelerate's copy of the weights, a SafetensorError
     when loaded) in the newest checkpoint makes --resume_from latest resume from the one before."""
     out_dir = tmp_path / "run"
-    cmd = [sys.executable, "remax.py", *CHAOS_ARGS, "--num_steps", "2", "--output_dir", str(out_dir)]
+    cmd = [sys.executable, "lab/remax.py", *CHAOS_ARGS, "--num_steps", "2", "--output_dir", str(out_dir)]
     first = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True)
     assert first.returncode == 0, first.stderr[-3000:]
     newest = out_dir / "checkpoint-2"

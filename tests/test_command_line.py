@@ -13,7 +13,7 @@ import pytest
 from support import config
 from conftest import ROOT
 
-SCRIPTS = ["remax", "grpo", "rloo", "dapo", "ppo"]
+SCRIPTS = ["lab/remax", "lab/grpo", "lab/rloo", "lab/dapo", "lab/ppo"]  # the lab's: --fast and the rest
 MISTAKES = {  # arguments: the one line they must print
     # argparse took an abbreviation as the flag it starts: --num_step 4 ran as --num_steps 4, silently
     "abbreviation": (["--num_step", "4"], "error: unknown flag --num_step; did you mean --num_steps?"),
@@ -33,7 +33,7 @@ def script(name, *args, timeout=120):
 @pytest.mark.parametrize("mistake", ["abbreviation", "typo"])
 def test_a_misspelt_or_abbreviated_flag_stops_the_script_with_one_line_before_any_model_loads(tmp_path, mistake):
     args, line = MISTAKES[mistake]
-    out = script("remax", *args, "--output_dir", str(tmp_path / "run"))
+    out = script("lab/remax", *args, "--output_dir", str(tmp_path / "run"))
     assert out.returncode != 0 and out.stdout == "", out.stdout[-2000:]
     assert out.stderr.strip() == line, out.stderr[-2000:]
     assert not (tmp_path / "run").exists()  # nothing was loaded or written
@@ -44,7 +44,7 @@ def test_a_flag_that_is_not_one_is_one_line_naming_the_flag(tmp_path, mistake, m
     args, line = MISTAKES[mistake]
     monkeypatch.setattr(sys, "argv", ["remax.py"])
     with pytest.raises(SystemExit) as e:
-        config.parse_config(importlib.import_module("remax").Config, [*args, "--output_dir", str(tmp_path / "run")])
+        config.parse_config(importlib.import_module("lab.remax").Config, [*args, "--output_dir", str(tmp_path / "run")])
     assert str(e.value) == line
 
 
@@ -74,7 +74,7 @@ def test_help_opens_with_the_scripts_purpose_and_gives_each_flag_and_its_default
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.splitlines()[0] == purpose(name)
     entries = help_entries(out.stdout)
-    fields = [f.name for f in dataclasses.fields(importlib.import_module(name).Config)]
+    fields = [f.name for f in dataclasses.fields(importlib.import_module(name.replace("/", ".")).Config)]
     assert sorted(entries) == sorted(["-h", *(f"--{f}" for f in fields)])  # no --no_fast beside --fast
     for flag in fields:
         assert len(config.DEFAULT_SAID.findall(entries[f"--{flag}"])) == 1, entries[f"--{flag}"]
@@ -83,7 +83,7 @@ def test_help_opens_with_the_scripts_purpose_and_gives_each_flag_and_its_default
 
 
 def test_the_spellings_that_work_still_work(tmp_path):
-    Config = importlib.import_module("remax").Config
+    Config = importlib.import_module("lab.remax").Config
     cfg = config.parse_config(Config, ["--num-steps=4", "--no_fast", "--save_model", "False",
                                        "--gradient_checkpointing", "--output_dir", str(tmp_path)])
     assert (cfg.num_steps, cfg.fast, cfg.save_model, cfg.gradient_checkpointing) == (4, False, False, True)

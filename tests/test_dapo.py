@@ -14,9 +14,10 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from support import config, tasks  # noqa: E402
 from support.run import read_metrics  # noqa: E402
 from conftest import launch_two_processes  # noqa: E402
-import dapo  # noqa: E402
 import grpo  # noqa: E402
-from dapo import Config, dapo_loss, dynamic_sampling_filter, grpo_advantages, overlong_penalty  # noqa: E402
+from dapo import dapo_loss, dynamic_sampling_filter, grpo_advantages, overlong_penalty  # noqa: E402
+from lab import dapo as lab_dapo  # noqa: E402
+from lab.dapo import Config  # noqa: E402  (the lab's: --dynamic_sampling_metric and the rest)
 
 ROOT = Path(__file__).resolve().parents[1]
 F64 = torch.float64
@@ -70,16 +71,16 @@ def test_dynamic_sampling_filters_on_correctness_not_on_the_shaped_reward(tmp_pa
             return rewards, correct, stats
         return recorded
 
-    def recording_filter(values, group_size, group_ids=None):
+    def recording_filter(values, group_size):
         filtered.append(values.clone())
-        return dynamic_sampling_filter(values, group_size, group_ids)
+        return dynamic_sampling_filter(values, group_size)
 
     monkeypatch.setattr(tasks, "make_reward_fn", recording_reward_fn)
-    monkeypatch.setattr(dapo, "dynamic_sampling_filter", recording_filter)
-    monkeypatch.setattr(sys, "argv", ["dapo.py", "--num_steps", "1", "--batch_size", "16", "--reward_scales", "hetero",
+    monkeypatch.setattr(lab_dapo, "dynamic_sampling_filter", recording_filter)
+    monkeypatch.setattr(sys, "argv", ["lab/dapo.py", "--num_steps", "1", "--batch_size", "16", "--reward_scales", "hetero",
                                       "--max_sampling_rounds", "1", "--eval_every", "100", "--save_model", "False",
                                       "--output_dir", str(tmp_path)])
-    dapo.main()
+    lab_dapo.main()
     training = [(r, c) for r, c in returned if len(r) == len(filtered[0])]  # not the evaluation's calls
     assert filtered and len(training) >= len(filtered)
     for values, (rewards, correct) in zip(filtered, training):
@@ -183,7 +184,7 @@ def assert_params_changed(final_dir, changed=True):
 
 
 def run(args, tmp_path):
-    out = subprocess.run([sys.executable, "dapo.py", *args, "--output_dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "lab/dapo.py", *args, "--output_dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     return read_metrics(tmp_path / "metrics.jsonl"), out.stderr
 
@@ -229,4 +230,4 @@ def test_dynamic_sampling_trains_on_the_groups_kept_when_the_cap_is_hit(tmp_path
 
 
 def test_two_process_gloo_run_keeps_replicas_identical(tmp_path):
-    launch_two_processes("dapo.py", ["--num_steps", "2", "--eval_every", "2", "--batch_size", "8", "--num_generations", "4"], tmp_path)
+    launch_two_processes("lab/dapo.py", ["--num_steps", "2", "--eval_every", "2", "--batch_size", "8", "--num_generations", "4"], tmp_path)

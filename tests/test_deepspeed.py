@@ -23,17 +23,17 @@ def checksum(model):
 
 
 def test_deepspeed_settings_come_from_the_flags():
-    from support import config
+    from support import config, helpers
 
     cfg = config.TrainConfig(batch_size=16, max_grad_norm=0.5)
-    ds = config.deepspeed_settings({"gradient_accumulation_steps": "auto", "gradient_clipping": 1.0}, cfg, 4)
+    ds = helpers.deepspeed_settings({"gradient_accumulation_steps": "auto", "gradient_clipping": 1.0}, cfg, 4)
     assert ds == {"gradient_accumulation_steps": 1, "train_micro_batch_size_per_gpu": 16, "train_batch_size": 64,
                   "gradient_clipping": 0.5}
     cfg = config.TrainConfig(batch_size=16, micro_batch_size=3, max_grad_norm=0)
-    ds = config.deepspeed_settings({}, cfg, 2)
+    ds = helpers.deepspeed_settings({}, cfg, 2)
     assert (ds["train_micro_batch_size_per_gpu"], ds["train_batch_size"], ds["gradient_clipping"]) == (3, 6, 0)
     with pytest.raises(SystemExit, match="gradient_accumulation_steps is 4"):
-        config.deepspeed_settings({"gradient_accumulation_steps": 4}, cfg, 1)
+        helpers.deepspeed_settings({"gradient_accumulation_steps": 4}, cfg, 1)
 
 
 def launch_zero(script, runs):
@@ -50,7 +50,7 @@ def launch_zero(script, runs):
     return [json.loads((out_dir / "summary.json").read_text()) for _, _, out_dir in runs]
 
 
-@pytest.mark.parametrize("script,args", [("remax.py", []), ("grpo.py", ["--num_generations", "2"])])
+@pytest.mark.parametrize("script,args", [("lab/remax.py", []), ("lab/grpo.py", ["--num_generations", "2"])])
 def test_zero2_and_zero3_shard_save_complete_models_and_train_alike(script, args, tmp_path):
     """ZeRO-2 with 2 micro-batches per update and ZeRO-3 with one: each shards what it should, saves a model
     that loads and equals the gathered trained weights, and both compute the same losses and gradients."""
@@ -101,7 +101,7 @@ def test_a_sampler_process_beside_zero2_and_zero3_learners_gets_whole_weights(tm
     pytest.importorskip("deepspeed")
     from support import run
 
-    summaries = launch_zero("grpo.py", [(stage, ["--num_generations", "2", "--async_rollouts", "1"],
+    summaries = launch_zero("lab/grpo.py", [(stage, ["--num_generations", "2", "--async_rollouts", "1"],
                                          tmp_path / str(stage)) for stage in (2, 3)])
     rows = {stage: [r for r in run.read_metrics(tmp_path / str(stage) / "metrics.jsonl") if r["step"] > 0]
             for stage in (2, 3)}
@@ -151,7 +151,7 @@ def worker(out_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     sys.path.insert(0, str(ROOT))
-    from support import config, fast, models, tasks
+    from support import config, fast, helpers, models, tasks
 
     deepspeed.init_distributed("gloo")
     allgathers = [0]
@@ -211,7 +211,7 @@ def worker(out_dir):
     world_size = dist.get_world_size()
     dist.barrier()
     torch.distributed.destroy_process_group()
-    config.leave_run(world_size)  # as a run ends: a gloo thread may still hold an all-gather's tensors
+    helpers.leave_run(world_size)  # as a run ends: a gloo thread may still hold an all-gather's tensors
 
 
 if __name__ == "__main__":

@@ -64,7 +64,7 @@ BAD_INPUTS = [  # (script, arguments, what the message must name)
 
 @pytest.mark.parametrize("script, args, flag", BAD_INPUTS, ids=[f"{s}:{' '.join(a)}" for s, a, _ in BAD_INPUTS])
 def test_bad_config_names_the_flag(script, args, flag):
-    module = importlib.import_module(script)
+    module = importlib.import_module(f"lab.{script}")  # the lab's Config: every flag
     with pytest.raises(SystemExit) as e:
         config.parse_config(module.Config, args)
     assert flag in str(e.value), str(e.value)
@@ -76,7 +76,7 @@ def test_at_least_fifteen_distinct_bad_inputs():
 
 
 def run(args, tmp_path, env=None):
-    return subprocess.run([sys.executable, "remax.py", "--output_dir", str(tmp_path / "run"), *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "lab/remax.py", "--output_dir", str(tmp_path / "run"), *args], cwd=ROOT,
                           capture_output=True, text=True, env={**os.environ, **(env or {})})
 
 
@@ -107,7 +107,7 @@ def test_no_answers_without_reward_model_is_refused(tmp_path):
     path = tmp_path / "p.jsonl"
     path.write_text(json.dumps({"question": "1+1="}) + "\n")
     with pytest.raises(SystemExit, match="--answer_column '' .* needs a --reward_fn or --reward_model"):
-        config.parse_config(importlib.import_module("remax").Config, ["--dataset", str(path), "--answer_column", ""])
+        config.parse_config(importlib.import_module("lab.remax").Config, ["--dataset", str(path), "--answer_column", ""])
 
 
 @pytest.mark.parametrize("save_steps", ["1", "0"], ids=["checked_before_the_save", "found_by_the_next_sampling"])
@@ -152,7 +152,7 @@ def test_a_failure_ends_every_rank_of_a_two_process_run_with_exit_code_1(tmp_pat
     1e30 breaks the weights at step 1, which the sampling of step 2 meets on every rank. Either way every rank
     stops with exit code 1, and the main process prints the error line (once: the ranks agree on it). Under
     ZeRO-3 a rank that left the interpreter with its process group open could end by SIGABRT ("terminate
-    called without an active exception", exit code -6); config.close_process_group closes it at exit and
+    called without an active exception", exit code -6); helpers.close_process_group closes it at exit and
     leaves before the interpreter's teardown. The two
     ranks are started as torchrun starts them (its environment variables), not under a launcher: a launcher
     stops the other ranks (SIGTERM) as soon as one has failed, which hides the exit code each would have had."""
@@ -163,7 +163,7 @@ def test_a_failure_ends_every_rank_of_a_two_process_run_with_exit_code_1(tmp_pat
     flags, error = TWO_PROCESS_FAILURES[failure]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
            "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", **(DEEPSPEED_ZERO3 if backend == "zero3" else {})}
-    cmd = [sys.executable, "remax.py", *[flag.format(tmp_path=tmp_path) for flag in flags],
+    cmd = [sys.executable, "lab/remax.py", *[flag.format(tmp_path=tmp_path) for flag in flags],
            "--num_steps", "3", "--batch_size", "4", "--max_new_tokens", "4", "--eval_every", "100000",
            "--save_model", "False", "--output_dir", str(tmp_path / "run")]
     logs = [open(tmp_path / f"rank{rank}.err", "w+") for rank in (0, 1)]
@@ -179,15 +179,15 @@ def test_a_failure_ends_every_rank_of_a_two_process_run_with_exit_code_1(tmp_pat
 
 
 def test_a_rank_leaves_with_its_output_flushed_and_its_own_exit_code():
-    """config.leave_run: one process returns; with several, what was printed (buffered, to a pipe) is flushed
+    """helpers.leave_run: one process returns; with several, what was printed (buffered, to a pipe) is flushed
     and the process ends at once with the code given, running no line after it and no exit handler."""
     script = ("import atexit, sys\n"
-              "from support import config\n"
+              "from support import helpers\n"
               "atexit.register(lambda: print('exit handler ran'))\n"
-              "config.leave_run(1)\n"
+              "helpers.leave_run(1)\n"
               "print('one process returns', end=' ')\n"
               "sys.stderr.write('to stderr')\n"
-              "config.leave_run(2, code=int(sys.argv[1]))\n"
+              "helpers.leave_run(2, code=int(sys.argv[1]))\n"
               "print('not reached')\n")
     for code in (0, 1):
         out = subprocess.run([sys.executable, "-c", script, str(code)], cwd=ROOT, capture_output=True, text=True)

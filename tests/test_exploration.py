@@ -19,6 +19,7 @@ import exploration  # noqa: E402
 import grpo  # noqa: E402
 import rloo  # noqa: E402
 from conftest import launch_two_processes  # noqa: E402
+from lab import grpo as lab_grpo  # noqa: E402  (the lab's Config: --budget and --sampler)
 from exploration import knapsack_allocation, knapsack_value  # noqa: E402
 from support import budget, config, tasks, tree  # noqa: E402
 from support.run import read_metrics  # noqa: E402
@@ -100,17 +101,16 @@ def test_grpo_by_group_id_equals_grpo_advantages_when_every_group_has_g_rows(sca
                     torch.tensor([1.0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 0, 1, 1, 0, 2, 2, 2, 2, 0, 1, 0, 1])):
         expected = grpo.grpo_advantages(rewards, G, scale_rewards)
         torch.testing.assert_close(exploration.grpo_advantages_by_group(rewards, ids, scale_rewards), expected)
-        torch.testing.assert_close(grpo.grpo_advantages(rewards, G, scale_rewards, group_ids=ids), expected)
-        torch.testing.assert_close(dapo.grpo_advantages(rewards, G, scale_rewards, group_ids=ids), expected)
+        torch.testing.assert_close(dapo.grpo_advantages(rewards, G, scale_rewards), expected)  # dapo.py's copy
 
 
 def test_rloo_and_dapos_filter_by_group_id_equal_theirs_when_every_group_has_g_rows():
     G, P = 3, 5
     ids = torch.arange(P).repeat_interleave(G)
     rewards = torch.randn(P * G, generator=torch.Generator().manual_seed(1))
-    torch.testing.assert_close(rloo.rloo_advantages(rewards, G, group_ids=ids), rloo.rloo_advantages(rewards, G))
+    torch.testing.assert_close(exploration.rloo_advantages_by_group(rewards, ids), rloo.rloo_advantages(rewards, G))
     correct = torch.tensor([1.0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 0, 1, 1, 0])
-    assert dapo.dynamic_sampling_filter(correct, G, group_ids=ids).tolist() == \
+    assert (~exploration.all_equal(correct, ids)).tolist() == \
         dapo.dynamic_sampling_filter(correct, G).tolist() == [True, False, False, True, True]
 
 
@@ -265,7 +265,7 @@ def test_tree_ancestors_merge_equal_siblings_and_drop_nodes_that_do_not_split():
 # ---------------------------------------------------------------- the sampler
 
 def sampler_config(**flags):
-    return grpo.Config(batch_size=16, num_generations=4, **flags)
+    return lab_grpo.Config(batch_size=16, num_generations=4, **flags)
 
 
 def test_the_uniform_sampler_draws_the_prompt_samplers_prompts_with_g_samples_each():
@@ -318,7 +318,7 @@ def test_the_knapsack_sampler_allocates_from_each_prompts_last_visit():
     ("grpo", ["--sampler", "tree", "--segment_len", "4", "--max_new_tokens", "8"], "--max_new_tokens"),
 ])
 def test_a_bad_budget_is_one_error_line_naming_the_flag(script, args, flag):
-    out = subprocess.run([sys.executable, f"{script}.py", *args], cwd=ROOT, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, f"lab/{script}.py", *args], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode != 0 and out.stderr.startswith("error: ") and flag in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
 
@@ -327,7 +327,7 @@ def test_the_three_group_methods_train_with_knapsack_groups_of_different_sizes(t
     """A pool of 16 prompts and 8 per step: from the third step on every prompt has a last visit, and the mixed
     ones take samples from the rest."""
     procs = {name: subprocess.Popen(
-        [sys.executable, f"{name}.py", "--budget", "knapsack", "--train_size", "16", "--num_steps", "6",
+        [sys.executable, f"lab/{name}.py", "--budget", "knapsack", "--train_size", "16", "--num_steps", "6",
          "--eval_every", "6", "--log_rollouts", "0", "--save_model", "False", "--output_dir", str(tmp_path / name)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for name in ("grpo", "rloo", "dapo")}
     for name, proc in procs.items():
@@ -342,7 +342,7 @@ def test_the_three_group_methods_train_with_knapsack_groups_of_different_sizes(t
 
 def test_the_three_group_methods_train_on_trees_and_decode_fewer_tokens_than_they_keep(tmp_path):
     procs = {name: subprocess.Popen(
-        [sys.executable, f"{name}.py", "--sampler", "tree", "--num_steps", "3", "--eval_every", "3", "--log_rollouts",
+        [sys.executable, f"lab/{name}.py", "--sampler", "tree", "--num_steps", "3", "--eval_every", "3", "--log_rollouts",
          "0", "--save_model", "False", "--output_dir", str(tmp_path / name)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for name in ("grpo", "rloo", "dapo")}
     for name, proc in procs.items():
@@ -357,7 +357,7 @@ def test_the_three_group_methods_train_on_trees_and_decode_fewer_tokens_than_the
 def test_two_processes_allocate_their_own_batches_and_step_together(tmp_path):
     """Each process allocates its --batch_size over its own prompts: both hold batch_size rows, the batch-std
     advantage sees every process's groups by distinct ids, and the replicas stay identical."""
-    launch_two_processes("grpo.py", ["--budget", "knapsack", "--train_size", "8", "--num_steps", "4", "--eval_every",
+    launch_two_processes("lab/grpo.py", ["--budget", "knapsack", "--train_size", "8", "--num_steps", "4", "--eval_every",
                                      "4", "--batch_size", "8", "--num_generations", "4", "--max_n", "6",
                                      "--scale_rewards", "batch"], tmp_path)
     rows = [row for row in read_metrics(tmp_path / "metrics.jsonl") if "train/group_size_max" in row]

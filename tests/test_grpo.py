@@ -15,8 +15,9 @@ from support import config, models  # noqa: E402
 from support.run import read_metrics  # noqa: E402
 from conftest import launch_two_processes  # noqa: E402
 from conftest import assert_params_changed  # noqa: E402
-import grpo  # noqa: E402
-from grpo import Config, grpo_advantages, grpo_loss  # noqa: E402
+from grpo import grpo_advantages, grpo_loss  # noqa: E402
+from lab import grpo as lab_grpo  # noqa: E402
+from lab.grpo import Config  # noqa: E402  (the lab's: --dual_clip_c and the rest)
 
 ROOT = Path(__file__).resolve().parents[1]
 EPS = 1e-6
@@ -236,8 +237,8 @@ def test_bad_flag_on_the_command_line_gives_one_clear_line():
 # ---------------------------------------------------------------- runs
 
 def run_in_process(args, tmp_path, monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["grpo.py", *args, "--save_model", "False", "--output_dir", str(tmp_path)])
-    grpo.main()
+    monkeypatch.setattr(sys, "argv", ["lab/grpo.py", *args, "--save_model", "False", "--output_dir", str(tmp_path)])
+    lab_grpo.main()
     return read_metrics(tmp_path / "metrics.jsonl")
 
 
@@ -254,13 +255,13 @@ def test_several_iterations_take_the_ratio_against_the_sampling_time_policy(tmp_
     logp. With the ratio taken against the previous update instead, the third update's old_logp
     would be the second update's logp (mu = 2 cannot tell the two apart: there the previous update
     is the sampling time)."""
-    calls, grpo_loss = [], grpo.grpo_loss
+    calls, grpo_loss = [], lab_grpo.grpo_loss
 
     def recording_loss(logp, old_logp, *args, **kwargs):
         calls.append((logp.detach().clone(), old_logp.detach().clone()))
         return grpo_loss(logp, old_logp, *args, **kwargs)
 
-    monkeypatch.setattr(grpo, "grpo_loss", recording_loss)
+    monkeypatch.setattr(lab_grpo, "grpo_loss", recording_loss)
     rows = run_in_process(["--num_steps", "1", "--num_epochs", "3", "--beta", "0"], tmp_path, monkeypatch)
     assert rows[1]["train/adv_std"] > 0 and len(calls) % 3 == 0
     per_update = len(calls) // 3  # loss calls per update (micro-batches)
@@ -273,7 +274,7 @@ def test_several_iterations_take_the_ratio_against_the_sampling_time_policy(tmp_
 
 
 def run(args, tmp_path):
-    out = subprocess.run([sys.executable, "grpo.py", *args, "--output_dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
+    out = subprocess.run([sys.executable, "lab/grpo.py", *args, "--output_dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     return read_metrics(tmp_path / "metrics.jsonl")
 
@@ -295,7 +296,7 @@ def test_grpo_end_to_end_writes_metrics_plot_and_model(tmp_path):
 
 
 def test_two_process_gloo_run_keeps_replicas_identical(tmp_path):
-    launch_two_processes("grpo.py", ["--num_steps", "2", "--eval_every", "2", "--batch_size", "8", "--num_generations", "4",
+    launch_two_processes("lab/grpo.py", ["--num_steps", "2", "--eval_every", "2", "--batch_size", "8", "--num_generations", "4",
                                      "--scale_rewards", "batch", "--micro_batch_size", "3"], tmp_path)
 
 

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import common
-from grpo import Config, grpo_loss
+from grpo import grpo_loss
+from lab.grpo import Config  # the lab's: GSPO's clip defaults at sequence level
 from support import config
 
 F64 = torch.float64

@@ -8,8 +8,7 @@ import sys
 import pytest
 import torch
 
-import dapo
-import grpo
+from lab import dapo, grpo  # the lab's loops: --keep_routing is theirs
 from support import config, engine, routing
 from support.run import read_metrics
 
@@ -30,7 +29,7 @@ def run(module, out_dir, *flags, steps=1):
         return closed
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(sys, "argv", [f"{module.__name__}.py", "--num_steps", str(steps), *FLAGS, *flags,
+        mp.setattr(sys, "argv", [module.__name__.replace(".", "/") + ".py", "--num_steps", str(steps), *FLAGS, *flags,
                                  "--output_dir", str(out_dir)])
         mp.setattr(routing.Pass, "close", close)
         module.main()
@@ -106,7 +105,7 @@ def test_a_rollout_whose_rows_were_shuffled_is_refused(tmp_path):
 
 
 def test_keep_routing_on_a_dense_policy_is_one_error_line(tmp_path, monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["grpo.py", "--keep_routing", "r3", "--output_dir", str(tmp_path)])
+    monkeypatch.setattr(sys, "argv", ["lab/grpo.py", "--keep_routing", "r3", "--output_dir", str(tmp_path)])
     with pytest.raises(SystemExit, match="--keep_routing needs a mixture-of-experts policy"):
         grpo.main()
 
@@ -116,7 +115,7 @@ def test_replay_runs_under_zero3_and_under_lora_on_two_processes(tmp_path):
     and under LoRA with a bfloat16 sampler (DDP); a layout wrong on either rank would stop the run."""
     from conftest import free_port, run_together
 
-    common_args = ["grpo.py", "--model_name_or_path", MOE, "--keep_routing", "r3", "--num_epochs", "2",
+    common_args = ["lab/grpo.py", "--model_name_or_path", MOE, "--keep_routing", "r3", "--num_epochs", "2",
                    "--num_steps", "2", "--batch_size", "8", "--num_generations", "4", "--eval_every", "100"]
     launch = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2", "--mixed_precision", "no"]
     runs = {"lora": [*launch, "--multi_gpu", "--main_process_port", str(free_port()), *common_args, "--lora_r", "4",

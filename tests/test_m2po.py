@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import common
-import grpo
-from support.engine import combine
+from lab import grpo  # the lab's loop: --m2po_tau is its
+from support.helpers import combine
 from support.run import read_metrics
 
 # two rows, the first with one padded position (holding a value that would dominate were it counted)
@@ -64,7 +64,7 @@ def test_bad_m2po_flags_raise_a_value_error_naming_the_flag(kwargs):
 
 
 def test_m2po_masks_nothing_on_policy_and_tokens_once_the_sampler_is_stale(tmp_path, monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["grpo.py", "--num_steps", "3", "--batch_size", "32", "--num_generations", "4",
+    monkeypatch.setattr(sys, "argv", ["lab/grpo.py", "--num_steps", "3", "--batch_size", "32", "--num_generations", "4",
                                       "--learning_rate", "1e-3", "--rollout_lag", "1", "--m2po_tau", "1e-6",
                                       "--eval_every", "100", "--save_model", "False", "--output_dir", str(tmp_path)])
     grpo.main()

@@ -148,7 +148,7 @@ def test_micro_batches_cover_the_batch_in_order():
 
 
 def command(script, micro_batch_size, out_dir):
-    args = [sys.executable, script, "--num_steps", "2", "--batch_size", "16", "--generation_batch_size", "16",
+    args = [sys.executable, f"lab/{script}", "--num_steps", "2", "--batch_size", "16", "--generation_batch_size", "16",
             "--micro_batch_size", str(micro_batch_size), "--eval_every", "1000", "--save_model", "False",
             "--output_dir", str(out_dir)]
     if script == "ppo.py":

@@ -16,7 +16,8 @@ import common  # noqa: E402
 from support import config  # noqa: E402
 from support.run import read_metrics  # noqa: E402
 from conftest import launch_two_processes, run_together  # noqa: E402
-from ppo import (AdaptiveKLController, Config, ValueModel, decoupled_gae, explained_variance, gae,  # noqa: E402
+from lab.ppo import Config  # noqa: E402  (the lab's: --lam_critic, --lam_alpha, --dual_clip_c)
+from ppo import (AdaptiveKLController, ValueModel, decoupled_gae, explained_variance, gae,  # noqa: E402
                  length_adaptive_lam, ppo_policy_loss, ppo_value_loss)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -332,7 +333,7 @@ def assert_params_changed(final_dir):
 
 
 def test_ppo_end_to_end_writes_metrics_plots_policy_and_critic(tmp_path):
-    out = subprocess.run([sys.executable, "ppo.py", "--num_steps", "2", "--eval_every", "1", "--output_dir", str(tmp_path)],
+    out = subprocess.run([sys.executable, "lab/ppo.py", "--num_steps", "2", "--eval_every", "1", "--output_dir", str(tmp_path)],
                          cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = read_metrics(tmp_path / "metrics.jsonl")
@@ -353,7 +354,7 @@ def test_ppo_end_to_end_writes_metrics_plots_policy_and_critic(tmp_path):
 
 
 def test_ppo_with_lora_saves_a_whole_critic_with_the_adapter_merged(tmp_path):
-    out = subprocess.run([sys.executable, "ppo.py", "--num_steps", "2", "--eval_every", "2", "--batch_size", "8",
+    out = subprocess.run([sys.executable, "lab/ppo.py", "--num_steps", "2", "--eval_every", "2", "--batch_size", "8",
                           "--lora_r", "4", "--learning_rate", "1e-2", "--critic_learning_rate", "1e-2",
                           "--output_dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -366,7 +367,7 @@ def test_ppo_with_lora_saves_a_whole_critic_with_the_adapter_merged(tmp_path):
 
 
 def test_two_process_gloo_run_keeps_replicas_identical(tmp_path):
-    launch_two_processes("ppo.py", ["--num_steps", "2", "--eval_every", "2", "--batch_size", "8", "--num_mini_batches", "2",
+    launch_two_processes("lab/ppo.py", ["--num_steps", "2", "--eval_every", "2", "--batch_size", "8", "--num_mini_batches", "2",
                                     "--micro_batch_size", "3"], tmp_path)
 
 
@@ -374,7 +375,7 @@ def test_resume_restores_critic_optimizers_and_kl_controller(tmp_path):
     """A run stopped at step 2 and resumed equals the uninterrupted run: the critic, both AdamW
     states and the adaptive beta all travel in the checkpoint."""
     def run(*runs):
-        cmds = [[sys.executable, "ppo.py", "--eval_every", "2", "--batch_size", "8", "--num_mini_batches", "2",
+        cmds = [[sys.executable, "lab/ppo.py", "--eval_every", "2", "--batch_size", "8", "--num_mini_batches", "2",
                  "--adaptive_kl", "--kl_horizon", "20", "--save_model", "False", *args] for args in runs]
         for out in run_together(cmds, env={**os.environ, "OMP_NUM_THREADS": "1"}):
             assert out.returncode == 0, out.stderr[-3000:]

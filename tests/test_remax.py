@@ -92,7 +92,7 @@ def test_bad_input_gives_a_clear_error_naming_the_flag(args, flag, tmp_path):
 
 
 def test_remax_end_to_end_writes_metrics_plot_and_model(tmp_path):
-    out = subprocess.run([sys.executable, "remax.py", "--num_steps", "3", "--eval_every", "2", "--batch_size", "16",
+    out = subprocess.run([sys.executable, "lab/remax.py", "--num_steps", "3", "--eval_every", "2", "--batch_size", "16",
                           "--output_dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = run.read_metrics(tmp_path / "metrics.jsonl")
@@ -107,4 +107,4 @@ def test_remax_end_to_end_writes_metrics_plot_and_model(tmp_path):
 
 
 def test_two_process_gloo_run_keeps_replicas_identical(tmp_path):
-    launch_two_processes("remax.py", ["--num_steps", "2", "--eval_every", "2", "--batch_size", "8", "--micro_batch_size", "3"], tmp_path)
+    launch_two_processes("lab/remax.py", ["--num_steps", "2", "--eval_every", "2", "--batch_size", "8", "--micro_batch_size", "3"], tmp_path)

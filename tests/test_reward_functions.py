@@ -100,7 +100,7 @@ def test_a_bad_reward_function_is_one_error_naming_it_and_the_rows(tmp_path, bod
 def test_bad_reward_flags_are_errors_before_any_model_loads(tmp_path):
     good = reward_file(tmp_path, "def f(prompts, completions, **columns):\n    return [0.0] * len(prompts)\n")
     broken = reward_file(tmp_path, "import no_such_module_xyz\n", name="broken.py")
-    remax = importlib.import_module("remax").Config
+    remax = importlib.import_module("lab.remax").Config
     cases = [
         (["--reward_fn", "examples/rewards.py"], "give FILE.py:NAME"),
         (["--reward_fn", "no/such/file.py:f"], "no such file 'no/such/file.py'"),
@@ -118,7 +118,7 @@ def test_bad_reward_flags_are_errors_before_any_model_loads(tmp_path):
 
 
 def test_the_flag_repeats_and_takes_several_values():
-    remax = importlib.import_module("remax").Config
+    remax = importlib.import_module("lab.remax").Config
     a, b = "examples/rewards.py:format_reward", "examples/rewards.py:length_reward"
     cfg = config.parse_config(remax, ["--reward_fn", a, "--reward_fn", b, "--reward_weights", "0.5", "--reward_weights",
                                       "0.1", "--rule_reward_weight", "0"])
@@ -130,7 +130,7 @@ def test_a_reward_function_trains_the_embedded_model_on_its_own(tmp_path):
     """--rule_reward_weight 0: the gradient comes from the function alone (at step 1 the policy equals
     the reference, so the KL term adds no gradient)."""
     out_dir = tmp_path / "run"
-    cmd = [sys.executable, "grpo.py", "--num_steps", "2", "--batch_size", "16", "--max_new_tokens", "4",
+    cmd = [sys.executable, "lab/grpo.py", "--num_steps", "2", "--batch_size", "16", "--max_new_tokens", "4",
            "--eval_every", "100", "--save_model", "False", "--rule_reward_weight", "0",
            "--reward_fn", "examples/rewards.py:length_reward", "--output_dir", str(out_dir)]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -194,7 +194,7 @@ def test_system_prompt_is_the_chat_templates_system_turn_or_text_before_the_prom
     train, _ = tasks.load_task(cfg, tok)
     assert train[0]["prompt"] == "<system>Be brief.<user>1+1=<assistant>"
     with pytest.raises(SystemExit, match="--system_prompt is for instruct models"):
-        config.parse_config(importlib.import_module("remax").Config, ["--system_prompt", "Be brief."])
+        config.parse_config(importlib.import_module("lab.remax").Config, ["--system_prompt", "Be brief."])
 
 
 @pytest.mark.parametrize("answer", [None, "  "])

@@ -122,7 +122,7 @@ def test_bad_config_raises_a_value_error_naming_the_flag(kwargs, flags):
 
 
 def test_rloo_end_to_end_writes_metrics_plot_and_model(tmp_path):
-    out = subprocess.run([sys.executable, "rloo.py", "--num_steps", "2", "--eval_every", "1",
+    out = subprocess.run([sys.executable, "lab/rloo.py", "--num_steps", "2", "--eval_every", "1",
                           "--output_dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = run.read_metrics(tmp_path / "metrics.jsonl")
@@ -141,4 +141,4 @@ def test_rloo_end_to_end_writes_metrics_plot_and_model(tmp_path):
 
 
 def test_two_process_gloo_run_keeps_replicas_identical(tmp_path):
-    launch_two_processes("rloo.py", ["--num_steps", "2", "--eval_every", "2", "--batch_size", "8", "--num_generations", "4"], tmp_path)
+    launch_two_processes("lab/rloo.py", ["--num_steps", "2", "--eval_every", "2", "--batch_size", "8", "--num_generations", "4"], tmp_path)

@@ -7,9 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import dapo
-import grpo
-import rloo
+from lab import dapo, grpo, rloo  # the lab's loops: --rollout_lag, --rollout_dtype and the corrections
 from support import config, engine, models
 from support.run import read_metrics
 
@@ -30,7 +28,7 @@ def run(module, out_dir, *flags, steps=4, record=None):
         return rollout
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(sys, "argv", [f"{module.__name__}.py", "--num_steps", str(steps), *FLAGS, *flags,
+        mp.setattr(sys, "argv", [module.__name__.replace(".", "/") + ".py", "--num_steps", str(steps), *FLAGS, *flags,
                                  "--output_dir", str(out_dir)])
         if record is not None:
             mp.setattr(engine.Trainer, "generate", generate)

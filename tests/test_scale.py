@@ -28,18 +28,18 @@ GSM8K_ROWS = [
 ]
 
 
-def command(args, tmp_path, script="remax.py"):
+def command(args, tmp_path, script="lab/remax.py"):
     return [sys.executable, script, "--num_steps", "2", "--eval_every", "2", "--batch_size", "8", "--output_dir",
             str(tmp_path / "run"), *args]
 
 
-def run(args, tmp_path, env=None, script="remax.py"):
+def run(args, tmp_path, env=None, script="lab/remax.py"):
     return subprocess.run(command(args, tmp_path, script), cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, **(env or {})})
 
 
 def run_all(runs, tmp_path):
-    """Independent runs of remax.py at once, one thread each."""
+    """Independent runs of lab/remax.py at once, one thread each."""
     return run_together([command(args, tmp_path) for args in runs], env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
@@ -222,7 +222,7 @@ def test_resume_reproduces_an_uninterrupted_run(tmp_path):
 
 def test_sigterm_saves_a_checkpoint_before_exiting(tmp_path):
     out_dir = tmp_path / "run"
-    cmd = [sys.executable, "remax.py", "--num_steps", "100000", "--eval_every", "100000", "--batch_size", "4", "--output_dir", str(out_dir)]
+    cmd = [sys.executable, "lab/remax.py", "--num_steps", "100000", "--eval_every", "100000", "--batch_size", "4", "--output_dir", str(out_dir)]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 120
     while time.time() < deadline and not (out_dir / "metrics.jsonl").exists() or len(read_metrics(out_dir / "metrics.jsonl")) < 2:

@@ -10,9 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 import common
-import dapo
-import grpo
-import rloo
+from lab import dapo, grpo, rloo  # the lab's loops: --rollout_lag, --rollout_dtype and the corrections
 from support import config, fast, models, tasks
 from support.run import read_metrics
 
@@ -102,7 +100,7 @@ def test_geometric_mask_in_rollout_correction_plays_pi_old_with_the_samplers_log
 def split_stats(old_logp, rollout_logp, mask, rows_per_micro_batch, **kw):
     """rollout_correction's statistics of the whole batch, and those of its micro-batches combined as the trainer
     combines them (support/engine.py: combine, each micro-batch's share of the tokens)."""
-    from support.engine import combine
+    from support.helpers import combine
 
     def stats(rows):
         adv = torch.ones(len(old_logp[rows]), dtype=F64)
@@ -220,7 +218,7 @@ STABILITY_FLAGS = ["--rollout_dtype", "bfloat16", "--tis_cap", "2", "--geo_mask_
     (rloo, []),
 ])
 def test_group_methods_run_with_a_bfloat16_sampler_and_log_the_mismatch(module, extra, tmp_path, monkeypatch):
-    name = module.__name__
+    name = module.__name__.replace(".", "/")
     monkeypatch.setattr(sys, "argv", [f"{name}.py", "--num_steps", "1", "--batch_size", "16", "--num_generations", "4",
                                       *STABILITY_FLAGS, *extra, "--save_model", "False", "--output_dir", str(tmp_path)])
     module.main()

@@ -142,7 +142,7 @@ def train(tmp_path, rows, names, *args):
     data = tmp_path / "data.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))
     (tmp_path / "trl_examples.py").write_text(TRL_EXAMPLES)
-    cmd = [sys.executable, "grpo.py", "--num_steps", "2", "--batch_size", "16", "--num_generations", "4",
+    cmd = [sys.executable, "lab/grpo.py", "--num_steps", "2", "--batch_size", "16", "--num_generations", "4",
            "--max_new_tokens", "4", "--eval_every", "100", "--eval_size", "4", "--save_model", "False",
            "--dataset", str(data), "--prompt_column", "prompt", "--answer_column", "", "--rule_reward_weight", "0",
            "--output_dir", str(tmp_path / "run"), *args]
@@ -175,7 +175,7 @@ def test_trls_examples_train_unchanged(tmp_path, kind):
 
 def test_a_function_whose_parameters_cannot_take_the_keywords_stops_before_any_model_loads(tmp_path):
     (tmp_path / "old.py").write_text("def positional(prompt, completion):\n    return [0.0] * len(completion)\n")
-    cmd = [sys.executable, "remax.py", "--reward_fn", f"{tmp_path / 'old.py'}:positional", "--output_dir",
+    cmd = [sys.executable, "lab/remax.py", "--reward_fn", f"{tmp_path / 'old.py'}:positional", "--output_dir",
            str(tmp_path / "run")]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 1 and not (tmp_path / "run" / "metrics.jsonl").exists()  # no eval 0: no model loaded

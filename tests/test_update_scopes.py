@@ -9,8 +9,7 @@ import pytest
 import torch
 
 import common
-import grpo
-import remax
+from lab import grpo, remax  # the lab's loops (engine.Trainer)
 from support import config, engine, routing, view
 from support.run import read_metrics
 
@@ -18,7 +17,7 @@ MOE = os.path.join(config.ROOT, "embedded_model", "moe")
 
 
 def run(module, args, tmp_path, monkeypatch):
-    monkeypatch.setattr(sys, "argv", [f"{module.__name__}.py", *args, "--save_model", "False", "--eval_every", "100",
+    monkeypatch.setattr(sys, "argv", [module.__name__.replace(".", "/") + ".py", *args, "--save_model", "False", "--eval_every", "100",
                                       "--output_dir", str(tmp_path)])
     module.main()
     return read_metrics(tmp_path / "metrics.jsonl")

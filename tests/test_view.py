@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 
 import agents
 import common
-from support import config, view
+from support import config, helpers, view
 
 ROUNDING = 0.5 * 10 ** (1 - view.SIGNIFICANT_DIGITS)  # relative error of a value kept to 4 significant digits
 
@@ -402,7 +402,7 @@ def recorded_step(script, args, tmp_path, monkeypatch):
     monkeypatch.setattr(engine.Trainer, "end_step", keep_step)
     monkeypatch.setattr(tasks, "evaluate", lambda *args, **kwargs: {"eval/accuracy": 0.0})  # not under test: fast
     monkeypatch.setattr(run, "plot_metrics", lambda *args, **kwargs: None)
-    monkeypatch.setattr(sys, "argv", [f"{script.__name__}.py", "--num_steps", "2", "--save_model", "False",
+    monkeypatch.setattr(sys, "argv", [script.__name__.replace(".", "/") + ".py", "--num_steps", "2", "--save_model", "False",
                                       "--output_dir", str(tmp_path), *args])
     script.main()
     [record] = [r for r in view.read_records(tmp_path / "rollouts.jsonl") if r["step"] == 2]
@@ -440,7 +440,7 @@ def test_grpo_records_what_its_update_computed(tmp_path, monkeypatch):
     two): at step 2 the sampler and the reference are the embedded model, pi_old the policy after step 1 and the
     last epoch's policy the one after step 2's first update. Each recorded value equals its definition recomputed
     with the plain common.token_logprobs from copies of those models."""
-    import grpo
+    from lab import grpo  # the lab's loop: --log_rollouts, --rollout_lag, --tis_cap
     from transformers import AutoModelForCausalLM
 
     cap, epsilon, beta, G, B = 2.0, 0.2, 0.04, 4, 8
@@ -483,18 +483,18 @@ def test_remax_push_is_the_reward_to_go_return_its_loss_used(tmp_path, monkeypat
     push the page shows, -dL/dlogp_t times the batch's token count (micro-batches of 3 rows here), is G_t. Under
     fp16 loss scaling (the scaler accelerate builds on a GPU, on fp32 weights here: a power-of-two scale is exact)
     the gradient at logp is the scale times that, and the page shows G_t all the same."""
-    import remax
+    from lab import remax  # the lab's loop: --log_rollouts
     from transformers import AutoModelForCausalLM
 
     if loss_scale is not None:
-        make_accelerator = config.make_accelerator
+        make_accelerator = helpers.make_accelerator
 
         def with_a_loss_scaler(cfg):
             accelerator = make_accelerator(cfg)
             accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=loss_scale)
             return accelerator
 
-        monkeypatch.setattr(config, "make_accelerator", with_a_loss_scaler)
+        monkeypatch.setattr(helpers, "make_accelerator", with_a_loss_scaler)
     beta = 0.05
     rows, seen = recorded_step(remax, ["--batch_size", "8", "--micro_batch_size", "3", "--log_rollouts", "8",
                                        "--learning_rate", "1e-3"], tmp_path, monkeypatch)

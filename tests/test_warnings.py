@@ -17,7 +17,8 @@ import pytest
 from conftest import ROOT
 
 
-@pytest.mark.parametrize("script, args", [("remax.py", []), ("grpo.py", ["--num_generations", "4"]), ("ppo.py", [])])
+@pytest.mark.parametrize("script, args", [("remax.py", []), ("grpo.py", ["--num_generations", "4"]), ("ppo.py", []),
+                                          ("lab/grpo.py", ["--num_generations", "4"])])  # the lessons and the lab
 def test_a_short_run_raises_no_warning(tmp_path, script, args):
     cmd = [sys.executable, "-W", "error", script, "--num_steps", "2", "--batch_size", "8", "--max_new_tokens", "4",
            "--eval_every", "2", "--output_dir", str(tmp_path / "run"), *args]
@@ -33,7 +34,7 @@ def test_a_short_run_raises_no_warning(tmp_path, script, args):
 def test_the_quick_starts_launch_prints_no_notice_of_defaults(tmp_path):
     """`accelerate launch --config_file configs/one_process.yaml` (the README's demo without the notice) sets every
     value accelerate would otherwise fill in and list in a six-line notice before the run's first line."""
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/one_process.yaml", "remax.py",
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", "configs/one_process.yaml", "lab/remax.py",
            "--num_steps", "1", "--batch_size", "8", "--max_new_tokens", "4", "--eval_every", "100",
            "--save_model", "False", "--output_dir", str(tmp_path / "run")]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})

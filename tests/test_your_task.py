@@ -45,7 +45,7 @@ def test_the_pages_reward_function_runs_as_a_flag_would_call_it(tmp_path):
 def train(out_dir, *args):
     """Two steps whose advantages are never all 0 (rewards with per-family offsets, no baseline), so the
     weights move."""
-    cmd = [sys.executable, "remax.py", "--num_steps", "2", "--batch_size", "8", "--max_new_tokens", "4",
+    cmd = [sys.executable, "lab/remax.py", "--num_steps", "2", "--batch_size", "8", "--max_new_tokens", "4",
            "--eval_every", "100", "--reward_scales", "hetero", "--baseline", "none", "--learning_rate", "1e-2",
            "--output_dir", str(out_dir), *args]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
