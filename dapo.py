@@ -105,7 +105,7 @@ def dapo_loss(logp, old_logp, adv, mask, clip, pg_weight=None, loss_agg="token-m
     logp: (B, T) under the policy trained (with grad); old_logp: (B, T) detached, at sampling time;
     adv: (B,). clip: a common.Clip, [1 - epsilon_low, 1 + epsilon_high] and its dual clip.
     pg_weight: (B, T) detached weights of the surrogate (the lab's corrections); loss_agg:
-    token-mean or a micro-batch's Aggregation of it. Returns (loss, stats): clip_frac_low / _high
+    token-mean or a micro-batch's Aggregation of it. Returns (loss, stats): clip_frac_low, clip_frac_high
     (ratio < 1 - low with A < 0, > 1 + high with A > 0) and approx_kl (k3 of the ratio).
     """
     clip = common.Clip(*clip) if isinstance(clip, tuple) else common.Clip(clip, clip)

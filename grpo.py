@@ -92,8 +92,8 @@ def grpo_loss(logp, old_logp, ref_logp, adv, mask, clip, beta, loss_agg="seq-mea
     range, dual clip and level: "sequence" is GSPO's s_i = exp(mean_t log rho_t)) or epsilon.
     kl_term: the KL term's estimator and ratio weight (common.kl_penalty); pg_weight: (B, T) detached
     weights of the surrogate (the lab's corrections); loss_agg: common.aggregate_loss's mode or a
-    micro-batch's Aggregation. Returns (loss, stats): clip_frac_low / _high (ratio < 1 - low with
-    A < 0, > 1 + high with A > 0), approx_kl (k3 of the ratio), kl_k3 and kl_term (the term's mean).
+    micro-batch's Aggregation. Returns (loss, stats): clip_frac_low and clip_frac_high (ratio <
+    1 - low with A < 0; > 1 + high with A > 0), approx_kl (k3 of the ratio), kl_k3 and kl_term.
     """
     clip = common.Clip(*clip) if isinstance(clip, tuple) else common.Clip(clip, clip)
     kl_term = common.KLTerm(*kl_term)
