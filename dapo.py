@@ -144,6 +144,7 @@ def main():
     set_seed(cfg.seed + accelerator.process_index)  # each rank samples different completions
     start = helpers.resume(cfg, accelerator, prompts)  # --resume_from: its step, else 0
     logger = helpers.open_log(cfg, accelerator, start)
+    viewer = helpers.rollout_viewer(cfg, accelerator, tokenizer, start)  # rollouts.html
     if start == 0:  # held-out accuracy before training
         logger.log(0, helpers.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
 
@@ -219,6 +220,7 @@ def main():
         due = step % cfg.eval_every == 0 or step == cfg.num_steps
         evaluation = helpers.evaluate(policy, tokenizer, eval_data, cfg, accelerator) if due else {}
         helpers.log_step(logger, step, metrics, rollout, rewards, started, evaluation)
+        helpers.show_rollouts(viewer, step, rollout, rewards, adv)
         helpers.save_checkpoint(cfg, accelerator, step, policy, tokenizer, prompts)
 
     helpers.finish(cfg, accelerator, logger, policy, tokenizer, prompts)

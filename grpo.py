@@ -9,9 +9,8 @@ KL term to the frozen reference (rho_t = pi_theta / pi_old):
     A_i = (r_i - mean(r)) / (std(r) + eps)
     loss_t = -min(rho_t A_i, clip(rho_t, 1 - epsilon, 1 + epsilon) A_i) + beta k3_t
 
-With one update per batch rho = 1 and the clip is inert: REINFORCE with the group baseline; with
-mu > 1 updates the batch is reused. Dividing by the std weighs each prompt by its difficulty (a
-bias: Dr. GRPO drops it). GSPO clips one ratio per sequence instead of one per token.
+With mu = 1 update per batch rho = 1, the clip inert: REINFORCE with the group baseline. Dividing by
+the std weighs each prompt by its difficulty (Dr. GRPO drops it); GSPO clips one ratio per sequence.
 
     accelerate launch grpo.py                                    # embedded model and task
     accelerate launch --multi_gpu --num_processes 2 grpo.py      # data-parallel on CPU
@@ -113,8 +112,9 @@ def grpo_loss(logp, old_logp, ref_logp, adv, mask, clip, beta, loss_agg="seq-mea
         surrogate = torch.where(adv < 0, torch.max(surrogate, clip.dual_c * adv), surrogate)
     if pg_weight is not None:  # a padding weight may hold anything: keep it out of the gradient
         surrogate = torch.where(mask.bool(), pg_weight, 0.0) * surrogate
-    kl = torch.zeros_like(logp) if ref_logp is None else common.kl_penalty(
-        logp, ref_logp, kl_term.estimator, old_logp if kl_term.ratio_weight else None)
+    weight = old_logp if kl_term.ratio_weight else None  # DeepSeek-V3.2's ratio weight
+    kl = common.kl_penalty(logp, ref_logp, kl_term.estimator, weight) if ref_logp is not None else \
+        torch.zeros_like(logp)
     if sequence:  # GSPO: the surrogate once per sequence (its tokens' mean), the KL term per token
         loss = common.aggregate_loss(-surrogate, mask, common.per_sequence(loss_agg)) + \
             common.aggregate_loss(beta * kl, mask, loss_agg)
@@ -144,6 +144,7 @@ def main():
     set_seed(cfg.seed + accelerator.process_index)  # each rank samples different completions
     start = helpers.resume(cfg, accelerator, prompts)  # --resume_from: its step, else 0
     logger = helpers.open_log(cfg, accelerator, start)
+    viewer = helpers.rollout_viewer(cfg, accelerator, tokenizer, start)  # rollouts.html
     if start == 0:  # held-out accuracy before training
         logger.log(0, helpers.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
 
@@ -213,6 +214,7 @@ def main():
         due = step % cfg.eval_every == 0 or step == cfg.num_steps
         evaluation = helpers.evaluate(policy, tokenizer, eval_data, cfg, accelerator) if due else {}
         helpers.log_step(logger, step, metrics, rollout, rewards, started, evaluation)
+        helpers.show_rollouts(viewer, step, rollout, rewards, adv)
         helpers.save_checkpoint(cfg, accelerator, step, policy, tokenizer, prompts)
 
     helpers.finish(cfg, accelerator, logger, policy, tokenizer, prompts)

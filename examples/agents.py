@@ -1,9 +1,9 @@
 """Tools and an environment in TRL's conventions, for the embedded agent model and its task (docs/agents.md):
 
-    python grpo.py --environment calculator                                        # the built-in environment
-    python grpo.py --environment examples/agents.py:Calculator --model_name_or_path embedded_model/agent \\
+    python lab/grpo.py --environment calculator                                        # the built-in environment
+    python lab/grpo.py --environment examples/agents.py:Calculator --model_name_or_path embedded_model/agent \\
         --dataset tool_arithmetic --reward_fn examples/agents.py:call_cost
-    python grpo.py --tools examples/agents.py:calculate --model_name_or_path embedded_model/agent \\
+    python lab/grpo.py --tools examples/agents.py:calculate --model_name_or_path embedded_model/agent \\
         --dataset tool_arithmetic
 
 The same file works with TRL: `GRPOTrainer(..., tools=[calculate])` or `GRPOTrainer(..., environment_factory=

@@ -6,7 +6,7 @@ completion_ids, every other column of the dataset, and trainer_state. It returns
 None where it does not apply (None adds nothing to the reward and is left out of the function's logged mean,
 train/reward/<name>). Its values are added to the rule reward, each function weighted by --reward_weights.
 
-    python grpo.py --dataset my_data.jsonl --reward_fn examples/rewards.py:format_reward \\
+    python lab/grpo.py --dataset my_data.jsonl --reward_fn examples/rewards.py:format_reward \\
         --reward_fn examples/rewards.py:length_reward --reward_weights 0.5 0.1 \\
         --system_prompt "Reason inside <think></think>, then give the answer inside <answer></answer>."
 """

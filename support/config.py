@@ -58,6 +58,8 @@ class BaseConfig:
     reward_fn: list[str] = field(default_factory=list, metadata={"action": "extend", "help": (
         "A reward function FILE.py:NAME, f(completions, **kwargs) -> list of float or None as in TRL, "
         "added to the reward (repeatable).")})
+    reward_scales: str = arg("uniform", "The arithmetic task's rewards: 'uniform' (1/0 for right/wrong) or 'hetero' "
+                             "(each family on its own offset: docs/baselines.md).")
     lora_r: int = arg(0, "LoRA rank (0 = full fine-tuning); the reference is then the policy with its adapter off.")
     output_dir: str = arg("", "Where metrics, plots, checkpoints and the final model go (default: runs/<script name>).")
     seed: int = arg(0, "Random seed; rank r samples with seed + r.")
@@ -83,7 +85,7 @@ class BaseConfig:
     torch_dtype, gradient_checkpointing, lora_alpha, lora_target_modules, merge_lora = "float32", False, 16, \
         "all-linear", False
     reward_model, reward_model_dtype, reward_model_weight, rule_reward_weight = "", "float32", 1.0, 1.0
-    reward_weights, reward_scales = (), "uniform"
+    reward_weights = ()
     warmup_steps, generation_batch_size, log_rollouts, report_to = 0, 0, 0, "none"
     save_total_limit, save_model, async_rollouts, fast, keep_routing = 2, True, 0, True, "none"
 
@@ -92,7 +94,7 @@ class BaseConfig:
                                                         "temperature", "eval_every", "log_every")})
         check_rules(self, **{name: NON_NEGATIVE for name in ("lora_r", "save_steps", "max_grad_norm", "top_k",
                                                             "micro_batch_size")})
-        check_rules(self, top_p=Rule(lambda v: 0 < v <= 1, "in (0, 1]"))
+        check_rules(self, top_p=Rule(lambda v: 0 < v <= 1, "in (0, 1]"), reward_scales=one_of("uniform", "hetero"))
         if self.dataset not in ("arithmetic", "tool_arithmetic", "gsm8k"):
             if not self.dataset.endswith((".json", ".jsonl", ".parquet")):
                 raise ValueError("--dataset must be 'arithmetic', 'tool_arithmetic', 'gsm8k' or a .json/.jsonl/"
@@ -138,7 +140,6 @@ class TrainConfig(BaseConfig):
     rule_reward_weight: float = arg(1.0, "Weight of the rule (correctness) reward; 0 with --reward_model for RLHF.")
     reward_weights: list[float] = field(default_factory=list, metadata={"action": "extend", "help": (
         "One weight per --reward_fn, in order (default: 1 each).")})
-    reward_scales: str = arg("uniform", "'uniform' (1/0 for right/wrong) or 'hetero' (each family on its own offset).")
     lora_alpha: int = arg(16, "LoRA alpha.")
     lora_target_modules: str = arg("all-linear", "Comma-separated module names for LoRA, or 'all-linear'.")
     merge_lora: bool = arg(False, "Save the final model with the LoRA adapter merged into the weights.")
@@ -173,7 +174,7 @@ class TrainConfig(BaseConfig):
         check(self.keep_routing != "r2" or self.reuses_batch,
               "--keep_routing r2 replays the routing of the pi_old pass in the updates that follow it, and this run "
               "makes one update per batch (no pi_old pass): give --num_epochs > 1, or --keep_routing r3.")
-        check_rules(self, reward_scales=one_of("uniform", "hetero"), report_to=one_of("none", "tensorboard", "wandb"),
+        check_rules(self, report_to=one_of("none", "tensorboard", "wandb"),
                     answer_check=one_of("number", "exact"), async_rollouts=NON_NEGATIVE)
         check_rules(self, torch_dtype=one_of(*DTYPES), reward_model_dtype=one_of(*DTYPES))
         if self.torch_dtype != "float32" and self.lora_r == 0:

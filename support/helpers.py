@@ -14,7 +14,7 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 import common
-from support import checkpoint, config, models, run, tasks
+from support import checkpoint, config, models, run, tasks, view
 from support.config import (  # noqa: F401 (the lessons')
     DTYPES, AT_LEAST_ONE, DUAL_CLIP, FRACTION, NON_NEGATIVE, POSITIVE, PROBABILITY, BaseConfig as TrainConfig, arg, check,
     check_rules, one_of)
@@ -226,6 +226,21 @@ def evaluate(policy, tokenizer, eval_data, cfg, accelerator):
     return tasks.evaluate(policy, tokenizer, eval_data, cfg, accelerator, generate=generate)
 
 
+def rollout_viewer(cfg, accelerator, tokenizer, start_step):
+    """The rollout page, output_dir/rollouts.html: four completions of step 1, of each evaluation step and of the
+    last, token by token, with their rewards and advantages (the lab's viewer also shows what each update computed
+    at each token: docs/viewer.md). Written by the main process."""
+    return view.Recorder(cfg.output_dir, tokenizer, 4, cfg.num_steps, cfg.eval_every, start_step,
+                         enabled=accelerator.is_main_process)
+
+
+def show_rollouts(viewer, step, rollout, rewards, adv):
+    """On the viewer's steps, record the first rows of the batch (whole groups) and rewrite the page."""
+    if viewer.due(step):
+        viewer.record(step, rollout, rewards, adv, {}, group_size=rollout.group_size)
+        viewer.write()
+
+
 def log_step(logger, step, metrics, rollout, rewards, started, evaluation=None):
     """Average the step's metrics over the processes, add the completions' length and the step's seconds, and log
     them (with the evaluation's when there is one) and two samples (none when rollout is None: a step skipped).
@@ -257,6 +272,9 @@ def finish(cfg, accelerator, logger, policy, tokenizer, prompts):
     """summary.json and curves.png, the final policy saved (output_dir/final, from finite weights only), the process
     group closed, several processes ended."""
     logger.finish(policy)
+    page = os.path.join(cfg.output_dir, "rollouts.html")
+    if accelerator.is_main_process and os.path.exists(page):
+        print(f"the rollouts, token by token: {page}", flush=True)
     check_weights(accelerator, cfg.num_steps, policy, tokenizer, prompts)
     models.save_model(accelerator, policy, tokenizer, f"{cfg.output_dir}/final")
     accelerator.wait_for_everyone()
