@@ -61,29 +61,46 @@ def proc_status_bytes(key):
 # children: one training run, ours or TRL's, writing a result JSON
 # ----------------------------------------------------------------------------------------
 def run_ours(spec):
-    """Run grpo.py / rloo.py in this process; the step clock is MetricLogger.log, called once per step."""
+    """Run grpo.py / rloo.py in this process; the step clock is MetricLogger.log, called once per step. The
+    lesson logs no phases: they are timed here by wrapping its calls (helpers.sample: generation; helpers.score
+    and the reward function: scoring; the log-probs with gradient and accelerator.backward: forward_backward)."""
     sys.path.insert(0, str(ROOT))
     import importlib
 
     import torch
+    from accelerate import Accelerator
 
-    from support import run, tasks
+    from support import helpers, run, tasks
 
-    module = importlib.import_module(f"lab.{spec['algorithm']}")  # importing must not train
-    steps, log = [], run.MetricLogger.log
+    module = importlib.import_module(spec["algorithm"])  # importing must not train
+    steps, log, timed = [], run.MetricLogger.log, dict.fromkeys(PHASES[:-1], 0.0)
+
+    def timing(phase, function):
+        def timed_call(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                timed[phase] += time.perf_counter() - start
+        return timed_call
+
+    make_reward_fn = helpers.make_reward_fn
+    helpers.sample, helpers.score = timing("generation", helpers.sample), timing("scoring", helpers.score)
+    helpers.make_reward_fn = lambda *args: timing("scoring", make_reward_fn(*args))
+    module.token_logprobs = timing("forward_backward", module.token_logprobs)
+    Accelerator.backward = timing("forward_backward", Accelerator.backward)
 
     def clocked_log(self, step, metrics, samples=()):
         if step > 0:
             steps.append({"t": time.perf_counter(), "cpu": time.process_time(),
-                          "completion_len": metrics["train/completion_len"],
-                          **{p: metrics.get(f"time/{p}_s", 0.0) for p in PHASES[:-1]},
-                          "scoring": metrics.get("time/reward_s", 0.0) + metrics.get("time/scoring_s", 0.0)})
+                          "completion_len": metrics["train/completion_len"], **timed})
+        timed.update(dict.fromkeys(timed, 0.0))
         return log(self, step, metrics, samples)
 
     run.MetricLogger.log = clocked_log
     if not spec["evaluate"]:  # the 75M model learns nothing here: no held-out generation at start and end
         tasks.evaluate = lambda *args, **kwargs: {"eval/accuracy": float("nan")}
-    sys.argv = [f"lab/{spec['algorithm']}.py", *script_args(spec)]
+    sys.argv = [f"{spec['algorithm']}.py", *script_args(spec)]
     baseline = proc_status_bytes("VmRSS")
     module.main()
     summary = json.loads((Path(spec["output_dir"]) / "summary.json").read_text())
@@ -97,7 +114,7 @@ def script_args(spec):
             "--batch_size", str(spec["batch_size"]), "--num_generations", "8", "--max_new_tokens",
             str(spec["max_new_tokens"]), "--learning_rate", "1e-4", "--max_grad_norm", "1.0",
             "--beta", "0.04" if spec["algorithm"] == "grpo" else "0.05", "--eval_every", str(n), "--log_every", str(n),
-            "--save_model", "False", "--output_dir", spec["output_dir"]]
+            "--output_dir", spec["output_dir"]]
 
 
 def trl_reward(cfg):
