@@ -57,3 +57,23 @@ def test_a_lesson_file_has_no_lab_flag():
     out = subprocess.run([sys.executable, "grpo.py", "--rollout_dtype", "bfloat16"], cwd=ROOT, capture_output=True,
                          text=True)
     assert out.returncode != 0 and "unknown flag --rollout_dtype" in out.stderr
+
+
+def test_a_lesson_run_resumed_from_its_checkpoint_continues_the_same_run(tmp_path):
+    """grpo.py stopped at step 2 (--save_steps 2) and resumed to step 4 trains as the run of 4 steps does: the
+    checkpoint holds the weights, the optimizer, every rank's random state and the prompt order."""
+    args = [sys.executable, "grpo.py", "--batch_size", "16", "--num_generations", "4", "--save_steps", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    whole, first = run_together([args + ["--num_steps", "4", "--output_dir", str(tmp_path / "whole")],
+                                 args + ["--num_steps", "2", "--output_dir", str(tmp_path / "parts")]], env)
+    assert whole.returncode == 0 and first.returncode == 0, (whole.stderr + first.stderr)[-3000:]
+    second = subprocess.run(args + ["--num_steps", "4", "--output_dir", str(tmp_path / "parts"), "--resume_from",
+                                    "latest"], cwd=ROOT, capture_output=True, text=True, env=env)
+    assert second.returncode == 0 and "resumed from" in second.stdout, second.stderr[-3000:]
+    rows, resumed = metrics(tmp_path / "whole"), metrics(tmp_path / "parts")
+    assert [r["step"] for r in rows] == [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
+    for row, other in zip(rows, resumed):
+        train = [k for k in row if k.startswith("train/")]
+        assert {k: row[k] for k in train} == {k: other[k] for k in train}, row["step"]
+    weights, other = (load_file(tmp_path / d / "final" / "model.safetensors") for d in ("whole", "parts"))
+    assert all(weights[k].equal(other[k]) for k in weights)
