@@ -95,7 +95,7 @@ def _knapsack(rates, capacity, min_n, max_n):
 # ----------------------------------------------------------------------------------------
 def group_ids(examples, device=None):
     """(B,) long: each row's group, 0, 1, ... in order, for rows whose group's members are adjacent and share
-    one example object (support/budget.py copies each drawn example, so a prompt drawn twice is two groups)."""
+    one example object (lab/budget.py copies each drawn example, so a prompt drawn twice is two groups)."""
     ids = [0]
     for previous, example in zip(examples, examples[1:]):
         ids.append(ids[-1] + (example is not previous))

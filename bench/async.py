@@ -16,7 +16,7 @@ summary.json is reused (--force reruns it).
 
 Writes to --out (default runs/async): results.md (the table and the command), results.json and one folder per run.
 --timeline PNG: the first asynchronous run's timeline.jsonl (the wall-clock spans of each process's phases, written by
-support/async_sampling.py) drawn as two lanes, the learner's and the sampler process's, over --timeline_steps.
+lab/async_sampling.py) drawn as two lanes, the learner's and the sampler process's, over --timeline_steps.
 """
 import argparse
 import json

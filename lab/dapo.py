@@ -28,7 +28,8 @@ if __name__ == "__main__":  # run as lab/dapo.py: the repository's root first, s
 import common  # noqa: E402
 import exploration  # noqa: E402
 from dapo import dapo_loss, dynamic_sampling_filter, grpo_advantages, overlong_penalty  # noqa: E402 (the lesson's)
-from support import budget, config, engine, environments, helpers, tasks  # noqa: E402
+from lab import budget, engine  # noqa: E402
+from support import config, environments, helpers, tasks  # noqa: E402
 from support.config import arg  # noqa: E402
 
 

@@ -27,7 +27,8 @@ if __name__ == "__main__":  # run as lab/grpo.py: the repository's root first, s
 import common  # noqa: E402
 import exploration  # noqa: E402
 from grpo import grpo_advantages, grpo_loss  # noqa: E402  (the lesson's math)
-from support import budget, config, engine, environments, helpers, tasks  # noqa: E402
+from lab import budget, engine  # noqa: E402
+from support import config, environments, helpers, tasks  # noqa: E402
 from support.config import arg  # noqa: E402
 
 

@@ -33,7 +33,8 @@ import torch  # noqa: E402
 import common  # noqa: E402
 from ppo import (AdaptiveKLController, ValueModel, decoupled_gae, explained_variance, last_action,  # noqa: E402
                  length_adaptive_lam, ppo_policy_loss, ppo_value_loss)  # the lesson's math and models
-from support import config, engine, environments, helpers, models, run, tasks  # noqa: E402
+from lab import engine  # noqa: E402
+from support import config, environments, helpers, models, run, tasks  # noqa: E402
 from support.config import arg  # noqa: E402
 
 

@@ -24,7 +24,8 @@ import torch  # noqa: E402
 
 import common  # noqa: E402
 from remax import remax_advantages, remax_loss  # noqa: E402  (the lesson's math)
-from support import config, engine, environments, helpers, tasks  # noqa: E402
+from lab import engine  # noqa: E402
+from support import config, environments, helpers, tasks  # noqa: E402
 from support.config import arg  # noqa: E402
 
 

@@ -2,7 +2,7 @@
 (the accelerator, the data, the policy and its optimizer, the reference), sampling a batch of completions, scoring
 them with no gradient, the metrics of an update, evaluation, logging, checkpoints. None keeps state a loop does not
 see; the update itself (micro-batches, backward, clip, optimizer step) is written out in each loop. The lab's engine
-(support/engine.py) runs on the same pieces."""
+(lab/engine.py) runs on the same pieces."""
 import atexit
 import logging
 import os

@@ -25,7 +25,7 @@ class Rollout:
     group_size: int = 1                 # samples per prompt, adjacent rows (the rollout viewer shows whole groups)
     # --async_rollouts: the sampler process's (B, T) log-probs, the (B,) version of the weights that sampled each row
     # (the optimizer steps done then), the reference's (B, T) log-probs it scored (with a KL term) and its seconds
-    # per phase (support/async_sampling.py)
+    # per phase (lab/async_sampling.py)
     sampler_logp: torch.Tensor = None
     ref_logp: torch.Tensor = None
     version: torch.Tensor = None

@@ -317,7 +317,7 @@ def make_reward_fn(cfg, accelerator):
 def reward_scorer(cfg, device, reward_model=None):
     """score(examples, completions, episodes=None) -> (rewards, correct, stats, error): reward_fn's values in one
     process, on `device`, with no agreement between ranks; error: the line to stop with, or None. It needs no
-    accelerator: the sampler process of --async_rollouts calls it too (support/async_sampling.py)."""
+    accelerator: the sampler process of --async_rollouts calls it too (lab/async_sampling.py)."""
     functions = [(spec.rpartition(":")[2], config.reward_function(spec)) for spec in cfg.reward_fn]
     weights = cfg.reward_weights or [1.0] * len(functions)
     if functions:

@@ -1,7 +1,7 @@
 """The rollout viewer: a few steps' sampled completions, each token coloured by a value the update computed at it
 (advantage, ratio, clip, KL to the reference, entropy, sampler mismatch, ...), in one self-contained page,
 output_dir/rollouts.html (inline CSS and JavaScript: no server, no network). How to read it: docs/viewer.md.
-The trainer tells a `Watcher` what it computed (support/engine.py): on the steps `Recorder.due` names, the main
+The trainer tells a `Watcher` what it computed (lab/engine.py): on the steps `Recorder.due` names, the main
 process keeps the first rows of what the step computed, and `derived` turns log-probs into the page's values.
 `python -m support.view RUN_DIR` rebuilds RUN_DIR/rollouts.html from RUN_DIR/rollouts.jsonl; `--screenshot PNG`
 also renders it to an image with headless Chromium.

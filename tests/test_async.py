@@ -13,7 +13,7 @@ import pytest
 
 from conftest import ROOT, launch_two_processes
 from lab import dapo, grpo, ppo, remax, rloo  # the lab's loops: --async_rollouts is theirs
-from support import async_sampling
+from lab import async_sampling
 from support.run import read_metrics
 
 FLAGS = ["--batch_size", "32", "--num_generations", "4", "--learning_rate", "1e-3", "--eval_every", "100",
@@ -48,7 +48,8 @@ def test_the_first_batch_is_the_synchronous_runs_and_the_sampler_scores_it_as_th
 def test_the_reference_log_probs_from_the_sampler_process_are_the_learners_scoring(tmp_path, monkeypatch):
     """With a KL term the learner holds no reference: the sampler process scores each batch with it. At every step
     its log-probs equal those of a reference loaded in the learner scoring the same rollout (observed: equal)."""
-    from support import engine, models
+    from support import models
+    from lab import engine
     reference_logprobs, differences = engine.Trainer.reference_logprobs, []
 
     def checked(trainer, ref_model, rollout):
@@ -203,7 +204,7 @@ def test_a_resumed_run_trains_on_the_prompts_of_the_run_it_continues_from_the_ch
     them is, so the resumed run draws them again: steps 3 and 4 train on the prompts of an uninterrupted run's, in
     order. Its sampler process starts from the checkpoint's weights: its first batch has their version (staleness
     0)."""
-    from support import engine
+    from lab import engine
     taken, rollout = collections.defaultdict(list), engine.Trainer.rollout
 
     def recorded(trainer, prompts, greedy=False):

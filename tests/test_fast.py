@@ -220,7 +220,7 @@ def test_fast_generate_draws_what_the_definition_draws(cfg):
 @pytest.mark.parametrize("cfg", [Sampling(), Sampling(generation_batch_size=8), Sampling(top_k=0, top_p=1.0)],
                          ids=["one_call", "calls_of_8", "untruncated"])
 def test_the_log_probs_of_the_draws_are_the_definitions_scoring_of_them(cfg):
-    """fast.generate(logprobs=True), the sampler process's behaviour log-probs (support/async_sampling.py): the
+    """fast.generate(logprobs=True), the sampler process's behaviour log-probs (lab/async_sampling.py): the
     same draws as without them, and for every token up to EOS the log-prob that common.token_logprobs gives the
     completion under the same temperature, top-k and top-p, to 1e-5; 0 after EOS."""
     model, tokenizer, prompt_ids, prompt_mask = load()

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from lab import dapo, grpo  # the lab's loops: --keep_routing is theirs
-from support import config, engine, routing
+from lab import engine
+from support import config, routing
 from support.run import read_metrics
 
 MOE = os.path.join(config.ROOT, "embedded_model", "moe")

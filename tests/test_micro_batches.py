@@ -180,7 +180,8 @@ def test_two_optimizers_under_fp16_loss_scaling_step_once_each_on_gradients_unsc
     clipped and stepped on the true gradients, and the scale is updated once: as without a scaler."""
     from accelerate import Accelerator
 
-    from support import engine, models
+    from support import models
+    from lab import engine
 
     accelerator = Accelerator(cpu=True)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)

@@ -8,7 +8,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from lab import dapo, grpo, rloo  # the lab's loops: --rollout_lag, --rollout_dtype and the corrections
-from support import config, engine, models
+from lab import engine
+from support import config, models
 from support.run import read_metrics
 
 # 8 prompts x 4 samples at a high learning rate: the policy moves at every step from the first

@@ -99,7 +99,7 @@ def test_geometric_mask_in_rollout_correction_plays_pi_old_with_the_samplers_log
 
 def split_stats(old_logp, rollout_logp, mask, rows_per_micro_batch, **kw):
     """rollout_correction's statistics of the whole batch, and those of its micro-batches combined as the trainer
-    combines them (support/engine.py: combine, each micro-batch's share of the tokens)."""
+    combines them (lab/engine.py: combine, each micro-batch's share of the tokens)."""
     from support.helpers import combine
 
     def stats(rows):

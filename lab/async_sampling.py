@@ -29,7 +29,8 @@ import torch
 import torch.multiprocessing as mp
 
 import common
-from support import environments, fast, models, reward_functions, routing, tasks, tree
+from lab import tree
+from support import environments, fast, models, reward_functions, routing, tasks
 from support.rollout import Rollout, micro_batches
 
 POLL_S = 0.05  # how often a waiting process checks the other one
@@ -61,7 +62,7 @@ class AsyncRolloutSampler:
     learner's version then: the sampler waits for those weights or newer), hands the trainer one per call (DAPO:
     one per round), and publishes the weights that train after each step (under --lora_r the adapter's). A batch
     asked for at step t is taken by step t + K (every step takes one at least), so it is at most K steps stale.
-    play: sampling.play, for the sampler process (support/sampling.py imports this module)."""
+    play: sampling.play, for the sampler process (lab/sampling.py imports this module)."""
 
     def __init__(self, trainer, policy, sample, play):
         self.trainer, self.ahead = trainer, trainer.cfg.async_rollouts
@@ -208,7 +209,7 @@ def serve(cfg, seed, weights, version, lock, requests, results, parent_pid, thre
     trainer_state().global_step) and the wall-clock spans of each phase. It samples on the learner's device (a GPU:
     the same one), reads the weights from shared CPU memory and sends CPU arrays. seed: the one its learner's rank
     samples with in a synchronous run (cfg.seed + its process index). play: sampling.play, which plays an
-    environment's episodes (passed in: support/sampling.py imports this module)."""
+    environment's episodes (passed in: lab/sampling.py imports this module)."""
     from transformers.utils import logging
 
     torch.set_num_threads(threads)

@@ -1,14 +1,15 @@
 """The group methods' prompt sampler: the step's prompts (tasks.PromptSampler, batch_size / G of them) and how many
 completions each gets: G each (--budget uniform) or a knapsack allocation of the same batch_size completions
 (--budget knapsack, exploration.knapsack_allocation) from each prompt's success rate at its last visit; with
---sampler tree, the trees the groups are sampled as (support/tree.py) and what their baselines run over."""
+--sampler tree, the trees the groups are sampled as (lab/tree.py) and what their baselines run over."""
 import math
 from dataclasses import dataclass
 
 import torch
 
 import exploration
-from support import tasks, tree
+from lab import tree
+from support import tasks
 from support.config import arg, check, check_rules, one_of
 
 

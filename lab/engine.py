@@ -26,9 +26,10 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 import common
-from support import async_sampling, checkpoint, config, environments, fast, helpers, models, routing, run, sampling, tasks, view
+from lab import async_sampling, sampling
+from support import checkpoint, config, environments, fast, helpers, models, routing, run, tasks, view
 from support.rollout import MicroBatch, Rollout, micro_batches
-from support.sampling import any_process  # noqa: F401  (dapo.py: engine.any_process)
+from lab.sampling import any_process  # noqa: F401  (dapo.py: engine.any_process)
 
 
 def load_data(cfg, accelerator):
@@ -88,7 +89,7 @@ fewest = helpers.fewest  # (dapo.py: engine.fewest)
 
 
 class Trainer:
-    """The run around one algorithm's loop: sampling (support/sampling.py), scoring, the update's pieces (micro-batches,
+    """The run around one algorithm's loop: sampling (lab/sampling.py), scoring, the update's pieces (micro-batches,
     backward, step), timing, logging, evaluation, checkpoints. `rollout_model`, `rollout_lag`: the sampler's copy of
     `policy` (a Trainable) and its staleness; `others`: Trainables stepped with the policy (PPO's critic); `viewer`
     (support/view.py) watches what the step computed; `environment`: the episodes' (agents.py), or None."""

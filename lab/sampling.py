@@ -1,6 +1,6 @@
 """Sampling a rollout: the policy, or the sampler's copy of it (a lower precision, or the weights of k steps ago),
 generates completions of a batch of prompts with support/fast.py's decode loop or the plain common.generate, and a
-mixture of experts' routing is recorded as it samples. The trainer (support/engine.py) asks for a rollout once per
+mixture of experts' routing is recorded as it samples. The trainer (lab/engine.py) asks for a rollout once per
 step (DAPO: once per round of dynamic sampling; ReMax: with the greedy completions) and trains on it."""
 import collections
 import functools
@@ -10,13 +10,14 @@ import torch
 
 import agents
 import common
-from support import async_sampling, fast, models, reward_functions, routing, tasks, tree
+from lab import async_sampling, tree
+from support import fast, models, reward_functions, routing, tasks
 from support.helpers import any_process
 from support.rollout import Rollout
 
 
 def rollout_sampler(trainer, policy, rollout_model, rollout_lag, sample):
-    """The RolloutSampler, or with --async_rollouts the sampler process's (support/async_sampling.py)."""
+    """The RolloutSampler, or with --async_rollouts the sampler process's (lab/async_sampling.py)."""
     if trainer.cfg.async_rollouts:
         return async_sampling.AsyncRolloutSampler(trainer, policy, sample, play)
     return RolloutSampler(trainer, policy, rollout_model, rollout_lag, sample)
