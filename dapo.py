@@ -23,7 +23,7 @@ from accelerate.utils import set_seed
 import common
 from support import helpers
 from support.fast import token_logprobs  # common.token_logprobs, faster; equal (tests/test_fast.py)
-from support.helpers import arg, check, check_rules, one_of
+from support.helpers import arg
 
 
 @dataclass
@@ -35,20 +35,16 @@ class Config(helpers.TrainConfig):
     epsilon_high: float = arg(0.28, "Clip the ratio above at 1 + epsilon_high (DAPO: 0.28).")
     num_epochs: int = arg(1, "mu: optimizer updates per rollout batch (1 = on-policy).")
     max_sampling_rounds: int = arg(8, "Dynamic sampling: at most this many rounds per step.")
-    overlong_cache_len: int = arg(3, "Overlong shaping: a penalty from max_new_tokens - cache_len "
-                                  "tokens on (0 = off).")
+    overlong_cache_len: int = arg(3, "Overlong shaping over the last cache_len tokens (0 = off).")
 
     def __post_init__(self):
         super().__post_init__()
-        G = self.num_generations
-        check(G >= 2, f"--num_generations must be >= 2: the group is the baseline (got {G}).")
-        check(self.batch_size % G == 0, f"--batch_size ({self.batch_size}) must be divisible by "
-              f"--num_generations ({G}): batch_size / G prompts are sampled per step.")
-        check_rules(self, epsilon_low=helpers.FRACTION, epsilon_high=helpers.POSITIVE,
-                    num_epochs=helpers.AT_LEAST_ONE, max_sampling_rounds=helpers.AT_LEAST_ONE)
-        check(self.epsilon_high >= self.epsilon_low, "--epsilon_high must be >= --epsilon_low.")
-        check(0 <= self.overlong_cache_len <= self.max_new_tokens, "--overlong_cache_len must be in "
-              "[0, --max_new_tokens].")
+        helpers.check_groups(self)  # G >= 2, dividing --batch_size
+        helpers.check_rules(self, epsilon_low=helpers.FRACTION, epsilon_high=helpers.POSITIVE,
+                            num_epochs=helpers.AT_LEAST_ONE, max_sampling_rounds=helpers.AT_LEAST_ONE)
+        helpers.check(self.epsilon_high >= self.epsilon_low, "--epsilon_high must be >= --epsilon_low")
+        helpers.check(0 <= self.overlong_cache_len <= self.max_new_tokens, "--overlong_cache_len "
+                      "must be in [0, --max_new_tokens].")
         self.clip = common.Clip(self.epsilon_low, self.epsilon_high)
 
 

@@ -27,7 +27,7 @@ from accelerate.utils import set_seed
 import common
 from support import helpers
 from support.fast import token_logprobs  # common.token_logprobs, faster; equal (tests/test_fast.py)
-from support.helpers import arg, check, check_rules, one_of
+from support.helpers import arg
 
 
 @dataclass
@@ -47,18 +47,16 @@ class Config(helpers.TrainConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        G = self.num_generations
-        check(G >= 2, f"--num_generations must be >= 2: the group is the baseline (got {G}).")
-        check(self.batch_size % G == 0, f"--batch_size ({self.batch_size}) must be divisible by "
-              f"--num_generations ({G}): batch_size / G prompts are sampled per step.")
-        check_rules(self, beta=helpers.NON_NEGATIVE, num_epochs=helpers.AT_LEAST_ONE,
-                    epsilon=helpers.FRACTION, epsilon_high=helpers.POSITIVE,
-                    kl_estimator=one_of("k1", "k2", "k3"), loss_agg=one_of(*common.LOSS_AGG_MODES),
-                    importance_sampling_level=one_of("token", "sequence"),
-                    scale_rewards=one_of("group", "batch", "none"))
+        helpers.check_groups(self)  # G >= 2, dividing --batch_size
+        helpers.check_rules(self, beta=helpers.NON_NEGATIVE, num_epochs=helpers.AT_LEAST_ONE,
+                            epsilon=helpers.FRACTION, epsilon_high=helpers.POSITIVE,
+                            kl_estimator=helpers.one_of("k1", "k2", "k3"),
+                            loss_agg=helpers.one_of(*common.LOSS_AGG_MODES),
+                            importance_sampling_level=helpers.one_of("token", "sequence"),
+                            scale_rewards=helpers.one_of("group", "batch", "none"))
         level = self.importance_sampling_level
-        check(level == "token" or self.loss_agg != "token-mean", "GSPO: one term per sequence, "
-              "which --loss_agg token-mean would weigh by its length.")
+        helpers.check(level == "token" or self.loss_agg != "token-mean", "GSPO: one term per "
+                      "sequence, which --loss_agg token-mean would weigh by its length.")
         self.clip = common.Clip(self.epsilon, self.epsilon_high or self.epsilon, 0.0, level)
 
 

@@ -30,7 +30,7 @@ from transformers import AutoModelForSequenceClassification
 import common
 from support import helpers
 from support.fast import token_logprobs  # common.token_logprobs, faster; equal (tests/test_fast.py)
-from support.helpers import arg, check, check_rules
+from support.helpers import arg
 
 
 @dataclass
@@ -53,13 +53,15 @@ class Config(helpers.TrainConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        check_rules(self, beta=helpers.NON_NEGATIVE, gamma=helpers.PROBABILITY,
-                    lam=helpers.PROBABILITY, epsilon=helpers.FRACTION, num_epochs=helpers.AT_LEAST_ONE)
-        check_rules(self, **{name: helpers.POSITIVE for name in (
-            "critic_learning_rate", "num_mini_batches", "epsilon_value", "vf_coef", "kl_target", "kl_horizon")})
-        check(not self.adaptive_kl or self.beta > 0, "--adaptive_kl needs --beta > 0 (it scales it).")
-        check(self.batch_size % self.num_mini_batches == 0, f"--num_mini_batches "
-              f"({self.num_mini_batches}) must divide --batch_size ({self.batch_size}).")
+        helpers.check_rules(self, beta=helpers.NON_NEGATIVE, gamma=helpers.PROBABILITY,
+                            lam=helpers.PROBABILITY, epsilon=helpers.FRACTION,
+                            num_epochs=helpers.AT_LEAST_ONE)
+        helpers.check_rules(self, **{name: helpers.POSITIVE for name in (
+            "critic_learning_rate", "num_mini_batches", "epsilon_value", "vf_coef", "kl_target",
+            "kl_horizon")})
+        helpers.check(not self.adaptive_kl or self.beta > 0, "--adaptive_kl needs --beta > 0.")
+        helpers.check(self.batch_size % self.num_mini_batches == 0, f"--num_mini_batches "
+                      f"({self.num_mini_batches}) must divide --batch_size ({self.batch_size}).")
 
 
 def gae(rewards, values, mask, gamma, lam):

@@ -23,7 +23,7 @@ from accelerate.utils import set_seed
 import common
 from support import helpers
 from support.fast import token_logprobs  # common.token_logprobs, faster; equal (tests/test_fast.py)
-from support.helpers import arg, check, check_rules, one_of
+from support.helpers import arg
 
 
 @dataclass
@@ -36,8 +36,9 @@ class Config(helpers.TrainConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        check_rules(self, beta=helpers.NON_NEGATIVE, adv_clip=helpers.NON_NEGATIVE,
-                    baseline=one_of("greedy", "none"), loss_agg=one_of(*common.LOSS_AGG_MODES))
+        helpers.check_rules(self, beta=helpers.NON_NEGATIVE, adv_clip=helpers.NON_NEGATIVE,
+                            baseline=helpers.one_of("greedy", "none"),
+                            loss_agg=helpers.one_of(*common.LOSS_AGG_MODES))
 
 
 def remax_advantages(rewards, greedy_rewards):

@@ -26,7 +26,7 @@ from accelerate.utils import set_seed
 import common
 from support import helpers
 from support.fast import token_logprobs  # common.token_logprobs, faster; equal (tests/test_fast.py)
-from support.helpers import arg, check, check_rules, one_of
+from support.helpers import arg
 
 
 @dataclass
@@ -38,13 +38,10 @@ class Config(helpers.TrainConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        G = self.num_generations
-        check(G >= 2, f"--num_generations must be >= 2: the group is the baseline (got {G}).")
-        check(self.batch_size % G == 0, f"--batch_size ({self.batch_size}) must be divisible by "
-              f"--num_generations ({G}): batch_size / G prompts are sampled per step.")
-        check_rules(self, beta=helpers.NON_NEGATIVE)
-        check(self.micro_batch_size % G == 0, f"--micro_batch_size ({self.micro_batch_size}) must "
-              f"be a multiple of --num_generations ({G}): a micro-batch holds whole groups.")
+        helpers.check_groups(self)  # G >= 2, dividing --batch_size
+        helpers.check_rules(self, beta=helpers.NON_NEGATIVE)
+        helpers.check(self.micro_batch_size % self.num_generations == 0, "--micro_batch_size must be a "
+                      "multiple of --num_generations: a micro-batch holds whole groups.")
 
 
 def rloo_advantages(rewards, group_size):

@@ -27,8 +27,8 @@ from tqdm.auto import tqdm
 
 import common
 from lab import async_sampling, sampling
-from support import checkpoint, config, environments, fast, helpers, models, routing, run, tasks, view
-from support.rollout import MicroBatch, Rollout, micro_batches
+from support import checkpoint, environments, fast, helpers, models, routing, run, tasks, view
+from support.rollout import MicroBatch, micro_batches
 from lab.sampling import any_process  # noqa: F401  (dapo.py: engine.any_process)
 
 

@@ -5,7 +5,6 @@ import json
 import os
 import shutil
 import signal
-import sys
 from dataclasses import asdict
 
 import torch

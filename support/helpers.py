@@ -67,6 +67,15 @@ def deepspeed_settings(ds_config, cfg, num_processes):
     return ds_config
 
 
+def check_groups(cfg):
+    """The group methods' --num_generations: G >= 2 samples per prompt (the group is the baseline), dividing
+    --batch_size (batch_size / G prompts are sampled per step)."""
+    G = cfg.num_generations
+    check(G >= 2, f"--num_generations must be >= 2: the group is the baseline (got {G}).")
+    check(cfg.batch_size % G == 0, f"--batch_size ({cfg.batch_size}) must be divisible by --num_generations ({G}): "
+          "batch_size / num_generations prompts are sampled per step.")
+
+
 def load_data(cfg, accelerator):
     """The tokenizer and the (train, eval) examples; the main process downloads first, the others read its cache."""
     with accelerator.main_process_first():

@@ -3,7 +3,6 @@ resume are in support/checkpoint.py."""
 import json
 import math
 import os
-import sys
 import time
 from contextlib import contextmanager
 from dataclasses import asdict

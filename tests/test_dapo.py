@@ -13,7 +13,6 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from support import config, tasks  # noqa: E402
 from support.run import read_metrics  # noqa: E402
-from conftest import launch_two_processes  # noqa: E402
 import grpo  # noqa: E402
 from dapo import dapo_loss, dynamic_sampling_filter, grpo_advantages, overlong_penalty  # noqa: E402
 from lab import dapo as lab_dapo  # noqa: E402
@@ -228,6 +227,3 @@ def test_dynamic_sampling_trains_on_the_groups_kept_when_the_cap_is_hit(tmp_path
     assert "--max_sampling_rounds 1" in stderr and "training on those" in stderr
     assert_params_changed(tmp_path / "final")
 
-
-def test_two_process_gloo_run_keeps_replicas_identical(tmp_path):
-    launch_two_processes("lab/dapo.py", ["--num_steps", "2", "--eval_every", "2", "--batch_size", "8", "--num_generations", "4"], tmp_path)

@@ -22,7 +22,7 @@ from conftest import launch_two_processes  # noqa: E402
 from lab import grpo as lab_grpo  # noqa: E402  (the lab's Config: --budget and --sampler)
 from exploration import knapsack_allocation, knapsack_value  # noqa: E402
 from lab import budget, tree
-from support import config, tasks  # noqa: E402
+from support import tasks  # noqa: E402
 from support.run import read_metrics  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

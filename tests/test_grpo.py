@@ -13,7 +13,6 @@ import torch  # noqa: E402
 import common  # noqa: E402
 from support import config, models  # noqa: E402
 from support.run import read_metrics  # noqa: E402
-from conftest import launch_two_processes  # noqa: E402
 from conftest import assert_params_changed  # noqa: E402
 from grpo import grpo_advantages, grpo_loss  # noqa: E402
 from lab import grpo as lab_grpo  # noqa: E402
@@ -294,10 +293,6 @@ def test_grpo_end_to_end_writes_metrics_plot_and_model(tmp_path):
     assert (tmp_path / "curves.png").stat().st_size > 1000
     assert_params_changed(tmp_path / "final")
 
-
-def test_two_process_gloo_run_keeps_replicas_identical(tmp_path):
-    launch_two_processes("lab/grpo.py", ["--num_steps", "2", "--eval_every", "2", "--batch_size", "8", "--num_generations", "4",
-                                     "--scale_rewards", "batch", "--micro_batch_size", "3"], tmp_path)
 
 
 def test_junk_in_the_padding_of_the_detached_inputs_gives_a_finite_gradient():

@@ -9,7 +9,6 @@ import torch
 import common
 from grpo import grpo_loss
 from lab.grpo import Config  # the lab's: GSPO's clip defaults at sequence level
-from support import config
 
 F64 = torch.float64
 NAN = float("nan")

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 import common  # noqa: E402
 from support import config  # noqa: E402
 from support.run import read_metrics  # noqa: E402
-from conftest import launch_two_processes, run_together  # noqa: E402
+from conftest import run_together  # noqa: E402
 from lab.ppo import Config  # noqa: E402  (the lab's: --lam_critic, --lam_alpha, --dual_clip_c)
 from ppo import (AdaptiveKLController, ValueModel, decoupled_gae, explained_variance, gae,  # noqa: E402
                  length_adaptive_lam, ppo_policy_loss, ppo_value_loss)
@@ -365,10 +365,6 @@ def test_ppo_with_lora_saves_a_whole_critic_with_the_adapter_merged(tmp_path):
     assert not torch.equal(layer.self_attn.q_proj.weight, start.self_attn.q_proj.weight)  # the adapter, merged
     assert torch.equal(layer.input_layernorm.weight, start.input_layernorm.weight)  # not in the adapter: frozen
 
-
-def test_two_process_gloo_run_keeps_replicas_identical(tmp_path):
-    launch_two_processes("lab/ppo.py", ["--num_steps", "2", "--eval_every", "2", "--batch_size", "8", "--num_mini_batches", "2",
-                                    "--micro_batch_size", "3"], tmp_path)
 
 
 def test_resume_restores_critic_optimizers_and_kl_controller(tmp_path):

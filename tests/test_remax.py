@@ -7,7 +7,6 @@ import torch
 
 import common
 from support import run
-from conftest import launch_two_processes  # noqa: E402
 from conftest import assert_params_changed  # noqa: E402
 from remax import remax_advantages, remax_loss
 
@@ -105,6 +104,3 @@ def test_remax_end_to_end_writes_metrics_plot_and_model(tmp_path):
     assert (tmp_path / "curves.png").stat().st_size > 1000
     assert_params_changed(tmp_path / "final")
 
-
-def test_two_process_gloo_run_keeps_replicas_identical(tmp_path):
-    launch_two_processes("lab/remax.py", ["--num_steps", "2", "--eval_every", "2", "--batch_size", "8", "--micro_batch_size", "3"], tmp_path)

@@ -10,7 +10,6 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from support import run  # noqa: E402
-from conftest import launch_two_processes  # noqa: E402
 from conftest import assert_params_changed  # noqa: E402
 from rloo import Config, rloo_advantages, rloo_loss  # noqa: E402
 
@@ -139,6 +138,3 @@ def test_rloo_end_to_end_writes_metrics_plot_and_model(tmp_path):
     assert (tmp_path / "curves.png").stat().st_size > 1000
     assert_params_changed(tmp_path / "final")
 
-
-def test_two_process_gloo_run_keeps_replicas_identical(tmp_path):
-    launch_two_processes("lab/rloo.py", ["--num_steps", "2", "--eval_every", "2", "--batch_size", "8", "--num_generations", "4"], tmp_path)
