@@ -171,7 +171,8 @@ def main():
 
         # ---- update: mu optimizer steps, each summing its micro-batches' gradients ----
         num_tokens = accelerator.reduce(mask.sum().float(), "mean")  # per process, as DDP averages
-        batches = helpers.micro_batches(B, cfg.micro_batch_size)
+        size = cfg.micro_batch_size or B  # rows of a forward/backward pass (0: the whole batch)
+        batches = [slice(start, start + size) for start in range(0, B, size)]
         for epoch in range(cfg.num_epochs):  # the stats are the last (most off-policy) update's
             update_loss, update_stats = 0.0, []
             for rows in batches:

@@ -99,7 +99,8 @@ def main():
 
         # ---- update: one on-policy optimizer step, summing its micro-batches' gradients ----
         num_tokens = accelerator.reduce(mask.sum().float(), "mean")  # per process, as DDP averages
-        batches = helpers.micro_batches(B, cfg.micro_batch_size)
+        size = cfg.micro_batch_size or B  # rows of a forward/backward pass (0: the whole batch)
+        batches = [slice(start, start + size) for start in range(0, B, size)]
         for epoch in range(1):  # on-policy: one update per batch (GRPO: mu)
             update_loss, update_stats, kl_seq = 0.0, [], 0.0
             adv, rewards_kl = [], []
