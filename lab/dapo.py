@@ -76,7 +76,7 @@ def main():
         # ---- rollout: groups of G sampled responses, with dynamic sampling: rounds of groups until the batch is
         # full of groups whose answers are mixed (all right or all wrong: A = 0, nothing to learn, dropped) ----
         rounds = []  # each round's (rollout, rewards, correct, keep, reward_stats)
-        while len(rounds) < cfg.max_sampling_rounds and engine.any_process(  # every process samples as many rounds
+        while len(rounds) < cfg.max_sampling_rounds and helpers.any_process(  # every process samples as many rounds
                 accelerator, sum(int(r[3].sum()) for r in rounds) < cfg.batch_size):
             rollout = trainer.rollout(sampler)  # each prompt's G samples adjacent (knapsack: its n_i)
             with trainer.timer("reward"):

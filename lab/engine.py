@@ -29,15 +29,13 @@ import common
 from lab import async_sampling, sampling
 from support import checkpoint, environments, fast, helpers, models, routing, run, tasks, view
 from support.rollout import MicroBatch, micro_batches
-from lab.sampling import any_process  # noqa: F401  (dapo.py: engine.any_process)
 
 
 def load_data(cfg, accelerator):
     """The tokenizer and the (train, eval) examples; the main process downloads first, the others read its
     cache. Data errors surface here, before any model loads."""
+    tokenizer, train_data, eval_data = helpers.load_data(cfg, accelerator)
     with accelerator.main_process_first():
-        tokenizer = models.load_tokenizer(cfg)
-        train_data, eval_data = tasks.load_task(cfg, tokenizer)
         environments.load(cfg, tokenizer, train_data)  # --environment, --tools: checked, a trial episode
     return tokenizer, train_data, eval_data
 
@@ -83,9 +81,6 @@ def load_models(cfg, accelerator, reference, rollout_copy=False):
 def mean_over_processes(accelerator, value):
     """The mean of a scalar over the processes."""
     return accelerator.reduce(torch.as_tensor(value, dtype=torch.float32, device=accelerator.device), "mean").item()
-
-
-fewest = helpers.fewest  # (dapo.py: engine.fewest)
 
 
 class Trainer:
@@ -183,8 +178,7 @@ class Trainer:
     def _scoring_pass(self, rollout, fn):
         """fn(input_ids, attention_mask) over the rollout's micro-batches, concatenated, with no gradient."""
         with self.timer("scoring"), self.inference():
-            out = torch.cat([fn(rollout.input_ids[mb], rollout.attention_mask[mb])
-                             for mb in micro_batches(len(rollout), self.cfg.micro_batch_size)])
+            out = helpers.scoring_pass(rollout, self.cfg.micro_batch_size, fn)
         return out.clone()  # an ordinary tensor, which the loss may keep for its backward
 
     # ---- the update: micro-batches, backward, step ----

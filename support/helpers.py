@@ -135,16 +135,21 @@ def score(model, rollout, cfg, truncated=True):
     scored on its whole distribution."""
     sampling = {"top_k": cfg.top_k, "top_p": cfg.top_p} if truncated else {}
     num_tokens = rollout.mask.shape[1]
-    return torch.cat([token_logprobs(model, rollout.input_ids[rows], rollout.attention_mask[rows], num_tokens,
-                                     cfg.temperature, **sampling)
-                      for rows in micro_batches(len(rollout), cfg.micro_batch_size)]).clone()
+    return scoring_pass(rollout, cfg.micro_batch_size, lambda ids, mask: token_logprobs(
+        model, ids, mask, num_tokens, cfg.temperature, **sampling)).clone()
 
 
 @torch.no_grad()
 def values(critic, rollout, cfg):
     """(B, T) values of PPO's critic before each completion token, --micro_batch_size rows at a time."""
-    return torch.cat([critic(rollout.input_ids[rows], rollout.attention_mask[rows], rollout.mask.shape[1])
-                      for rows in micro_batches(len(rollout), cfg.micro_batch_size)]).clone()
+    return scoring_pass(rollout, cfg.micro_batch_size,
+                        lambda ids, mask: critic(ids, mask, rollout.mask.shape[1])).clone()
+
+
+def scoring_pass(rollout, micro_batch_size, fn):
+    """fn(input_ids, attention_mask) over the rollout's micro-batches of rows, concatenated along the rows."""
+    return torch.cat([fn(rollout.input_ids[rows], rollout.attention_mask[rows])
+                      for rows in micro_batches(len(rollout), micro_batch_size)])
 
 
 def any_process(accelerator, flag):
