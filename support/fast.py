@@ -9,7 +9,8 @@ draws from the same seed) by tests/test_fast.py. Read the spec; this is how it i
 - sampling is a decode loop of its own (`decode`): the steps of transformers' generate for exactly the
   sampler's settings, in which a row that has emitted EOS leaves the batch, so the later steps run only
   the rows still going (fewer row-steps whenever completions end at different lengths), with the same
-  draws, since one draw is still made for every row;
+  draws, since one draw is still made for every row; on a GPU, where a step costs its kernel launches more than
+  its rows, the same draws come from steps of fixed shapes captured once instead (support/static_decode.py);
 - under DeepSpeed ZeRO-3 the weights are gathered once for a whole generate call, not once per token
   (`models.gathered_parameters`).
 """
@@ -19,7 +20,7 @@ import torch
 
 import common
 from agents import until_stop
-from support import models, routing
+from support import models, routing, static_decode
 
 # Rows of (C, V) fp32 logits that token_logprobs takes at once: 2**24 floats (64 MiB) bound the
 # temporary copies whatever the vocabulary; the embedded model's whole batch fits in one chunk.
@@ -160,14 +161,16 @@ def decode(model, input_ids, attention_mask, cache, gen, scores=None, logprobs=F
 
 @torch.no_grad()
 def generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=1, greedy=False, scores=None,
-             logprobs=False):
+             logprobs=False, fixed_shape=None):
     """common.generate, with each prompt run once for its samples (`shared_prompt_cache`), which then
     continue it from copies of its keys and values in `decode`: the same draws as generate's own
     num_return_sequences, without K passes over the prompt and without the rows that have ended. Under
     ZeRO-3 the weights are gathered once for the whole call. Returns completion ids (B * num_samples, C),
     each prompt's samples adjacent (`scores`: see `decode`, one list entry per step of each call); with logprobs,
     also each drawn token's log-prob under what it was drawn from (B * num_samples, C), equal to
-    token_logprobs' scoring of the same completions (tests/test_fast.py) without its pass."""
+    token_logprobs' scoring of the same completions (tests/test_fast.py) without its pass. fixed_shape (None: on
+    CUDA, static_decode.chosen) decodes with static_decode.decode, in steps of fixed shapes, instead of `decode`."""
+    fixed_shape = static_decode.chosen(model, prompt_ids) if fixed_shape is None else fixed_shape
     num_samples = 1 if greedy else num_samples
     gen = common.generation_config(tokenizer, cfg, greedy)  # one sequence per row: the rows are the K copies
     n = max(1, cfg.generation_batch_size // num_samples) if cfg.generation_batch_size else len(prompt_ids)
@@ -177,7 +180,8 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=1, gree
             ids, mask = prompt_ids[i:i + n], prompt_mask[i:i + n]
             rows = torch.arange(len(ids), device=ids.device).repeat_interleave(num_samples)  # K adjacent
             cache = shared_prompt_cache(model, ids, mask, rows) if ids.shape[1] > 1 else None
-            chunks.append(decode(model, ids[rows], mask[rows], cache, gen, scores, logprobs))
+            decode_loop = static_decode.decode if fixed_shape else decode
+            chunks.append(decode_loop(model, ids[rows], mask[rows], cache, gen, scores, logprobs))
     if logprobs:
         return (common.pad_completions([ids for ids, _ in chunks], tokenizer.pad_token_id),
                 common.pad_completions([logp for _, logp in chunks], 0.0))

@@ -49,6 +49,11 @@ import torch
 _OPEN = {}  # id(a model's decoder) -> its _Hooks, while a record or replay context is open on the model
 
 
+def is_open(model):
+    """Whether a record or replay context is open on `model`."""
+    return bool(_OPEN) and id(_decoder(model)) in _OPEN
+
+
 def routers(model):
     """The top-k routers of a transformers mixture-of-experts model, in layer order ([] for a dense model)."""
     return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]

@@ -249,6 +249,83 @@ def test_fast_generate_greedy_and_one_token_prompts_equal_the_definition():
         assert torch.equal(drawn, common.generate(model, tokenizer, ids, mask, Sampling(), num_samples=3))
 
 
+# ---- the fixed-shape decode loop (support/static_decode.py): the GPU's, run here uncompiled ----
+@pytest.mark.parametrize("cfg", [Sampling(), Sampling(generation_batch_size=8), Sampling(top_k=0, top_p=1.0)],
+                         ids=["one_call", "calls_of_8", "untruncated"])
+def test_fixed_shape_generate_draws_what_the_definition_draws_and_keeps_their_log_probs(cfg):
+    """fast.generate(fixed_shape=True), the ended rows kept in the batch: common.generate's draws exactly from the
+    same seed, the same random stream used up, the processed scores of every row at every step (the ended rows'
+    too: both feed them their pad token) to 1e-5, and the drawn log-probs equal to common.token_logprobs' scoring."""
+    model, tokenizer, prompt_ids, prompt_mask = load()
+    torch.manual_seed(0)
+    fixed_scores = []
+    drawn, logp = fast.generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=4, scores=fixed_scores,
+                                logprobs=True, fixed_shape=True)
+    after_fixed = torch.rand(4)
+    captured = capture_scores(model)
+    torch.manual_seed(0)
+    spec = common.generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=4)
+    assert torch.equal(drawn, spec) and len(set(map(tuple, drawn.tolist()))) > 4
+    assert torch.equal(after_fixed, torch.rand(4))
+    spec_scores = [call[:, step] for call in captured for step in range(call.shape[1])]  # (rows, V) per step
+    assert [len(rows) for _, rows, _ in fixed_scores] == [len(scores) for scores in spec_scores]
+    for (_, _, scores), spec_step in zip(fixed_scores, spec_scores):
+        torch.testing.assert_close(scores, spec_step, rtol=0, atol=1e-5)
+    mask = common.completion_mask(drawn, tokenizer.eos_token_id)
+    assert (mask.sum(1) < mask.shape[1]).any()  # some rows ended before others: they stayed in the batch
+    scored = common.token_logprobs(model, torch.cat([prompt_ids.repeat_interleave(4, 0), drawn], 1),
+                                   torch.cat([prompt_mask.repeat_interleave(4, 0), mask], 1), drawn.shape[1],
+                                   cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+    torch.testing.assert_close(logp[mask.bool()], scored[mask.bool()], rtol=0, atol=1e-5)
+    assert (logp[~mask.bool()] == 0).all()
+
+
+def test_fixed_shape_greedy_and_one_token_prompts_equal_the_definition():
+    model, tokenizer, prompt_ids, prompt_mask = load()
+    for ids, mask in ((prompt_ids, prompt_mask), (prompt_ids[:, -1:], prompt_mask[:, -1:])):
+        greedy = fast.generate(model, tokenizer, ids, mask, Sampling(), greedy=True, fixed_shape=True)
+        assert torch.equal(greedy, common.generate(model, tokenizer, ids, mask, Sampling(), greedy=True))
+        torch.manual_seed(0)
+        drawn = fast.generate(model, tokenizer, ids, mask, Sampling(), num_samples=3, fixed_shape=True)
+        torch.manual_seed(0)
+        assert torch.equal(drawn, common.generate(model, tokenizer, ids, mask, Sampling(), num_samples=3))
+
+
+def test_fixed_shape_steps_have_one_shape_and_the_steps_past_the_end_draw_nothing_kept():
+    """A 2-layer random model (EOS about 1 draw in 18): the end is checked every END_CHECK_EVERY steps, so steps run
+    past the last row's EOS; their draws are discarded and the random generator set back, so the draws, their width
+    and the random stream after are common.generate's. Every forward after a call's first has the same shapes, and
+    two calls whose prompts differ in width by one token reuse one static cache."""
+    from types import SimpleNamespace
+
+    from support import static_decode
+
+    model, tokenizer = tiny_model("qwen2"), SimpleNamespace(pad_token_id=0, eos_token_id=1)
+    cfg = Sampling(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=40)
+    shapes = []
+
+    def record_shapes(module, args, kwargs):  # the steps' masks are made as generate makes them: one per layer type
+        masks = kwargs["attention_mask"]
+        masks = masks.values() if isinstance(masks, dict) else [masks]
+        shapes.append((kwargs["input_ids"].shape, *(mask.shape for mask in masks)))
+
+    model.register_forward_pre_hook(record_shapes, with_kwargs=True)
+    input_ids, attention_mask = batch(shared=False)
+    for width in (9, 8):  # the prompt and completion of batch(), cut to widths 9 and 8
+        ids, mask = input_ids[:, :width], attention_mask[:, :width]
+        torch.manual_seed(1)
+        drawn = fast.generate(model, tokenizer, ids, mask, cfg, num_samples=2, fixed_shape=True)
+        after_fixed, steps = torch.rand(4), shapes[1:]  # after the shared prompts' pass: the decode steps
+        assert len(steps) % static_decode.END_CHECK_EVERY == 0 and len(steps) > drawn.shape[1]  # run past the end
+        assert drawn.shape[1] < 40 and len(set(steps[1:])) == 1 and steps[1] == ((14, 1), (14, 1, 1, 64))
+        shapes.clear()
+        torch.manual_seed(1)
+        assert torch.equal(drawn, common.generate(model, tokenizer, ids, mask, cfg, num_samples=2))
+        assert torch.equal(after_fixed, torch.rand(4))
+        shapes.clear()
+    assert len(static_decode._CACHES[model]) == 1
+
+
 def test_fast_paths_print_no_deprecation_warning():
     """Both fast calls use the library's current names (a cache passed as `cache`, read as `.cache`):
     no Python warning and no transformers log warning."""
