@@ -141,6 +141,8 @@ def main():
         print("No CUDA GPU here: bench/decode_gpu.py measures decoding on a GPU, and has nothing to measure. "
               "--allow_cpu runs a tiny model on CPU instead, to test the code path.")
         return
+    # both compiled methods share transformers' one compiled forward: a graph per shape, more than torch's default 8
+    torch._dynamo.config.recompile_limit = 64
     model, tokenizer = build(QWEN25_05B if on_gpu else TINY, "cuda" if on_gpu else "cpu")
     device = torch.cuda.get_device_name() if on_gpu else "CPU (--allow_cpu: a tiny model, to test the code path only)"
     results, start = [], time.time()

@@ -110,11 +110,13 @@ def decode(model, input_ids, attention_mask, cache, gen, scores=None, logprobs=F
     """fast.decode's draws, in steps of fixed shapes: (B, C) completion ids padded after EOS (logprobs: and the
     (B, C) log-probs of the drawn tokens under the processed scores they were drawn from, 0 after EOS). `cache`
     holds every prompt token but the last (None: the whole prompt runs first). `scores`, a list, receives
-    (step, rows, processed scores) for every row, the ended ones included. compiled (None: on CUDA): the steps
-    after the first run transformers' compiled forward."""
+    (step, rows, processed scores) for every row, the ended ones included. compiled (None: on CUDA, but not under
+    DeepSpeed ZeRO-3, whose weights are gathered anew, elsewhere, for each call): the steps after the first run
+    transformers' compiled forward."""
     from transformers.masking_utils import create_masks_for_generate
 
-    compiled = input_ids.is_cuda if compiled is None else compiled
+    if compiled is None:
+        compiled = input_ids.is_cuda and not any(hasattr(p, "ds_id") for p in model.parameters())
     b, c, device = len(input_ids), gen.max_new_tokens, input_ids.device
     length = -(-(input_ids.shape[1] + c - 1) // CACHE_MULTIPLE) * CACHE_MULTIPLE
     full_mask = torch.nn.functional.pad(attention_mask, (0, length - attention_mask.shape[1]), value=1)  # (B, L)

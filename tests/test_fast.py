@@ -327,7 +327,8 @@ def test_fixed_shape_steps_have_one_shape_and_the_steps_past_the_end_draw_nothin
 
 
 def test_fast_paths_print_no_deprecation_warning():
-    """Both fast calls use the library's current names (a cache passed as `cache`, read as `.cache`):
+    """Both fast calls, with either decode loop, use the library's current names (a cache passed as `cache`, read
+    as `.cache`):
     no Python warning and no transformers log warning."""
     model, tokenizer, prompt_ids, prompt_mask = load()
     logging.Logger.warning_once.cache_clear()  # a warning logged once before this test would hide
@@ -340,6 +341,7 @@ def test_fast_paths_print_no_deprecation_warning():
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             completion_ids = fast.generate(model, tokenizer, prompt_ids, prompt_mask, Sampling(), num_samples=2)
+            fast.generate(model, tokenizer, prompt_ids, prompt_mask, Sampling(), num_samples=2, fixed_shape=True)
             mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
             input_ids = torch.cat([prompt_ids.repeat_interleave(2, 0), completion_ids], 1)
             attention_mask = torch.cat([prompt_mask.repeat_interleave(2, 0), mask], 1)
