@@ -134,13 +134,14 @@ def main():
         parser.error(f"--rows: {args.rows!r} is not a comma list of PROMPTSxSAMPLES (e.g. 4x4,16x4)")
 
     import torch
-    import transformers
 
     on_gpu = torch.cuda.is_available()
     if not on_gpu and not args.allow_cpu:
         print("No CUDA GPU here: bench/decode_gpu.py measures decoding on a GPU, and has nothing to measure. "
               "--allow_cpu runs a tiny model on CPU instead, to test the code path.")
         return
+    import transformers
+
     # both compiled methods share transformers' one compiled forward: a graph per shape, more than torch's default 8
     torch._dynamo.config.recompile_limit = 64
     model, tokenizer = build(QWEN25_05B if on_gpu else TINY, "cuda" if on_gpu else "cpu")

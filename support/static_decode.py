@@ -21,8 +21,8 @@ more there than it saves. Here every step has the same shapes, so it can be capt
 What transformers' `generate(cache_implementation="static")` does not give, and why this loop exists at all: the
 log-prob of each drawn token under the exact distribution it was drawn from (after temperature, top-k and top-p),
 kept as it is drawn (the behaviour policy of lab/async_sampling.py, without a scoring pass or every step's
-(B, V) scores kept); a group's prompt run once for its samples (`fast.shared_prompt_cache`) rather than once per
-sample; and the end checked without a host synchronisation per token on every device.
+(B, V) scores kept); and a group's prompt run once for its samples (`fast.shared_prompt_cache`) rather than once
+per sample. The rest (the cache, the compiled forward, the masks) is transformers'.
 
 The first step (the last prompt token, on top of the shared prompt's keys and values) runs uncompiled and fills the
 static cache by copying; the steps after it are the fixed-shape ones. Under mixed precision the sampler runs the
@@ -115,6 +115,9 @@ def decode(model, input_ids, attention_mask, cache, gen, scores=None, logprobs=F
     transformers' compiled forward."""
     from transformers.masking_utils import create_masks_for_generate
 
+    if routing.is_open(model):
+        raise ValueError("a routing record counts the columns of a growing attention mask: sample with "
+                         "fast.generate(fixed_shape=False) inside routing.record")
     if compiled is None:
         compiled = input_ids.is_cuda and not any(hasattr(p, "ds_id") for p in model.parameters())
     b, c, device = len(input_ids), gen.max_new_tokens, input_ids.device
@@ -127,9 +130,6 @@ def decode(model, input_ids, attention_mask, cache, gen, scores=None, logprobs=F
     going = torch.ones(b, dtype=torch.bool, device=device)
     steps_going = torch.zeros(b, dtype=torch.long, device=device)  # each row's completion length so far
     first_score, states = len(scores) if scores is not None else 0, {}
-    if routing.is_open(model):
-        raise ValueError("a routing record counts the columns of a growing attention mask: sample with "
-                         "fast.generate(fixed_shape=False) inside routing.record")
     with torch.no_grad():
         # the first step: the last prompt token (or the whole prompt) on a growing cache, uncompiled
         out = model(input_ids=inputs, attention_mask=attention_mask, position_ids=positions, cache=cache,

@@ -30,3 +30,13 @@ def test_gpu_check_allow_cpu_runs_the_code_path_on_a_tiny_model(tmp_path):
     assert (r["precision"], r["algorithm"], r["on_gpu"], r["timed_steps"]) == ("bf16", "remax", False, 1)
     assert r["completion_len"] > 0 and r["peak_bytes"] > 0 and r["step_s"] > 0
     assert r["generation_tokens_per_s"] > 0 and r["tokens_per_s"] > 0
+
+
+def test_decode_gpu_without_cuda_says_so_and_exits_0(tmp_path):
+    """bench/decode_gpu.py, the decode benchmark: without a GPU it measures nothing and writes nothing."""
+    out = (tmp_path / "decode_gpu").with_suffix(".md")
+    proc = subprocess.run([sys.executable, "bench/decode_gpu.py", "--out", str(out)], cwd=ROOT, capture_output=True,
+                          text=True, env=NO_GPU)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "No CUDA GPU here" in proc.stdout and "--allow_cpu" in proc.stdout
+    assert not out.exists()
