@@ -156,6 +156,12 @@ def main():
                 print(f"[{prompts} x {samples}] {m} failed: {error!r}", file=sys.stderr)
                 results.append({"method": m, "prompts": prompts, "samples": samples,
                                 "failed": type(error).__name__})
+    ratios = []  # the goal's measure: each loop's milliseconds per step over the static-compiled generate's
+    for prompts, samples in sizes:
+        ms = {r["method"]: r["ms_per_step"] for r in results
+              if (r["prompts"], r["samples"]) == (prompts, samples) and "ms_per_step" in r}
+        ratios += [f"{m} {ms[m] / ms['static']:.2f}x at {prompts * samples} rows" for m in ("growing", "fixed")
+                   if m in ms and "static" in ms]
     firsts = "; ".join(f"{r['method']} {r['prompts'] * r['samples']} rows {r['first_call_s']:.1f} s"
                        for r in results if "first_call_s" in r)
     report = "\n".join([
@@ -166,6 +172,7 @@ def main():
         "temperature 1, no top-k or top-p; one warm-up call, then one timed call.",
         f"Command: `{shlex.join(['python', 'bench/decode_gpu.py', *sys.argv[1:]])}`; {time.time() - start:.0f} s.",
         "", "Milliseconds per decode step (tokens per second):", "", table(results, methods), "",
+        f"Against the static-compiled generate: {'; '.join(ratios) or 'not measured'}.", "",
         f"First calls (compilation included): {firsts}.", ""])
     print(report)
     if args.out:
