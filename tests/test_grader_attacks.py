@@ -592,10 +592,10 @@ FALL_BACK = {"common.py": ('raise ValueError(f"unknown loss aggregation',
              "grpo.py": ('raise ValueError(f"unknown scale_rewards', 'pass  # (f"unknown scale_rewards', "grpo_advantages"),
              "dapo.py": ('raise ValueError(f"unknown scale_rewards', 'pass  # (f"unknown scale_rewards', "grpo_advantages")}
 # What the sandbox holds, seen from inside: MiB written to /, /dev and /dev/shm (8 at most each), sockets and
-# pseudo-terminals made, and the writable tmpfs and devpts mounts other than /tmp (of a folder's mounts, the last:
+# pseudo-terminals made, MiB held in pipes (as many as it may open), and the writable tmpfs and devpts mounts other than /tmp (of a folder's mounts, the last:
 # the one its path reaches), reported as its exception.
 WHAT_IT_HOLDS = """
-        import json, os, socket
+        import fcntl, json, os, socket
         def write(path):
             try:
                 with open(path, "wb") as f:
@@ -622,6 +622,26 @@ WHAT_IT_HOLDS = """
             top[left.split()[4]] = right.split()[0], left.split()[5]
         found["rw"] = sorted(path for path, (kind, flags) in top.items()
                              if kind in ("tmpfs", "devpts") and flags.startswith("rw") and path != "/tmp")
+        held, ends = 0, []  # bytes left in pipes, each made as big as the kernel lets it (pipe buffers: its memory)
+        while True:  # up to the limit of open files
+            try:
+                ends += os.pipe()
+            except OSError:
+                break
+            end = ends[-1]
+            try:
+                fcntl.fcntl(end, fcntl.F_SETPIPE_SZ, 1 << 20)
+            except OSError:
+                pass
+            os.set_blocking(end, False)
+            try:
+                while True:
+                    held += os.write(end, bytes(1 << 16))
+            except OSError:
+                pass
+        found["pipes"] = held >> 20
+        for end in ends:  # for the next case
+            os.close(end)
         raise ValueError(json.dumps(found))"""
 
 
@@ -696,9 +716,15 @@ def test_the_sandbox_holds_no_writable_folder_but_tmp_no_socket_and_no_terminal(
                           capture_output=True, text=True, env=ENV, timeout=120)
     assert results.is_file(), (proc.stdout + proc.stderr)[-3000:]
     (test,) = json.loads(results.read_text())["tests"]
-    assert test["score"] == 0 and test["output"].startswith("case "), test
+    assert test["score"] == 0 and "raises ValueError: " in test["output"], test
     found = json.loads(test["output"].split("raises ValueError: ", 1)[1])
+    pipes = found.pop("pipes")
     assert found == {"MiB": [0, 0, 0], "sockets": 0, "ptys": 0, "rw": []}, (found, unshare)
+    # pipes: the kernel's soft limit of a user's pipe pages (64 MiB by default), one pipe grown to 1 MiB past it,
+    # then two pages for each other pipe of the 1,024 open files
+    page = os.sysconf("SC_PAGE_SIZE")
+    soft = int(pathlib.Path("/proc/sys/fs/pipe-user-pages-soft").read_text()) * page
+    assert pipes <= (soft + (1 << 20) + 512 * 2 * page) >> 20, pipes
 
 
 def test_the_sandbox_is_given_each_cases_inputs_only_in_an_order_of_its_own():
