@@ -8,7 +8,7 @@ For each exercise the grader draws the inputs (classroom/teacher_tests/cases.py,
 default) and starts one process under bubblewrap that sees the Python environment read-only, a copy of
 the student's Python files, the inputs and a scratch /tmp, and nothing else of this machine: no network,
 its own process and IPC namespaces, a user of its own, limits on memory, CPU time, file size and /tmp's
-files, no second process. There classroom/runner.py imports the student's module (the student's other
+files, no second process, no socket, no terminal, nothing writable but /tmp. There classroom/runner.py imports the student's module (the student's other
 functions and files with it) and prints what the function returns on each input, with the gradients a case
 names, as plain data. This process, which never runs the student's code, reads that answer (1 MiB at most)
 and compares it with what the reference returns: type, shape, dtype, values and gradients. An exercise scores
@@ -178,17 +178,20 @@ def sandbox_command():
     # The teacher's tree inside a folder the sandbox shows (/usr/local/src/course, or a Python environment's
     # folder): an empty folder over it, then the environment's folders that lie inside the tree bound again.
     hidden = any(root.startswith(path.rstrip("/") + "/") for path in bound)
-    for n in range(2):
+
+    def show(where, real):
+        for path in {where, real}:  # the folders above it, open to everyone as on the host
+            parents = Path(path).parents
+            for parent in reversed(parents[:-1]):
+                cmd.extend(["--perms", "0755", "--dir", str(parent)])
+        cmd.extend(["--ro-bind", real, real] + (["--symlink", real, where] if where != real else []))
+    for where, real in environment:
+        show(where, real)
+    if hidden:
+        cmd += ["--tmpfs", root]
         for where, real in environment:
-            if n == 1 and not (hidden and real.startswith(root + "/")):
-                continue
-            for path in {where, real}:  # the folders above it, open to everyone as on the host
-                parents = Path(path).parents
-                for parent in reversed(parents[:-1]):
-                    cmd += ["--perms", "0755", "--dir", str(parent)]
-            cmd += ["--ro-bind", real, real] + (["--symlink", real, where] if where != real else [])
-        if n == 0 and hidden:
-            cmd += ["--tmpfs", root]
+            if real.startswith(root + "/"):
+                show(where, real)
     # The runner keeps CAP_SYS_ADMIN only to cap /tmp's files and, as root, CAP_SETUID and CAP_SETGID only to become
     # a user of its own; it drops them before the student's module is imported (runner.lock_down). As another user
     # the sandbox has a user namespace of its own, where the runner is uid 0 (another uid there would take bubblewrap
@@ -211,7 +214,7 @@ def sealed(sandbox, source, target):
     cmd = [*sandbox, "--ro-bind", str(source), target]
     for path in ("/dev/pts", "/dev", "/"):
         cmd += ["--remount-ro", path]
-    if ["--tmpfs", str(ROOT)] in [cmd[i:i + 2] for i in range(len(cmd))]:  # the empty folder over the teacher's tree
+    if ["--tmpfs", str(ROOT)] in [cmd[i:i + 2] for i in range(len(cmd))]:  # the folder over the teacher's tree
         cmd += ["--remount-ro", str(ROOT)]
     return cmd
 
@@ -371,7 +374,8 @@ def compare(expected, got, where="the result", statistic=False, deadline=math.in
     t = expected["type"]
     if t in ("tensor", "ndarray"):
         if got.get("shape") != expected["shape"]:
-            return f"{where} has shape {printable(tuple(got.get('shape') or ()), 60)}, not {tuple(expected['shape'])}"
+            shape = printable(tuple(got.get("shape") or ()), 60)  # a forged one may be of any length
+            return f"{where} has shape {shape}, not {tuple(expected['shape'])}"
         dtypes = got.get("dtype"), expected["dtype"]
         floats = all(d in TOLERANCE for d in dtypes)
         if dtypes[0] != dtypes[1] and not (statistic and floats):

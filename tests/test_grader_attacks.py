@@ -589,11 +589,11 @@ def {name}(*args, **kwargs):
 # Wrong versions that differ from the reference only where it raises: an unknown mode or scale_rewards falls back.
 FALL_BACK = {"common.py": ('raise ValueError(f"unknown loss aggregation',
                            'return masked_mean(per_token_loss, mask)  # (f"unknown loss aggregation', "aggregate_loss"),
-             "grpo.py": ('raise ValueError(f"unknown scale_rewards', 'pass  # (f"unknown scale_rewards', "grpo_advantages"),
-             "dapo.py": ('raise ValueError(f"unknown scale_rewards', 'pass  # (f"unknown scale_rewards', "grpo_advantages")}
+             "grpo.py": ('raise ValueError(f"unknown scale_rewards', 'pass  # (f"unknown', "grpo_advantages"),
+             "dapo.py": ('raise ValueError(f"unknown scale_rewards', 'pass  # (f"unknown', "grpo_advantages")}
 # What the sandbox holds, seen from inside: MiB written to /, /dev and /dev/shm (8 at most each), sockets and
-# pseudo-terminals made, MiB held in pipes (as many as it may open), and the writable tmpfs and devpts mounts other than /tmp (of a folder's mounts, the last:
-# the one its path reaches), reported as its exception.
+# pseudo-terminals made, MiB held in pipes (as many as it may open), and the writable tmpfs and devpts mounts other
+# than /tmp (of a folder's mounts, the last: the one its path reaches), reported as its exception.
 WHAT_IT_HOLDS = """
         import fcntl, json, os, socket
         def write(path):
