@@ -5,15 +5,15 @@
     python classroom/grade.py ../student --only gae,rloo_loss  # just those exercises (a regrade)
 
 For each exercise the grader draws the inputs (classroom/teacher_tests/cases.py, from --seed, random by
-default) and starts one process under bubblewrap that sees the Python environment read-only, a copy of
-the student's Python files, the inputs and a scratch /tmp, and nothing else of this machine: no network,
-its own process and IPC namespaces, a user of its own, limits on memory, CPU time, file size and /tmp's
-files, no second process, no socket, no terminal, nothing writable but /tmp. There classroom/runner.py imports the student's module (the student's other
-functions and files with it) and prints what the function returns on each input, with the gradients a case
-names, as plain data. This process, which never runs the student's code, reads that answer (1 MiB at most)
-and compares it with what the reference returns: type, shape, dtype, values and gradients. An exercise scores
-its stars when every case agrees, and 0 otherwise with the first disagreement (or the crash, the time limit,
-the memory limit) as the reason.
+default) and starts one process under bubblewrap that sees the Python environment read-only, a copy of the
+student's Python files, the inputs (nothing of the reference's answers) and a scratch /tmp, and nothing else
+of this machine: no network, its own process and IPC namespaces, a user of its own, limits on memory, CPU
+time, file size and /tmp's files, no second process, no socket, no terminal, nothing writable but /tmp. There
+classroom/runner.py imports the student's module (the student's other functions and files with it) and prints
+what the function returns on each input, with the gradients a case names, as plain data. This process, which
+never runs the student's code, reads that answer (1 MiB at most) and compares it with what the reference
+returns: type, shape, dtype, values and gradients. An exercise scores its stars when every case agrees, and 0
+otherwise with the first disagreement (or the crash, the time limit, the memory limit) as the reason.
 """
 import argparse
 import concurrent.futures
