@@ -5,15 +5,15 @@
     python classroom/grade.py ../student --only gae,rloo_loss  # just those exercises (a regrade)
 
 For each exercise the grader draws the inputs (classroom/teacher_tests/cases.py, from --seed, random by
-default) and starts one process under bubblewrap that sees the Python environment read-only, a copy of
-the student's Python files, the inputs and a scratch /tmp, and nothing else of this machine: no network,
-its own process and IPC namespaces, a user of its own, limits on memory, CPU time, file size and /tmp's
-files, no second process. There classroom/runner.py imports the student's module (the student's other
-functions and files with it) and prints what the function returns on each input, with the gradients a case
-names, as plain data. This process, which never runs the student's code, reads that answer (1 MiB at most)
-and compares it with what the reference returns: type, shape, dtype, values and gradients. An exercise scores
-its stars when every case agrees, and 0 otherwise with the first disagreement (or the crash, the time limit,
-the memory limit) as the reason.
+default) and starts one process under bubblewrap that sees the Python environment read-only, a copy of the
+student's Python files, the inputs (nothing of the reference's answers) and a scratch /tmp, and nothing else
+of this machine: no network, its own process and IPC namespaces, a user of its own, limits on memory, CPU
+time, file size and /tmp's files, no second process, no socket, no terminal, nothing writable but /tmp. There
+classroom/runner.py imports the student's module (the student's other functions and files with it) and prints
+what the function returns on each input, with the gradients a case names, as plain data. This process, which
+never runs the student's code, reads that answer (1 MiB at most) and compares it with what the reference
+returns: type, shape, dtype, values and gradients. An exercise scores its stars when every case agrees, and 0
+otherwise with the first disagreement (or the crash, the time limit, the memory limit) as the reason.
 """
 import argparse
 import concurrent.futures
@@ -148,13 +148,15 @@ def environment_dirs():
 
 
 def sandbox_command():
-    """bwrap and its options, up to the command it runs; SystemExit with one line when it cannot work here."""
+    """bwrap and its options, up to the folder /grader and the command it runs (`sealed` adds them); SystemExit
+    with one line when it cannot work here."""
     bwrap = shutil.which("bwrap")
     if bwrap is None:
         raise SystemExit(f"error: {INSTALL}.")
     root = str(ROOT)
     cmd = [bwrap, "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
            "--die-with-parent", "--new-session", "--clearenv", "--ro-bind", "/usr", "/usr"]
+    bound = ["/usr"]
     for name, value in ENV.items():
         cmd += ["--setenv", name, value]
     for top in ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32"):
@@ -162,18 +164,34 @@ def sandbox_command():
             cmd += ["--symlink", os.readlink(top), top]
         elif os.path.isdir(top):
             cmd += ["--ro-bind", top, top]
-    # /tmp first: a Python environment below /tmp (a virtual environment in a checkout there) is bound over it
-    cmd += ["--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(TMP_BYTES), "--tmpfs", "/tmp"]
-    for where, real in environment_dirs():
-        for path in {where, real}:
-            if root == path or root.startswith(path.rstrip("/") + "/"):
-                raise SystemExit(f"error: the Python environment {path} holds the teacher's tree {root}: grade with "
-                                 "a Python (or virtual environment) installed elsewhere.")
+            bound.append(top)
+    # /dev without pseudo-terminals: an empty folder over its devpts (each terminal is one of the host's
+    # kernel.pty.max); /tmp first: a Python environment below /tmp (a virtual environment in a checkout there) is
+    # bound over it
+    cmd += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/dev/pts", "--perms", "1777", "--size", str(TMP_BYTES),
+            "--tmpfs", "/tmp"]
+    environment = environment_dirs()
+    bound += [real for _, real in environment]
+    if root in bound:
+        raise SystemExit(f"error: the teacher's tree {root} is a folder the sandbox shows (/usr, the Python "
+                         "environment): grade from a tree of its own.")
+    # The teacher's tree inside a folder the sandbox shows (/usr/local/src/course, or a Python environment's
+    # folder): an empty folder over it, then the environment's folders that lie inside the tree bound again.
+    hidden = any(root.startswith(path.rstrip("/") + "/") for path in bound)
+
+    def show(where, real):
         for path in {where, real}:  # the folders above it, open to everyone as on the host
             parents = Path(path).parents
             for parent in reversed(parents[:-1]):
-                cmd += ["--perms", "0755", "--dir", str(parent)]
-        cmd += ["--ro-bind", real, real] + (["--symlink", real, where] if where != real else [])
+                cmd.extend(["--perms", "0755", "--dir", str(parent)])
+        cmd.extend(["--ro-bind", real, real] + (["--symlink", real, where] if where != real else []))
+    for where, real in environment:
+        show(where, real)
+    if hidden:
+        cmd += ["--tmpfs", root]
+        for where, real in environment:
+            if real.startswith(root + "/"):
+                show(where, real)
     # The runner keeps CAP_SYS_ADMIN only to cap /tmp's files and, as root, CAP_SETUID and CAP_SETGID only to become
     # a user of its own; it drops them before the student's module is imported (runner.lock_down). As another user
     # the sandbox has a user namespace of its own, where the runner is uid 0 (another uid there would take bubblewrap
@@ -183,9 +201,21 @@ def sandbox_command():
         cmd += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     else:
         cmd += ["--unshare-user", "--uid", "0", "--gid", "0"]
-    why = probe([*cmd, "--ro-bind", runner.__file__, "/grader/runner.py"], "/grader", True)
+    why = probe(sealed(cmd, runner.__file__, "/grader/runner.py"), "/grader", True)
     if why:
         raise SystemExit(f"error: bubblewrap does not work here ({why}); {INSTALL}.")
+    return cmd
+
+
+def sealed(sandbox, source, target):
+    """The sandbox with `source` bound read-only at `target`, then its own folders made read-only: `/`, `/dev`
+    (its `shm` with it), the empty ones over `/dev/pts` and the teacher's tree. They are tmpfs, which as another
+    user the runner (uid 0 of its namespace) would own, and each may grow to half the machine's memory."""
+    cmd = [*sandbox, "--ro-bind", str(source), target]
+    for path in ("/dev/pts", "/dev", "/"):
+        cmd += ["--remount-ro", path]
+    if ["--tmpfs", str(ROOT)] in [cmd[i:i + 2] for i in range(len(cmd))]:  # the folder over the teacher's tree
+        cmd += ["--remount-ro", str(ROOT)]
     return cmd
 
 
@@ -232,7 +262,7 @@ def run_child(job, key, timeout, sandbox, uid):
     inside = "/grader" if sandbox else str(job / "grader")
     command = runner_command(inside, key, timeout, bool(sandbox), uid if sandbox else None)
     if sandbox:
-        command = [*sandbox, "--ro-bind", str(job / "grader"), "/grader", *command]
+        command = [*sealed(sandbox, job / "grader", "/grader"), *command]
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
         proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True,
                                 env=ENV, cwd=job)
@@ -306,7 +336,8 @@ def kind(value):
         return "unreadable"
     t = value.get("type")
     if t in ("tensor", "ndarray"):
-        return f"a {'Tensor' if t == 'tensor' else 'numpy array'} of shape {tuple(value.get('shape', ()))}"
+        shape = printable(tuple(value.get("shape", ())), 60)  # a forged one may be of any length
+        return f"a {'Tensor' if t == 'tensor' else 'numpy array'} of shape {shape}"
     if t in ("tuple", "list"):
         return f"a {t} of {len(value.get('items', []))}"
     if t == "other":
@@ -343,7 +374,8 @@ def compare(expected, got, where="the result", statistic=False, deadline=math.in
     t = expected["type"]
     if t in ("tensor", "ndarray"):
         if got.get("shape") != expected["shape"]:
-            return f"{where} has shape {tuple(got.get('shape') or ())}, not {tuple(expected['shape'])}"
+            shape = printable(tuple(got.get("shape") or ()), 60)  # a forged one may be of any length
+            return f"{where} has shape {shape}, not {tuple(expected['shape'])}"
         dtypes = got.get("dtype"), expected["dtype"]
         floats = all(d in TOLERANCE for d in dtypes)
         if dtypes[0] != dtypes[1] and not (statistic and floats):
@@ -464,6 +496,27 @@ def check_function(key, function, seed, root=ROOT):
 
 # ---------------------------------------------------------------------------------------- grading
 
+def sandbox_cases(cases):
+    """(what the sandbox is given, the order it is given in): each case's inputs only, no label and nothing of
+    the reference's answer (whether it raised, a value), in an order drawn anew for each exercise of each grade,
+    from the operating system, not from the seed: a case's place does not tell which it is either."""
+    order = list(range(len(cases)))
+    random.SystemRandom().shuffle(order)
+    return [{name: cases[i][name] for name in ("args", "kwargs", "grad")} for i in order], order
+
+
+def in_order(answers, order):
+    """The runner's answers (to the cases in `order`) put back in the cases' order; others as they are (the
+    verdict says what is wrong with them)."""
+    got = answers.get("cases")
+    if not isinstance(got, list) or len(got) != len(order):
+        return answers
+    back = [None] * len(order)
+    for answer, i in zip(got, order):
+        back[i] = answer
+    return {**answers, "cases": back}
+
+
 def grade_one(key, cases, expected, student_copy, copy_problems, work, timeout, sandbox, uid):
     file, name = key.split("::")
     result = Result(key, msc.EXERCISES[key][0])
@@ -475,14 +528,14 @@ def grade_one(key, cases, expected, student_copy, copy_problems, work, timeout, 
     (job / "grader").mkdir(parents=True)
     shutil.copytree(student_copy, job / "grader" / "student")
     shutil.copy(Path(runner.__file__), job / "grader" / "runner.py")
-    cases_file = [{**case, "reference_raises": "raised" in e} for case, e in zip(cases, expected)]
-    (job / "grader" / "cases.json").write_text(json.dumps(cases_file), encoding="utf-8")
+    inputs, order = sandbox_cases(cases)
+    (job / "grader" / "cases.json").write_text(json.dumps(inputs), encoding="utf-8")
     answers, why = run_child(job, key, timeout, sandbox, uid)
     shutil.rmtree(job, ignore_errors=True)
     if answers is None:
         result.status = why
     else:
-        passed, result.status = verdict(key, cases, expected, answers)
+        passed, result.status = verdict(key, cases, expected, in_order(answers, order))
         result.score = result.stars if passed else 0
     result.seconds = time.time() - t0
     return result
@@ -567,6 +620,23 @@ def results_json(results, seed, sandbox=True):
                        "output": "\n".join([r.status, *r.output])} for r in results]}
 
 
+def write_report(path, text):
+    """Write `text` to `path` as a new file: a temporary one beside it (created, never opened if it exists), then
+    renamed over `path`. Whatever stood there (a student's link to another's results.json, a FIFO) is replaced,
+    never followed or opened; a reader sees the old file or the whole new one."""
+    fd, temporary = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        os.fchmod(fd, 0o644)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        os.unlink(temporary)
+        raise
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("student_dir", help="The student's copy (made by make_student_copy.py).")
@@ -610,8 +680,10 @@ def main():
     if args.no_sandbox:
         end_orphans()  # before the report: nothing of the student's is left to rewrite it
     if args.json:
-        Path(args.json).write_text(json.dumps(results_json(results, seed, not args.no_sandbox), indent=1) + "\n",
-                                   encoding="utf-8")
+        try:
+            write_report(Path(args.json), json.dumps(results_json(results, seed, not args.no_sandbox), indent=1))
+        except OSError as e:
+            raise SystemExit(f"error: cannot write {args.json}: {e.strerror or e}") from None
     total, most = sum(r.score for r in results), sum(r.stars for r in results)
     say(f"\nscore {total} / {most} ({len([r for r in results if r.score])} of {len(results)} exercises); "
         f"seed {seed}" + ("" if not args.no_sandbox else "; NOT sandboxed (--no-sandbox)"))

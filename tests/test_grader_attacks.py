@@ -6,11 +6,13 @@ the student copy leaves this file out."""
 import hashlib
 import json
 import os
+import pathlib
 import re
 import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -566,3 +568,175 @@ print(ppid == str(os.getpid()), os.path.exists(f"/proc/{{orphan}}"))
     proc = subprocess.run([sys.executable, "-c", check], cwd=ROOT, capture_output=True, text=True, env=ENV,
                           timeout=120)
     assert proc.stdout.split() == ["True", "False"], proc.stdout + proc.stderr
+
+
+# A wrong version wrapped to raise where what the sandbox can read says the reference raises: its cases.json, whose
+# entries once said so (`reference_raises`) and are labelled, read in the order the runner calls them.
+RAISE_WHERE_THE_REFERENCE_RAISES = """
+
+_wrong_{name}, _calls_{name} = {name}, []
+
+
+def {name}(*args, **kwargs):
+    import json
+    cases = json.load(open("/grader/cases.json"))
+    case = cases[len(_calls_{name}) % len(cases)]
+    _calls_{name}.append(case)
+    if case.get("reference_raises") or "unknown" in case.get("label", ""):
+        raise ValueError("unknown, as the reference says")
+    return _wrong_{name}(*args, **kwargs)
+"""
+# Wrong versions that differ from the reference only where it raises: an unknown mode or scale_rewards falls back.
+FALL_BACK = {"common.py": ('raise ValueError(f"unknown loss aggregation',
+                           'return masked_mean(per_token_loss, mask)  # (f"unknown loss aggregation', "aggregate_loss"),
+             "grpo.py": ('raise ValueError(f"unknown scale_rewards', 'pass  # (f"unknown', "grpo_advantages"),
+             "dapo.py": ('raise ValueError(f"unknown scale_rewards', 'pass  # (f"unknown', "grpo_advantages")}
+# What the sandbox holds, seen from inside: MiB written to /, /dev and /dev/shm (8 at most each), sockets and
+# pseudo-terminals made, MiB held in pipes (as many as it may open), and the writable tmpfs and devpts mounts other
+# than /tmp (of a folder's mounts, the last: the one its path reaches), reported as its exception.
+WHAT_IT_HOLDS = """
+        import fcntl, json, os, socket
+        def write(path):
+            try:
+                with open(path, "wb") as f:
+                    for _ in range(8):
+                        f.write(bytes(1 << 20))
+            except OSError:
+                pass
+            return os.path.getsize(path) >> 20 if os.path.exists(path) else 0
+        found = {"MiB": [write(p) for p in ("/big", "/dev/big", "/dev/shm/big")], "sockets": 0, "ptys": 0}
+        for make in (socket.socketpair, socket.socket):
+            try:
+                make()
+                found["sockets"] += 1
+            except OSError:
+                pass
+        try:
+            os.open("/dev/ptmx", os.O_RDWR | os.O_NOCTTY)
+            found["ptys"] += 1
+        except OSError:
+            pass
+        top = {}  # each mount point's last mount, the one its path reaches
+        for line in open("/proc/self/mountinfo"):
+            left, right = line.split(" - ")
+            top[left.split()[4]] = right.split()[0], left.split()[5]
+        found["rw"] = sorted(path for path, (kind, flags) in top.items()
+                             if kind in ("tmpfs", "devpts") and flags.startswith("rw") and path != "/tmp")
+        held, ends = 0, []  # bytes left in pipes, each made as big as the kernel lets it (pipe buffers: its memory)
+        while True:  # up to the limit of open files
+            try:
+                ends += os.pipe()
+            except OSError:
+                break
+            end = ends[-1]
+            try:
+                fcntl.fcntl(end, fcntl.F_SETPIPE_SZ, 1 << 20)
+            except OSError:
+                pass
+            os.set_blocking(end, False)
+            try:
+                while True:
+                    held += os.write(end, bytes(1 << 16))
+            except OSError:
+                pass
+        found["pipes"] = held >> 20
+        for end in ends:  # for the next case
+            os.close(end)
+        raise ValueError(json.dumps(found))"""
+
+
+def test_what_the_sandbox_can_read_tells_nothing_of_the_reference_and_the_report_replaces_a_link(tmp_path):
+    """Graded from a teacher's tree under /usr (where this test may write there): wrong versions that raise where the
+    sandbox's cases.json said the reference raises (they scored full marks), a body that walks /usr for the
+    reference (full marks), a forged answer whose shape is 240,000 characters long (a 2.4 MB row of the table),
+    and results.json in the student's folder as a link to another student's (overwritten with this grade)."""
+    course = None
+    if os.access("/usr/local/src", os.W_OK):  # the project's Python files, as a course in a container keeps them
+        course = pathlib.Path(tempfile.mkdtemp(prefix="course-", dir="/usr/local/src"))
+        course.chmod(0o755)
+        for rel in msc.project_files(ROOT):
+            if rel.endswith(".py"):
+                (course / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(ROOT / rel, course / rel)
+    try:
+        walk = """
+        # the teacher's tree, found under /usr/local/src, and the reference read from it
+        import os
+        for top, folders, files in os.walk("/usr/local/src"):
+            if top.endswith("/classroom") and "grade.py" in files:
+                namespace = {}
+                exec(open(os.path.dirname(top) + "/common.py").read(), namespace)
+                return namespace["kl_k3"](logp, ref_logp)
+        raise ValueError("no teacher's tree under /usr/local/src")"""
+        shape = FORGED_ANSWER.format(answer='json.dumps({"cases": [{"value": {"type": "tensor", "dtype": "float32", '
+                                            '"shape": [0] * 80000, "data": []}}]}).encode()')
+        student = write_copy(tmp_path / "alice", {"kl_k3": walk, "masked_whiten": shape})
+        for file, (old, new, name) in FALL_BACK.items():
+            text = (student / file).read_text(encoding="utf-8")
+            assert text.count(old) == 1, file
+            text = text.replace(old, new) + RAISE_WHERE_THE_REFERENCE_RAISES.format(name=name)
+            (student / file).write_text(text, encoding="utf-8")
+        (tmp_path / "bob").mkdir()
+        (tmp_path / "bob" / "results.json").write_text("bob's results")
+        results = student / "results.json"
+        results.symlink_to("../bob/results.json")
+        only = ["aggregate_loss", "grpo_advantages", "dapo.grpo_advantages", "kl_k3", "masked_whiten"]
+        proc = subprocess.run([sys.executable, "classroom/grade.py", str(student), "--json", str(results), "--only",
+                               ",".join(only), "--seed", "3", "--timeout", str(TIMEOUT), "--jobs", "3"],
+                              cwd=course or ROOT, capture_output=True, text=True, env=ENV, timeout=300)
+    finally:
+        if course:
+            shutil.rmtree(course)
+    assert (tmp_path / "bob" / "results.json").read_text() == "bob's results"
+    assert not results.is_symlink(), (proc.stdout + proc.stderr)[-3000:]
+    report = json.loads(results.read_text())
+    scores = {t["name"]: (t["score"], t["output"]) for t in report["tests"]}
+    assert set(scores) == set(only) and {name: s for name, (s, _) in scores.items() if s} == {}, scores
+    for name in ("aggregate_loss", "grpo_advantages", "dapo.grpo_advantages"):
+        assert "returns instead of raising ValueError" in scores[name][1], scores[name]
+    if course:
+        assert "no teacher's tree under /usr/local/src" in scores["kl_k3"][1], scores["kl_k3"]
+    assert "has shape (0, 0, 0" in scores["masked_whiten"][1] and len(scores["masked_whiten"][1]) < 300
+    assert max(map(len, proc.stdout.splitlines())) < 1000 and len(results.read_text()) < 10_000
+
+
+def test_the_sandbox_holds_no_writable_folder_but_tmp_no_socket_and_no_terminal(tmp_path):
+    """As another user where the kernel lets this test map one (`unshare --map-user`), else as root: inside the
+    sandbox /, /dev and /dev/shm are read-only (as another user the runner, uid 0 of its namespace, owned them:
+    each a tmpfs that may grow to half the machine's memory), sockets and pseudo-terminals are refused; and a FIFO
+    named results.json is replaced by the report, not opened (it hung the grader after the table)."""
+    unshare = ["unshare", "--map-user=1000", "--map-group=1000"]
+    if subprocess.run([*unshare, "true"], capture_output=True).returncode != 0:
+        unshare = []
+    student = write_copy(tmp_path / "holds", {"masked_sum": WHAT_IT_HOLDS})
+    results = student / "results.json"
+    os.mkfifo(results)
+    proc = subprocess.run([*unshare, sys.executable, "classroom/grade.py", str(student), "--json", str(results),
+                           "--only", "masked_sum", "--seed", "3", "--timeout", str(TIMEOUT)], cwd=ROOT,
+                          capture_output=True, text=True, env=ENV, timeout=120)
+    assert results.is_file(), (proc.stdout + proc.stderr)[-3000:]
+    (test,) = json.loads(results.read_text())["tests"]
+    assert test["score"] == 0 and "raises ValueError: " in test["output"], test
+    found = json.loads(test["output"].split("raises ValueError: ", 1)[1])
+    pipes = found.pop("pipes")
+    assert found == {"MiB": [0, 0, 0], "sockets": 0, "ptys": 0, "rw": []}, (found, unshare)
+    # pipes: the kernel's soft limit of a user's pipe pages (64 MiB by default), one pipe grown to 1 MiB past it,
+    # then two pages for each other pipe of the 1,024 open files
+    page = os.sysconf("SC_PAGE_SIZE")
+    soft = int(pathlib.Path("/proc/sys/fs/pipe-user-pages-soft").read_text()) * page
+    assert pipes <= (soft + (1 << 20) + 512 * 2 * page) >> 20, pipes
+
+
+def test_the_sandbox_is_given_each_cases_inputs_only_in_an_order_of_its_own():
+    """Nothing in the sandbox's cases.json tells what the reference did on a case: no label, no field of the
+    reference's answer, and the order drawn anew (not from the seed) for each exercise."""
+    import grade
+    key = next(k for k in msc.EXERCISES if msc.exercise_name(k) == "aggregate_loss")
+    cases = grade.make_cases(key, 3)
+    (given, order), (again, other) = grade.sandbox_cases(cases), grade.sandbox_cases(cases)
+    assert [set(c) for c in given] == [{"args", "kwargs", "grad"}] * len(cases)
+    assert [given[j] for j in sorted(range(len(order)), key=order.__getitem__)] == \
+        [{k: c[k] for k in ("args", "kwargs", "grad")} for c in cases]
+    assert order != other  # two orders of 33 cases alike: a chance of 1 in 33!
+    answers = {"cases": [{"value": i} for i in order]}
+    assert grade.in_order(answers, order) == {"cases": [{"value": i} for i in range(len(cases))]}
