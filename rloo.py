@@ -15,6 +15,8 @@ no ratio, no clip.
     accelerate launch rloo.py                                    # embedded model and task
     accelerate launch --multi_gpu --num_processes 2 rloo.py      # data-parallel on CPU
     python rloo.py --reward_scales hetero                        # the baseline adapts per prompt
+
+The lines between # BEGIN SOLUTION and # END SOLUTION are a classroom exercise: docs/classroom.md.
 """
 import time
 from contextlib import nullcontext
