@@ -94,8 +94,8 @@ def find_checkpoint(cfg, world_size, script=None):
     """(path, error) for --resume_from: the checkpoint to load ('' for none) once its files verify and it
     suits this run, or the error line that says why not. --resume_from latest is the newest checkpoint in
     --output_dir that verifies: damaged ones are skipped with a warning. Without --resume_from an
-    --output_dir holding checkpoints is refused: this run's first save would delete them. Warnings and
-    notes go to stderr."""
+    --output_dir holding checkpoints is refused: this run's first save would delete them; one holding a finished run
+    (no checkpoints) is replaced, with a note. Warnings and notes go to stderr."""
     script = script or config.script_name()
     complete, partial = list_checkpoints(cfg.output_dir)
     if not cfg.resume_from:
@@ -103,6 +103,9 @@ def find_checkpoint(cfg, world_size, script=None):
             return "", (f"error: --output_dir {cfg.output_dir!r} holds checkpoints of an earlier run (newest "
                         f"{os.path.basename(complete[-1])}): continue it with --resume_from latest, or give another "
                         "--output_dir.")
+        if os.path.exists(os.path.join(cfg.output_dir, "summary.json")):  # written at a run's end
+            config.say(f"note: --output_dir {cfg.output_dir!r} holds a finished run of {script}: this run replaces "
+                       "it (give another --output_dir to keep it).")
         return "", None
     if cfg.resume_from == "latest":
         if partial:

@@ -34,6 +34,7 @@ def make_accelerator(cfg):
     DeepSpeed's CPU accelerator, gloo between processes; its settings come from the flags (deepspeed_settings)."""
     from accelerate import Accelerator
 
+    one_thread_per_process()
     use_cpu = os.environ.get("ACCELERATE_USE_CPU", "false").lower() in ("1", "true")
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() in ("1", "true")
     if deepspeed and not torch.cuda.is_available():
@@ -49,6 +50,15 @@ def make_accelerator(cfg):
     if accelerator.state.deepspeed_plugin is not None:
         deepspeed_settings(accelerator.state.deepspeed_plugin.deepspeed_config, cfg, accelerator.num_processes)
     return accelerator
+
+
+def one_thread_per_process():
+    """One CPU thread for this process and those it starts, as `accelerate launch` and torchrun give every process
+    they start, unless OMP_NUM_THREADS says otherwise: `python remax.py` then runs as `accelerate launch remax.py`.
+    torch's own default, a thread per core, ran 12-30x slower on 2 cores busy with other work (docs/troubleshooting.md)."""
+    if not os.environ.get("OMP_NUM_THREADS"):
+        os.environ["OMP_NUM_THREADS"] = "1"  # read by the processes this one starts (the lab's sampler process)
+        torch.set_num_threads(1)
 
 
 def deepspeed_settings(ds_config, cfg, num_processes):

@@ -88,8 +88,8 @@ class MetricLogger:
             accelerator.init_trackers(os.path.basename(cfg.output_dir.rstrip("/")) or "run", config=asdict(cfg))
 
     def log(self, step, metrics, samples=()):
-        """Write one row; every log_every steps also print it (and up to two (prompt, completion,
-        reward) samples) above the progress bar."""
+        """Write one row; every log_every steps also print it (without the KL when --beta is 0: no reference)
+        and two (prompt, completion, reward) samples of different prompts above the progress bar."""
         metrics = {"step": step, "time/elapsed_s": round(time.time() - self.start, 3), **metrics}
         if not self.accelerator.is_main_process:
             return
@@ -98,11 +98,14 @@ class MetricLogger:
         if self.cfg.report_to != "none":
             self.accelerator.log({k: v for k, v in metrics.items() if k != "step"}, step=step)
         if step > 0 and (step % self.cfg.log_every == 0 or step == self.cfg.num_steps):
-            shown = [f"{name} {metrics[key]:.4g}" for key, name in CONSOLE_KEYS if key in metrics]
+            no_reference = getattr(self.cfg, "beta", None) == 0  # the KL is not measured: it is not printed
+            shown = [f"{name} {metrics[key]:.4g}" for key, name in CONSOLE_KEYS
+                     if key in metrics and not (no_reference and key in ("train/kl_seq", "train/kl_k3"))]
             if "time/step_s" in metrics:
                 shown.append(f"{metrics['time/step_s']:.3g} s/step")
             tqdm.write(" | ".join([f"step {step}"] + shown))
-            for prompt, completion, reward in list(samples)[:2]:
+            samples = list(samples)  # the first of two prompts: a group's samples are adjacent
+            for prompt, completion, reward in samples[:1] + [s for s in samples if s[0] != samples[0][0]][:1]:
                 tqdm.write(f"  sample {prompt[-60:]!r} -> {completion[:60]!r} reward {reward:.3g}")
         if "eval/accuracy" in metrics:
             accs = [f"{k[len('eval/acc_'):]} {v:.3g}" for k, v in metrics.items() if k.startswith("eval/acc_")]

@@ -120,9 +120,16 @@ function build() {
   names.forEach(function (n) { var o = el("option", "", Q[n].label); o.value = n; select.appendChild(o); });
   select.onchange = function () { location.hash = "q=" + select.value; };
 }
+function asked() {  // the colouring #q= names: its key (kl_k3) or the selector's words (KL k3, advantage, ratio)
+  var m = /q=([^&]+)/.exec(location.hash), n = m ? decodeURIComponent(m[1].replace(/\\+/g, " ")).trim() : "";
+  var words = function (s) { return s.toLowerCase().replace(/[_\\s]+/g, " "); };
+  return n in Q ? n : names.filter(function (k) {
+    return words(Q[k].label) === words(n) || words(Q[k].label).split(" ")[0] === words(n);
+  })[0] || (n ? null : "");
+}
 function current() {
-  var m = /q=([^&]+)/.exec(location.hash), n = m ? decodeURIComponent(m[1]) : "";
-  return n in Q ? n : (D.opening in Q ? D.opening : names[0]);
+  var n = asked();
+  return n ? n : (D.opening in Q ? D.opening : names[0]);
 }
 function legend(q) {
   var box = document.getElementById("legend"); box.textContent = "";
@@ -144,7 +151,9 @@ function legend(q) {
   box.appendChild(el("span", "sw off", "masked"));
   if (EPISODES) box.appendChild(el("span", "sw env", "environment"));
   var opened = !/q=/.test(location.hash) && D.opening_note;  // why the page opened on this colouring
-  document.getElementById("read").textContent = q.read + (opened ? " " + D.opening_note : "");
+  var unknown = asked() === null ? " (" + location.hash.slice(1) + " names no colouring of this page: the "
+    + "selector lists them.)" : "";
+  document.getElementById("read").textContent = q.read + (opened ? " " + D.opening_note : "") + unknown;
 }
 function paint() {
   if (!names.length) return; var n = current(), q = Q[n];

@@ -337,6 +337,21 @@ def test_the_first_view_is_coloured_says_hover_and_labels_the_reference_answer(t
 
 
 @needs_chromium
+def test_the_address_names_a_colouring_by_the_selectors_words_and_an_unknown_name_is_said(tmp_path):
+    page = remax_like_page(tmp_path).write()
+    _, by_words, _ = view.chromium(f"file://{page}#q=advantage", "--dump-dom", "--virtual-time-budget=2000")
+    assert read_line(by_words) == view.QUANTITIES["adv"].read  # the selector's label, not only the key adv
+    _, unknown, _ = view.chromium(f"file://{page}#q=advantages", "--dump-dom", "--virtual-time-budget=2000")
+    assert read_line(unknown) == (view.QUANTITIES["entropy"].read + " (q=advantages names no colouring of this "
+                                  "page: the selector lists them.)")  # the opening colouring, and why
+
+
+def test_the_advantage_legend_says_what_white_means_for_each_algorithm_not_only_remax():
+    read = view.QUANTITIES["adv"].read  # the same legend on every algorithm's page
+    assert all(name in read for name in ("ReMax", "GRPO", "RLOO", "DAPO"))
+
+
+@needs_chromium
 def test_the_environments_tokens_show_grey_between_turn_boundaries_and_uncoloured(tmp_path):
     """An episode's page: the environment's tokens are spans of their own class, never coloured, their hover text
     with no value; a boundary before and after the environment's segment; the legend names it. A single-turn page's
