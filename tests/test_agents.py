@@ -30,12 +30,13 @@ class Call:
 class Result:
     text: str
     error: bool
+    cut: bool = False
 
 
 class Toy:
     """The per-episode handle of a toy environment: evaluates the expression before "=" (support/environments.py's
     interface)."""
-    instance = None
+    instance, cut = None, False
 
     def call(self, call):
         try:
