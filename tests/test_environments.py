@@ -534,3 +534,42 @@ def test_the_default_budget_of_episodes_holds_a_reply_or_one_line_says_why_not(t
         load(char_tokenizer(chat_template=QWEN_LIKE), tools=f"{tools_file}:add", max_new_tokens=40)
     assert str(stopped.value.code).startswith(f"error: --tools '{tools_file}:add': --max_new_tokens 40 cannot hold a "
                                               "tool call and its reply (the shortest take ")
+
+
+def test_a_run_whose_episodes_are_mostly_cut_says_so_once(capsys):
+    import torch
+
+    from support import run
+
+    run.TRUNCATED_SAID.clear()
+    mask = torch.ones(4, 3)
+    rollout = SimpleNamespace(mask=mask, token_mask=mask, live_routing=None, episodes=[
+        SimpleNamespace(num_turns=1, tool_calls=[], tool_errors=0, truncated=cut) for cut in (True, True, True, False)])
+    for _ in range(2):
+        assert run.rollout_metrics(rollout, 1.0)["train/truncated_frac"] == 0.75
+    assert capsys.readouterr().out.count("warning: 75% of this step's episodes were cut before they ended") == 1
+
+
+def test_the_sampler_process_dies_with_the_learner_even_while_it_plays():
+    """The sampler process (lab/async_sampling.serve) calls tool_process.die_with_parent first: a learner killed
+    with SIGKILL takes it along at once, not at its next wait (an episode's play can be long)."""
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    child = ("from support import tool_process; tool_process.die_with_parent(); print('ready', flush=True); "
+             "import time; time.sleep(60)")
+    parent = (f"import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', {child!r}]); "
+              "print(p.pid, flush=True); p.wait()")
+    learner = subprocess.Popen([sys.executable, "-c", parent], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    sampler = int(learner.stdout.readline())
+    assert learner.stdout.readline() == "ready\n"
+    os.kill(learner.pid, signal.SIGKILL)
+    learner.wait()
+    deadline = time.monotonic() + 5
+    while running(sampler) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not running(sampler)
+    assert "tool_process.die_with_parent()" in open(f"{ROOT}/lab/async_sampling.py").read()
