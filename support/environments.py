@@ -16,7 +16,7 @@ An environment class has TRL's GRPOTrainer(environment_factory=...) shape, which
   - a tool that raises is not the end of the episode: its message is what the model reads (`error: ...`).
 Reward functions receive the episodes' instances as `environments`, as TRL passes them (reward_functions.py).
 --tools functions are stateless (TRL's GRPOTrainer(tools=...)): the same checks, without reset.
-The user's reset and tool calls run in a process of their own, one child per call (support/tool_process.py)."""
+The user's reset and tool calls run in a process of their own, under --tool_timeout (support/tool_process.py)."""
 import functools
 import inspect
 import json

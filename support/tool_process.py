@@ -1,17 +1,17 @@
 """Where the user's tools and environments run (support/environments.py): a small process of their own, started from
-a fresh interpreter that loads only the user's files (`serve`), which forks one child per call, a tool call or an
-episode's reset. The child runs it in a process group of its own and sends back the result and the environment
-instance as it left it (pickled); the group is killed as soon as the call returns, raises, ends its process or runs
-past --tool_timeout, so a call that holds the interpreter (a regular expression that backtracks, `while True: pass`)
-stops at the limit and takes its CPU with it, and what a tool forked is killed with it. Nothing a call does reaches
-the training process but its result.
+a fresh interpreter that loads only the user's files (`serve`), whose worker, a fork in a process group of its own,
+runs the calls (a tool call, an episode's reset) one after the other. Each call receives the environment instance
+and sends it back as the call left it, with the return value (pickled). What a call started is killed before it
+replies; a call that runs past --tool_timeout, ends its process or leaves a thread running ends the worker, its whole
+group killed, and the next call gets a new one. So a call that holds the interpreter (a regular expression that
+backtracks, `while True: pass`) stops at the limit and takes its CPU with it. Nothing a call does reaches the training
+process but its result.
 
-Why a process of its own and not a fork of the training process: forking a process that holds torch and a model costs
-milliseconds per call in page tables alone (about 10 ms on a 2-core machine, against about 1 ms here), and grows with
-the process. The cost: the instance travels by pickle each call (classes and functions of the user's file by name,
-the file being loaded in both processes), and a call's changes to module globals stay in its child; `random` (and
-numpy's, when loaded) is seeded per call from the training process's `random`, so draws differ between calls and
-follow --seed.
+Why not threads, or a fork of the training process per call: a thread cannot be stopped, and forking a process that
+holds torch and a model costs tens of milliseconds a call on a busy 2-core machine, growing with the process
+(bench/tool_calls.py measures both ways). The cost here: the instance travels by pickle each call (classes and
+functions of the user's file by name, the file being loaded in both processes); `random` (and numpy's, when loaded)
+is seeded per call from the training process's `random`, so draws differ between calls and follow --seed.
 
 The process ends with the training process: it reads its requests from a pipe whose only writer is the training
 process, and leaves (killing a call in flight) at its end of file."""
@@ -29,7 +29,6 @@ import time
 import types
 
 HEADER = struct.Struct("<Q")
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class Pickler(pickle.Pickler):
@@ -118,6 +117,8 @@ class ToolProcess:
         self.files, self.modules, self.process = files, {path: module for _, _, path, module in files}, None
 
     def start(self):
+        from support.config import ROOT  # (not at the top: the tool process imports this module, and no torch)
+
         requests, self.requests = os.pipe()
         self.replies, replies = os.pipe()
         code = f"import sys; sys.path.insert(0, {ROOT!r}); from support import tool_process; tool_process.serve()"
@@ -170,60 +171,92 @@ class ToolProcess:
 # The tool process
 # ----------------------------------------------------------------------------------------
 def serve():
-    """The tool process's loop: a request in, a child forked to run it, its reply (or why there is none) out."""
+    """The tool process's loop: a request in, run by the worker (forked anew after a call that failed it), its reply
+    (or why there is none) out."""
     import ast
 
     from support import user_files
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training process's to handle; this one follows it
-    prctl(36, 1)  # PR_SET_CHILD_SUBREAPER: what a call's processes leave behind becomes this process's to end
+    prctl(36, 1)  # PR_SET_CHILD_SUBREAPER: what escapes a worker that ended becomes this process's to end
     requests, replies = int(sys.argv[1]), int(sys.argv[2])
     modules = {path: user_files.load_file(flag, value, path) for flag, value, path in ast.literal_eval(sys.argv[3])}
+    worker = None
     while (frame := read_frame(requests)) is not None:
         timeout = HEADER.unpack(frame[:HEADER.size])[0] / 1e6
-        write_frame(replies, run_child(frame[HEADER.size:], timeout, modules, requests, replies))
+        worker = worker or start_worker(modules, requests, replies)
+        reply, worker = ask(worker, frame[HEADER.size:], timeout, requests)
+        write_frame(replies, reply)
 
 
-def run_child(request, timeout, modules, requests, replies):
-    """Fork a child that runs the request, in a process group of its own; return b"R" + its pickled outcome, or
-    b"E" + why it gave none. The group is killed at the end, whatever happened."""
-    out, into = os.pipe()
+def start_worker(modules, requests, replies):
+    """Fork the worker, which runs the calls one after the other in a process group of its own, ends what each call
+    started before it replies, and says when a call left a thread running (then it is replaced). Returns (its id,
+    the pipe of its calls, the pipe of its replies)."""
+    calls_out, calls_in = os.pipe()
+    replies_out, replies_in = os.pipe()
     pid = os.fork()
-    if pid == 0:  # the child
-        for fd in (out, requests, replies):
+    if pid == 0:  # the worker
+        for fd in (calls_in, replies_out, requests, replies):
             os.close(fd)
         os.setpgid(0, 0)
-        write_frame(into, b"R" + child(request, modules))
-        sys.stdout.flush()
-        sys.stderr.flush()
+        prctl(36, 1)  # what a call's processes leave behind is adopted here (PR_SET_CHILD_SUBREAPER) and ended
+        prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: it ends with the tool process
+        while (request := read_frame(calls_out)) is not None:
+            reply = child(request, modules)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            end_leftovers()
+            threads = len(os.listdir("/proc/self/task")) > 1  # a thread the call started would run on
+            write_frame(replies_in, (b"L" if threads else b"R") + reply)
         os._exit(0)
-    os.close(into)
+    os.close(calls_out)
+    os.close(replies_in)
     try:
-        os.setpgid(pid, pid)  # (also the child's first act: whichever runs first)
+        os.setpgid(pid, pid)  # (also the worker's first act: whichever runs first)
     except OSError:
         pass
-    data, deadline, ended = [], time.monotonic() + timeout, False
-    while not ended and (left := deadline - time.monotonic()) > 0:
-        ready, _, _ = select.select([out, requests], [], [], left)
+    return pid, calls_in, replies_out
+
+
+def ask(worker, request, timeout, requests):
+    """(b"R" + the worker's pickled outcome, or b"E" + why it gave none; the worker, or None when it was ended: it
+    ran past the timeout, ended its process or left a thread running). The worker's group is killed when it ends."""
+    pid, calls, replies = worker
+    data, deadline, size, ended = bytearray(), time.monotonic() + timeout, None, False
+    try:
+        write_frame(calls, request)
+    except BrokenPipeError:
+        ended = True
+    while not ended and (size is None or len(data) < size):
+        if size is None and len(data) >= HEADER.size:
+            size = HEADER.size + HEADER.unpack(data[:HEADER.size])[0]
+            continue
+        if (left := deadline - time.monotonic()) <= 0:
+            break
+        ready, _, _ = select.select([replies, requests], [], [], left)
         if requests in ready:  # the training process has gone: end the call and leave
             kill_group(pid)
             os._exit(0)
-        if out in ready:
-            chunk = os.read(out, 1 << 20)
-            data.append(chunk)
+        if replies in ready:
+            chunk = os.read(replies, 1 << 20)
+            data += chunk
             ended = not chunk
+    done = size is not None and len(data) >= size
+    if done and data[HEADER.size:HEADER.size + 1] == b"R":
+        return b"R" + bytes(data[HEADER.size + 1:size]), worker
     kill_group(pid)
     _, status = os.waitpid(pid, 0)
-    os.close(out)
+    os.close(calls)
+    os.close(replies)
     end_leftovers()
-    frame = b"".join(data)
-    if ended and len(frame) >= HEADER.size and len(frame) == HEADER.size + HEADER.unpack(frame[:HEADER.size])[0]:
-        return frame[HEADER.size:]
+    if done:  # its reply, then it was replaced (a thread the call started would have run on)
+        return b"R" + bytes(data[HEADER.size + 1:size]), None
     if not ended:
-        return f"Eran past {timeout:g} s".encode()
+        return f"Eran past {timeout:g} s".encode(), None
     how = f"exit status {os.waitstatus_to_exitcode(status)}" if os.WIFEXITED(status) else \
         f"killed by signal {os.WTERMSIG(status)}"
-    return f"Eended its process ({how}) before returning".encode()
+    return f"Eended its process ({how}) before returning".encode(), None
 
 
 def end_leftovers():
