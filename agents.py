@@ -81,7 +81,7 @@ def play_episodes(sample_turn, spec, tokenizer, examples, max_new_tokens, max_tu
     or turn-ending token (`spec.stop_ids`), else max_new_tokens of them. One call samples every row together, one
     draw per row and step, as one generate call (`sample_turn_plain`). `spec`: support/environments.py's."""
     B, eos = len(examples), tokenizer.eos_token_id
-    episodes = [Episode(spec.episode(example)) for example in examples]
+    episodes = [Episode(env, truncated=env.cut) for env in map(spec.episode, examples)]  # cut: reset's observation
     prompt = tokenizer([spec.prompt_text(ex, e.env) for ex, e in zip(examples, episodes)], return_tensors="pt",
                        padding=True, add_special_tokens=False)
     prompt_ids, prompt_mask = prompt["input_ids"], prompt["attention_mask"]
@@ -109,6 +109,7 @@ def play_episodes(sample_turn, spec, tokenizer, examples, max_new_tokens, max_tu
             for call, result in zip(calls, results):
                 episode.tool_calls.append({"name": call.name, "arguments": call.arguments, "result": result.text,
                                            "error": result.error})
+                episode.truncated |= result.cut  # a reply cut to the characters an observation may add
             observation = spec.observation_ids(results)
             if turn + 1 == max_turns or used[i] + len(observation) >= max_new_tokens:
                 episode.truncated = True  # it asked for a reply it has no turn, or no room, left to read

@@ -6,7 +6,8 @@
     python lab/grpo.py --tools examples/agents.py:calculate --model_name_or_path embedded_model/agent \\
         --dataset tool_arithmetic
 
-The same file works with TRL: `GRPOTrainer(..., tools=[calculate])` or `GRPOTrainer(..., environment_factory=
+With an environment or tools the default --max_new_tokens is an episode's budget (40 tokens: the model's turns and
+the environment's replies). The same file works with TRL: `GRPOTrainer(..., tools=[calculate])` or `GRPOTrainer(..., environment_factory=
 Calculator, reward_funcs=[..., call_cost])`. A tool is a typed function with a docstring whose Args section
 describes each parameter: its JSON schema (transformers.utils.get_json_schema) is what a chat template shows the
 model. Whatever a tool raises becomes the text the model reads back (`error: ...`), not the end of the run.

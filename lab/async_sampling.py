@@ -10,8 +10,8 @@ learner keeps only its update. With an environment (--environment, --tools) the 
 and rewards them with their environments, which stay there. On the CPU the two processes split the cores
 (`split_threads`).
 
-The sampler never outlives the learner: it is a daemon process (ended when the learner exits normally) and checks
-between waits that its parent still runs (a learner killed with SIGKILL). A sampler that dies stops the learner with
+The sampler never outlives the learner: it is a daemon process (ended when the learner exits normally), the kernel
+kills it when the learner dies (PR_SET_PDEATHSIG, Linux), and it checks between waits that its parent still runs. A sampler that dies stops the learner with
 one line naming the cause. Under DDP each learner process has a sampler process of its own, which samples its rank's
 prompts with its rank's seed; the ranks' weights are equal after each step, and every rank takes as many batches
 per step (DAPO's rounds are agreed by an all-reduce), so the versions and staleness are the same on every rank."""
@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 
 import common
 from lab import tree
-from support import environments, fast, models, reward_functions, routing, tasks
+from support import environments, fast, models, reward_functions, routing, tasks, tool_process
 from support.rollout import Rollout, micro_batches
 
 POLL_S = 0.05  # how often a waiting process checks the other one
@@ -212,6 +212,8 @@ def serve(cfg, seed, weights, version, lock, requests, results, parent_pid, thre
     environment's episodes (passed in: lab/sampling.py imports this module)."""
     from transformers.utils import logging
 
+    tool_process.die_with_parent()  # killed with the learner, even in the middle of a batch
+    leave_if_orphaned(parent_pid)  # (the learner may have gone before that line)
     torch.set_num_threads(threads)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the learner, which saves and ends; then so does this
     # no progress bar: its tqdm lock is a named semaphore, which a sampler killed would leave for the learner to report

@@ -9,48 +9,52 @@ An environment class has TRL's GRPOTrainer(environment_factory=...) shape, which
   - `reset(self, **kwargs)` starts the episode; it receives the dataset row's columns as keywords (the prompt's
     among them, as TRL passes the whole row) and returns None or an observation text, appended to the prompt
     (TRL appends it to the last message's content);
-  - every public method (its name not starting with '_') other than reset is a tool, with type hints and a
-    docstring whose Args section describes each parameter (transformers.utils.get_json_schema reads them);
+  - `get_reward(self)`, optional, returns a float: the environment scores its episode, an extra reward source of
+    weight 1 logged as train/reward/<Class> (`reward_source`);
+  - every public method (its name not starting with '_') of the class other than reset and get_reward is a tool,
+    with type hints and a docstring whose Args section describes each parameter (get_json_schema reads them);
   - a tool that raises is not the end of the episode: its message is what the model reads (`error: ...`).
 Reward functions receive the episodes' instances as `environments`, as TRL passes them (reward_functions.py).
---tools functions are stateless (TRL's GRPOTrainer(tools=...)): the same checks, without reset."""
-import asyncio
+--tools functions are stateless (TRL's GRPOTrainer(tools=...)): the same checks, without reset.
+The user's reset and tool calls run in a process of their own, under --tool_timeout (support/tool_process.py)."""
 import functools
 import inspect
 import json
 import os
 import re
-import threading
 import types
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from support import config, routing, user_files
+from support import config, routing, tool_process, user_files
 from support.config import AT_LEAST_ONE, POSITIVE, arg, check, check_rules
 
 AGENT_MODEL = os.path.join(config.ROOT, "embedded_model", "agent")
-AGENT_BUDGET = 40  # --max_new_tokens of --environment calculator: a+b*c's two calls and answer take about 28 tokens
+AGENT_BUDGET = 40  # --max_new_tokens of episodes at the default: a+b*c's two calls and answer take about 28 tokens
+CHARS_PER_TOKEN = 32  # an observation is cut to this many characters per token it may add, before it is tokenised
+RESERVED = ("reset", "get_reward")  # an environment's methods that are not tools (TRL's)
 
 
 @dataclass
 class AgentConfig:
     """The flags of multi-turn episodes, before config.TrainConfig (or GroupConfig) in a Config's bases: its checks
-    run after theirs. --environment calculator on the default model and task switches both to the agent ones, and the
-    default --max_new_tokens (8) to AGENT_BUDGET."""
+    run after theirs. --environment calculator on the default model and task switches both to the agent ones; with
+    an environment or tools the default --max_new_tokens (8, a single answer's) becomes AGENT_BUDGET, an episode's."""
     environment: str = arg("", "The environment of each episode: 'calculator' (built-in) or FILE.py:Class, TRL's "
                            "environment_factory shape (reset and one public method per tool).")
     tools: str = arg("", "Stateless tools FILE.py:fn1,fn2: typed functions with docstrings (TRL's tools).")
     max_turns: int = arg(4, "The most model turns in an episode (each may call tools).")
-    tool_timeout: float = arg(5.0, "Seconds a tool call may run before the model reads an error instead.")
+    tool_timeout: float = arg(5.0, "Seconds a tool call (or reset) may run before its process is killed.")
 
     def __post_init__(self):
         super().__post_init__()
         check_rules(self, max_turns=AT_LEAST_ONE, tool_timeout=POSITIVE)
         toolbox(self.environment, self.tools)  # a bad file, name or tool is an error before any model loads
         if self.environment == "calculator" and (self.model_name_or_path, self.dataset) == \
-                (config.EMBEDDED_MODEL, "arithmetic"):  # the agent model and task; an episode's budget, not a sum's
+                (config.EMBEDDED_MODEL, "arithmetic"):  # the agent model and task
             self.model_name_or_path, self.dataset = AGENT_MODEL, "tool_arithmetic"
-            self.max_new_tokens = AGENT_BUDGET if self.max_new_tokens == 8 else self.max_new_tokens
+        if (self.environment or self.tools) and self.max_new_tokens == 8:  # an episode's budget, not a sum's
+            self.max_new_tokens = AGENT_BUDGET
 
 
 class ToolCall(NamedTuple):
@@ -61,10 +65,12 @@ class ToolCall(NamedTuple):
 
 
 class ToolResult(NamedTuple):
-    """What the model reads back: the tool's return value as str(), or `error: ...` (error True)."""
+    """What the model reads back: the tool's return value as str(), or `error: ...` (error True); cut: the text was
+    cut to the characters an observation may add."""
     text: str
     error: bool
     name: str = ""
+    cut: bool = False
 
 
 # ----------------------------------------------------------------------------------------
@@ -103,6 +109,8 @@ class Toolbox(NamedTuple):
     environment_class: type | None
     functions: dict  # name -> the --tools function
     schemas: list  # the JSON schema of every tool: the environment's methods, then --tools
+    signatures: dict  # name -> the signature of every tool (the environment's methods without self)
+    files: tuple  # (flag, value, path, module) of each user file: the tool process loads them too
 
 
 def flag_of(cfg):
@@ -126,22 +134,25 @@ def schema(flag, spec, name, function):
 
 
 def public_methods(instance):
-    """The tools of an environment instance, as TRL finds them: its public methods other than reset."""
-    return {name: method for name, method in inspect.getmembers(instance, inspect.ismethod)
-            if not name.startswith("_") and name != "reset"}
+    """The tools of an environment instance, as TRL finds them: the public functions of its class other than reset
+    and get_reward, bound to it."""
+    return {name: getattr(instance, name) for name, _ in inspect.getmembers(type(instance), inspect.isfunction)
+            if not name.startswith("_") and name not in RESERVED}
 
 
 @functools.cache
 def toolbox(environment, tools):
     """The Toolbox of --environment and --tools (both may be given). Every error is a ValueError naming the flag."""
-    environment_class, schemas, functions = None, [], {}
+    environment_class, schemas, functions, signatures, files = None, [], {}, {}, []
     if environment == "calculator":
         environment_class = Calculator
     elif environment:
         path, _, name = environment.rpartition(":")
         check(path.endswith(".py") and name.isidentifier(), f"--environment {environment!r}: give 'calculator' or "
               "FILE.py:Class.")
-        environment_class = vars(user_files.load_file("--environment", environment, path)).get(name)
+        module = user_files.load_file("--environment", environment, path)
+        files.append(("--environment", environment, path, module))
+        environment_class = vars(module).get(name)
         check(isinstance(environment_class, type), f"--environment {environment!r}: {path} defines no class {name!r}.")
     if environment_class is not None:
         check(callable(getattr(environment_class, "reset", None)), f"--environment {environment!r}: the class has "
@@ -156,12 +167,14 @@ def toolbox(environment, tools):
         check(methods, f"--environment {environment!r}: the class has no public method other than reset: each "
               "tool is one (typed, with a docstring).")
         schemas = [schema("--environment", environment, name, method) for name, method in methods.items()]
+        signatures = {name: inspect.signature(method) for name, method in methods.items()}
     if tools:
         path, _, names = tools.rpartition(":")
         names = names.split(",")
         check(path.endswith(".py") and all(n.isidentifier() for n in names), f"--tools {tools!r}: give "
               "FILE.py:fn1,fn2.")
         module = user_files.load_file("--tools", tools, path)
+        files.append(("--tools", tools, path, module))
         for name in names:
             function = vars(module).get(name)
             check(isinstance(function, types.FunctionType), f"--tools {tools!r}: {path} defines no function "
@@ -170,60 +183,93 @@ def toolbox(environment, tools):
                   f"--tools {tools!r}: two tools named {name!r}.")
             functions[name] = function
             schemas.append(schema("--tools", tools, name, function))
-    return Toolbox(environment_class, functions, schemas)
+            signatures[name] = inspect.signature(function)
+    return Toolbox(environment_class, functions, schemas, signatures, tuple(files))
+
+
+@functools.cache
+def process_of(environment, tools):
+    """The process that runs the calls of --environment / --tools in this process (None: the built-in calculator
+    alone, whose calls are bounded and run here: one linear regular expression and one operation on 9-digit
+    numbers)."""
+    files = toolbox(environment, tools).files
+    return tool_process.ToolProcess(files) if files else None
+
+
+WARNED = set()
+
+
+def warn_once(key, line):
+    """Print a warning line once per process."""
+    if key not in WARNED:
+        WARNED.add(key)
+        print(f"warning: {line}", flush=True)
 
 
 class Environment:
     """The environment of one episode: a new instance of the environment class (None for --tools alone) whose
-    reset was called with the example's row, and its tools. call() never raises."""
+    reset was called with the example's row, and its tools. call() never raises. cfg: the run's flags (its
+    --environment, --tools, --tool_timeout, the budgets that cap observations). The user's reset and calls run in the
+    tool process (support/tool_process.py), each under --tool_timeout; `instance` is the environment as the last of
+    them left it."""
 
-    def __init__(self, box, example, timeout, flag):
-        self.schemas, self.timeout = box.schemas, timeout
-        self.instance = box.environment_class() if box.environment_class is not None else None
-        self.observation = None  # what reset returned: appended to the prompt
-        if self.instance is not None:
-            row = example.get("row", example)
-            try:
+    def __init__(self, cfg, example):
+        box, flag = toolbox(cfg.environment, cfg.tools), flag_of(cfg)
+        self.signatures, self.timeout = box.signatures, cfg.tool_timeout
+        self.process, self.functions = process_of(cfg.environment, cfg.tools), box.functions
+        self.reply_chars = CHARS_PER_TOKEN * getattr(cfg, "max_new_tokens", AGENT_BUDGET)
+        self.instance, self.observation, self.cut = None, None, False  # observation: reset's, appended to the prompt
+        if box.environment_class is None:
+            return
+        row = example.get("row", example)
+        try:
+            if self.process is None:  # the built-in calculator
+                self.instance = box.environment_class()
                 self.observation = self.instance.reset(**row)
-            except Exception as e:
-                raise SystemExit(f"error: {flag}: reset raised {type(e).__name__}: {one_line(e)} on the row "
-                                 f"{str(row)[:200]}.") from e
-        self.tools = {**(public_methods(self.instance) if self.instance is not None else {}), **box.functions}
+            else:
+                chars = CHARS_PER_TOKEN * getattr(cfg, "max_prompt_length", 512)
+                self.observation, self.instance, self.cut = self.process.run("reset", box.environment_class, "reset",
+                                                                             row, self.timeout, chars)
+        except Exception as e:
+            reason = e.reason if isinstance(e, tool_process.CallFailed) else f"raised {type(e).__name__}: {one_line(e)}"
+            raise SystemExit(f"error: {flag}: reset {reason} on the row {str(row)[:200]}.") from e
+        if self.cut:
+            warn_once("reset", f"{flag}: reset returned more than {chars} characters; the observation was cut to "
+                      "--max_prompt_length tokens at most and its episode counts as truncated (train/truncated_frac).")
 
     def call(self, call):
         """The ToolResult of a call: the tool's return value as str(), or `error: ...` for a call that could not be
-        read, an unknown tool, wrong arguments, a tool that raised or one that ran past the timeout. The tool runs
-        in a thread of its own; a thread cannot be stopped, so one that times out is abandoned (it may still
-        finish, and change the instance, later)."""
+        read, an unknown tool, wrong arguments, a tool that raised (whatever it raised), ended its process or ran
+        past the timeout (its process killed)."""
         def error(text):
             return ToolResult(f"error: {text}", True, call.name or "")
 
         if call.error is not None:
             return error(call.error)
-        function = self.tools.get(call.name)
-        if function is None:
+        signature = self.signatures.get(call.name)
+        if signature is None:
             return error(f"unknown tool {call.name!r}")
         try:
-            inspect.signature(function).bind(**call.arguments)
+            signature.bind(**call.arguments)
         except TypeError as e:
             return error(f"{call.name}: {one_line(e)}")
-        outcome = {}
-
-        def run():
-            try:
-                value = function(**call.arguments)
-                outcome["value"] = asyncio.run(value) if inspect.iscoroutine(value) else value
-            except Exception as e:
-                outcome["error"] = e
-
-        worker = threading.Thread(target=run, daemon=True)
-        worker.start()
-        worker.join(self.timeout)
-        if worker.is_alive():
-            return error(f"{call.name} ran past {self.timeout:g} s")
-        if "error" in outcome:
-            return error(one_line(outcome["error"]))
-        return ToolResult(str(outcome["value"]), False, call.name)
+        function = self.functions.get(call.name)
+        try:
+            if self.process is None:  # the built-in calculator, in this process
+                return ToolResult(str(getattr(self.instance, call.name)(**call.arguments)), False, call.name)
+            kind, target = ("function", function) if function is not None else ("method", self.instance)
+            text, instance, cut = self.process.run(kind, target, call.name, call.arguments, self.timeout,
+                                                   self.reply_chars)
+        except tool_process.CallFailed as e:
+            return error(e.message if e.message is not None else f"{call.name} {e.reason}")
+        except Exception as e:  # the built-in calculator's
+            return error(one_line(e))
+        if function is None:
+            self.instance = instance
+        if cut:
+            warn_once("reply", f"a reply of {call.name} was cut to {self.reply_chars} characters ({CHARS_PER_TOKEN} "
+                      "per token of --max_new_tokens); its episode counts as truncated (train/truncated_frac).")
+        return ToolResult(text, False, call.name, cut)
 
 
 # ----------------------------------------------------------------------------------------
@@ -254,7 +300,7 @@ class Spec:
     --use_chat_template), else the text format."""
 
     def __init__(self, cfg, tokenizer, box):
-        self.box, self.tokenizer, self.timeout, self.flag = box, tokenizer, cfg.tool_timeout, flag_of(cfg)
+        self.cfg, self.box, self.tokenizer, self.flag = cfg, box, tokenizer, flag_of(cfg)
         self.schemas, self.system_prompt = box.schemas, cfg.system_prompt
         self.chat = cfg.use_chat_template and bool(getattr(tokenizer, "chat_template", None))
         end = tokenizer("</tool>", add_special_tokens=False)["input_ids"]
@@ -270,8 +316,16 @@ class Spec:
             self.before_tools = before[:before.rfind(eos) + len(eos)] if eos in before else before
 
     def episode(self, example):
-        """A fresh Environment for the example: a new instance (environment_factory's one per episode), reset."""
-        return Environment(self.box, example, self.timeout, self.flag)
+        """A fresh Environment for the example: a new instance (environment_factory's one per episode), reset; what
+        reset returned cut to --max_prompt_length tokens (env.cut: it was cut)."""
+        env, limit = Environment(self.cfg, example), getattr(self.cfg, "max_prompt_length", 512)
+        if env.observation:
+            ids = self.tokenizer(env.observation, add_special_tokens=False)["input_ids"]
+            if len(ids) > limit:
+                env.observation, env.cut = self.tokenizer.decode(ids[:limit]), True
+                warn_once("reset tokens", f"{self.flag}: reset returned more than --max_prompt_length {limit} tokens; "
+                          "the observation was cut to them and its episode counts as truncated (train/truncated_frac).")
+        return env
 
     def prompt_text(self, example, env=None):
         """The prompt as the policy reads it, with the observation env's reset returned (if any) appended."""
@@ -320,6 +374,32 @@ class Spec:
     def observation_ids(self, results):
         return self.tokenizer(self.observation_text(results), add_special_tokens=False)["input_ids"]
 
+    def shortest_reply(self):
+        """The tokens of the shortest tool call (no arguments), its empty reply and one token of answer: the least
+        --max_new_tokens an episode that calls a tool and reads its reply needs in this format."""
+        name = self.schemas[0]["function"]["name"]
+        call = f'<tool_call>{{"name": "{name}", "arguments": {{}}}}</tool_call>' if self.chat else "<tool></tool>"
+        return len(self.tokenizer(call, add_special_tokens=False)["input_ids"]) + int(self.chat) + \
+            len(self.observation_ids([ToolResult("", False, name)])) + 1
+
+
+def reward_source(cfg):
+    """TRL's get_reward: (the class's name, a reward function that calls each episode's get_reward()) when the
+    --environment class defines one, else None. It is called once per episode after the episode, in the process
+    that played it, as a --reward_fn is."""
+    box = toolbox(getattr(cfg, "environment", ""), getattr(cfg, "tools", ""))
+    cls = box.environment_class
+    if cls is None or not inspect.isfunction(getattr(cls, "get_reward", None)):
+        return None
+
+    if inspect.iscoroutinefunction(cls.get_reward):  # as TRL wraps it
+        async def get_reward(environments, **kwargs):
+            return [await env.get_reward() if type(env) is cls else None for env in environments]
+    else:
+        def get_reward(environments, **kwargs):
+            return [env.get_reward() if type(env) is cls else None for env in environments]
+    return cls.__name__, get_reward
+
 
 def load(cfg, tokenizer, examples=None):
     """The Spec of --environment / --tools, None when neither is given. Every problem is one `error: ...` line
@@ -336,6 +416,11 @@ def load(cfg, tokenizer, examples=None):
     except ValueError as e:
         raise SystemExit(f"error: {e}" if str(e).startswith("--") else f"error: {flag_of(cfg)}: {one_line(e)}.") from e
     if examples:
+        budget, needed = getattr(cfg, "max_new_tokens", None), spec.shortest_reply()
+        if budget is not None and budget < needed:
+            raise SystemExit(f"error: {flag_of(cfg)}: --max_new_tokens {budget} cannot hold a tool call and its reply "
+                             f"(the shortest take {needed} tokens in this format; the budget counts the model's turns "
+                             "and the environment's replies): raise it.")
         spec.episode(examples[0])
     return spec
 
@@ -357,6 +442,4 @@ def trial_episodes(cfg, examples):
     environment per row (reset called), no turns yet. None without --environment or --tools."""
     if not (getattr(cfg, "environment", "") or getattr(cfg, "tools", "")):
         return None
-    box = toolbox(cfg.environment, cfg.tools)
-    return [types.SimpleNamespace(env=Environment(box, ex, cfg.tool_timeout, flag_of(cfg)), turns=[], tool_calls=[])
-            for ex in examples]
+    return [types.SimpleNamespace(env=Environment(cfg, ex), turns=[], tool_calls=[]) for ex in examples]

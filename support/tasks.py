@@ -11,7 +11,7 @@ import re
 import torch
 
 import common
-from support import config, fast, reward_functions
+from support import config, environments, fast, reward_functions
 from support.config import DTYPES
 from support.models import check_model_path, prepare_frozen
 from support.rollout import micro_batches
@@ -319,7 +319,9 @@ def reward_scorer(cfg, device, reward_model=None):
     process, on `device`, with no agreement between ranks; error: the line to stop with, or None. It needs no
     accelerator: the sampler process of --async_rollouts calls it too (lab/async_sampling.py)."""
     functions = [(spec.rpartition(":")[2], config.reward_function(spec)) for spec in cfg.reward_fn]
-    weights = cfg.reward_weights or [1.0] * len(functions)
+    weights = list(cfg.reward_weights or [1.0] * len(functions))
+    if environments.reward_source(cfg):  # an environment's get_reward (TRL's): one more function, of weight 1
+        functions, weights = functions + [environments.reward_source(cfg)], weights + [1.0]
     if functions:
         reward_functions.trainer_state().max_steps = cfg.num_steps
 

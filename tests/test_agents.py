@@ -30,12 +30,13 @@ class Call:
 class Result:
     text: str
     error: bool
+    cut: bool = False
 
 
 class Toy:
     """The per-episode handle of a toy environment: evaluates the expression before "=" (support/environments.py's
     interface)."""
-    instance = None
+    instance, cut = None, False
 
     def call(self, call):
         try:
@@ -246,22 +247,31 @@ def test_a_run_of_one_turn_episodes_is_todays_run(tmp_path):
 
 def test_every_loop_trains_on_calculator_episodes_and_trls_shapes_train_unchanged(tmp_path):
     """All five loops on the agent model: three with --environment calculator, GRPO with a TRL-style class and a
-    reward reading its instances, RLOO with a plain tool function. Each runs, its episodes call the tool, the logs
-    show them."""
-    agent = ["--model_name_or_path", "embedded_model/agent", "--dataset", "tool_arithmetic", "--max_new_tokens", "40"]
+    reward reading its instances and with TRL's documented IncrementEnv (its get_reward a reward), RLOO with a plain
+    tool function, the last three with the default budget (examples/agents.py's commands). Each runs, its episodes
+    call the tool and read its replies, the logs show them."""
+    from test_environments import TRL_INCREMENT_ENV
+
+    (tmp_path / "increment.py").write_text(TRL_INCREMENT_ENV)
+    agent = ["--model_name_or_path", "embedded_model/agent", "--dataset", "tool_arithmetic"]
     small, group = ["--batch_size", "16"], ["--num_generations", "4"]
     runs = {"dapo": ["lab/dapo.py", "--environment", "calculator", *small, *group],
             "remax": ["lab/remax.py", "--environment", "calculator", *small],
             "ppo": ["lab/ppo.py", "--environment", "calculator", *small, "--num_epochs", "1", "--num_mini_batches", "1"],
             "trl_class": ["lab/grpo.py", "--environment", "examples/agents.py:Calculator", "--reward_fn",
                           "examples/agents.py:call_cost", *agent, *small, *group],
-            "trl_tools": ["lab/rloo.py", "--tools", "examples/agents.py:calculate", *agent, *small, *group]}
+            "trl_tools": ["lab/rloo.py", "--tools", "examples/agents.py:calculate", *agent, *small, *group],
+            "trl_increment": ["lab/grpo.py", "--environment", f"{tmp_path}/increment.py:IncrementEnv", *agent,
+                              "--batch_size", "8", *group, "--eval_size", "8"]}
     outputs = run_scripts(runs, tmp_path, steps=1)
     # the printed samples show the whole episode (two random ones per run: some of them called the calculator)
     assert any("<result>" in stdout for stdout, _ in outputs.values())
     for name, (stdout, rows) in outputs.items():
         train = [row for row in rows if "train/turns" in row]
         assert len(train) == 1, name
+        if name == "trl_increment":  # its task is not the agent model's: it trains, rewarded by get_reward too
+            assert 0 <= train[0]["train/reward/IncrementEnv"] <= 1
+            continue
         assert train[0]["train/tool_calls"] > 0 and 0 < train[0]["train/env_token_frac"] < 1, name
         assert train[0]["train/turns"] > 1 and train[0]["train/truncated_frac"] < 1, name
         assert "eval/tool_calls_add_mul" in rows[0] and "eval/tool_calls_add_mul" in rows[-1], name

@@ -2,7 +2,10 @@
 for every bad --environment / --tools, tool calls that never raise, the text and chat formats (calls parsed,
 observation tokens as the policy reads them), one environment instance per episode, the built-in calculator, and
 reward functions that read the episodes."""
+import os
 import string
+import threading
+import time
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -13,6 +16,9 @@ from support import config, environments, reward_functions, tasks
 from support.environments import ToolCall, ToolResult
 
 TOOLS = '''
+import os
+import re
+import subprocess
 import time
 
 
@@ -89,6 +95,76 @@ class NoTools:
 class BadReset:
     def reset(self, **kwargs):
         raise KeyError("level")
+
+    def look(self) -> str:
+        """Look around."""
+
+
+def leave(how: str) -> str:
+    """Leaves as it is told.
+
+    Args:
+        how: exit, interrupt, base or os_exit.
+    """
+    if how == "exit":
+        raise SystemExit(3)
+    if how == "interrupt":
+        raise KeyboardInterrupt
+    if how == "base":
+        raise BaseException("out")
+    os._exit(0)
+
+
+def backtrack(n: int) -> str:
+    """A regular expression that backtracks about 1.6 ** n times, holding the interpreter.
+
+    Args:
+        n: How many characters.
+    """
+    return str(re.match(r"(a|aa)+$", "a" * n + "!"))
+
+
+def spin(n: int) -> str:
+    """Never returns.
+
+    Args:
+        n: Anything.
+    """
+    while True:
+        pass
+
+
+def fork(session: bool) -> str:
+    """Starts two processes that sleep, the second in a session of its own if asked, and returns their ids.
+
+    Args:
+        session: Whether the second makes a session of its own.
+    """
+    first = subprocess.Popen(["sleep", "60"])
+    second = subprocess.Popen(["sleep", "60"], start_new_session=session)
+    return f"{first.pid} {second.pid}"
+
+
+def huge(n: int) -> str:
+    """n characters.
+
+    Args:
+        n: How many.
+    """
+    return "x" * n
+
+
+class Hangs:
+    def reset(self, **kwargs):
+        time.sleep(5)
+
+    def look(self) -> str:
+        """Look around."""
+
+
+class Verbose:
+    def reset(self, **kwargs):
+        return "y" * 1_000_000
 
     def look(self) -> str:
         """Look around."""
@@ -322,3 +398,178 @@ def test_what_episodes_do_not_run_with_is_one_line_before_any_model_loads(more, 
         load(environment="calculator", **more)
     message = str(exit_info.value)
     assert message.startswith(f"error: --environment 'calculator' does not run with {what}") and "\n" not in message
+
+
+def children_of(pid):
+    """The ids of the running (not zombie) children of a process."""
+    found = [int(child) for task in os.listdir(f"/proc/{pid}/task")
+             for child in open(f"/proc/{pid}/task/{task}/children").read().split()]
+    return [c for c in found if running(c)]
+
+
+def running(pid):
+    try:
+        return open(f"/proc/{pid}/stat").read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_tool_that_raises_anything_or_ends_its_process_is_an_error_reply_and_the_episode_goes_on(tools_file):
+    """SystemExit, KeyboardInterrupt, any BaseException and os._exit(0) inside a tool are a failed call the model
+    reads, like an Exception: not the end of the run (nor a run that ends with status 0)."""
+    env = load(tools=f"{tools_file}:add,leave").episode({"prompt": "1+2="})
+    for how, said in [("exit", "error: leave raised SystemExit: 3"),
+                      ("interrupt", "error: leave raised KeyboardInterrupt"),
+                      ("base", "error: leave raised BaseException: out"),
+                      ("os_exit", "error: leave ended its process (exit status 0) before returning")]:
+        result = env.call(ToolCall("leave", {"how": how}))
+        assert result.error and result.text == said, result
+        assert env.call(ToolCall("add", {"a": 2, "b": 3})) == ToolResult("5", False, "add")
+
+
+def test_a_call_past_the_timeout_stops_at_it_and_takes_its_cpu_with_it(tools_file):
+    """A regular expression that backtracks holds the interpreter: no thread can stop it, the call's process is
+    killed at --tool_timeout. A call that never returns leaves nothing running after it."""
+    env = load(tools=f"{tools_file}:backtrack,spin,add", tool_timeout=0.3).episode({"prompt": "1+2="})
+    threads, start = threading.active_count(), time.monotonic()
+    assert env.call(ToolCall("backtrack", {"n": 36})) == \
+        ToolResult("error: backtrack ran past 0.3 s", True, "backtrack")  # about 6 s of backtracking
+    assert time.monotonic() - start < 3.0  # the limit, and a margin for a busy machine
+    assert env.call(ToolCall("spin", {"n": 1})).text == "error: spin ran past 0.3 s"
+    assert threading.active_count() == threads and children_of(env.process.process.pid) == []
+    assert env.call(ToolCall("add", {"a": 2, "b": 3})).text == "5"
+
+
+def test_a_tool_leaves_no_process_behind(tools_file):
+    """What a tool starts ends with its call: its process group is killed, and a process that made a session of its
+    own is killed once the tool process adopts it."""
+    env = load(tools=f"{tools_file}:fork").episode({"prompt": "1+2="})
+    pids = [int(pid) for session in (False, True)
+            for pid in env.call(ToolCall("fork", {"session": session})).text.split()]
+    deadline = time.monotonic() + 5
+    while any(map(running, pids)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(map(running, pids))
+
+
+def test_reset_runs_under_the_timeout_and_fails_with_the_environments_one_line(tools_file):
+    start = time.monotonic()
+    with pytest.raises(SystemExit) as stopped:
+        load(environment=f"{tools_file}:Hangs", tool_timeout=0.3)
+    assert str(stopped.value.code).startswith(f"error: --environment '{tools_file}:Hangs': reset ran past 0.3 s on "
+                                              "the row ")
+    assert time.monotonic() - start < 3.0
+
+
+def test_an_observation_is_cut_to_what_it_may_add_and_its_episode_counts_as_truncated(tools_file, capsys):
+    """A reply is cut to CHARS_PER_TOKEN characters per token of --max_new_tokens before it is tokenised; what reset
+    returns, to --max_prompt_length tokens. Each says so once."""
+    env = load(tools=f"{tools_file}:huge", max_new_tokens=40).episode({"prompt": "1+2="})
+    for _ in range(2):
+        result = env.call(ToolCall("huge", {"n": 10_000_000}))
+        assert result == ToolResult("x" * 40 * environments.CHARS_PER_TOKEN, False, "huge", True)
+    env = load(environment=f"{tools_file}:Verbose", max_prompt_length=64).episode({"prompt": "1+2="})
+    assert env.cut and env.observation == "y" * 64  # one character a token
+    out = capsys.readouterr().out
+    assert out.count("warning: a reply of huge was cut to 1280 characters") == 1
+    assert "reset returned more than --max_prompt_length 64 tokens" in out
+
+
+# TRL's documented environment (GRPOTrainer's environment_factory), as its documentation writes it
+TRL_INCREMENT_ENV = '''import random
+
+
+class IncrementEnv:
+    # Reserved methods
+    def reset(self, **kwargs) -> str | None:  # required; called at the start of each rollout
+        self.counter = 0
+        self.target = random.randint(1, 6)  # self-sample the task
+        return f"Increment the counter by {self.target}."  # returned string becomes the prompt
+
+    def get_reward(self) -> float:  # optional: the environment scores itself from its own state
+        return float(self.counter == self.target)
+
+    # Public methods (exposed as tools)
+    def increment(self, step: int) -> int:
+        """
+        Increment the internal counter.
+
+        Args:
+            step: Value to add to the counter.
+
+        Returns:
+            The updated counter value.
+        """
+        self.counter += step
+        return self.counter
+'''
+
+
+def test_trls_increment_env_loads_unchanged_and_its_get_reward_is_a_reward_not_a_tool(tmp_path):
+    """get_reward is reserved as TRL reserves it: not a tool, an extra reward of weight 1 logged under the class's
+    name. reset's random draws differ between episodes (each call's process is seeded from the run's random)."""
+    (tmp_path / "increment.py").write_text(TRL_INCREMENT_ENV)
+    cfg = AgentTrainConfig(environment=f"{tmp_path}/increment.py:IncrementEnv")
+    spec = environments.load(cfg, TEXT_TOKENIZER)
+    assert [s["function"]["name"] for s in spec.schemas] == ["increment"]
+    examples = [{"prompt": "1+2=", "answer": "3", "family": "add_2x1"} for _ in range(8)]
+    episodes = [SimpleNamespace(env=spec.episode(ex), turns=[], tool_calls=[]) for ex in examples]
+    targets = [episode.env.instance.target for episode in episodes]
+    assert len(set(targets)) > 1
+    assert [e.env.observation for e in episodes] == [f"Increment the counter by {t}." for t in targets]
+    assert episodes[0].env.call(ToolCall("increment", {"step": targets[0]})).text == str(targets[0])
+    rewards, _, stats = tasks.make_reward_fn(cfg, Accelerator(cpu=True))(examples, ["3"] + ["x"] * 7,
+                                                                         episodes=episodes)
+    assert rewards.tolist() == [2.0] + [0.0] * 7  # the rule reward and get_reward's
+    assert stats["train/reward/IncrementEnv"] == 1 / 8
+
+
+def test_the_default_budget_of_episodes_holds_a_reply_or_one_line_says_why_not(tools_file):
+    """With an environment or tools, the default --max_new_tokens (a single answer's 8) becomes an episode's; a
+    budget that cannot hold the shortest call and its reply is one error line."""
+    for flags_given in ({"tools": "examples/agents.py:calculate"}, {"environment": "examples/agents.py:Calculator"}):
+        assert AgentTrainConfig(**flags_given).max_new_tokens == environments.AGENT_BUDGET
+    assert AgentTrainConfig(tools="examples/agents.py:calculate", max_new_tokens=12).max_new_tokens == 12
+    with pytest.raises(SystemExit) as stopped:
+        load(char_tokenizer(chat_template=QWEN_LIKE), tools=f"{tools_file}:add", max_new_tokens=40)
+    assert str(stopped.value.code).startswith(f"error: --tools '{tools_file}:add': --max_new_tokens 40 cannot hold a "
+                                              "tool call and its reply (the shortest take ")
+
+
+def test_a_run_whose_episodes_are_mostly_cut_says_so_once(capsys):
+    import torch
+
+    from support import run
+
+    run.TRUNCATED_SAID.clear()
+    mask = torch.ones(4, 3)
+    rollout = SimpleNamespace(mask=mask, token_mask=mask, live_routing=None, episodes=[
+        SimpleNamespace(num_turns=1, tool_calls=[], tool_errors=0, truncated=cut) for cut in (True, True, True, False)])
+    for _ in range(2):
+        assert run.rollout_metrics(rollout, 1.0)["train/truncated_frac"] == 0.75
+    assert capsys.readouterr().out.count("warning: 75% of this step's episodes were cut before they ended") == 1
+
+
+def test_the_sampler_process_dies_with_the_learner_even_while_it_plays():
+    """The sampler process (lab/async_sampling.serve) calls tool_process.die_with_parent first: a learner killed
+    with SIGKILL takes it along at once, not at its next wait (an episode's play can be long)."""
+    import signal
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    child = ("from support import tool_process; tool_process.die_with_parent(); print('ready', flush=True); "
+             "import time; time.sleep(60)")
+    parent = (f"import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', {child!r}]); "
+              "print(p.pid, flush=True); p.wait()")
+    learner = subprocess.Popen([sys.executable, "-c", parent], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    sampler = int(learner.stdout.readline())
+    assert learner.stdout.readline() == "ready\n"
+    os.kill(learner.pid, signal.SIGKILL)
+    learner.wait()
+    deadline = time.monotonic() + 5
+    while running(sampler) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not running(sampler)
+    assert "tool_process.die_with_parent()" in open(f"{ROOT}/lab/async_sampling.py").read()

@@ -169,7 +169,11 @@ def test_a_failure_ends_every_rank_of_a_two_process_run_with_exit_code_1(tmp_pat
     logs = [open(tmp_path / f"rank{rank}.err", "w+") for rank in (0, 1)]
     ranks = [subprocess.Popen(cmd, cwd=ROOT, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
                               stdout=subprocess.DEVNULL, stderr=logs[rank]) for rank in (0, 1)]
-    codes = [rank.wait(timeout=300) for rank in ranks]
+    try:  # alone about a minute; a machine at load 10 runs it several times slower
+        codes = [rank.wait(timeout=1200) for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
     errs = [(log.seek(0), log.read())[1] for log in logs]
     assert codes == [1, 1], [err[-2000:] for err in errs]
     for err in errs:
