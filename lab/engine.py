@@ -304,6 +304,17 @@ class Trainer:
         helpers.leave_run(accelerator.num_processes)  # several processes: os._exit, see its docstring
 
 
+def m2po_keep(trainer, rollout, old_logp, rollout_logp):
+    """M2PO's (B, T) keep mask of this process's batch (common.m2po_mask at --m2po_tau), computed once before the
+    update, as AReaL does: of log(pi_old / mu), the trainer's log-probs at the update's start (old_logp, or scored
+    now when the loop has none) over the sampler's. The same for every micro-batch size, every epoch and every PPO
+    minibatch. None when --m2po_tau is 0 or the policy samples itself."""
+    if trainer.cfg.m2po_tau == 0 or rollout_logp is None:
+        return None
+    old_logp = trainer.old_logprobs(rollout) if old_logp is None else old_logp
+    return common.m2po_mask(old_logp - rollout_logp, rollout.mask, trainer.cfg.m2po_tau)
+
+
 def loop_rows(mb):
     """The micro-batch's rows, as an error message names them."""
     return f"{int(mb.rows[0])}-{int(mb.rows[-1])}" if len(mb.rows) else "none"

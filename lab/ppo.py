@@ -124,6 +124,7 @@ def main():
         old_values = trainer.values(critic.model, rollout)
         ref_logp = trainer.reference_logprobs(ref_model, rollout)  # pi_ref (None when beta = 0)
         rollout_logp = trainer.sampler_logprobs(rollout)  # the sampler process's (mu), else None
+        m2po_keep = engine.m2po_keep(trainer, rollout, old_logp, rollout_logp)  # M2PO's mask of the batch, or None
 
         # ---- advantages: per-token reward, GAE (the critic is the baseline), whitened ----
         with trainer.timer("gae"):
@@ -152,7 +153,7 @@ def main():
                     if rollout_logp is not None:  # a stale sampler: pi_old is the proximal policy, mu the sampler
                         pg_weight, correction, per_row = common.rollout_correction(
                             logp, mb.of(old_logp), mb.of(rollout_logp), mb.of(adv), mb.mask, cfg.tis_cap, 0.0,
-                            cfg.tis_level, cfg.tis_veto, cfg.m2po_tau)
+                            cfg.tis_level, cfg.tis_veto, mb.of(m2po_keep))
                     pg_loss, pg_stats = ppo_policy_loss(logp, mb.of(old_logp), mb.of(adv), mb.mask, cfg.epsilon,
                                                         cfg.dual_clip_c, mb.agg, pg_weight)
                     values = critic.model(mb.of(input_ids), mb.of(attention_mask), T)  # (b, T), with gradient
