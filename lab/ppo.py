@@ -144,7 +144,7 @@ def main():
         # ---- update: num_epochs passes over num_mini_batches minibatches, one optimizer step of each model per
         # minibatch, its gradient summed over its micro-batches; the loss: the clipped policy loss plus vf_coef
         # times the clipped value loss ----
-        updates = []
+        updates, corrections = [], []  # corrections: every micro-batch's (token share, sampler statistics)
         for epoch in range(cfg.num_epochs):
             for rows in torch.randperm(cfg.batch_size, device=accelerator.device).chunk(cfg.num_mini_batches):
                 for mb in trainer.micro_batches(rollout, common.Aggregation("token-mean"), rows):
@@ -164,8 +164,9 @@ def main():
                         "value_loss": common.Sums((vf_loss.detach(),), float), "value_clip_frac": vf_stats["clip_frac"],
                         **pg_stats, **correction,
                         "entropy": common.masked_mean(entropy, mb.mask)}, per_row)
+                    corrections.append((mb.share, correction))
                 updates.append(trainer.step(policy, critic))  # clip each, check finite, both optimizers step
-        stats = {key: torch.stack([torch.as_tensor(u[key]) for u in updates]).mean() for key in updates[0]}
+        stats = engine.over_updates(updates, corrections)  # means over the updates; the sampler's: the batch's
 
         # ---- log (PLUMBING: docs/metrics.md says what each metric means) ----
         metrics = {
