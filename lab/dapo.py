@@ -94,7 +94,8 @@ def main():
             continue
 
         # ---- reward: overlong shaping, after the filter; the log-probs the loss compares with ----
-        penalty = overlong_penalty(rollout.mask.sum(1), cfg.max_new_tokens, cfg.overlong_cache_len)
+        # an episode's length counts the environment's tokens too: --max_new_tokens is its budget, -1 when cut there
+        penalty = overlong_penalty(rollout.budget_used, cfg.max_new_tokens, cfg.overlong_cache_len)
         rewards = rewards + penalty
         old_logp = trainer.old_logprobs(rollout) if cfg.num_epochs > 1 else None  # pi_old; mu = 1: logp
         rollout_logp = trainer.sampler_logprobs(rollout)  # the sampler's, when it is a copy
