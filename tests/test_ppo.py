@@ -227,10 +227,13 @@ def test_value_clip_never_stops_a_move_back_towards_the_return():
     assert loss == pytest.approx(0.5 * 0.8 ** 2) and grad == 0.0 and clipfrac == 1.0
 
 
-def test_value_loss_is_a_token_mean_over_the_mask_and_keeps_the_padding_out_of_the_gradient():
+def test_value_loss_is_a_token_mean_over_the_mask():
     values = torch.tensor([[1.0, 2.0, 3.0]], requires_grad=True)
     loss, _ = ppo_value_loss(values, values.detach(), torch.tensor([[0.0, 0.0, float("nan")]]), torch.tensor([[1, 1, 0]]), 0.2)
     assert loss.item() == pytest.approx(0.5 * (1 + 4) / 2)
+
+
+def test_value_loss_keeps_the_padding_out_of_the_gradient():
     # a NaN return or old value at the padded position: the gradient (V - R) / 2 where valid, 0 there
     for nan_at in ("returns", "old_values"):
         values = torch.zeros(1, 3, requires_grad=True)
