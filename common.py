@@ -267,13 +267,13 @@ def m2po_mask(log_ratio, mask, tau):
 
 
 def rollout_correction(logp, old_logp, rollout_logp, adv, mask, tis_cap=0.0, geo_mask_delta=0.0, tis_level="token",
-                       tis_veto=0.0, m2po_tau=0.0):
+                       tis_veto=0.0, m2po_keep=None):
     """A Correction. logp: the policy trained; old_logp: the trainer's at the start of the update (pi_prox);
     rollout_logp: the sampler's, a low-precision copy or the --rollout_lag policy (None: old_logp). TIS weighs by
     min(old / rollout, tis_cap), per token or the sequence's product (tis_level); tis_veto drops a sequence with a
     token whose old / rollout is below it; the geometric mask plays pi_old with rollout_logp (the mismatch and the
-    updates since sampling); M2PO masks tokens of large log(pi_theta / rollout)^2 over these rows (m2po_mask, at
-    m2po_tau). is_ess, tis_clip_frac: of the importance weights in use, at their level. 0 turns each off."""
+    updates since sampling); m2po_keep: these rows of M2PO's (B, T) mask of the batch (None: off). is_ess and
+    tis_clip_frac: of the importance weights in use, at their level. 0 turns each off."""
     rollout_logp = old_logp if rollout_logp is None else rollout_logp
     sequence = tis_level == "sequence"
     tis = torch.ones_like(logp)
@@ -283,8 +283,8 @@ def rollout_correction(logp, old_logp, rollout_logp, adv, mask, tis_cap=0.0, geo
     keep = geometric_sequence_mask(logp, rollout_logp, adv, mask, geo_mask_delta) if geo_mask_delta > 0 else \
         torch.ones_like(logp[:, 0])  # (B,); adv is read by the mask alone (PPO's is per token)
     veto = tis_veto_mask(old_logp, rollout_logp, mask, tis_veto) if tis_veto > 0 else torch.ones_like(keep)
-    weight = tis * (keep * veto)[:, None]
-    m2po = m2po_mask(logp - rollout_logp, mask, m2po_tau).to(logp.dtype) if m2po_tau > 0 else torch.ones_like(logp)
+    m2po = torch.ones_like(logp) if m2po_keep is None else m2po_keep.to(logp.dtype)
+    weight = tis * (keep * veto)[:, None] * m2po  # a token M2PO masks: weight 0
     with torch.no_grad():
         log_ratio = torch.where(mask.bool(), old_logp - rollout_logp, 0.0)  # trainer over sampler, the same weights
         ratio = torch.exp(log_ratio)
@@ -294,11 +294,12 @@ def rollout_correction(logp, old_logp, rollout_logp, adv, mask, tis_cap=0.0, geo
                  "mismatch_ratio_min": Extreme(torch.where(mask.bool(), ratio, float("inf")).min(), "min"),
                  "tis_clip_frac": fraction(capped, None if sequence else mask) if tis_cap > 0 else 0.0,
                  "geo_masked_frac": fraction(keep == 0), "tis_veto_frac": fraction(veto == 0),
-                 "is_ess": effective_sample_size(weight[:, 0]) if sequence else effective_sample_size(weight, mask),
+                 "is_ess": effective_sample_size(tis[:, 0] * keep * veto) if sequence else
+                 effective_sample_size(weight, mask),
                  "m2po_masked_frac": fraction(m2po == 0, mask)}
     per_row = {"tis_weight": tis if tis_cap > 0 else None, "geo_mask": keep if geo_mask_delta > 0 else None,
                "veto": veto if tis_veto > 0 else None}
-    return Correction(weight * m2po, stats, per_row)
+    return Correction(weight, stats, per_row)
 
 
 # ---- Log-probs and generation -----------------------------------------------------

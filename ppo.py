@@ -167,6 +167,8 @@ def ppo_value_loss(values, old_values, returns, mask, epsilon_value, loss_agg="t
     it keeps the critic near the one that produced the advantages. Returns (loss, stats) with stats:
     clip_frac (fraction of tokens where the clipped term wins).
     """
+    # the padding may hold anything: there the detached inputs take the value's, so its gradient is 0
+    old_values, returns = (torch.where(mask.bool(), x, values.detach()) for x in (old_values, returns))
     # BEGIN SOLUTION
     values_clipped = old_values + torch.clamp(values - old_values, -epsilon_value, epsilon_value)
     unclipped = (values - returns) ** 2

@@ -94,10 +94,12 @@ def main():
             continue
 
         # ---- reward: overlong shaping, after the filter; the log-probs the loss compares with ----
-        penalty = overlong_penalty(rollout.mask.sum(1), cfg.max_new_tokens, cfg.overlong_cache_len)
+        # an episode's length counts the environment's tokens too: --max_new_tokens is its budget, -1 when cut there
+        penalty = overlong_penalty(rollout.budget_used, cfg.max_new_tokens, cfg.overlong_cache_len)
         rewards = rewards + penalty
         old_logp = trainer.old_logprobs(rollout) if cfg.num_epochs > 1 else None  # pi_old; mu = 1: logp
         rollout_logp = trainer.sampler_logprobs(rollout)  # the sampler's, when it is a copy
+        m2po_keep = engine.m2po_keep(trainer, rollout, old_logp, rollout_logp)  # M2PO's mask of the batch, or None
 
         # ---- advantages: each reward standardised within its group ----
         groups = exploration.group_ids(rollout.examples, rewards.device)  # (B,) each row's group (the last may be cut)
@@ -114,7 +116,7 @@ def main():
                 if rollout_logp is not None or cfg.geo_mask_delta > 0:  # a sampler that is not this policy: TIS, mask
                     pg_weight, correction, per_row = common.rollout_correction(
                         logp, old, mb.of(rollout_logp), mb.of(adv), mb.mask, cfg.tis_cap, cfg.geo_mask_delta,
-                        cfg.tis_level, cfg.tis_veto, cfg.m2po_tau)
+                        cfg.tis_level, cfg.tis_veto, mb.of(m2po_keep))
                 loss, stats = dapo_loss(logp, old, mb.of(adv), mb.mask, cfg.clip, pg_weight, mb.agg)
                 stats = {**stats, **correction, "entropy": common.masked_mean(entropy, mb.mask)}
                 trainer.backward(loss, mb, stats, per_row)

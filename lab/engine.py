@@ -304,6 +304,26 @@ class Trainer:
         helpers.leave_run(accelerator.num_processes)  # several processes: os._exit, see its docstring
 
 
+def m2po_keep(trainer, rollout, old_logp, rollout_logp):
+    """M2PO's (B, T) keep mask of this process's batch (common.m2po_mask at --m2po_tau), computed once before the
+    update, as AReaL does: of log(pi_old / mu), the trainer's log-probs at the update's start (old_logp, or scored
+    now when the loop has none) over the sampler's. The same for every micro-batch size, every epoch and every PPO
+    minibatch. None when --m2po_tau is 0 or the policy samples itself."""
+    if trainer.cfg.m2po_tau == 0 or rollout_logp is None:
+        return None
+    old_logp = trainer.old_logprobs(rollout) if old_logp is None else old_logp
+    return common.m2po_mask(old_logp - rollout_logp, rollout.mask, trainer.cfg.m2po_tau)
+
+
+def over_updates(updates, micro_batches):
+    """One value per statistic of a step of several updates (PPO: num_epochs x num_mini_batches). updates: what
+    trainer.step returned for each, averaged over them. micro_batches: every update's micro-batches' (token share,
+    stats) of the statistics that are the batch's, combined over all as helpers.combine combines one update's (the
+    max of the maxima, an effective sample size or a fraction from every pass's sums), in place of their means."""
+    stats = {key: torch.stack([torch.as_tensor(u[key]) for u in updates]).mean() for key in updates[0]}
+    return {**stats, **helpers.combine([(share / len(updates), s) for share, s in micro_batches])}
+
+
 def loop_rows(mb):
     """The micro-batch's rows, as an error message names them."""
     return f"{int(mb.rows[0])}-{int(mb.rows[-1])}" if len(mb.rows) else "none"

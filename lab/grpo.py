@@ -89,6 +89,7 @@ def main():
         ref_logp = trainer.reference_logprobs(ref_model, rollout)  # pi_ref (None when beta = 0)
         old_logp = trainer.old_logprobs(rollout) if cfg.num_epochs > 1 else None  # pi_old; mu = 1: logp
         rollout_logp = trainer.sampler_logprobs(rollout)  # the sampler's, when it is a copy
+        m2po_keep = engine.m2po_keep(trainer, rollout, old_logp, rollout_logp)  # M2PO's mask of the batch, or None
 
         # ---- advantages: each reward standardised within its group ----
         ids = budget.gathered(accelerator, ids)  # knapsack's groups, tree's ancestors (None: G adjacent rows)
@@ -106,7 +107,7 @@ def main():
                 if rollout_logp is not None or cfg.geo_mask_delta > 0:  # a sampler that is not this policy: TIS, mask
                     pg_weight, correction, per_row = common.rollout_correction(
                         logp, old, mb.of(rollout_logp), mb.of(adv), mb.mask, cfg.tis_cap, cfg.geo_mask_delta,
-                        cfg.tis_level, cfg.tis_veto, cfg.m2po_tau)
+                        cfg.tis_level, cfg.tis_veto, mb.of(m2po_keep))
                 loss, stats = grpo_loss(logp, old, mb.of(ref_logp), mb.of(adv), mb.mask, cfg.clip, cfg.beta, mb.agg,
                                         common.KLTerm(cfg.kl_estimator, cfg.kl_is_weight), pg_weight)
                 stats = {**stats, **correction, "entropy": common.masked_mean(entropy, mb.mask)}

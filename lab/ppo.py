@@ -124,6 +124,7 @@ def main():
         old_values = trainer.values(critic.model, rollout)
         ref_logp = trainer.reference_logprobs(ref_model, rollout)  # pi_ref (None when beta = 0)
         rollout_logp = trainer.sampler_logprobs(rollout)  # the sampler process's (mu), else None
+        m2po_keep = engine.m2po_keep(trainer, rollout, old_logp, rollout_logp)  # M2PO's mask of the batch, or None
 
         # ---- advantages: per-token reward, GAE (the critic is the baseline), whitened ----
         with trainer.timer("gae"):
@@ -143,7 +144,7 @@ def main():
         # ---- update: num_epochs passes over num_mini_batches minibatches, one optimizer step of each model per
         # minibatch, its gradient summed over its micro-batches; the loss: the clipped policy loss plus vf_coef
         # times the clipped value loss ----
-        updates = []
+        updates, corrections = [], []  # corrections: every micro-batch's (token share, sampler statistics)
         for epoch in range(cfg.num_epochs):
             for rows in torch.randperm(cfg.batch_size, device=accelerator.device).chunk(cfg.num_mini_batches):
                 for mb in trainer.micro_batches(rollout, common.Aggregation("token-mean"), rows):
@@ -152,7 +153,7 @@ def main():
                     if rollout_logp is not None:  # a stale sampler: pi_old is the proximal policy, mu the sampler
                         pg_weight, correction, per_row = common.rollout_correction(
                             logp, mb.of(old_logp), mb.of(rollout_logp), mb.of(adv), mb.mask, cfg.tis_cap, 0.0,
-                            cfg.tis_level, cfg.tis_veto, cfg.m2po_tau)
+                            cfg.tis_level, cfg.tis_veto, mb.of(m2po_keep))
                     pg_loss, pg_stats = ppo_policy_loss(logp, mb.of(old_logp), mb.of(adv), mb.mask, cfg.epsilon,
                                                         cfg.dual_clip_c, mb.agg, pg_weight)
                     values = critic.model(mb.of(input_ids), mb.of(attention_mask), T)  # (b, T), with gradient
@@ -163,8 +164,9 @@ def main():
                         "value_loss": common.Sums((vf_loss.detach(),), float), "value_clip_frac": vf_stats["clip_frac"],
                         **pg_stats, **correction,
                         "entropy": common.masked_mean(entropy, mb.mask)}, per_row)
+                    corrections.append((mb.share, correction))
                 updates.append(trainer.step(policy, critic))  # clip each, check finite, both optimizers step
-        stats = {key: torch.stack([torch.as_tensor(u[key]) for u in updates]).mean() for key in updates[0]}
+        stats = engine.over_updates(updates, corrections)  # means over the updates; the sampler's: the batch's
 
         # ---- log (PLUMBING: docs/metrics.md says what each metric means) ----
         metrics = {

@@ -65,6 +65,7 @@ def main():
             rewards, correct, reward_stats = reward_fn(rollout.examples, rollout.completions, rollout.rewards)
         ref_logp = trainer.reference_logprobs(ref_model, rollout)  # pi_ref (None when beta = 0)
         rollout_logp = trainer.sampler_logprobs(rollout)  # the sampler's, when it is a copy
+        m2po_keep = engine.m2po_keep(trainer, rollout, None, rollout_logp)  # M2PO's mask of the batch, or None
 
         # ---- advantages: the reward of the greedy response is the baseline (ReMax), or none (REINFORCE) ----
         if cfg.baseline == "greedy":
@@ -86,7 +87,7 @@ def main():
             if rollout_logp is not None or cfg.geo_mask_delta > 0:  # a sampler that is not this policy: TIS, mask
                 pg_weight, correction, per_row = common.rollout_correction(
                     logp, logp.detach(), mb.of(rollout_logp), mb.of(adv), mb.mask, cfg.tis_cap, cfg.geo_mask_delta,
-                    cfg.tis_level, cfg.tis_veto, cfg.m2po_tau)
+                    cfg.tis_level, cfg.tis_veto, mb.of(m2po_keep))
             loss, stats = remax_loss(logp, mb.of(adv), kl, mb.mask, cfg.beta, mb.agg, pg_weight)
             stats = {**stats, **correction, "entropy": common.masked_mean(entropy, mb.mask)}
             trainer.backward(loss, mb, stats, per_row)

@@ -67,6 +67,7 @@ def main():
         groups, ids = sampler.record(rollout, correct)  # each row's group, what its baseline runs over (None: G rows)
         ref_logp = trainer.reference_logprobs(ref_model, rollout)  # pi_ref (None when beta = 0)
         rollout_logp = trainer.sampler_logprobs(rollout)  # the sampler's, when it is a copy
+        m2po_keep = engine.m2po_keep(trainer, rollout, None, rollout_logp)  # M2PO's mask of the batch, or None
 
         # ---- update: one on-policy optimizer step, the batch's gradient summed over its micro-batches ----
         adv, rewards_kl, kl_seq = [], [], 0.0
@@ -80,7 +81,7 @@ def main():
             if rollout_logp is not None or cfg.geo_mask_delta > 0:  # a sampler that is not this policy: TIS, mask
                 pg_weight, correction, per_row = common.rollout_correction(
                     logp, logp.detach(), mb.of(rollout_logp), adv[-1], mb.mask, cfg.tis_cap, cfg.geo_mask_delta,
-                    cfg.tis_level, cfg.tis_veto, cfg.m2po_tau)
+                    cfg.tis_level, cfg.tis_veto, mb.of(m2po_keep))
             loss, stats = rloo_loss(logp, adv[-1], mb.mask, pg_weight, mb.agg)
             stats = {**stats, **correction, "entropy": common.masked_mean(entropy, mb.mask)}
             trainer.backward(loss, mb, stats, per_row)

@@ -49,6 +49,10 @@ class Rollout:
         return torch.cat([self.prompt_mask, self.mask if self.token_mask is None else self.token_mask], dim=1)
 
     @property
+    def budget_used(self):  # (B,) the tokens of --max_new_tokens each row spent: an episode's environment tokens too
+        return (self.mask if self.token_mask is None else self.token_mask).sum(1)
+
+    @property
     def prompts(self):
         return [ex["prompt"] for ex in self.examples]
 

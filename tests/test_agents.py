@@ -377,3 +377,18 @@ def test_a_reset_that_raises_during_the_run_stops_it_with_one_line(tmp_path):
     last = out.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: --environment '{tmp_path / 'env.py'}:Flaky': reset raised KeyError: 'level'")
     assert "Traceback" not in out.stderr
+
+
+def test_dapos_overlong_shaping_counts_an_episodes_environment_tokens_against_its_budget():
+    """L_max = 40 (the episode's budget), L_cache = 3. An episode of 20 actions, 10 environment tokens and 10 actions
+    is cut at the budget: -1, as a single-turn completion cut at 40; counting its 30 actions alone would say 0. An
+    episode of 25 + 10 + 3 tokens ends at 38, one token into the last three: -1/3."""
+    from dapo import overlong_penalty
+    from support.rollout import Rollout
+    lengths, is_action = torch.tensor([[20, 10, 10], [25, 10, 3]]), torch.tensor([[True, False, True]] * 2)
+    mask, token_mask = agents.episode_masks(lengths, is_action, 40)
+    episodes = Rollout([{}] * 2, None, None, None, mask, [], token_mask=token_mask)
+    single_turn = Rollout([{}], None, None, None, torch.ones(1, 40), [])
+    assert overlong_penalty(episodes.budget_used, 40, 3).tolist() == pytest.approx([-1.0, -1 / 3])
+    assert overlong_penalty(single_turn.budget_used, 40, 3).tolist() == [-1.0]
+    assert overlong_penalty(mask.sum(1), 40, 3).tolist() == [0.0, 0.0]  # the actions alone

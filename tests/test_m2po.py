@@ -1,12 +1,13 @@
 """M2PO (docs/async.md): the tokens of largest squared log-ratio between the trainer and a stale sampler are masked,
 one by one, until the mean squared log-ratio of the tokens left is at most tau."""
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import common
-from lab import grpo  # the lab's loop: --m2po_tau is its
+from lab import engine, grpo  # the lab's loop: --m2po_tau is its
 from support.helpers import combine
 from support.run import read_metrics
 
@@ -37,23 +38,45 @@ def test_m2po_ignores_what_the_padding_holds():
     assert common.m2po_mask(LOG_RATIO, torch.zeros_like(MASK), 0.04).sum() == 0  # no valid token: nothing kept
 
 
-def test_rollout_correction_zeroes_the_masked_tokens_and_reports_their_fraction_over_micro_batches():
-    """r = pi_theta / mu: the trainer's log-probs 0, the sampler's minus LOG_RATIO. At tau = 0.04 two of the five
-    valid tokens go; the fraction is the batch's whether the rows come in one micro-batch or one by one (the
-    mask itself is computed over the rows given, the batch at --micro_batch_size 0)."""
-    logp = torch.zeros_like(LOG_RATIO)
-    weight, stats, _ = common.rollout_correction(logp, logp, -LOG_RATIO, torch.ones(2, dtype=torch.float64), MASK,
-                                                 m2po_tau=0.04)
-    assert (weight * MASK).tolist() == [[0, 1, 0], [0, 1, 1]]
-    assert stats["m2po_masked_frac"].value() == 2 / 5
-    rows = [common.rollout_correction(logp[i:i + 1], logp[i:i + 1], -LOG_RATIO[i:i + 1], torch.ones(1),
-                                      MASK[i:i + 1], m2po_tau=0.04).stats for i in range(2)]
-    # row by row: row 0 alone (1, 1/16) masks both (1/16 > 0.04); row 1 alone (1/4, 0, 1/64) masks -0.5: 3 tokens of
-    # 5, combined by their token counts, not the mean of the rows' fractions (1 and 1/3)
-    assert combine([(MASK[i].sum() / MASK.sum(), rows[i]) for i in range(2)])["m2po_masked_frac"].item() == \
-        pytest.approx(3 / 5, rel=1e-7)
-    weight, stats, _ = common.rollout_correction(logp, logp, -LOG_RATIO, torch.ones(2), MASK, m2po_tau=0.3)
-    assert stats["m2po_masked_frac"].value() == 0 and (weight * MASK).equal(MASK.double())
+def test_m2po_masks_the_whole_batch_whatever_its_micro_batches_and_is_ess_counts_the_mask():
+    """(log r)^2 of row 0: [1, 0 x 29], of row 1: [0.2 x 10], tau = 0.04. Over the batch's 40 tokens (mean 3/40)
+    masking 1.0, then 0.2 three times leaves 1.4 / 36 = 0.0389 <= tau: 4 of 40 masked. Row by row, row 0 alone
+    (mean 1/30) would mask nothing and row 1 alone all ten (0.2 > tau however many are left): 10 of 40."""
+    mask = torch.zeros(2, 30, dtype=torch.long)
+    mask[0], mask[1, :10] = 1, 1
+    log_ratio = torch.zeros(2, 30, dtype=torch.float64)
+    log_ratio[0, 0], log_ratio[1, :10] = 1.0, 0.2 ** 0.5
+    keep = common.m2po_mask(log_ratio, mask, 0.04)
+    assert ((keep == 0) & mask.bool()).sum() == 4 and keep[0, 0] == 0 and keep[0, 1:].all()
+    rowwise = sum(int(((common.m2po_mask(log_ratio[i:i + 1], mask[i:i + 1], 0.04) == 0) & mask[i:i + 1].bool()).sum())
+                  for i in range(2))
+    assert rowwise == 10  # what a mask computed per micro-batch of one row gave
+    logp = torch.zeros_like(log_ratio)  # the loss takes the batch's mask, one micro-batch or two
+    whole = common.rollout_correction(logp, logp, -log_ratio, torch.ones(2, dtype=torch.float64), mask,
+                                      m2po_keep=keep)
+    assert (whole.weight * mask).equal(keep.double())
+    assert whole.stats["m2po_masked_frac"].value() == 4 / 40
+    # is_ess of the weights in use: 36 ones and 4 zeros over the 40 valid tokens, 36^2 / (40 x 36)
+    assert whole.stats["is_ess"].value().item() == pytest.approx(0.9, rel=1e-12)
+    rows = [common.rollout_correction(logp[i:i + 1], logp[i:i + 1], -log_ratio[i:i + 1], torch.ones(1), mask[i:i + 1],
+                                      m2po_keep=keep[i:i + 1]).stats for i in range(2)]
+    split = combine([(mask[i].sum() / mask.sum(), rows[i]) for i in range(2)])
+    assert split["m2po_masked_frac"].item() == pytest.approx(0.1, rel=1e-7)
+    assert split["is_ess"].item() == pytest.approx(0.9, rel=1e-7)
+
+
+def test_m2po_s_mask_is_computed_once_from_pi_old_over_the_sampler():
+    """engine.m2po_keep: of log(pi_old / mu) over the process's whole batch, pi_old scored when the loop has
+    none (one update per batch); None when M2PO is off or the policy samples itself."""
+    rollout = SimpleNamespace(mask=MASK)
+    old_logp, rollout_logp = LOG_RATIO - 2.0, torch.full_like(LOG_RATIO, -2.0)
+    trainer = SimpleNamespace(cfg=SimpleNamespace(m2po_tau=0.04), old_logprobs=lambda r: old_logp)
+    expected = common.m2po_mask(LOG_RATIO, MASK, 0.04)
+    assert engine.m2po_keep(trainer, rollout, old_logp, rollout_logp).equal(expected)
+    assert engine.m2po_keep(trainer, rollout, None, rollout_logp).equal(expected)  # scored now
+    assert engine.m2po_keep(trainer, rollout, old_logp, None) is None
+    trainer.cfg.m2po_tau = 0.0
+    assert engine.m2po_keep(trainer, rollout, old_logp, rollout_logp) is None
 
 
 @pytest.mark.parametrize("kwargs", [{"m2po_tau": 0.04}, {"m2po_tau": -1.0, "rollout_lag": 1}])
@@ -63,11 +86,18 @@ def test_bad_m2po_flags_raise_a_value_error_naming_the_flag(kwargs):
     grpo.Config(m2po_tau=0.04, rollout_lag=2)
 
 
-def test_m2po_masks_nothing_on_policy_and_tokens_once_the_sampler_is_stale(tmp_path, monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["lab/grpo.py", "--num_steps", "3", "--batch_size", "32", "--num_generations", "4",
-                                      "--learning_rate", "1e-3", "--rollout_lag", "1", "--m2po_tau", "1e-6",
-                                      "--eval_every", "100", "--save_model", "False", "--output_dir", str(tmp_path)])
-    grpo.main()
-    rows = read_metrics(tmp_path / "metrics.jsonl")[1:]
-    assert rows[0]["train/m2po_masked_frac"] == 0  # step 1: the sampler is the trainer, every log-ratio 0
-    assert all(0 < r["train/m2po_masked_frac"] < 1 for r in rows[1:])
+def test_m2po_masks_nothing_on_policy_tokens_once_the_sampler_is_stale_and_the_same_in_micro_batches(tmp_path,
+                                                                                                         monkeypatch):
+    runs = {}
+    for micro_batch_size in (0, 8):
+        out = tmp_path / str(micro_batch_size)
+        monkeypatch.setattr(sys, "argv", ["lab/grpo.py", "--num_steps", "2", "--batch_size", "32", "--num_generations",
+                                          "4", "--learning_rate", "1e-3", "--rollout_lag", "1", "--m2po_tau", "1e-6",
+                                          "--micro_batch_size", str(micro_batch_size), "--eval_every", "100",
+                                          "--save_model", "False", "--output_dir", str(out)])
+        grpo.main()
+        runs[micro_batch_size] = rows = read_metrics(out / "metrics.jsonl")[1:]
+        assert rows[0]["train/m2po_masked_frac"] == 0  # step 1: the sampler is the trainer, every log-ratio 0
+        assert 0 < rows[1]["train/m2po_masked_frac"] < 1
+    for key in ("train/m2po_masked_frac", "train/is_ess", "train/loss", "train/grad_norm"):  # the batch's mask
+        assert runs[8][1][key] == pytest.approx(runs[0][1][key], rel=1e-4, abs=1e-9), key

@@ -233,6 +233,17 @@ def test_value_loss_is_a_token_mean_over_the_mask():
     assert loss.item() == pytest.approx(0.5 * (1 + 4) / 2)
 
 
+def test_value_loss_keeps_the_padding_out_of_the_gradient():
+    # a NaN return or old value at the padded position: the gradient (V - R) / 2 where valid, 0 there
+    for nan_at in ("returns", "old_values"):
+        values = torch.zeros(1, 3, requires_grad=True)
+        inputs = {"old_values": torch.zeros(1, 3), "returns": torch.ones(1, 3)}
+        inputs[nan_at][0, 1] = float("nan")
+        loss, _ = ppo_value_loss(values, inputs["old_values"], inputs["returns"], torch.tensor([[1, 0, 1]]), 0.2)
+        loss.backward()
+        assert values.grad.tolist() == [[-0.5, 0.0, -0.5]], nan_at
+
+
 # ---------------------------------------------------------------- diagnostics and controller
 
 def test_explained_variance_is_one_for_a_perfect_critic_and_zero_for_the_mean():

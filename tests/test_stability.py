@@ -131,6 +131,28 @@ def test_the_effective_sample_size_and_the_veto_fraction_are_the_whole_batchs_in
     assert split["is_ess"].item() == pytest.approx(whole["is_ess"].item(), rel=1e-12)
 
 
+def test_ppos_updates_log_the_batchs_extremes_and_effective_sample_size():
+    """PPO's step: 8 rows of 8 tokens in 4 minibatches of 2 rows, one token with pi_train / pi_rollout = e, TIS
+    capped at 3. The batch's max is e (a mean of the minibatches' maxima would say (e + 3) / 4 = 1.430) and its ESS
+    (63 + e)^2 / (64 (63 + e^2)) = 0.9587 (the minibatches' mean: (0.8763 + 3) / 4 = 0.9691)."""
+    from lab import engine
+    from support.helpers import combine
+    old_logp, mask = torch.zeros(8, 8, dtype=F64), torch.ones(8, 8, dtype=F64)
+    rollout_logp = old_logp.clone()
+    rollout_logp[5, 3] = -1.0
+    updates, micro_batches = [], []
+    for rows in torch.arange(8).chunk(4):  # each minibatch one update, of one micro-batch
+        stats = common.rollout_correction(old_logp[rows].clone(), old_logp[rows], rollout_logp[rows],
+                                          torch.ones(2, dtype=F64), mask[rows], tis_cap=3.0).stats
+        micro_batches.append((torch.tensor(1.0), stats))
+        updates.append({"loss": torch.tensor(float(len(updates))), **combine([micro_batches[-1]])})
+    step = engine.over_updates(updates, micro_batches)
+    assert step["mismatch_ratio_max"].item() == pytest.approx(math.e, rel=1e-6)
+    assert step["mismatch_ratio_min"].item() == 1.0
+    assert step["is_ess"].item() == pytest.approx((63 + math.e) ** 2 / (64 * (63 + math.e ** 2)), rel=1e-12)
+    assert step["tis_clip_frac"].item() == 0 and step["loss"].item() == 1.5  # what is a mean stays one
+
+
 def test_tis_clip_frac_counts_at_the_level_the_weight_is_applied():
     """Token ratios 1.5 and 1.5, cap 2: no token is capped, but the sequence's ratio 2.25 is."""
     old_logp = torch.zeros(1, 2, dtype=F64)
