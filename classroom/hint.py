@@ -239,6 +239,23 @@ HINTS = {
         "the policy's advantages with one lambda and the critic's targets with another",
         "docs/algorithms.md, PPO (decoupled GAE)", "as gae",
         steps=["Call gae twice: the advantages of lam_policy, the returns of lam_critic."]),
+    "reinforce_pp_advantages": Hint(
+        "REINFORCE++'s per-token return with the k1 penalty in each token's reward, normalised over the batch",
+        "docs/algorithms.md, REINFORCE++, and the docstring", "(B,) rewards, (B, T) kl and mask in, (B, T) out",
+        traps=["the padding of kl may hold NaN", "the return runs from each token to the end of its own row",
+               "the mean and std are over every valid token of the batch, not per row or per group"],
+        steps=["Zero kl where mask is 0.",
+               "returns = rewards[:, None] - beta * (the reverse cumulative sum of kl along T).",
+               "With group_size: each row's rewards - beta * kl.sum(1), less its group's mean, on every token.",
+               "Whiten over the mask with common.masked_whiten (it leaves the padding 0)."]),
+    "length_reward": Hint(
+        "Kimi k1.5's length reward of each sample within its group",
+        "docs/algorithms.md, Kimi k1.5", "(B,) lengths and correctness, groups of G adjacent, in; (B,) float out",
+        traps=["a group whose lengths are all equal gets 0, not 0.5 or a division by zero",
+               "a wrong answer takes min(0, lambda): never a gain for being short"],
+        steps=["View the lengths as (B / G, G) floats; min and max per row.",
+               "lam = 0.5 - (length - min) / (max - min) where max > min, else 0.",
+               "Right answers: lam; wrong ones: lam clamped at 0 from above. Flatten to (B,)."]),
     "length_adaptive_lam": Hint(
         "VAPO's lambda for each sequence from its length", "docs/algorithms.md, PPO (length-adaptive GAE)",
         "(B,) lengths in, (B,) float out",
