@@ -1,7 +1,7 @@
 """The reading list's methods beside their base on the embedded task, over seeds: REINFORCE++ (and its baseline
 variant) beside GRPO and RLOO, VAPO beside PPO, Kimi k1.5's length penalty and prioritised sampling beside plain
 GRPO in the lab. Every run is `python <script> <flags> --seed S --num_steps N --eval_every N` in its own
-subprocess, one at a time, with --threads torch threads; the table (mean +- std over the seeds) is printed and
+subprocess, one at a time, with --threads torch threads (a run whose summary.json exists is reused); the table (mean +- std over the seeds) is printed and
 written to --out/<experiment>.md with the command that made it.
 
     python bench/methods.py reinforce_pp --seeds 0 1 2 --steps 150      # docs/algorithms.md's tables
@@ -27,7 +27,8 @@ EXPERIMENTS = {
                      ("train/kl_seq", "train/frac_zero_std_groups")),
     "vapo": ({"PPO": "lab/ppo.py", "VAPO": "lab/ppo.py --vapo True"},
              ("first/train/value_loss", "first/train/explained_variance", "train/explained_variance")),
-    "length": ({"GRPO": "lab/grpo.py", "GRPO + length penalty": "lab/grpo.py --length_penalty 1.0"},
+    "length": ({"GRPO": "lab/grpo.py", "GRPO + length penalty": "lab/grpo.py --length_penalty 1.0",
+                "GRPO + length penalty 0.1": "lab/grpo.py --length_penalty 0.1"},
                ("train/completion_len", "train/length_reward")),
     "priority": ({"GRPO": "lab/grpo.py", "GRPO + prioritised sampling": "lab/grpo.py --prompt_sampling priority"},
                  ("train/frac_zero_std_groups",)),
@@ -58,9 +59,9 @@ def table(results, keys):
     for name, seeds in results.items():
         cells = []
         for column in columns:
-            values = [s[column] for s in seeds]
+            values = [s[column] for s in seeds if s[column] == s[column]]  # NaN: the run does not log it
             spread = statistics.stdev(values) if len(values) > 1 else 0.0
-            cells.append(f"{statistics.mean(values):.3g} ± {spread:.2g}")
+            cells.append(f"{statistics.mean(values):.3g} ± {spread:.2g}" if values else "—")
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -72,6 +73,7 @@ def main():
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default="runs/methods")
+    parser.add_argument("--force", action="store_true", help="Rerun the runs whose summary.json exists.")
     args = parser.parse_args()
     runs, keys = EXPERIMENTS[args.experiment]
     results = {}
@@ -81,7 +83,9 @@ def main():
             cmd = [sys.executable, *shlex.split(script), "--seed", str(seed), "--num_steps", str(args.steps),
                    "--eval_every", str(args.steps), "--output_dir", str(out_dir)]
             env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+            done = (out_dir / "summary.json").exists() and not args.force  # a finished run is reused
+            proc = subprocess.CompletedProcess(cmd, 0) if done else subprocess.run(
+                cmd, cwd=ROOT, capture_output=True, text=True, env=env)
             if proc.returncode != 0:
                 raise SystemExit(f"error: {shlex.join(cmd)} failed:\n{proc.stderr[-3000:]}")
             results.setdefault(name, []).append(summarise(out_dir, keys))

@@ -252,7 +252,7 @@ HINTS = {
         "Kimi k1.5's length reward of each sample within its group",
         "docs/algorithms.md, Kimi k1.5", "(B,) lengths and correctness, groups of G adjacent, in; (B,) float out",
         traps=["a group whose lengths are all equal gets 0, not 0.5 or a division by zero",
-               "a wrong answer takes min(0, lambda): never a gain for being short"],
+               "a wrong answer keeps lambda only where it is negative: never a gain for being short"],
         steps=["View the lengths as (B / G, G) floats; min and max per row.",
                "lam = 0.5 - (length - min) / (max - min) where max > min, else 0.",
                "Right answers: lam; wrong ones: lam clamped at 0 from above. Flatten to (B,)."]),
@@ -267,7 +267,7 @@ HINTS = {
         traps=["the pessimistic bound is a min, the ratio pi_theta / pi_old",
                "dual clip only touches negative advantages", STATS_TRAP],
         steps=["ratio = exp(logp - old_logp).",
-               "surrogate = min(ratio * adv, clamp(ratio, 1 - epsilon, 1 + epsilon) * adv); dual clip as in grpo_loss.",
+               "surrogate = min(ratio * adv, clamp(ratio, 1 - low, 1 + high) * adv); dual clip as in grpo_loss.",
                "loss = masked mean of -surrogate.",
                "stats (masked means, no gradient): clip_frac_low, clip_frac_high, approx_kl as in grpo_loss."]),
     "ppo_value_loss": Hint(

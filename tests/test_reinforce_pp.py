@@ -162,6 +162,7 @@ def test_advantages_equal_verls_on_identical_tensors(group_size):
 # ---------------------------------------------------------------- a run
 
 def test_one_step_runs_and_logs(tmp_path, monkeypatch):
+    monkeypatch.setattr(reinforce_pp.helpers, "evaluate", lambda *args: {"eval/accuracy": 0.0})  # the step alone
     monkeypatch.setattr(sys, "argv", ["reinforce_pp.py", "--num_steps", "1", "--batch_size", "8",
                                       "--baseline", "group", "--output_dir", str(tmp_path)])
     reinforce_pp.main()
