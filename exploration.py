@@ -25,16 +25,18 @@ def knapsack_value(n, p):
     return (1 - p ** n - (1 - p) ** n) * p * (1 - p) ** 2
 
 
-def knapsack_allocation(success_rates, budget, min_n, max_n, default_n=None):
+def knapsack_allocation(success_rates, budget, min_n, max_n, default_n=None, fallback=True):
     """The number of completions of each prompt: a list of ints in [min_n, max_n] that sums to `budget`.
 
-    success_rates: each prompt's fraction of right answers at its last visit, NaN for a prompt not seen yet.
+    success_rates: each prompt's success rate (lab/budget.py's SuccessRates), NaN for a prompt not trusted yet.
     An unseen prompt gets default_n (default: the uniform budget // len(success_rates), within [min_n, max_n]);
-    an all-right (p = 1) or all-wrong (p = 0) one gets min_n: V = 0 at any n. The others share what is left by
-    dynamic programming, maximising sum_i V(n_i, p_i) over (prompt, budget used); the budget V has no use for
-    (every such prompt at max_n, or a gain that rounds to 0) goes to the all-wrong prompts, where a first success
-    would be found (one sample to each in turn, up to max_n), then in the same way to the unseen, the all-right
-    and the others.
+    an all-right (p = 1) or all-wrong (p = 0) one gets min_n: V = 0 at any n. fallback (Knapsack RL's rule, before
+    the knapsack runs): a prompt with 0 < p < 1 can use min_n + floor(ln 0.1 / ln max(p, 1 - p)) samples (within
+    max_n; 90% that a group of that many holds both answers); the budget beyond what the useful prompts can use goes
+    to the all-wrong prompts first, one sample to each in turn up to max_n. The useful prompts share what is left
+    by dynamic programming, maximising sum_i V(n_i, p_i) over (prompt, budget used); the budget V has no use for
+    (every such prompt at max_n, or a gain that rounds to 0) goes in the same way to the all-wrong prompts, then to
+    the unseen, the all-right and the others. fallback=False: no fallback, the knapsack first.
     """
     P = len(success_rates)
     if not P * min_n <= budget <= P * max_n:
@@ -42,25 +44,35 @@ def knapsack_allocation(success_rates, budget, min_n, max_n, default_n=None):
     default_n = min(max(budget // P if default_n is None else default_n, min_n), max_n)
     unseen = [math.isnan(p) for p in success_rates]
     useful = [i for i, p in enumerate(success_rates) if 0 < p < 1]  # NaN compares False: not useful
+    wrong = [i for i in range(P) if success_rates[i] == 0]
     n = [default_n if unseen[i] else min_n for i in range(P)]
     left = budget - sum(n)
     if left < 0:  # the unseen defaults do not fit: they get min_n too, and the turns below share the rest
         n, left = [min_n] * P, budget - P * min_n
     else:
+        if fallback:  # what the useful prompts cannot use, beyond their min_n, goes to the all-wrong prompts first
+            usable = sum(min(max_n, min_n + int(math.log(0.1) / math.log(max(success_rates[i], 1 - success_rates[i]))))
+                         - min_n for i in useful)
+            excess = max(left - usable, 0)
+            left = left - excess + _deal(n, wrong, excess, max_n)  # what they cannot take stays for the knapsack
         left += len(useful) * min_n  # the useful prompts' min_n goes back into the knapsack
         chosen = _knapsack([success_rates[i] for i in useful], left, min_n, max_n)
         for i, k in zip(useful, chosen):
             n[i] = k
         left -= sum(chosen)
-    # the budget the knapsack did not use: one sample at a time to each prompt of a tier in turn, up to max_n,
-    # before the next tier
-    for tier in ([i for i in range(P) if success_rates[i] == 0], [i for i in range(P) if unseen[i]],
-                 [i for i in range(P) if success_rates[i] == 1], useful):
-        while left > 0 and any(n[i] < max_n for i in tier):
-            for i in tier:
-                if left > 0 and n[i] < max_n:
-                    n[i], left = n[i] + 1, left - 1
+    # the budget the knapsack did not use: to each prompt of a tier in turn, up to max_n, before the next tier
+    for tier in (wrong, [i for i in range(P) if unseen[i]], [i for i in range(P) if success_rates[i] == 1], useful):
+        left = _deal(n, tier, left, max_n)
     return n
+
+
+def _deal(n, tier, left, max_n):
+    """Give `left` samples one at a time to each prompt of `tier` in turn (n[i] += 1), up to max_n; what is left."""
+    while left > 0 and any(n[i] < max_n for i in tier):
+        for i in tier:
+            if left > 0 and n[i] < max_n:
+                n[i], left = n[i] + 1, left - 1
+    return left
 
 
 def _knapsack(rates, capacity, min_n, max_n):

@@ -3,8 +3,8 @@ allocation (--budget knapsack) and TreePO's trees (--sampler tree) on the embedd
 (--batch_size 64 per step), and the trees again at about the uniform arm's decoded tokens (tree_b96: 96 leaves a
 step), over seeds.
 
-The training pool is small (--train_size) so that every prompt comes back and its last visit's success rate means
-something: with the task's 20,000 prompts a 300-step run draws 2,400 and almost every draw is unseen, where the
+The training pool is small (--train_size) so that every prompt comes back and its success rate (its latest answers)
+means something: with the task's 20,000 prompts a 300-step run draws 2,400 and almost every draw is unseen, where the
 knapsack gives the uniform share. Reported per arm, as mean (min..max) over seeds: held-out greedy accuracy at the
 end, overall and per family; the mean over steps of train/frac_zero_std_groups (groups whose rewards are all
 equal), of train/effective_samples (rows with a non-zero advantage, of --batch_size), of train/completion_len

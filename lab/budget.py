@@ -1,7 +1,8 @@
 """The group methods' prompt sampler: the step's prompts (tasks.PromptSampler, batch_size / G of them) and how many
 completions each gets: G each (--budget uniform) or a knapsack allocation of the same batch_size completions
-(--budget knapsack, exploration.knapsack_allocation) from each prompt's success rate at its last visit; with
---sampler tree, the trees the groups are sampled as (lab/tree.py) and what their baselines run over."""
+(--budget knapsack, exploration.knapsack_allocation) from each prompt's success rate (SuccessRates: its latest 16
+answers across visits, once it has 8); with --sampler tree, the trees the groups are sampled as (lab/tree.py) and
+what their baselines run over."""
 import math
 from dataclasses import dataclass
 
@@ -20,7 +21,7 @@ class ExplorationConfig:
     G is the mean group size, each prompt's between --min_n and --max_n, and a success rate needs answers.
     --sampler tree: G leaves, each fork before the completion's end."""
     budget: str = arg("uniform", "Completions per prompt: uniform (G each) | knapsack (Knapsack RL: by each prompt's "
-                      "success rate at its last visit, batch_size in all).")
+                      "success rate over its latest answers, batch_size in all).")
     min_n: int = arg(None, "--budget knapsack: the fewest completions of a prompt (default 2).")
     max_n: int = arg(None, "--budget knapsack: the most completions of a prompt (default 4 G).")
     sampler: str = arg("independent", "How a group is sampled: independent | tree (TreePO: the G completions are "
@@ -61,8 +62,37 @@ class ExplorationConfig:
             check(self.keep_routing == "none", "--sampler tree does not record a mixture-of-experts sampler's "
                   "routing: give --keep_routing none.")
 
+class SuccessRates:
+    """Each prompt's success rate as Knapsack RL estimates it: the fraction of right answers among its latest
+    `window` answers (16), across visits, once it has `trusted` of them (8); before that NaN, a prompt the knapsack
+    treats as unseen (the uniform share). One visit of a few samples is noisy: 2 answers read as all right or all
+    wrong with probability >= 1/2 whatever p is, and the prompt would get --min_n again.
+
+        rates = SuccessRates()
+        rates.record("1+1=", [1, 0, 1, 1])   # after each visit: its answers, 0/1
+        rates.rate("1+1=")                    # before the next: NaN (4 answers < 8), later their mean
+    """
+
+    def __init__(self, window=16, trusted=8):
+        self.window, self.trusted = window, trusted
+        self.answers = {}  # prompt -> its latest answers (0/1), oldest first, at most `window`
+
+    def record(self, prompt, rights):
+        self.answers[prompt] = (self.answers.get(prompt, []) + [float(r) for r in rights])[-self.window:]
+
+    def rate(self, prompt):
+        answers = self.answers.get(prompt, [])
+        return sum(answers) / len(answers) if len(answers) >= self.trusted else math.nan
+
+    def state_dict(self):
+        return {"answers": self.answers}
+
+    def load_state_dict(self, state):
+        self.answers = {prompt: list(answers) for prompt, answers in state.get("answers", {}).items()}
+
+
 class BudgetSampler:
-    """Draws prompts as tasks.PromptSampler (the same draws), remembers each prompt's success rate (`record`) and
+    """Draws prompts as tasks.PromptSampler (the same draws), remembers each prompt's answers (`record`) and
     allocates the step's completions. Every process allocates its own --batch_size over its own prompts, from its
     own memory (each draws from its own shard): every process holds batch_size rows, as DDP's steps need."""
 
@@ -70,15 +100,15 @@ class BudgetSampler:
         self.prompts = tasks.PromptSampler(examples, cfg.batch_size // cfg.num_generations, cfg.seed, rank,
                                            world_size)
         self.examples, self.cfg = self.prompts.examples, cfg
-        self.rates = {}  # prompt -> fraction of right answers at its last visit
+        self.rates = SuccessRates()
         self.sampling = None  # the trainer's sampler, counting what it decodes (sample_with)
 
     def state_dict(self):
-        return {**self.prompts.state_dict(), "rates": self.rates}
+        return {**self.prompts.state_dict(), "success_rates": self.rates.state_dict()}
 
     def load_state_dict(self, state):
         self.prompts.load_state_dict(state)
-        self.rates = dict(state.get("rates", {}))
+        self.rates.load_state_dict(state.get("success_rates", {}))
 
     def next(self):
         """(examples, num_samples) for trainer.generate, each group's rows adjacent: the prompts with G samples
@@ -87,20 +117,20 @@ class BudgetSampler:
         cfg, batch = self.cfg, [dict(ex) for ex in self.prompts.next()]
         if cfg.budget == "uniform":
             return batch, cfg.num_generations
-        sizes = exploration.knapsack_allocation([self.rates.get(ex["prompt"], math.nan) for ex in batch],
+        sizes = exploration.knapsack_allocation([self.rates.rate(ex["prompt"]) for ex in batch],
                                                 cfg.batch_size, cfg.min_n, cfg.max_n)
         return [ex for ex, n in zip(batch, sizes) for _ in range(n)], 1
 
     def record(self, rollout, correct):
-        """Remember each group's fraction of right answers (correct: (B,) 0/1, the rollout's rows) for its prompt's
-        next visit. Returns (groups, subgroups): (B,) each row's group id (exploration.group_ids), and what each
-        row's baseline runs over (`subgroups`)."""
+        """Remember each group's answers (correct: (B,) 0/1, the rollout's rows) in its prompt's success rate.
+        Returns (groups, subgroups): (B,) each row's group id (exploration.group_ids), and what each row's baseline
+        runs over (`subgroups`)."""
         examples = rollout.examples
         groups, outcome = exploration.group_ids(examples, correct.device), {}  # group -> (prompt, answers' 0/1)
         for group, example, right in zip(groups.tolist(), examples, correct.tolist()):
             outcome.setdefault(group, (example["prompt"], []))[1].append(right)
         for prompt, rights in outcome.values():
-            self.rates[prompt] = sum(rights) / len(rights)
+            self.rates.record(prompt, rights)
         return groups, self.subgroups(rollout, groups)
 
     def sample_with(self, independent):

@@ -70,13 +70,32 @@ def test_knapsack_gives_the_hard_but_not_hopeless_prompt_the_samples():
 
 def test_unseen_prompts_get_the_uniform_share_and_all_equal_ones_the_minimum():
     assert knapsack_allocation([math.nan] * 4, 32, 2, 16) == [8, 8, 8, 8]
-    # unseen: 8; all wrong and all right: 2; the p = 1/2 prompt: the rest (20) up to max_n = 16; the 4 left
-    # go to the all-wrong prompt, where a first success would be found
-    assert knapsack_allocation([0.0, 1.0, 0.5, math.nan], 32, 2, 16) == [6, 2, 16, 8]
+    # unseen: 8; all wrong and all right: 2; without the fallback the p = 1/2 prompt takes the rest (20) up to
+    # max_n = 16, and the 4 left go to the all-wrong prompt, where a first success would be found
+    assert knapsack_allocation([0.0, 1.0, 0.5, math.nan], 32, 2, 16, fallback=False) == [6, 2, 16, 8]
     # nothing useful: the all-wrong ones in turn up to max_n, then the unseen, then the all-right
     assert knapsack_allocation([0.0, 1.0, 0.0], 12, 2, 5) == [5, 2, 5]
     assert knapsack_allocation([1.0, math.nan, 0.0], 15, 2, 5) == [5, 5, 5]
     assert knapsack_allocation([1.0, math.nan, 1.0], 12, 2, 5) == [4, 5, 3]
+
+
+def test_the_fallback_gives_what_a_useful_prompt_cannot_use_to_the_all_wrong_ones_first():
+    # p = 1/2 can use 2 + floor(ln 0.1 / ln 0.5) = 2 + floor(3.32) = 5 samples; the 64 - 5 - 7 x 2 = 45 beyond go to
+    # the 7 all-wrong prompts in turn (6 each, 3 of them one more); without the fallback the knapsack takes 32
+    rates = [0.5, 0, 0, 0, 0, 0, 0, 0]
+    assert knapsack_allocation(rates, 64, 2, 32) == [5, 9, 9, 9, 8, 8, 8, 8]
+    assert knapsack_allocation(rates, 64, 2, 32, fallback=False) == [32, 5, 5, 5, 5, 4, 4, 4]
+    # the all-wrong prompt fills to max_n = 16 (14 of the 15 beyond); the one it cannot take goes back to the
+    # knapsack, none is lost: the p = 1/2 prompt gets 5 + 1
+    assert knapsack_allocation([0.0, 1.0, 0.5, math.nan], 32, 2, 16) == [16, 2, 6, 8]
+    # no all-wrong prompt: the fallback has nowhere to send the budget and the knapsack spends it as before
+    assert knapsack_allocation([0.5, 1.0], 20, 2, 16) == knapsack_allocation([0.5, 1.0], 20, 2, 16, fallback=False)
+    rng = random.Random(0)
+    for _ in range(200):  # every budget spent, within the bounds
+        rates = [rng.choice([0.0, 1.0, math.nan, rng.random()]) for _ in range(rng.randint(1, 6))]
+        budget = rng.randint(2 * len(rates), 12 * len(rates))
+        alloc = knapsack_allocation(rates, budget, 2, 12)
+        assert sum(alloc) == budget and all(2 <= n <= 12 for n in alloc)
 
 
 def test_an_allocation_that_cannot_fit_the_bounds_is_refused():
@@ -277,31 +296,47 @@ def test_the_uniform_sampler_draws_the_prompt_samplers_prompts_with_g_samples_ea
         assert num_samples == 4 and batch == plain.next()
 
 
-def test_the_knapsack_sampler_allocates_from_each_prompts_last_visit():
+def test_a_success_rate_is_trusted_after_8_answers_and_reads_the_latest_16_across_visits():
+    rates = budget.SuccessRates()
+    rates.record("1+1=", [0, 0])
+    assert math.isnan(rates.rate("1+1=")) and math.isnan(rates.rate("2+2="))  # 2 answers, and none: not trusted
+    rates.record("1+1=", [1] * 6)
+    assert rates.rate("1+1=") == 6 / 8
+    rates.record("1+1=", [1] * 10)  # 18 answers: the two first wrong ones fall out of the latest 16
+    assert rates.rate("1+1=") == 1.0
+    again = budget.SuccessRates()
+    again.load_state_dict(rates.state_dict())
+    assert again.answers == rates.answers
+
+
+def test_the_knapsack_sampler_allocates_from_each_prompts_answers_across_visits():
     examples = tasks.arithmetic_examples(4, seed=0, held_out=False)
     sampler = budget.BudgetSampler(examples, sampler_config(budget="knapsack", min_n=2, max_n=8))
-    batch, num_samples = sampler.next()  # all unseen: 4 each
-    assert num_samples == 1 and len(batch) == 16
-    groups = exploration.group_ids(batch)
-    assert torch.bincount(groups).tolist() == [4, 4, 4, 4]
-    # outcomes: all wrong, all right, 2 of 4, 1 of 4
-    correct = torch.tensor([0.0, 0, 0, 0, 1, 1, 1, 1, 1, 0, 1, 0, 0, 1, 0, 0])
-    groups_back, subgroups = sampler.record(SimpleNamespace(examples=batch), correct)
-    assert groups_back.tolist() == groups.tolist() and subgroups.tolist() == groups.tolist()
-    rates = {ex["prompt"]: r for ex, r in zip(batch[::4], [0.0, 1.0, 0.5, 0.25])}
-    assert sampler.rates == rates
+    # outcomes per prompt: all wrong, all right, 2 of 4, 1 of 4
+    outcomes = dict(zip([ex["prompt"] for ex in examples], [[0, 0, 0, 0], [1, 1, 1, 1], [1, 0, 1, 0], [0, 1, 0, 0]]))
+    for visit in range(2):  # 4 answers a visit: a prompt is trusted after two
+        batch, num_samples = sampler.next()  # not trusted yet: 4 each
+        assert num_samples == 1 and len(batch) == 16
+        groups = exploration.group_ids(batch)
+        assert torch.bincount(groups).tolist() == [4, 4, 4, 4]
+        correct = torch.tensor([float(r) for ex in batch[::4] for r in outcomes[ex["prompt"]]])
+        groups_back, subgroups = sampler.record(SimpleNamespace(examples=batch), correct)
+        assert groups_back.tolist() == groups.tolist() and subgroups.tolist() == groups.tolist()
+    rates = {prompt: sum(rights) / 4 for prompt, rights in outcomes.items()}
+    assert {prompt: sampler.rates.rate(prompt) for prompt in outcomes} == rates
     batch, _ = sampler.next()  # the next epoch: the same 4 prompts, in another order
     prompts = [ex["prompt"] for ex in batch]
     order = list(dict.fromkeys(prompts))
     sizes = {p: prompts.count(p) for p in order}
     assert list(sizes.values()) == knapsack_allocation([rates[p] for p in order], 16, 2, 8)
-    # all right and all wrong: 2 each; 1/2 and 1/4 share 12, at most 8 each: V(5, 1/2) + V(7, 1/4) = 0.11719 +
-    # 0.12185 = 0.23903 beats (4, 8): 0.10938 + 0.12655 = 0.23592 and (6, 6): 0.12109 + 0.11556 = 0.23666
+    # all right and all wrong: 2 each; 1/2 and 1/4 can use 2 + 3 and 2 + 8 (more than the 12 left): no fallback,
+    # they share 12, at most 8 each: V(5, 1/2) + V(7, 1/4) = 0.11719 + 0.12185 = 0.23903 beats (4, 8): 0.10938 +
+    # 0.12655 = 0.23592 and (6, 6): 0.12109 + 0.11556 = 0.23666
     assert {rates[p]: n for p, n in sizes.items()} == {0.0: 2, 1.0: 2, 0.5: 5, 0.25: 7}
     state = sampler.state_dict()
     again = budget.BudgetSampler(examples, sampler_config(budget="knapsack", min_n=2, max_n=8))
     again.load_state_dict(state)
-    assert again.rates == sampler.rates and again.next() == sampler.next()
+    assert again.rates.answers == sampler.rates.answers and again.next() == sampler.next()
 
 
 # ---------------------------------------------------------------- flags and runs
@@ -325,8 +360,8 @@ def test_a_bad_budget_is_one_error_line_naming_the_flag(script, args, flag):
 
 
 def test_the_three_group_methods_train_with_knapsack_groups_of_different_sizes(tmp_path):
-    """A pool of 16 prompts and 8 per step: from the third step on every prompt has a last visit, and the mixed
-    ones take samples from the rest."""
+    """A pool of 16 prompts and 8 per step: from the third step on every prompt has its 8 answers (one visit),
+    and the mixed ones take samples from the rest."""
     procs = {name: subprocess.Popen(
         [sys.executable, f"lab/{name}.py", "--budget", "knapsack", "--train_size", "16", "--num_steps", "6",
          "--eval_every", "6", "--log_rollouts", "0", "--save_model", "False", "--output_dir", str(tmp_path / name)],
