@@ -40,3 +40,34 @@ def test_length_penalty_needs_each_prompts_samples_in_one_group():
         lab_grpo.Config(length_penalty=0.1, budget="knapsack")
     with pytest.raises(ValueError, match="--length_penalty"):
         lab_grpo.Config(length_penalty=-1.0)
+
+
+def test_prioritised_prompts_draw_by_one_minus_the_success_rate_and_never_a_solved_prompt_while_others_remain():
+    from lab.priority import PrioritisedPrompts
+    rates = {"a": 1.0, "b": 1.0, "c": 0.5}  # d, e, f: no rate yet, s = 0
+    examples = [{"prompt": p} for p in "abcdef"]
+    prompts = PrioritisedPrompts(examples, 3, seed=0, rate=lambda p: rates.get(p, float("nan")))
+    torch.testing.assert_close(prompts.weights(), torch.tensor([0, 0, 0.5, 1, 1, 1], dtype=torch.float64) / 3.5)
+    for _ in range(20):
+        batch = [ex["prompt"] for ex in prompts.next()]
+        assert len(set(batch)) == 3 and not {"a", "b"} & set(batch)
+    state = prompts.state_dict()  # a resumed run draws what the run would have drawn
+    following = [prompts.next() for _ in range(3)]
+    prompts.load_state_dict(state)
+    assert [prompts.next() for _ in range(3)] == following
+
+
+def test_prompt_sampling_priority_draws_by_the_knapsacks_success_rates():
+    """--prompt_sampling priority: budget.BudgetSampler draws with the success rates it keeps for the knapsack;
+    with all but 4 of 40 prompts solved (8 right answers each), a step's 4 prompts are those 4."""
+    from lab import budget
+    from support import tasks
+    examples = tasks.arithmetic_examples(40, seed=0, held_out=False)
+    sampler = budget.BudgetSampler(examples, lab_grpo.Config(batch_size=16, num_generations=4,
+                                                             prompt_sampling="priority"))
+    unsolved = {ex["prompt"] for ex in examples[:4]}
+    for ex in examples[4:]:
+        sampler.rates.record(ex["prompt"], [1] * 8)
+    for _ in range(3):
+        batch, num_samples = sampler.next()
+        assert {ex["prompt"] for ex in batch} == unsolved and num_samples == 4

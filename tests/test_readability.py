@@ -102,7 +102,8 @@ def test_common_is_the_math_alone():
     assert not re.search(r"past_key_values|cache", source)  # the key-value cache lives in support/fast.py
 
 
-ENGINE = ("engine", "sampling", "async_sampling", "budget", "tree")  # the lab's engine, in lab/ beside its loops
+# the lab's engine, in lab/ beside its loops
+ENGINE = ("engine", "sampling", "async_sampling", "budget", "tree", "priority")
 
 
 @pytest.mark.parametrize("path", ["common.py", *sorted(f"support/{p.name}" for p in (ROOT / "support").glob("*.py")),
