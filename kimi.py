@@ -26,6 +26,8 @@ def priority_weights(success_rates):
     """Prioritised sampling (section 2.3.4): prompt i is drawn with probability proportional to 1 - s_i, s_i its
     success rate, so the prompts the policy fails get more of the samples. (N,) rates in [0, 1] in, (N,)
     probabilities out (summing to 1); every prompt solved (all s_i = 1): uniform."""
+    # BEGIN SOLUTION
     weights = 1.0 - success_rates.double()
     total = weights.sum()
     return weights / total if total > 0 else torch.full_like(weights, 1.0 / len(weights))
+    # END SOLUTION

@@ -8,6 +8,7 @@ written to --out/<experiment>.md with the command that made it.
     python bench/methods.py vapo --seeds 0 1 2 --steps 30
     python bench/methods.py length --seeds 0 1 2 --steps 150
     python bench/methods.py priority --seeds 0 1 2 --steps 150
+    python bench/methods.py priority_pool --seeds 0 1 2 --steps 150    # a pool of 200 prompts, each seen again
 """
 import argparse
 import json
@@ -32,6 +33,10 @@ EXPERIMENTS = {
                ("train/completion_len", "train/length_reward")),
     "priority": ({"GRPO": "lab/grpo.py", "GRPO + prioritised sampling": "lab/grpo.py --prompt_sampling priority"},
                  ("train/frac_zero_std_groups",)),
+    "priority_pool": ({"GRPO, 200 prompts": "lab/grpo.py --train_size 200",
+                       "GRPO + prioritised sampling, 200 prompts": "lab/grpo.py --train_size 200 "
+                                                                    "--prompt_sampling priority"},
+                      ("train/frac_zero_std_groups",)),
 }
 
 

@@ -256,6 +256,13 @@ HINTS = {
         steps=["View the lengths as (B / G, G) floats; min and max per row.",
                "lam = 0.5 - (length - min) / (max - min) where max > min, else 0.",
                "Right answers: lam; wrong ones: lam clamped at 0 from above. Flatten to (B,)."]),
+    "priority_weights": Hint(
+        "the probability of drawing each prompt under Kimi k1.5's prioritised sampling",
+        "docs/algorithms.md, Kimi k1.5, and the docstring", "(N,) success rates in, (N,) float64 probabilities out",
+        traps=["the weight is one minus the rate: the prompts the policy fails are the wanted ones",
+               "when every prompt is solved the weights sum to 0: uniform, not a division by zero"],
+        steps=["weights = 1 - rates, as float64.", "Divide by their sum when it is positive;",
+               "else return 1 / N for every prompt."]),
     "length_adaptive_lam": Hint(
         "VAPO's lambda for each sequence from its length", "docs/algorithms.md, PPO (length-adaptive GAE)",
         "(B,) lengths in, (B,) float out",

@@ -140,6 +140,8 @@ VISIBLE_TESTS = {
     "kimi.py::length_reward": ("tests/test_kimi.py", [
         "test_length_reward_is_lambda_for_a_right_answer_and_min_zero_lambda_for_a_wrong_one_within_each_group",
         "test_length_reward_ranges_from_half_for_the_shortest_to_minus_half_for_the_longest_right_answer"]),
+    "kimi.py::priority_weights": ("tests/test_kimi.py", [
+        "test_priority_weights_are_proportional_to_one_minus_the_success_rate"]),
     "ppo.py::length_adaptive_lam": ("tests/test_ppo.py", [
         "test_length_adaptive_lambda_is_one_minus_one_over_alpha_length_clamped_at_zero"]),
     "ppo.py::ppo_policy_loss": ("tests/test_ppo.py", [

@@ -411,6 +411,14 @@ WRONG_ANSWERS = {
         ("min and max over the whole batch", "lengths.min(dim=1, keepdim=True).values", "lengths.min()",
          "test_length_reward_is_lambda_for_a_right_answer_and_min_zero_lambda_for_a_wrong_one_within_each_group"),
     ],
+    "kimi.py::priority_weights": [
+        ("the solved prompts favoured: weight s_i", "weights = 1.0 - success_rates.double()",
+         "weights = success_rates.double()", "test_priority_weights_are_proportional_to_one_minus_the_success_rate"),
+        ("not normalised", "return weights / total if total > 0", "return weights if total > 0",
+         "test_priority_weights_are_proportional_to_one_minus_the_success_rate"),
+        ("every prompt solved: 0 / 0", "return weights / total if total > 0 else", "return weights / total if True else",
+         "test_priority_weights_are_proportional_to_one_minus_the_success_rate"),
+    ],
     "ppo.py::length_adaptive_lam": [
         ("not clamped at 0", ".clamp(min=0.0)", "",
          "test_length_adaptive_lambda_is_one_minus_one_over_alpha_length_clamped_at_zero"),

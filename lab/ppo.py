@@ -115,8 +115,8 @@ def pretrain_value(cfg, accelerator, trainer, critic, sampler, reward_fn):
     """VAPO's value pretraining: before the first policy update, --value_pretrain_steps rollout batches of the
     initial policy, the critic regressed (0.5 token-mean squared error, num_epochs x num_mini_batches critic steps
     each) on every token's Monte Carlo return, GAE with lam = 1 and V = 0: the task reward R (the k1 penalty is 0
-    while the policy is the reference). Returns the first and last batch's value loss and explained variance (of
-    the critic before that batch's updates)."""
+    while the policy is the reference). A minibatch is one forward pass (--micro_batch_size does not split it).
+    Returns the first and last batch's value loss and explained variance (of the critic before its updates)."""
     first = last = None
     for _ in range(cfg.value_pretrain_steps):
         rollout = trainer.rollout(sampler)

@@ -55,6 +55,8 @@ TEACHER_TESTS = {
         "test_reinforce_pp_advantages_of_a_padded_batch_are_the_whitened_reward_to_go_of_every_valid_token"]),
     "kimi.py::length_reward": (ADVANTAGES, [
         "test_length_reward_of_random_groups_rewards_the_shortest_right_answer_and_never_a_wrong_one"]),
+    "kimi.py::priority_weights": (ADVANTAGES, [
+        "test_priority_weights_of_random_rates_are_probabilities_in_the_ratio_of_the_failures"]),
     "ppo.py::length_adaptive_lam": (ADVANTAGES, [
         "test_length_adaptive_lambda_of_random_lengths_gives_td_weights_alpha_times_length"]),
     "ppo.py::ppo_policy_loss": (LOSSES, [

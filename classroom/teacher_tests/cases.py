@@ -475,6 +475,15 @@ def length_reward(seed):
             Case("groups of 3, float lengths", [lengths_.double(), correct.double(), 3])]
 
 
+def priority_weights(seed):
+    g = generator(seed, 99)
+    rates = torch.rand(9, generator=g)
+    some_solved = rates.clone()
+    some_solved[::3] = 1.0
+    return [Case("random rates, float32", [rates]), Case("a third solved", [some_solved.double()]),
+            Case("every prompt solved", [torch.ones(5)]), Case("none solved yet", [torch.zeros(4)])]
+
+
 def length_adaptive_lam(seed):
     g = generator(seed, 81)
     alpha = float(torch.rand(1, generator=g)) * 0.2 + 0.02
@@ -602,6 +611,7 @@ CASES = {
     "ppo.py::decoupled_gae": decoupled_gae,
     "reinforce_pp.py::reinforce_pp_advantages": reinforce_pp_advantages,
     "kimi.py::length_reward": length_reward,
+    "kimi.py::priority_weights": priority_weights,
     "ppo.py::length_adaptive_lam": length_adaptive_lam,
     "ppo.py::ppo_policy_loss": ppo_policy_loss,
     "ppo.py::ppo_value_loss": ppo_value_loss,

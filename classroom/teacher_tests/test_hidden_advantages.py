@@ -189,3 +189,15 @@ def test_length_reward_of_random_groups_rewards_the_shortest_right_answer_and_ne
         lam = 0.5 - (L[row] - lo) / (hi - lo) if hi > lo else torch.zeros(5, dtype=F64)
         close(reward[row], torch.where(correct[row], lam, lam.clamp(max=0)), 1e-6)
     assert (reward[~correct] <= 0).all()
+
+
+def test_priority_weights_of_random_rates_are_probabilities_in_the_ratio_of_the_failures():
+    import kimi
+    g = generator(99)
+    rates = torch.rand(12, dtype=F64, generator=g)
+    rates[3] = 1.0
+    weights = kimi.priority_weights(rates)
+    close(weights.sum(), 1.0)
+    assert weights[3] == 0 and (weights >= 0).all()
+    close(weights[0] / weights[1], (1 - rates[0]) / (1 - rates[1]), 1e-9)
+    close(kimi.priority_weights(torch.ones(3, dtype=F64)), torch.full((3,), 1 / 3, dtype=F64))
