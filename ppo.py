@@ -134,15 +134,16 @@ def ppo_policy_loss(logp, old_logp, adv, mask, epsilon, dual_clip_c=0.0, loss_ag
     surrogate (TIS, masks against a stale sampler: --async_rollouts). Returns (loss, stats):
     clip_frac_low / clip_frac_high, the fraction of tokens clipped below (rho < 1 - epsilon with A <
     0) and above (rho > 1 + epsilon with A > 0); approx_kl, the k3 estimate of KL(pi_old ||
-    pi_theta) from the ratio.
+    pi_theta) from the ratio. epsilon may be a (low, high) pair: clip-higher (DAPO, VAPO; the lab).
     """
+    low, high = epsilon if isinstance(epsilon, tuple) else (epsilon, epsilon)
     # the padding may hold anything (NaN, a gap past exp's range): there the detached inputs take
     # logp's value, so the gradient at a padded position is 0, not 0 * inf = NaN from exp's backward
     old_logp = torch.where(mask.bool(), old_logp, logp.detach())
     # BEGIN SOLUTION
     log_ratio = logp - old_logp
     ratio = torch.exp(log_ratio)
-    surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - epsilon, 1 + epsilon) * adv)
+    surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - low, 1 + high) * adv)
     if dual_clip_c > 0:  # dual clip (Ye et al., 2020)
         surrogate = torch.where(adv < 0, torch.max(surrogate, dual_clip_c * adv), surrogate)
     if pg_weight is not None:  # a padding weight may hold anything: keep it out of the gradient
@@ -150,8 +151,8 @@ def ppo_policy_loss(logp, old_logp, adv, mask, epsilon, dual_clip_c=0.0, loss_ag
     loss = common.aggregate_loss(-surrogate, mask, loss_agg)
     with torch.no_grad():
         stats = {
-            "clip_frac_low": common.masked_mean(((ratio < 1 - epsilon) & (adv < 0)).float(), mask),
-            "clip_frac_high": common.masked_mean(((ratio > 1 + epsilon) & (adv > 0)).float(), mask),
+            "clip_frac_low": common.masked_mean(((ratio < 1 - low) & (adv < 0)).float(), mask),
+            "clip_frac_high": common.masked_mean(((ratio > 1 + high) & (adv > 0)).float(), mask),
             "approx_kl": common.masked_mean(ratio - 1 - log_ratio, mask),
         }
     return loss, stats

@@ -133,6 +133,15 @@ VISIBLE_TESTS = {
         "test_gae_last_valid_token_bootstraps_from_zero", "test_gae_takes_one_lambda_per_sequence"]),
     "ppo.py::decoupled_gae": ("tests/test_ppo.py", [
         "test_decoupled_gae_takes_advantages_with_the_policy_lambda_and_targets_with_the_critics"]),
+    "reinforce_pp.py::reinforce_pp_advantages": ("tests/test_reinforce_pp.py", [
+        "test_return_is_the_reward_to_go_with_k1_in_each_tokens_reward_whitened_over_the_batch",
+        "test_baseline_variant_subtracts_the_group_mean_of_the_sequence_return_then_whitens_its_tokens",
+        "test_the_batch_not_the_group_sets_the_scale_so_a_solved_prompt_keeps_a_positive_advantage"]),
+    "kimi.py::length_reward": ("tests/test_kimi.py", [
+        "test_length_reward_is_lambda_for_a_right_answer_and_min_zero_lambda_for_a_wrong_one_within_each_group",
+        "test_length_reward_ranges_from_half_for_the_shortest_to_minus_half_for_the_longest_right_answer"]),
+    "kimi.py::priority_weights": ("tests/test_kimi.py", [
+        "test_priority_weights_are_proportional_to_one_minus_the_success_rate"]),
     "ppo.py::length_adaptive_lam": ("tests/test_ppo.py", [
         "test_length_adaptive_lambda_is_one_minus_one_over_alpha_length_clamped_at_zero"]),
     "ppo.py::ppo_policy_loss": ("tests/test_ppo.py", [

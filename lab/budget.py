@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 import exploration
-from lab import tree
+from lab import priority, tree
 from support import tasks
 from support.config import arg, check, check_rules, one_of
 
@@ -29,11 +29,14 @@ class ExplorationConfig:
     segment_len: int = arg(None, "--sampler tree: the tokens a branch decodes before it forks (default 1).")
     branching: int = arg(None, "--sampler tree: the children of a fork (default 2).")
     depth: int = arg(None, "--sampler tree: the forks from the prompt down (default 3): branching^depth = G leaves.")
+    prompt_sampling: str = arg("uniform", "Which prompts a step draws: uniform (shuffled passes) | priority (Kimi "
+                               "k1.5: with probability 1 - the prompt's success rate; lab/priority.py).")
 
     def __post_init__(self):
         super().__post_init__()
         G, knapsack, trees = self.num_generations, self.budget == "knapsack", self.sampler == "tree"
-        check_rules(self, budget=one_of("uniform", "knapsack"), sampler=one_of("independent", "tree"))
+        check_rules(self, budget=one_of("uniform", "knapsack"), sampler=one_of("independent", "tree"),
+                    prompt_sampling=one_of("uniform", "priority"))
         check(knapsack or (self.min_n, self.max_n) == (None, None), "--min_n and --max_n bound --budget knapsack's "
               "group sizes; --budget uniform gives every prompt --num_generations.")
         check(trees or (self.segment_len, self.branching, self.depth) == (None, None, None), "--segment_len, "
@@ -97,10 +100,11 @@ class BudgetSampler:
     own memory (each draws from its own shard): every process holds batch_size rows, as DDP's steps need."""
 
     def __init__(self, examples, cfg, rank=0, world_size=1):
-        self.prompts = tasks.PromptSampler(examples, cfg.batch_size // cfg.num_generations, cfg.seed, rank,
-                                           world_size)
-        self.examples, self.cfg = self.prompts.examples, cfg
         self.rates = SuccessRates()
+        prompts = priority.PrioritisedPrompts if cfg.prompt_sampling == "priority" else tasks.PromptSampler
+        extra = {"rate": self.rates.rate} if cfg.prompt_sampling == "priority" else {}  # Kimi k1.5: by 1 - s_i
+        self.prompts = prompts(examples, cfg.batch_size // cfg.num_generations, cfg.seed, rank, world_size, **extra)
+        self.examples, self.cfg = self.prompts.examples, cfg
         self.sampling = None  # the trainer's sampler, counting what it decodes (sample_with)
 
     def state_dict(self):

@@ -26,6 +26,7 @@ if __name__ == "__main__":  # run as lab/grpo.py: the repository's root first, s
 
 import common  # noqa: E402
 import exploration  # noqa: E402
+import kimi  # noqa: E402
 from grpo import grpo_advantages, grpo_loss  # noqa: E402  (the lesson's math)
 from lab import budget, engine  # noqa: E402
 from support import config, environments, helpers, tasks  # noqa: E402
@@ -45,6 +46,8 @@ class Config(environments.AgentConfig, budget.ExplorationConfig, config.GroupCon
     scale_rewards: str = arg("group", "Divide the centred reward by the std of: group | batch | none (Dr. GRPO).")
     loss_agg: str = arg("seq-mean-token-mean", "Loss aggregation: seq-mean-token-mean (GRPO) | token-mean | "
                         "seq-mean-token-sum-norm (Dr. GRPO).")
+    length_penalty: float = arg(0.0, "Weight of Kimi k1.5's length reward over each group, added to the reward "
+                                "(0 = off).")
 
     def __post_init__(self):
         self.reuses_batch = self.num_epochs > 1
@@ -61,6 +64,10 @@ class Config(environments.AgentConfig, budget.ExplorationConfig, config.GroupCon
         self.epsilon = (3e-4 if sequence else 0.2) if self.epsilon is None else self.epsilon
         config.check(not sequence or self.loss_agg != "token-mean", "--importance_sampling_level sequence: one term "
                      "per sequence, which --loss_agg token-mean would weigh by its tokens.")
+        config.check_rules(self, length_penalty=config.NON_NEGATIVE)
+        config.check(self.length_penalty == 0 or (self.budget == "uniform" and self.sampler == "independent"),
+                     "--length_penalty compares the lengths of each prompt's G samples: give --budget uniform and "
+                     "--sampler independent.")
         self.clip = common.Clip(self.epsilon, self.epsilon_high or self.epsilon, self.dual_clip_c,
                                 self.importance_sampling_level)
 
@@ -85,6 +92,10 @@ def main():
         # ---- reward, and the log-probs the loss compares with ----
         with trainer.timer("reward"):
             rewards, correct, reward_stats = reward_fn(rollout.examples, rollout.completions, rollout.rewards)
+            if cfg.length_penalty > 0:  # Kimi k1.5: within each group the shorter right answers gain
+                length_rewards = kimi.length_reward(rollout.mask.sum(1), correct, group_size)
+                rewards = rewards + cfg.length_penalty * length_rewards
+                reward_stats = {**reward_stats, "train/length_reward": length_rewards.mean()}
         groups, ids = sampler.record(rollout, correct)  # each row's group, what its baseline runs over (None: G rows)
         ref_logp = trainer.reference_logprobs(ref_model, rollout)  # pi_ref (None when beta = 0)
         old_logp = trainer.old_logprobs(rollout) if cfg.num_epochs > 1 else None  # pi_old; mu = 1: logp

@@ -31,7 +31,7 @@ if __name__ == "__main__":  # run as lab/ppo.py: the repository's root first, so
 import torch  # noqa: E402
 
 import common  # noqa: E402
-from ppo import (AdaptiveKLController, ValueModel, decoupled_gae, explained_variance, last_action,  # noqa: E402
+from ppo import (AdaptiveKLController, ValueModel, decoupled_gae, explained_variance, gae, last_action,  # noqa: E402
                  length_adaptive_lam, ppo_policy_loss, ppo_value_loss)  # the lesson's math and models
 from lab import engine  # noqa: E402
 from support import config, environments, helpers, models, run, tasks  # noqa: E402
@@ -63,10 +63,25 @@ class Config(environments.AgentConfig, config.CorrectionConfig):
     dual_clip_c: float = arg(0.0, "Dual clip: a token with A < 0 loses at most c |A|, whatever its ratio (0 = off).")
     epsilon_value: float = arg(0.2, "Clip the new value to V_old +- epsilon_value in the value loss.")
     vf_coef: float = arg(0.1, "Weight of the value loss (it only scales the critic's gradient before clipping).")
+    epsilon_high: Optional[float] = arg(None, "Upper clip of the ratio, clip-higher (VAPO: 0.28; default --epsilon).")
+    value_pretrain_steps: Optional[int] = arg(None, "VAPO's value pretraining: rollout batches of the initial policy "
+                                              "the critic regresses on Monte Carlo returns first (0 = none).")
+    pos_lm_coef: Optional[float] = arg(None, "mu: weight of VAPO's positive-example LM loss, the NLL of the correct "
+                                       "samples' tokens (token-mean; 0 = none).")
+    vapo: bool = arg(False, "VAPO's recipe: each VAPO flag left unset takes VAPO's value (docs/algorithms.md#vapo).")
     reuses_batch = True  # num_epochs x num_mini_batches updates on each batch (config.TrainConfig)
 
     def __post_init__(self):
         super().__post_init__()
+        if self.vapo:  # the flags given keep their value; lam_alpha's default is 0 (off)
+            for name, value in VAPO_RECIPE.items():
+                if getattr(self, name) is None or (name == "lam_alpha" and self.lam_alpha == 0):
+                    setattr(self, name, value)
+        self.value_pretrain_steps, self.pos_lm_coef = self.value_pretrain_steps or 0, self.pos_lm_coef or 0.0
+        config.check_rules(self, value_pretrain_steps=config.NON_NEGATIVE, pos_lm_coef=config.NON_NEGATIVE,
+                           epsilon_high=config.POSITIVE)
+        config.check(self.value_pretrain_steps == 0 or self.async_rollouts == 0, "--value_pretrain_steps samples "
+                     "from the initial policy in the learner: give --async_rollouts 0.")
         config.check_rules(self, dual_clip_c=config.DUAL_CLIP, num_epochs=config.AT_LEAST_ONE)
         config.check_rules(self, beta=config.NON_NEGATIVE, gamma=config.PROBABILITY, lam=config.PROBABILITY,
                            lam_critic=config.PROBABILITY, lam_alpha=config.NON_NEGATIVE, epsilon=config.FRACTION,
@@ -78,7 +93,49 @@ class Config(environments.AgentConfig, config.CorrectionConfig):
                      "per token: give --tis_cap or --tis_veto.")
         config.check(self.batch_size % self.num_mini_batches == 0,
                      f"--num_mini_batches ({self.num_mini_batches}) must divide --batch_size ({self.batch_size}).")
-        self.clip = common.Clip(self.epsilon, self.epsilon, self.dual_clip_c)
+        self.clip = common.Clip(self.epsilon, self.epsilon_high or self.epsilon, self.dual_clip_c)
+
+
+# VAPO (Yue et al., 2025): decoupled GAE (critic lam 1), length-adaptive lam (alpha 0.05), clip-higher, the
+# positive-example LM loss (mu 0.1), value pretraining (the paper: 50 steps; 10 here, for the embedded task's runs)
+VAPO_RECIPE = {"lam_critic": 1.0, "lam_alpha": 0.05, "epsilon_high": 0.28, "pos_lm_coef": 0.1,
+               "value_pretrain_steps": 10}
+
+
+def positive_example_nll(logp, mask, correct, num_tokens=None):
+    """VAPO's positive-example LM loss: -(1 / N) sum of logp over the tokens of the correct samples, N their count.
+    logp, mask: (b, T); correct: (b,) 1 for a correct sample. num_tokens: N of the whole minibatch when logp is one
+    micro-batch of it (the parts then add up to the minibatch's loss); 0 correct tokens give 0."""
+    positive = mask * correct[:, None]  # (b, T)
+    n = positive.sum() if num_tokens is None else torch.as_tensor(num_tokens)
+    return -common.masked_sum(logp, positive) / n.clamp(min=1)
+
+
+def pretrain_value(cfg, accelerator, trainer, critic, sampler, reward_fn):
+    """VAPO's value pretraining: before the first policy update, --value_pretrain_steps rollout batches of the
+    initial policy, the critic regressed (0.5 token-mean squared error, num_epochs x num_mini_batches critic steps
+    each) on every token's Monte Carlo return, GAE with lam = 1 and V = 0: the task reward R (the k1 penalty is 0
+    while the policy is the reference). A minibatch is one forward pass (--micro_batch_size does not split it).
+    Returns the first and last batch's value loss and explained variance (of the critic before its updates)."""
+    first = last = None
+    for _ in range(cfg.value_pretrain_steps):
+        rollout = trainer.rollout(sampler)
+        rewards, _, _ = reward_fn(rollout.examples, rollout.completions, rollout.rewards)
+        mask, T = rollout.mask, rollout.mask.shape[1]
+        token_rewards = torch.zeros(mask.shape, device=mask.device)
+        token_rewards[torch.arange(len(rollout)), last_action(mask)] = rewards
+        _, returns = gae(token_rewards, torch.zeros_like(token_rewards), mask, cfg.gamma, 1.0)  # (B, T)
+        values = trainer.values(critic.model, rollout)
+        last = {"pretrain/value_loss": 0.5 * common.masked_mean((values - returns) ** 2, mask),
+                "pretrain/explained_variance": explained_variance(values, returns, mask)}
+        first = first or last
+        for epoch in range(cfg.num_epochs):
+            for rows in torch.randperm(len(rollout), device=mask.device).chunk(cfg.num_mini_batches):
+                values = critic.model(rollout.input_ids[rows], rollout.attention_mask[rows], T)  # with gradient
+                accelerator.backward(0.5 * common.masked_mean((values - returns[rows]) ** 2, mask[rows]))
+                models.clip_grad_norms(accelerator, [critic], cfg.max_grad_norm or float("inf"))
+                models.step_optimizers(accelerator, [critic])
+    return {**{f"{k}_first": v for k, v in first.items()}, **{f"{k}_last": v for k, v in last.items()}}
 
 
 # the critic's own panels, next to run.PLOT_KEYS in curves.png
@@ -110,6 +167,9 @@ def main():
     trainer = engine.Trainer(cfg, accelerator, tokenizer, sampler, eval_data, policy, rollout_model, others=[critic])
     if trainer.resume() == 0:  # --resume_from: the checkpoint's step, else 0
         trainer.evaluate(step=0)  # held-out accuracy before training
+        if cfg.value_pretrain_steps > 0:  # VAPO: the critic first learns the initial policy's returns
+            trainer.logger.log(0, run.reduce_metrics(accelerator, pretrain_value(cfg, accelerator, trainer, critic,
+                                                                                 sampler, reward_fn)))
 
     for step in trainer.steps():
         # ---- rollout: one sampled response per prompt ----
@@ -154,8 +214,14 @@ def main():
                         pg_weight, correction, per_row = common.rollout_correction(
                             logp, mb.of(old_logp), mb.of(rollout_logp), mb.of(adv), mb.mask, cfg.tis_cap, 0.0,
                             cfg.tis_level, cfg.tis_veto, mb.of(m2po_keep))
-                    pg_loss, pg_stats = ppo_policy_loss(logp, mb.of(old_logp), mb.of(adv), mb.mask, cfg.epsilon,
-                                                        cfg.dual_clip_c, mb.agg, pg_weight)
+                    pg_loss, pg_stats = ppo_policy_loss(logp, mb.of(old_logp), mb.of(adv), mb.mask,
+                                                        (cfg.clip.low, cfg.clip.high), cfg.dual_clip_c, mb.agg,
+                                                        pg_weight)
+                    if cfg.pos_lm_coef > 0:  # VAPO: imitate the correct samples, token-mean over the minibatch's
+                        positive = mask[rows] * correct[rows, None]
+                        nll = positive_example_nll(logp, mb.mask, mb.of(correct), accelerator.reduce(
+                            positive.sum().float(), "mean"))
+                        pg_loss, pg_stats = pg_loss + cfg.pos_lm_coef * nll, {**pg_stats, "pos_lm_loss": nll.detach()}
                     values = critic.model(mb.of(input_ids), mb.of(attention_mask), T)  # (b, T), with gradient
                     vf_loss, vf_stats = ppo_value_loss(values, mb.of(old_values), mb.of(returns), mb.mask,
                                                        cfg.epsilon_value, mb.agg)

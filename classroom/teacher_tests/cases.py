@@ -451,6 +451,39 @@ def decoupled_gae(seed):
             for a, c in ((0.6, 1.0), (1.0, 0.3), (0.0, 0.9))]
 
 
+def reinforce_pp_advantages(seed):
+    g = generator(seed, 95)
+    n = lengths(6, 7, g)
+    mask = prefix_mask(n, 7)
+    kl = torch.randn(6, 7, dtype=F64, generator=g)
+    rewards = (torch.rand(6, generator=g) < 0.5).double()
+    cases = [Case(f"padding {fill_name(fill)}", [rewards, padded(kl, mask, fill), mask, 0.1]) for fill in (0.0, None)]
+    cases += [Case("padding NaN, beta 0.5", [rewards, padded(kl, mask, float("nan")), mask, 0.5]),
+              Case("groups of 3 (the baseline variant)", [rewards, padded(kl, mask, None), mask, 0.1, 3]),
+              Case("groups of 2, more padding columns", [rewards, widened(kl, 2, 7.0), widened(mask, 2), 0.2, 2]),
+              Case("float32, beta 0", [rewards.float(), kl.float(), mask, 0.0])]
+    return cases
+
+
+def length_reward(seed):
+    g = generator(seed, 97)
+    lengths_ = torch.randint(1, 30, (12,), generator=g)
+    lengths_[4:8] = 9  # a group of equal lengths
+    correct = (torch.rand(12, generator=g) < 0.5).long()
+    return [Case("groups of 4, one all equal", [lengths_, correct, 4]),
+            Case("groups of 6, all right", [lengths_, torch.ones(12), 6]),
+            Case("groups of 3, float lengths", [lengths_.double(), correct.double(), 3])]
+
+
+def priority_weights(seed):
+    g = generator(seed, 99)
+    rates = torch.rand(9, generator=g)
+    some_solved = rates.clone()
+    some_solved[::3] = 1.0
+    return [Case("random rates, float32", [rates]), Case("a third solved", [some_solved.double()]),
+            Case("every prompt solved", [torch.ones(5)]), Case("none solved yet", [torch.zeros(4)])]
+
+
 def length_adaptive_lam(seed):
     g = generator(seed, 81)
     alpha = float(torch.rand(1, generator=g)) * 0.2 + 0.02
@@ -576,6 +609,9 @@ CASES = {
     "dapo.py::dapo_loss": dapo_loss,
     "ppo.py::gae": gae,
     "ppo.py::decoupled_gae": decoupled_gae,
+    "reinforce_pp.py::reinforce_pp_advantages": reinforce_pp_advantages,
+    "kimi.py::length_reward": length_reward,
+    "kimi.py::priority_weights": priority_weights,
     "ppo.py::length_adaptive_lam": length_adaptive_lam,
     "ppo.py::ppo_policy_loss": ppo_policy_loss,
     "ppo.py::ppo_value_loss": ppo_value_loss,

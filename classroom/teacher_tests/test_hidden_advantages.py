@@ -161,3 +161,43 @@ def test_length_adaptive_lambda_of_random_lengths_gives_td_weights_alpha_times_l
     long = alpha * L > 1
     close(1 / (1 - lam[long].double()), alpha * L[long].double(), 1e-4)  # docs: 1 / (1 - lam) = alpha |y|
     assert (lam[~long] == 0).all()
+
+
+def test_reinforce_pp_advantages_of_a_padded_batch_are_the_whitened_reward_to_go_of_every_valid_token():
+    import reinforce_pp
+    g = generator(95)
+    n = lengths(6, 7, g)
+    mask = prefix_mask(n, 7)
+    kl = padded(torch.randn(6, 7, dtype=F64, generator=g), mask, float("nan"))
+    rewards = torch.randn(6, dtype=F64, generator=g)
+    adv = reinforce_pp.reinforce_pp_advantages(rewards, kl, mask, 0.3)
+    assert adv.shape == (6, 7) and (adv[mask == 0] == 0).all()
+    tokens = torch.tensor([float(rewards[i]) - 0.3 * float(kl[i, t:int(n[i])].sum())
+                           for i in range(6) for t in range(int(n[i]))], dtype=F64)
+    close(adv[mask.bool()], (tokens - tokens.mean()) / torch.sqrt(tokens.var() + 1e-8), 1e-8)
+
+
+def test_length_reward_of_random_groups_rewards_the_shortest_right_answer_and_never_a_wrong_one():
+    import kimi
+    g = generator(97)
+    L = torch.randint(1, 40, (20,), generator=g)
+    correct = (torch.rand(20, generator=g) < 0.5).long()
+    reward = kimi.length_reward(L, correct, 5).view(4, 5)
+    L, correct = L.view(4, 5).double(), correct.view(4, 5).bool()
+    for row in range(4):
+        lo, hi = L[row].min(), L[row].max()
+        lam = 0.5 - (L[row] - lo) / (hi - lo) if hi > lo else torch.zeros(5, dtype=F64)
+        close(reward[row], torch.where(correct[row], lam, lam.clamp(max=0)), 1e-6)
+    assert (reward[~correct] <= 0).all()
+
+
+def test_priority_weights_of_random_rates_are_probabilities_in_the_ratio_of_the_failures():
+    import kimi
+    g = generator(99)
+    rates = torch.rand(12, dtype=F64, generator=g)
+    rates[3] = 1.0
+    weights = kimi.priority_weights(rates)
+    close(weights.sum(), 1.0)
+    assert weights[3] == 0 and (weights >= 0).all()
+    close(weights[0] / weights[1], (1 - rates[0]) / (1 - rates[1]), 1e-9)
+    close(kimi.priority_weights(torch.ones(3, dtype=F64)), torch.full((3,), 1 / 3, dtype=F64))

@@ -1,0 +1,33 @@
+"""Kimi k1.5 (Kimi Team, 2025, arXiv 2501.12599): the length reward over a prompt's samples, and prioritised
+prompt sampling by success rate. Pure functions, tensors in and out, that the lab's loops call in one line each:
+`python lab/grpo.py --length_penalty 0.1`. Equations: docs/algorithms.md, "Kimi k1.5".
+"""
+import torch
+
+
+def length_reward(lengths, correct, group_size):
+    """Kimi k1.5's length reward (section 2.3.3) for (B,) completion lengths and (B,) correctness (1 right, 0 wrong),
+    each prompt's group_size samples adjacent. Within a group, lam_i = 0.5 - (len_i - min_len) / (max_len - min_len):
+    lam_i for a right answer, min(0, lam_i) for a wrong one, so the shortest right answer gains 0.5, the longest
+    loses 0.5, and a wrong answer is never rewarded for being short. A group whose lengths are all equal gets 0.
+    Returns (B,) floats, added to the task reward with a weight (--length_penalty)."""
+    # BEGIN SOLUTION
+    lengths = lengths.float().view(-1, group_size)  # (B / G, G)
+    shortest = lengths.min(dim=1, keepdim=True).values
+    longest = lengths.max(dim=1, keepdim=True).values
+    spread = longest - shortest
+    lam = torch.where(spread > 0, 0.5 - (lengths - shortest) / spread.clamp(min=1), 0.0)
+    right = correct.view(-1, group_size) > 0
+    return torch.where(right, lam, lam.clamp(max=0.0)).view(-1)
+    # END SOLUTION
+
+
+def priority_weights(success_rates):
+    """Prioritised sampling (section 2.3.4): prompt i is drawn with probability proportional to 1 - s_i, s_i its
+    success rate, so the prompts the policy fails get more of the samples. (N,) rates in [0, 1] in, (N,)
+    probabilities out (summing to 1); every prompt solved (all s_i = 1): uniform."""
+    # BEGIN SOLUTION
+    weights = 1.0 - success_rates.double()
+    total = weights.sum()
+    return weights / total if total > 0 else torch.full_like(weights, 1.0 / len(weights))
+    # END SOLUTION
