@@ -17,6 +17,9 @@ k1_t, then normalises over the batch, one advantage per sequence.
     accelerate launch reinforce_pp.py                            # embedded model and task
     accelerate launch --multi_gpu --num_processes 2 reinforce_pp.py   # data-parallel on CPU
     python reinforce_pp.py --baseline group                      # REINFORCE++-baseline
+
+Between # BEGIN SOLUTION and # END SOLUTION: the code of a classroom exercise, which a student copy
+replaces with # HINT: lines (docs/classroom.md).
 """
 import time
 from contextlib import nullcontext
