@@ -13,8 +13,8 @@ clipped surrogate, with four changes and no KL term (the policy is meant to move
     accelerate launch dapo.py                                    # embedded model and task
     accelerate launch --multi_gpu --num_processes 2 dapo.py      # data-parallel on CPU
 
-Between # BEGIN SOLUTION and # END SOLUTION: the code of a classroom exercise, which a student copy
-replaces with # HINT: lines (docs/classroom.md).
+Between the BEGIN SOLUTION and END SOLUTION comments: a classroom exercise's code, which a student
+copy replaces with # HINT: lines (docs/classroom.md).
 """
 import time
 from contextlib import nullcontext

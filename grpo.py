@@ -17,8 +17,8 @@ the std weighs each prompt by its difficulty (Dr. GRPO drops it); GSPO clips one
     python grpo.py --scale_rewards none --loss_agg seq-mean-token-sum-norm   # Dr. GRPO
     python grpo.py --importance_sampling_level sequence --epsilon 3e-4 --epsilon_high 4e-4  # GSPO
 
-Between # BEGIN SOLUTION and # END SOLUTION: the code of a classroom exercise, which a student copy
-replaces with # HINT: lines (docs/classroom.md).
+Between the BEGIN SOLUTION and END SOLUTION comments: a classroom exercise's code, which a student
+copy replaces with # HINT: lines (docs/classroom.md).
 """
 import time
 from contextlib import nullcontext

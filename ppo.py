@@ -19,8 +19,8 @@ several updates per batch of samples.
     accelerate launch --multi_gpu --num_processes 2 ppo.py       # data-parallel (gloo on CPU)
     python ppo.py --adaptive_kl True --kl_target 1.0             # Ziegler et al.'s KL control
 
-Between # BEGIN SOLUTION and # END SOLUTION: the code of a classroom exercise, which a student copy
-replaces with # HINT: lines (docs/classroom.md).
+Between the BEGIN SOLUTION and END SOLUTION comments: a classroom exercise's code, which a student
+copy replaces with # HINT: lines (docs/classroom.md).
 """
 import time
 from contextlib import nullcontext

@@ -18,8 +18,8 @@ k1_t, then normalises over the batch, one advantage per sequence.
     accelerate launch --multi_gpu --num_processes 2 reinforce_pp.py   # data-parallel on CPU
     python reinforce_pp.py --baseline group                      # REINFORCE++-baseline
 
-Between # BEGIN SOLUTION and # END SOLUTION: the code of a classroom exercise, which a student copy
-replaces with # HINT: lines (docs/classroom.md).
+Between the BEGIN SOLUTION and END SOLUTION comments: a classroom exercise's code, which a student
+copy replaces with # HINT: lines (docs/classroom.md).
 """
 import time
 from contextlib import nullcontext

@@ -13,8 +13,8 @@ extra greedy generation per prompt.
     accelerate launch --multi_gpu --num_processes 2 remax.py     # data-parallel on CPU
     python remax.py --reward_scales hetero --baseline none       # watch REINFORCE fail
 
-Between # BEGIN SOLUTION and # END SOLUTION: the code of a classroom exercise, which a student copy
-replaces with # HINT: lines (docs/classroom.md).
+Between the BEGIN SOLUTION and END SOLUTION comments: a classroom exercise's code, which a student
+copy replaces with # HINT: lines (docs/classroom.md).
 """
 import time
 from contextlib import nullcontext

@@ -16,8 +16,8 @@ no ratio, no clip.
     accelerate launch --multi_gpu --num_processes 2 rloo.py      # data-parallel on CPU
     python rloo.py --reward_scales hetero                        # the baseline adapts per prompt
 
-Between # BEGIN SOLUTION and # END SOLUTION: the code of a classroom exercise, which a student copy
-replaces with # HINT: lines (docs/classroom.md).
+Between the BEGIN SOLUTION and END SOLUTION comments: a classroom exercise's code, which a student
+copy replaces with # HINT: lines (docs/classroom.md).
 """
 import time
 from contextlib import nullcontext
