@@ -1,7 +1,10 @@
-"""Kimi k1.5 (Kimi Team, 2025, arXiv 2501.12599): the length reward over a prompt's samples, and prioritised
-prompt sampling by success rate. Pure functions, tensors in and out, that the lab's loops call in one line each:
-`python lab/grpo.py --length_penalty 0.1`. Equations: docs/algorithms.md, "Kimi k1.5".
+"""Kimi k1.5 (Kimi Team, 2025, arXiv 2501.12599): the length reward over a prompt's samples, prioritised
+prompt sampling by success rate, and curriculum sampling by difficulty. Pure functions, tensors in and out, that
+the lab's loops call in one line each: `python lab/grpo.py --length_penalty 0.1`. Equations: docs/algorithms.md,
+"Kimi k1.5".
 """
+import math
+
 import torch
 
 
@@ -31,3 +34,19 @@ def priority_weights(success_rates):
     total = weights.sum()
     return weights / total if total > 0 else torch.full_like(weights, 1.0 / len(weights))
     # END SOLUTION
+
+
+def curriculum_weights(difficulty, draw, num_draws, num_prompts):
+    """Curriculum sampling (section 2.3.4): easy prompts first, harder ones as training advances. (N,) difficulties
+    (lower is easier) in the shard's order, sorted stably (ties keep that order); draw t of num_draws takes its
+    num_prompts prompts uniformly from a window of w = max(num_prompts, ceil(N / num_draws)) consecutive sorted
+    prompts starting at floor(min(t, T - 1) (N - w) / (T - 1)), T = num_draws: the easiest w at the first draw, the
+    hardest w from the last on. Returns (N,) probabilities, 1 / w inside the window, 0 outside.
+    E.g. difficulties [3, 1, 2, 1], num_prompts 1, 2 draws: w = 2, draw 0 the two 1s, draw 1 the 2 and the 3."""
+    order = torch.sort(difficulty.double(), stable=True).indices  # easiest first, ties in the shard's order
+    n, last = len(order), max(num_draws - 1, 1)
+    width = min(n, max(num_prompts, math.ceil(n / num_draws)))
+    start = min(draw, last) * (n - width) // last
+    weights = torch.zeros(n, dtype=torch.float64)
+    weights[order[start:start + width]] = 1.0 / width
+    return weights

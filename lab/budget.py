@@ -30,13 +30,18 @@ class ExplorationConfig:
     branching: int = arg(None, "--sampler tree: the children of a fork (default 2).")
     depth: int = arg(None, "--sampler tree: the forks from the prompt down (default 3): branching^depth = G leaves.")
     prompt_sampling: str = arg("uniform", "Which prompts a step draws: uniform (shuffled passes) | priority (Kimi "
-                               "k1.5: with probability 1 - the prompt's success rate; lab/priority.py).")
+                               "k1.5: with probability 1 - the prompt's success rate; lab/priority.py) | curriculum "
+                               "(Kimi k1.5: easiest first, by --difficulty_column).")
+    difficulty_column: str = arg(None, "--prompt_sampling curriculum: the dataset column of each prompt's "
+                                 "difficulty, a number (lower is easier).")
 
     def __post_init__(self):
         super().__post_init__()
         G, knapsack, trees = self.num_generations, self.budget == "knapsack", self.sampler == "tree"
         check_rules(self, budget=one_of("uniform", "knapsack"), sampler=one_of("independent", "tree"),
-                    prompt_sampling=one_of("uniform", "priority"))
+                    prompt_sampling=one_of("uniform", "priority", "curriculum"))
+        check((self.prompt_sampling == "curriculum") == bool(self.difficulty_column), "--prompt_sampling curriculum "
+              "sorts the prompts by --difficulty_column: give both, or neither.")
         check(knapsack or (self.min_n, self.max_n) == (None, None), "--min_n and --max_n bound --budget knapsack's "
               "group sizes; --budget uniform gives every prompt --num_generations.")
         check(trees or (self.segment_len, self.branching, self.depth) == (None, None, None), "--segment_len, "
@@ -101,8 +106,10 @@ class BudgetSampler:
 
     def __init__(self, examples, cfg, rank=0, world_size=1):
         self.rates = SuccessRates()
-        prompts = priority.PrioritisedPrompts if cfg.prompt_sampling == "priority" else tasks.PromptSampler
-        extra = {"rate": self.rates.rate} if cfg.prompt_sampling == "priority" else {}  # Kimi k1.5: by 1 - s_i
+        prompts, extra = {"priority": (priority.PrioritisedPrompts, {"rate": self.rates.rate}),  # Kimi k1.5: 1 - s_i
+                          "curriculum": (priority.CurriculumPrompts, {"column": cfg.difficulty_column,  # easy first
+                                                                      "num_draws": cfg.num_steps}),
+                          }.get(cfg.prompt_sampling, (tasks.PromptSampler, {}))
         self.prompts = prompts(examples, cfg.batch_size // cfg.num_generations, cfg.seed, rank, world_size, **extra)
         self.examples, self.cfg = self.prompts.examples, cfg
         self.sampling = None  # the trainer's sampler, counting what it decodes (sample_with)

@@ -26,7 +26,7 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 import common
-from lab import async_sampling, sampling
+from lab import async_sampling, priority, sampling
 from support import checkpoint, environments, fast, helpers, models, routing, run, tasks, view
 from support.rollout import MicroBatch, micro_batches
 
@@ -35,6 +35,7 @@ def load_data(cfg, accelerator):
     """The tokenizer and the (train, eval) examples; the main process downloads first, the others read its
     cache. Data errors surface here, before any model loads."""
     tokenizer, train_data, eval_data = helpers.load_data(cfg, accelerator)
+    priority.check_difficulty(cfg, train_data)  # --prompt_sampling curriculum: a number in --difficulty_column
     with accelerator.main_process_first():
         environments.load(cfg, tokenizer, train_data)  # --environment, --tools: checked, a trial episode
     return tokenizer, train_data, eval_data

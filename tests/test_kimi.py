@@ -1,5 +1,5 @@
 """Kimi k1.5 (docs/algorithms.md#kimi-k15): the length reward over a prompt's samples, prioritised sampling's
-weights, and the lab's --length_penalty flag."""
+weights, curriculum sampling's window, and the lab's --length_penalty, --prompt_sampling and --difficulty_column."""
 import sys
 from pathlib import Path
 
@@ -8,7 +8,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from kimi import length_reward, priority_weights  # noqa: E402
+from kimi import curriculum_weights, length_reward, priority_weights  # noqa: E402
 from lab import grpo as lab_grpo  # noqa: E402
 
 
@@ -71,3 +71,62 @@ def test_prompt_sampling_priority_draws_by_the_knapsacks_success_rates():
     for _ in range(3):
         batch, num_samples = sampler.next()
         assert {ex["prompt"] for ex in batch} == unsolved and num_samples == 4
+
+
+def test_curriculum_weights_are_uniform_over_a_window_of_the_sorted_prompts_moving_from_easiest_to_hardest():
+    difficulty = torch.tensor([3, 1, 2, 1])  # sorted, ties in order: indices 1, 3, 2, 0
+    # 1 prompt a draw, 2 draws: w = max(1, ceil(4 / 2)) = 2, start = t (4 - 2) // 1: the two 1s, then the 2 and the 3
+    assert curriculum_weights(difficulty, 0, 2, 1).tolist() == [0, 0.5, 0, 0.5]
+    assert curriculum_weights(difficulty, 1, 2, 1).tolist() == [0.5, 0, 0.5, 0]
+    assert curriculum_weights(difficulty, 7, 2, 1).tolist() == [0.5, 0, 0.5, 0]  # past the last draw: the hardest
+    assert curriculum_weights(difficulty, 0, 1, 1).tolist() == [0.25] * 4  # one draw: every prompt
+    # ties keep the given order: [1, 1, 1, 0] sorts to indices 3, 0, 1, 2; w = 1, start = t (4 - 1) // 3 = t
+    assert [curriculum_weights(torch.tensor([1, 1, 1, 0]), t, 4, 1).argmax().item() for t in range(4)] == [3, 0, 1, 2]
+    # 7 prompts (difficulty = index), 2 a draw, 3 draws: w = max(2, ceil(7 / 3)) = 3, start = t (7 - 3) // 2 = 2 t
+    windows = [curriculum_weights(torch.arange(7.0), t, 3, 2).nonzero().flatten().tolist() for t in range(3)]
+    assert windows == [[0, 1, 2], [2, 3, 4], [4, 5, 6]]
+    # 10 prompts, 2 a draw, 5 draws: w = 2, start = t 8 // 4 = 2 t: disjoint windows, each drawn whole
+    windows = [curriculum_weights(torch.arange(10.0, 0, -1), t, 5, 2).nonzero().flatten().tolist() for t in range(5)]
+    assert windows == [[8, 9], [6, 7], [4, 5], [2, 3], [0, 1]]
+
+
+def curriculum_examples():
+    """12 examples in three levels of 4 (the level in the dataset row's 'level' column), hardest first."""
+    return [{"prompt": f"p{i}", "row": {"level": 2 - i // 4}} for i in range(12)]
+
+
+def test_curriculum_prompts_draw_the_easy_level_first_then_harder_and_resume_where_they_were():
+    from lab.priority import CurriculumPrompts
+    prompts = CurriculumPrompts(curriculum_examples(), 2, seed=0, column="level", num_draws=3)
+    # w = max(2, ceil(12 / 3)) = 4 = one level, start = 4 t: level 0, then 1, then 2 (and 2 from then on)
+    levels = [sorted({ex["row"]["level"] for ex in prompts.next()}) for _ in range(4)]
+    assert levels == [[0], [1], [2], [2]]
+    state = prompts.state_dict()
+    following = [prompts.next() for _ in range(3)]
+    resumed = CurriculumPrompts(curriculum_examples(), 2, seed=0, column="level", num_draws=3)
+    resumed.load_state_dict(state)
+    assert [resumed.next() for _ in range(3)] == following
+
+
+def test_prompt_sampling_curriculum_needs_a_difficulty_column_that_the_dataset_holds_as_numbers(tmp_path):
+    from lab import budget, priority
+    from support import tasks
+    with pytest.raises(ValueError, match="--difficulty_column"):
+        lab_grpo.Config(prompt_sampling="curriculum")
+    with pytest.raises(ValueError, match="--difficulty_column"):
+        lab_grpo.Config(difficulty_column="level")
+    cfg = lab_grpo.Config(prompt_sampling="curriculum", difficulty_column="level", batch_size=8, num_generations=4,
+                          num_steps=3)
+    with pytest.raises(SystemExit, match="has no column --difficulty_column 'level'"):
+        priority.check_difficulty(cfg, tasks.arithmetic_examples(4, seed=0, held_out=False))
+    with pytest.raises(SystemExit, match="row 2: --difficulty_column 'level' holds 'x', not a number"):
+        priority.check_difficulty(cfg, [{"prompt": "a", "row": {"level": 1}}, {"prompt": "b", "row": {"level": "x"}}])
+    priority.check_difficulty(cfg, curriculum_examples())  # numbers: no error
+    data = tmp_path / "levels.jsonl"  # a local file's column reaches the check through its rows
+    data.write_text("".join(f'{{"question": "{i}+1=", "answer": "{i + 1}", "level": {i % 3}}}\n' for i in range(4)))
+    train, _ = tasks.load_task(lab_grpo.Config(dataset=str(data), eval_size=1))
+    priority.check_difficulty(cfg, train)
+    with pytest.raises(SystemExit, match=r"has no column --difficulty_column 'lvl'; its columns are \['answer', 'lev"):
+        priority.check_difficulty(lab_grpo.Config(prompt_sampling="curriculum", difficulty_column="lvl"), train)
+    sampler = budget.BudgetSampler(curriculum_examples(), cfg)  # 2 prompts a step, 4 samples each
+    assert [sorted({ex["row"]["level"] for ex in sampler.next()[0]}) for _ in range(3)] == [[0], [1], [2]]
