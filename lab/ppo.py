@@ -31,6 +31,7 @@ if __name__ == "__main__":  # run as lab/ppo.py: the repository's root first, so
 import torch  # noqa: E402
 
 import common  # noqa: E402
+import vapo  # noqa: E402
 from ppo import (AdaptiveKLController, ValueModel, decoupled_gae, explained_variance, gae, last_action,  # noqa: E402
                  length_adaptive_lam, ppo_policy_loss, ppo_value_loss)  # the lesson's math and models
 from lab import engine  # noqa: E402
@@ -100,15 +101,6 @@ class Config(environments.AgentConfig, config.CorrectionConfig):
 # positive-example LM loss (mu 0.1), value pretraining (the paper: 50 steps; 10 here, for the embedded task's runs)
 VAPO_RECIPE = {"lam_critic": 1.0, "lam_alpha": 0.05, "epsilon_high": 0.28, "pos_lm_coef": 0.1,
                "value_pretrain_steps": 10}
-
-
-def positive_example_nll(logp, mask, correct, num_tokens=None):
-    """VAPO's positive-example LM loss: -(1 / N) sum of logp over the tokens of the correct samples, N their count.
-    logp, mask: (b, T); correct: (b,) 1 for a correct sample. num_tokens: N of the whole minibatch when logp is one
-    micro-batch of it (the parts then add up to the minibatch's loss); 0 correct tokens give 0."""
-    positive = mask * correct[:, None]  # (b, T)
-    n = positive.sum() if num_tokens is None else torch.as_tensor(num_tokens)
-    return -common.masked_sum(logp, positive) / n.clamp(min=1)
 
 
 def pretrain_value(cfg, accelerator, trainer, critic, sampler, reward_fn):
@@ -219,7 +211,7 @@ def main():
                                                         pg_weight)
                     if cfg.pos_lm_coef > 0:  # VAPO: imitate the correct samples, token-mean over the minibatch's
                         positive = mask[rows] * correct[rows, None]
-                        nll = positive_example_nll(logp, mb.mask, mb.of(correct), accelerator.reduce(
+                        nll = vapo.positive_example_nll(logp, mb.mask, mb.of(correct), accelerator.reduce(
                             positive.sum().float(), "mean"))
                         pg_loss, pg_stats = pg_loss + cfg.pos_lm_coef * nll, {**pg_stats, "pos_lm_loss": nll.detach()}
                     values = critic.model(mb.of(input_ids), mb.of(attention_mask), T)  # (b, T), with gradient

@@ -1,4 +1,4 @@
-"""VAPO's pieces in lab/ppo.py (docs/algorithms.md#vapo): the positive-example LM loss, clip-higher in PPO's policy
+"""VAPO's pieces (docs/algorithms.md#vapo): the positive-example LM loss (vapo.py), clip-higher in PPO's policy
 loss, value pretraining on Monte Carlo returns, and the --vapo recipe."""
 import sys
 from pathlib import Path
@@ -12,6 +12,7 @@ from accelerate import Accelerator  # noqa: E402
 from lab import ppo as lab_ppo  # noqa: E402
 from lab.engine import Trainable  # noqa: E402
 from ppo import ppo_policy_loss  # noqa: E402
+import vapo  # noqa: E402
 
 F64 = torch.float64
 
@@ -21,13 +22,13 @@ def test_positive_example_nll_is_the_token_mean_of_minus_logp_over_the_correct_s
     mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0]], dtype=F64)
     correct = torch.tensor([1.0, 0.0, 1.0], dtype=F64)
     # the correct samples' tokens: -1, -2 (row 0) and -0.5 (row 2): (1 + 2 + 0.5) / 3, the padding's -9 left out
-    whole = lab_ppo.positive_example_nll(logp, mask, correct)
+    whole = vapo.positive_example_nll(logp, mask, correct)
     torch.testing.assert_close(whole, torch.tensor(3.5 / 3, dtype=F64))
     # micro-batches given the minibatch's count of correct tokens add up to the minibatch's loss
-    parts = [lab_ppo.positive_example_nll(logp[rows], mask[rows], correct[rows], num_tokens=3.0)
+    parts = [vapo.positive_example_nll(logp[rows], mask[rows], correct[rows], num_tokens=3.0)
              for rows in (slice(0, 2), slice(2, 3))]
     torch.testing.assert_close(sum(parts), whole)
-    assert lab_ppo.positive_example_nll(logp, mask, torch.zeros(3, dtype=F64)) == 0  # no correct sample: 0
+    assert vapo.positive_example_nll(logp, mask, torch.zeros(3, dtype=F64)) == 0  # no correct sample: 0
 
 
 def test_clip_higher_clips_a_positive_advantage_at_one_plus_epsilon_high_and_a_negative_at_one_minus_epsilon():
