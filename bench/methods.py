@@ -26,7 +26,7 @@ EXPERIMENTS = {
     "reinforce_pp": ({"GRPO": "grpo.py", "RLOO": "rloo.py", "REINFORCE++": "reinforce_pp.py",
                       "REINFORCE++-baseline": "reinforce_pp.py --baseline group"},
                      ("train/kl_seq", "train/frac_zero_std_groups")),
-    "vapo": ({"PPO": "lab/ppo.py", "VAPO": "lab/ppo.py --vapo True"},
+    "vapo": ({"PPO": "lab/ppo.py", "VAPO": "lab/ppo.py --vapo True --num_generations 1"},  # docs/results.md: G = 1
              ("first/train/value_loss", "first/train/explained_variance", "train/explained_variance")),
     "length": ({"GRPO": "lab/grpo.py", "GRPO + length penalty": "lab/grpo.py --length_penalty 1.0",
                 "GRPO + length penalty 0.1": "lab/grpo.py --length_penalty 0.1"},

@@ -155,6 +155,8 @@ VISIBLE_TESTS = {
         "test_value_clip_stops_a_move_past_the_clip_towards_the_return",
         "test_value_clip_never_stops_a_move_back_towards_the_return",
         "test_value_loss_is_a_token_mean_over_the_mask"]),
+    "vapo.py::positive_example_nll": ("tests/test_vapo.py", [
+        "test_positive_example_nll_is_the_token_mean_of_minus_logp_over_the_correct_samples_only"]),
     "agents.py::episode_masks": ("tests/test_agents.py", [
         "test_episode_masks_lay_out_segments_one_after_the_other"]),
     "toy_bandit.py::gradient_variance": ("tests/test_toy_bandit.py", [

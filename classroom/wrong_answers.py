@@ -45,6 +45,9 @@ GRPO_PADDING = "test_grpo_loss_statistics_ignore_the_padding_and_weigh_every_val
 DAPO_PADDING = "test_dapo_loss_statistics_ignore_the_padding_and_weigh_every_valid_token"
 PPO_PADDING = "test_ppo_policy_loss_statistics_ignore_the_padding_and_weigh_every_valid_token"
 
+# the visible test of vapo.positive_example_nll
+VAPO_NLL = "test_positive_example_nll_is_the_token_mean_of_minus_logp_over_the_correct_samples_only"
+
 # "file::function" -> [(wrong version, old, new, the grading test that catches it), ...]
 WRONG_ANSWERS = {
     "common.py::kl_k1": [
@@ -470,6 +473,15 @@ WRONG_ANSWERS = {
          "test_value_loss_inside_the_clip_is_half_squared_error"),
         ("clip_frac over the padding too", "common.masked_mean((clipped > unclipped).float(), mask)",
          "(clipped > unclipped).float().mean()", "test_ppo_value_loss_and_clip_fraction_ignore_the_padding"),
+    ],
+    "vapo.py::positive_example_nll": [
+        ("a sum, not a token-mean", "return -common.masked_sum(logp, positive) / n.clamp(min=1)",
+         "return -common.masked_sum(logp, positive)", VAPO_NLL),
+        ("the wrong samples' tokens too", "positive = mask * correct[:, None]", "positive = mask * 1.0", VAPO_NLL),
+        ("the micro-batch's own N, not num_tokens", "n = positive.sum() if num_tokens is None else",
+         "n = positive.sum() if True else", VAPO_NLL),
+        ("the padding of the correct samples too", "positive = mask * correct[:, None]",
+         "positive = torch.ones_like(mask) * correct[:, None]", VAPO_NLL),
     ],
     "agents.py::episode_masks": [
         ("token mask = action mask: the environment's tokens hidden from attention",

@@ -31,6 +31,7 @@ if __name__ == "__main__":  # run as lab/ppo.py: the repository's root first, so
 import torch  # noqa: E402
 
 import common  # noqa: E402
+import vapo  # noqa: E402
 from ppo import (AdaptiveKLController, ValueModel, decoupled_gae, explained_variance, gae, last_action,  # noqa: E402
                  length_adaptive_lam, ppo_policy_loss, ppo_value_loss)  # the lesson's math and models
 from lab import engine  # noqa: E402
@@ -68,6 +69,8 @@ class Config(environments.AgentConfig, config.CorrectionConfig):
                                               "the critic regresses on Monte Carlo returns first (0 = none).")
     pos_lm_coef: Optional[float] = arg(None, "mu: weight of VAPO's positive-example LM loss, the NLL of the correct "
                                        "samples' tokens (token-mean; 0 = none).")
+    num_generations: Optional[int] = arg(None, "VAPO's group sampling: batch_size / G prompts a step, each sampled G "
+                                         "times, its rows adjacent (VAPO: 16; default 1: one sample per prompt).")
     vapo: bool = arg(False, "VAPO's recipe: each VAPO flag left unset takes VAPO's value (docs/algorithms.md#vapo).")
     reuses_batch = True  # num_epochs x num_mini_batches updates on each batch (config.TrainConfig)
 
@@ -78,6 +81,9 @@ class Config(environments.AgentConfig, config.CorrectionConfig):
                 if getattr(self, name) is None or (name == "lam_alpha" and self.lam_alpha == 0):
                     setattr(self, name, value)
         self.value_pretrain_steps, self.pos_lm_coef = self.value_pretrain_steps or 0, self.pos_lm_coef or 0.0
+        self.num_generations = self.num_generations or 1
+        config.check(self.num_generations >= 1 and self.batch_size % self.num_generations == 0, f"--num_generations "
+                     f"({self.num_generations}) must be >= 1 and divide --batch_size ({self.batch_size}).")
         config.check_rules(self, value_pretrain_steps=config.NON_NEGATIVE, pos_lm_coef=config.NON_NEGATIVE,
                            epsilon_high=config.POSITIVE)
         config.check(self.value_pretrain_steps == 0 or self.async_rollouts == 0, "--value_pretrain_steps samples "
@@ -97,18 +103,22 @@ class Config(environments.AgentConfig, config.CorrectionConfig):
 
 
 # VAPO (Yue et al., 2025): decoupled GAE (critic lam 1), length-adaptive lam (alpha 0.05), clip-higher, the
-# positive-example LM loss (mu 0.1), value pretraining (the paper: 50 steps; 10 here, for the embedded task's runs)
+# positive-example LM loss (mu 0.1), value pretraining (the paper: 50 steps; 10 here, for the embedded task's runs),
+# group sampling (16 samples of each prompt: 4 prompts of the default 64 rows)
 VAPO_RECIPE = {"lam_critic": 1.0, "lam_alpha": 0.05, "epsilon_high": 0.28, "pos_lm_coef": 0.1,
-               "value_pretrain_steps": 10}
+               "value_pretrain_steps": 10, "num_generations": 16}
 
 
-def positive_example_nll(logp, mask, correct, num_tokens=None):
-    """VAPO's positive-example LM loss: -(1 / N) sum of logp over the tokens of the correct samples, N their count.
-    logp, mask: (b, T); correct: (b,) 1 for a correct sample. num_tokens: N of the whole minibatch when logp is one
-    micro-batch of it (the parts then add up to the minibatch's loss); 0 correct tokens give 0."""
-    positive = mask * correct[:, None]  # (b, T)
-    n = positive.sum() if num_tokens is None else torch.as_tensor(num_tokens)
-    return -common.masked_sum(logp, positive) / n.clamp(min=1)
+class GroupedPrompts(tasks.PromptSampler):
+    """VAPO's group sampling: batch_size / G prompts a step, each sampled G times, its G rows adjacent
+    (next() gives async_sampling.draw's pair); with G = 1, the lesson's prompts, one sample each."""
+
+    def __init__(self, examples, cfg, rank=0, world_size=1):
+        super().__init__(examples, cfg.batch_size // cfg.num_generations, cfg.seed, rank, world_size)
+        self.num_generations = cfg.num_generations
+
+    def next(self):
+        return super().next(), self.num_generations
 
 
 def pretrain_value(cfg, accelerator, trainer, critic, sampler, reward_fn):
@@ -162,8 +172,7 @@ def main():
     critic = engine.Trainable(*accelerator.prepare(value_model, optimizer, scheduler), name="critic")
     kl_ctl = AdaptiveKLController(cfg.beta, cfg.kl_target, cfg.kl_horizon)
     accelerator.register_for_checkpointing(kl_ctl)
-    sampler = tasks.PromptSampler(train_data, cfg.batch_size, cfg.seed, accelerator.process_index,
-                                  accelerator.num_processes)
+    sampler = GroupedPrompts(train_data, cfg, accelerator.process_index, accelerator.num_processes)
     trainer = engine.Trainer(cfg, accelerator, tokenizer, sampler, eval_data, policy, rollout_model, others=[critic])
     if trainer.resume() == 0:  # --resume_from: the checkpoint's step, else 0
         trainer.evaluate(step=0)  # held-out accuracy before training
@@ -172,7 +181,7 @@ def main():
                                                                                  sampler, reward_fn)))
 
     for step in trainer.steps():
-        # ---- rollout: one sampled response per prompt ----
+        # ---- rollout: one sampled response per prompt (--num_generations G: G of each, adjacent) ----
         rollout = trainer.rollout(sampler)  # sampled now, or taken from the sampler process (--async_rollouts)
         input_ids, attention_mask, mask = rollout.input_ids, rollout.attention_mask, rollout.mask
         T = mask.shape[1]
@@ -219,7 +228,7 @@ def main():
                                                         pg_weight)
                     if cfg.pos_lm_coef > 0:  # VAPO: imitate the correct samples, token-mean over the minibatch's
                         positive = mask[rows] * correct[rows, None]
-                        nll = positive_example_nll(logp, mb.mask, mb.of(correct), accelerator.reduce(
+                        nll = vapo.positive_example_nll(logp, mb.mask, mb.of(correct), accelerator.reduce(
                             positive.sum().float(), "mean"))
                         pg_loss, pg_stats = pg_loss + cfg.pos_lm_coef * nll, {**pg_stats, "pos_lm_loss": nll.detach()}
                     values = critic.model(mb.of(input_ids), mb.of(attention_mask), T)  # (b, T), with gradient

@@ -64,6 +64,8 @@ TEACHER_TESTS = {
         "test_clip_statistics_count_only_where_the_clip_binds_hand_values",
         "test_dual_clip_bounds_a_negative_advantage_by_c_times_it_and_leaves_a_positive_one_hand_values"]),
     "ppo.py::ppo_value_loss": (LOSSES, ["test_ppo_value_loss_and_clip_fraction_ignore_the_padding"]),
+    "vapo.py::positive_example_nll": (LOSSES, [
+        "test_positive_example_nll_of_a_padded_batch_is_the_mean_of_the_correct_rows_tokens_in_any_split"]),
     "agents.py::episode_masks": (AGENTS, [
         "test_episode_masks_hand_computed_with_empty_segments_one_segment_and_the_environment_first",
         "test_episode_masks_of_random_segments_give_each_segment_its_kind_and_nothing_to_the_padding"]),

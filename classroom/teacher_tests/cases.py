@@ -519,6 +519,24 @@ def ppo_value_loss(seed):
     return cases
 
 
+
+# ---------------------------------------------------------------------------------------------- vapo.py
+
+def positive_example_nll(seed):
+    logp, _, _, _, mask = rollout(seed, 101)
+    correct = (torch.rand(B, generator=generator(seed, 102)) < 0.5).to(F64)
+    correct[0], correct[1] = 1.0, 0.0  # a correct and a wrong sample at least
+    tokens = int((mask * correct[:, None]).sum())
+    cases = [Case(f"padding {fill_name(fill)}", [padded(logp, mask, fill), mask, correct], grad=(0,))
+             for fill in (*GARBAGE, None)]
+    cases += [Case("a micro-batch of 3 rows, N of the whole given (int)", [logp[:3], mask[:3], correct[:3]],
+                   {"num_tokens": tokens}, grad=(0,)),
+              Case("a micro-batch of 2 rows, N as a float tensor", [logp[3:], mask[3:], correct[3:]],
+                   {"num_tokens": torch.tensor(float(tokens))}, grad=(0,)),
+              Case("no correct sample", [logp, mask, torch.zeros(B, dtype=F64)], grad=(0,)),
+              Case("every sample correct, float32", [logp.float(), mask, torch.ones(B)], grad=(0,))]
+    return cases
+
 # ---------------------------------------------------------------------------------------------- agents.py
 
 def episode_masks(seed):
@@ -615,6 +633,7 @@ CASES = {
     "ppo.py::length_adaptive_lam": length_adaptive_lam,
     "ppo.py::ppo_policy_loss": ppo_policy_loss,
     "ppo.py::ppo_value_loss": ppo_value_loss,
+    "vapo.py::positive_example_nll": positive_example_nll,
     "agents.py::episode_masks": episode_masks,
     "toy_bandit.py::gradient_variance": lambda seed: two_arm(seed, with_baseline=True, with_bernoulli=True),
     "toy_bandit.py::optimal_baseline": two_arm,

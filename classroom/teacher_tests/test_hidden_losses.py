@@ -10,6 +10,7 @@ import grpo
 import ppo
 import remax
 import rloo
+import vapo
 from teacher_tests.batches import F64, GARBAGE, close, generator, lengths, padded, prefix_mask, token_weighted, widened
 
 B, T = 5, 6
@@ -125,6 +126,26 @@ def test_ppo_value_loss_and_clip_fraction_ignore_the_padding(fill):
         return ppo.ppo_value_loss(values, old_values, returns, mask, epsilon_value=0.2)
     _, stats = check_stats_and_loss(call, [values, old_values, returns], mask, n, fill)
     assert 0 < stats["clip_frac"] < 1
+
+
+@pytest.mark.parametrize("fill", GARBAGE)
+def test_positive_example_nll_of_a_padded_batch_is_the_mean_of_the_correct_rows_tokens_in_any_split(fill):
+    logp, _, _, _, mask, n = rollout(21)
+    correct = (torch.rand(B, generator=generator(22)) < 0.5).to(F64)
+    correct[0], correct[1], correct[-1] = 1.0, 0.0, 1.0  # a wrong sample, and a correct one at either end
+    logp = padded(logp, mask, fill).requires_grad_(True)
+    loss = vapo.positive_example_nll(logp, mask, correct)
+    rows = [b for b in range(B) if correct[b]]  # each correct row's tokens, summed alone
+    tokens = sum(int(n[b]) for b in rows)
+    close(loss, -sum(logp[b, :int(n[b])].sum() for b in rows) / tokens)
+    close(vapo.positive_example_nll(widened(logp, 2, fill), widened(mask, 2, 0), correct), loss)
+    cut = int(torch.randint(1, B, (1,), generator=generator(23)))  # two micro-batches with correct rows, each / N
+    parts = [vapo.positive_example_nll(logp[part], mask[part], correct[part], num_tokens=tokens)
+             for part in (slice(0, cut), slice(cut, B))]
+    close(sum(parts), loss)
+    loss.backward()
+    close(logp.grad, -mask * correct[:, None] / tokens)  # -1 / N on each correct token, 0 on the rest
+    close(vapo.positive_example_nll(logp.detach(), mask, torch.zeros(B, dtype=F64)), 0.0)
 
 
 @pytest.mark.parametrize("loss_agg", ["token-mean", "seq-mean-token-mean"])
