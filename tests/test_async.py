@@ -27,6 +27,17 @@ def run(out_dir, *flags, steps=4):
     return read_metrics(out_dir / "metrics.jsonl")[1:]
 
 
+def assert_at_most_one_step_stale(rows):
+    """K = 1: step 1's batch is the initial weights'; every later batch at most one step stale, and the sampler ran
+    ahead at least once (a batch sampled while the learner trained on the one before it, its tokens' log-probs then
+    off the learner's). A batch may be 0 steps stale: a sampler process the machine scheduled late picks up the
+    request after the learner published, and samples with the newest weights, as it should."""
+    staleness = [r["train/staleness_max"] for r in rows]
+    assert staleness[0] == 0 and rows[0]["train/mismatch_k3"] < 1e-10
+    assert set(staleness[1:]) <= {0, 1} and 1 in staleness[1:], staleness
+    assert all(r["train/mismatch_k3"] > 0 for r in rows[1:] if r["train/staleness_max"] == 1)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("async")
@@ -83,7 +94,7 @@ def test_rloo_takes_its_rollouts_from_the_sampler_process_too(tmp_path, monkeypa
                                       "0.04", "--output_dir", str(tmp_path)])
     rloo.main()
     rows = read_metrics(tmp_path / "metrics.jsonl")[1:]
-    assert [r["train/staleness_max"] for r in rows] == [0, 1, 1] and rows[0]["train/mismatch_k3"] < 1e-10
+    assert_at_most_one_step_stale(rows)
     assert all("train/m2po_masked_frac" in r for r in rows)
 
 
@@ -101,8 +112,7 @@ def test_every_loop_takes_its_rollouts_from_the_sampler_process_at_most_k_steps_
                                       "--output_dir", str(tmp_path)])
     module.main()
     rows = read_metrics(tmp_path / "metrics.jsonl")[1:]
-    assert [r["train/staleness_max"] for r in rows] == [0, 1, 1] and rows[0]["train/mismatch_k3"] < 1e-10
-    assert all(r["train/mismatch_k3"] > 0 for r in rows[1:])
+    assert_at_most_one_step_stale(rows)
     if module is remax:  # the greedy decode came from the sampler process too, and its reward is the baseline
         assert all("train/greedy_reward" in r and r["train/tis_clip_frac"] >= 0 for r in rows)
     if module is dapo:  # as many rounds as dynamic sampling needed, each batch's version bounded
@@ -127,7 +137,8 @@ def test_under_lora_the_learner_publishes_only_the_adapters_and_the_reference_is
     assert size < models.load_model(grpo.Config(), trainable=False).num_parameters() / 10
     for key in ("train/reward", "train/completion_len", "train/loss", "train/grad_norm"):
         assert rows[0][key] == sync[0][key], key
-    assert [r["train/staleness_max"] for r in rows] == [0, 1, 1] and rows[-1]["train/kl_k3"] > 0
+    assert_at_most_one_step_stale(rows)
+    assert rows[-1]["train/kl_k3"] > 0
 
 
 @pytest.mark.parametrize("flags, what", [
@@ -191,7 +202,7 @@ def test_under_ddp_each_rank_has_its_own_sampler_process_and_none_outlives_the_r
     launch_two_processes(script, ["--num_steps", "3", "--batch_size", "8", "--num_generations", "4", "--eval_every",
                                   "100", "--async_rollouts", "1"], tmp_path)
     rows = read_metrics(tmp_path / "metrics.jsonl")[1:]
-    assert [r["train/staleness_max"] for r in rows] == [0, 1, 1] and rows[0]["train/mismatch_k3"] < 1e-10
+    assert_at_most_one_step_stale(rows)
     deadline = time.time() + 10
     while left := processes_marked(tmp_path):
         assert time.time() < deadline, [open(f"/proc/{pid}/cmdline").read() for pid in left]
