@@ -70,6 +70,7 @@ class ExplorationConfig:
             check(self.keep_routing == "none", "--sampler tree does not record a mixture-of-experts sampler's "
                   "routing: give --keep_routing none.")
 
+
 class SuccessRates:
     """Each prompt's success rate as Knapsack RL estimates it: the fraction of right answers among its latest
     `window` answers (16), across visits, once it has `trusted` of them (8); before that NaN, a prompt the knapsack

@@ -216,6 +216,8 @@ def main():
         updates, corrections = [], []  # corrections: every micro-batch's (token share, sampler statistics)
         for epoch in range(cfg.num_epochs):
             for rows in torch.randperm(cfg.batch_size, device=accelerator.device).chunk(cfg.num_mini_batches):
+                if cfg.pos_lm_coef > 0:  # VAPO's NLL divides by the minibatch's correct tokens (mean over processes)
+                    positive_tokens = accelerator.reduce((mask[rows] * correct[rows, None]).sum().float(), "mean")
                 for mb in trainer.micro_batches(rollout, common.Aggregation("token-mean"), rows):
                     logp, entropy = trainer.policy_logprobs(rollout, mb)  # (b, T), with gradient; mb.mask: the actions
                     pg_weight, correction, per_row = None, {}, {}
@@ -227,9 +229,7 @@ def main():
                                                         (cfg.clip.low, cfg.clip.high), cfg.dual_clip_c, mb.agg,
                                                         pg_weight)
                     if cfg.pos_lm_coef > 0:  # VAPO: imitate the correct samples, token-mean over the minibatch's
-                        positive = mask[rows] * correct[rows, None]
-                        nll = vapo.positive_example_nll(logp, mb.mask, mb.of(correct), accelerator.reduce(
-                            positive.sum().float(), "mean"))
+                        nll = vapo.positive_example_nll(logp, mb.mask, mb.of(correct), positive_tokens)
                         pg_loss, pg_stats = pg_loss + cfg.pos_lm_coef * nll, {**pg_stats, "pos_lm_loss": nll.detach()}
                     values = critic.model(mb.of(input_ids), mb.of(attention_mask), T)  # (b, T), with gradient
                     vf_loss, vf_stats = ppo_value_loss(values, mb.of(old_values), mb.of(returns), mb.mask,

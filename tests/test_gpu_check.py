@@ -1,17 +1,23 @@
-"""bench/gpu_check.py without a GPU: it says so and exits 0; with --allow_cpu a tiny model runs its code path."""
+"""bench/gpu_check.py and bench/decode_gpu.py without a GPU: they say so and exit 0; with --allow_cpu a tiny model runs
+gpu_check's code path."""
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 NO_GPU = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
 
 
-def test_gpu_check_without_cuda_says_so_and_exits_0(tmp_path):
-    out = (tmp_path / "gpu_check").with_suffix(".md")
-    proc = subprocess.run([sys.executable, "bench/gpu_check.py", "--out", str(out)], cwd=ROOT, capture_output=True,
+@pytest.mark.parametrize("script", ["gpu_check", "decode_gpu"])
+def test_a_gpu_benchmark_without_cuda_says_so_and_exits_0(tmp_path, script):
+    """bench/gpu_check.py and bench/decode_gpu.py (the decode benchmark): without a GPU they measure nothing and write
+    nothing."""
+    out = (tmp_path / script).with_suffix(".md")
+    proc = subprocess.run([sys.executable, f"bench/{script}.py", "--out", str(out)], cwd=ROOT, capture_output=True,
                           text=True, env=NO_GPU)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "No CUDA GPU here" in proc.stdout and "--allow_cpu" in proc.stdout
@@ -30,13 +36,3 @@ def test_gpu_check_allow_cpu_runs_the_code_path_on_a_tiny_model(tmp_path):
     assert (r["precision"], r["algorithm"], r["on_gpu"], r["timed_steps"]) == ("bf16", "remax", False, 1)
     assert r["completion_len"] > 0 and r["peak_bytes"] > 0 and r["step_s"] > 0
     assert r["generation_tokens_per_s"] > 0 and r["tokens_per_s"] > 0
-
-
-def test_decode_gpu_without_cuda_says_so_and_exits_0(tmp_path):
-    """bench/decode_gpu.py, the decode benchmark: without a GPU it measures nothing and writes nothing."""
-    out = (tmp_path / "decode_gpu").with_suffix(".md")
-    proc = subprocess.run([sys.executable, "bench/decode_gpu.py", "--out", str(out)], cwd=ROOT, capture_output=True,
-                          text=True, env=NO_GPU)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "No CUDA GPU here" in proc.stdout and "--allow_cpu" in proc.stdout
-    assert not out.exists()
