@@ -10,7 +10,7 @@ from dataclasses import asdict
 import torch
 from tqdm.auto import tqdm
 
-from support import config, models, routing
+from support import config, environments, models, routing
 
 
 class StepTimer:
@@ -38,9 +38,6 @@ class StepTimer:
         return out
 
 
-TRUNCATED_SAID = []  # a run whose episodes are mostly cut says so once
-
-
 def rollout_metrics(rollout, step_s):
     """The engine's metrics of a step's rollout: completion length, tokens per second and, on a mixture of experts,
     train/routing_mismatch over the positions that predict a completion token."""
@@ -53,11 +50,11 @@ def rollout_metrics(rollout, step_s):
                         "train/tool_errors": sum(e.tool_errors for e in episodes) / len(episodes),
                         "train/truncated_frac": sum(e.truncated for e in episodes) / len(episodes),
                         "train/env_token_frac": 1 - rollout.mask.sum() / rollout.token_mask.sum().clamp(min=1)})
-        if metrics["train/truncated_frac"] > 0.5 and not TRUNCATED_SAID:
-            TRUNCATED_SAID.append(True)
-            print(f"warning: {metrics['train/truncated_frac']:.0%} of this step's episodes were cut before they "
-                  "ended (by --max_new_tokens, the episode's budget of turns and replies, or by --max_turns): raise "
-                  "them if the model needs the room (said once).", flush=True)
+        if metrics["train/truncated_frac"] > 0.5:  # a run whose episodes are mostly cut says so once
+            environments.warn_once("episodes cut", f"{metrics['train/truncated_frac']:.0%} of this step's episodes "
+                                   "were cut before they ended (by --max_new_tokens, the episode's budget of turns "
+                                   "and replies, or by --max_turns): raise them if the model needs the room (said "
+                                   "once).")
     if rollout.live_routing is not None:
         predicting = torch.nn.functional.pad(rollout.mask, (rollout.prompt_ids.shape[1] - 1, 1))
         metrics["train/routing_mismatch"] = routing.mismatch(rollout.routing[0], rollout.live_routing, predicting)

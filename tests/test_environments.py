@@ -541,7 +541,7 @@ def test_a_run_whose_episodes_are_mostly_cut_says_so_once(capsys):
 
     from support import run
 
-    run.TRUNCATED_SAID.clear()
+    environments.WARNED.discard("episodes cut")
     mask = torch.ones(4, 3)
     rollout = SimpleNamespace(mask=mask, token_mask=mask, live_routing=None, episodes=[
         SimpleNamespace(num_turns=1, tool_calls=[], tool_errors=0, truncated=cut) for cut in (True, True, True, False)])
