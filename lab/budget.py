@@ -19,13 +19,13 @@ class ExplorationConfig:
     """The exploration flags of GRPO, RLOO and DAPO (docs/exploration.md), before config.GroupConfig in their
     Config's bases: its checks run after GroupConfig's. batch_size / G prompts a step either way. --budget knapsack:
     G is the mean group size, each prompt's between --min_n and --max_n, and a success rate needs answers.
-    --sampler tree: G leaves, each fork before the completion's end."""
+    --sampler tree (TreePO: the G completions are the leaves of a tree whose branches share their segments): G
+    leaves, each fork before the completion's end."""
+    SAMPLERS = ("independent", "vllm", "tree")  # config.TrainConfig's --sampler, and the trees
     budget: str = arg("uniform", "Completions per prompt: uniform (G each) | knapsack (Knapsack RL: by each prompt's "
                       "success rate over its latest answers, batch_size in all).")
     min_n: int = arg(None, "--budget knapsack: the fewest completions of a prompt (default 2).")
     max_n: int = arg(None, "--budget knapsack: the most completions of a prompt (default 4 G).")
-    sampler: str = arg("independent", "How a group is sampled: independent | tree (TreePO: the G completions are "
-                       "the leaves of a tree whose branches share their segments).")
     segment_len: int = arg(None, "--sampler tree: the tokens a branch decodes before it forks (default 1).")
     branching: int = arg(None, "--sampler tree: the children of a fork (default 2).")
     depth: int = arg(None, "--sampler tree: the forks from the prompt down (default 3): branching^depth = G leaves.")
@@ -38,14 +38,14 @@ class ExplorationConfig:
     def __post_init__(self):
         super().__post_init__()
         G, knapsack, trees = self.num_generations, self.budget == "knapsack", self.sampler == "tree"
-        check_rules(self, budget=one_of("uniform", "knapsack"), sampler=one_of("independent", "tree"),
+        check_rules(self, budget=one_of("uniform", "knapsack"),
                     prompt_sampling=one_of("uniform", "priority", "curriculum"))
         check((self.prompt_sampling == "curriculum") == bool(self.difficulty_column), "--prompt_sampling curriculum "
               "sorts the prompts by --difficulty_column: give both, or neither.")
         check(knapsack or (self.min_n, self.max_n) == (None, None), "--min_n and --max_n bound --budget knapsack's "
               "group sizes; --budget uniform gives every prompt --num_generations.")
         check(trees or (self.segment_len, self.branching, self.depth) == (None, None, None), "--segment_len, "
-              "--branching and --depth shape --sampler tree's trees; --sampler independent samples alone.")
+              "--branching and --depth shape --sampler tree's trees; the other samplers sample each completion alone.")
         check(not (knapsack and trees), "--sampler tree grows G leaves per prompt and --budget knapsack gives each "
               "prompt its own number: use one of them.")
         if knapsack:

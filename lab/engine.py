@@ -26,7 +26,7 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 import common
-from lab import async_sampling, priority, sampling
+from lab import async_sampling, priority, sampling, vllm_engine
 from support import checkpoint, environments, fast, helpers, models, routing, run, tasks, view
 from support.rollout import MicroBatch, micro_batches
 
@@ -36,6 +36,9 @@ def load_data(cfg, accelerator):
     cache. Data errors surface here, before any model loads."""
     tokenizer, train_data, eval_data = helpers.load_data(cfg, accelerator)
     priority.check_difficulty(cfg, train_data)  # --prompt_sampling curriculum: a number in --difficulty_column
+    if cfg.sampler == "vllm":  # what the engine cannot do, and prompts it could not hold
+        vllm_engine.check(cfg)
+        vllm_engine.check_lengths(cfg, tokenizer, train_data + eval_data)
     with accelerator.main_process_first():
         environments.load(cfg, tokenizer, train_data)  # --environment, --tools: checked, a trial episode
     return tokenizer, train_data, eval_data
@@ -70,7 +73,8 @@ def load_models(cfg, accelerator, reference, rollout_copy=False):
     # --async_rollouts: the sampler process holds the reference and scores each batch with it (rollout.ref_logp;
     # async_sampling.holds_reference: beta > 0, when every loop asks for one)
     ref_model = models.load_reference(cfg, policy) if reference and not cfg.async_rollouts else None
-    rollout_model = models.load_rollout_model(cfg, policy) if rollout_copy else None
+    # --sampler vllm: the engine holds the sampler's copy (in --rollout_dtype), in its own process
+    rollout_model = models.load_rollout_model(cfg, policy) if rollout_copy and cfg.sampler != "vllm" else None
     optimizer, scheduler = models.make_optimizer(policy, cfg)
     policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
     ref_model = models.prepare_frozen(accelerator, ref_model)
@@ -99,6 +103,11 @@ class Trainer:
         self.sample, self.score = (fast.generate, fast.token_logprobs) if cfg.fast else \
             (common.generate, common.token_logprobs)
         self.environment = environments.load(cfg, tokenizer)  # --environment, --tools
+        # --sampler vllm: a vLLM engine in its own process draws the rollouts and the evaluation's greedy completions,
+        # taking the policy's weights again after each of its optimizer steps (`updates`: lab/vllm_engine.py)
+        self.updates = 0
+        self.engine = vllm_engine.Engine(cfg, accelerator, tokenizer, lambda: self.updates) \
+            if cfg.sampler == "vllm" else None
         self.rollout_sampler = sampling.rollout_sampler(self, policy, rollout_model, rollout_lag,
                                                         sampler.sample_with(self.sample))  # --sampler tree: trees
         set_seed(cfg.seed + accelerator.process_index)  # each rank samples different completions
@@ -121,7 +130,8 @@ class Trainer:
     def evaluate(self, step=None):
         """Held-out greedy accuracy of the policy (or of its greedy episodes), logged at `step` (0: before training)."""
         metrics = tasks.evaluate(self.policy.model, self.tokenizer, self.eval_data, self.cfg, self.accelerator,
-                                 generate=self.sample, play=sampling.greedy_play(self.environment, self.cfg))
+                                 generate=self.sample if self.engine is None else self.engine.generate,
+                                 play=sampling.greedy_play(self.environment, self.cfg))
         return metrics if step is None else self.logger.log(step, metrics)
 
     def steps(self):
@@ -258,6 +268,7 @@ class Trainer:
             self.ckpt.check_finite(self.at_step, self.update_loss, norms[0] if len(norms) == 1 else torch.stack(norms),
                                    self.policy.model, self.tokenizer)
             models.step_optimizers(accelerator, trainables)
+            self.updates += 1
         stats = {"loss": self.update_loss,
                  **{"grad_norm" if t is self.policy else f"{t.name}_grad_norm": n for t, n in zip(trainables, norms)}}
         stats.update(helpers.combine(self.update_stats))
@@ -295,6 +306,8 @@ class Trainer:
     def finish(self):
         """Summary and curves, the final policy saved, the process group closed, several processes ended."""
         cfg, accelerator = self.cfg, self.accelerator
+        if self.engine is not None:
+            self.engine.close()
         self.logger.finish(self.policy.model)
         if self.viewer.enabled:
             print(f"the rollouts, token by token: {os.path.join(cfg.output_dir, 'rollouts.html')}", flush=True)

@@ -65,9 +65,9 @@ class Config(environments.AgentConfig, budget.ExplorationConfig, config.GroupCon
         config.check(not sequence or self.loss_agg != "token-mean", "--importance_sampling_level sequence: one term "
                      "per sequence, which --loss_agg token-mean would weigh by its tokens.")
         config.check_rules(self, length_penalty=config.NON_NEGATIVE)
-        config.check(self.length_penalty == 0 or (self.budget == "uniform" and self.sampler == "independent"),
+        config.check(self.length_penalty == 0 or (self.budget == "uniform" and self.sampler != "tree"),
                      "--length_penalty compares the lengths of each prompt's G samples: give --budget uniform and "
-                     "--sampler independent.")
+                     "a --sampler other than tree.")
         self.clip = common.Clip(self.epsilon, self.epsilon_high or self.epsilon, self.dual_clip_c,
                                 self.importance_sampling_level)
 

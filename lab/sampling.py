@@ -77,10 +77,16 @@ class RolloutSampler:
             if trainer.environment is None:  # an episode's prompt is rendered with its environment (`play`)
                 prompt_ids, prompt_mask = tasks.tokenize_prompts(tokenizer, [ex["prompt"] for ex in examples],
                                                                  accelerator.device)
-            model, error, episodes = self.model(trainer.at_step, greedy), None, None
+            model, error, episodes, drawn_logp = self.model(trainer.at_step, greedy), None, None, None
             try:
                 with trainer.inference(), routing.record(model) if self.moe else ExitStack() as recording:
-                    if trainer.environment is None:
+                    if trainer.engine is not None:  # --sampler vllm: the engine's draws, and their log-probs (mu)
+                        completion_ids, drawn_logp = trainer.engine.generate(
+                            model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples, greedy, logprobs=True)
+                        if isinstance(self.sample, tree.Sampling) and not greedy:  # train/decoded_per_completion
+                            self.sample.count(int(common.completion_mask(completion_ids, tokenizer.eos_token_id)
+                                                  .sum()), len(completion_ids))
+                    elif trainer.environment is None:
                         completion_ids = self.sample(model, tokenizer, prompt_ids, prompt_mask, cfg,
                                                      num_samples=num_samples, greedy=greedy)
                     else:  # episodes: the model's turns and the environment's replies (agents.py)
@@ -105,7 +111,8 @@ class RolloutSampler:
         experts = recording.layout(torch.cat([prompt_mask, mask], 1)) if self.moe else None  # the sampler's
         return Rollout([ex for ex in examples for _ in range(k)], prompt_ids, prompt_mask, completion_ids, mask,
                        completions, experts, group_size=k, episodes=episodes,
-                       token_mask=None if episodes is None else token_mask)
+                       token_mask=None if episodes is None else token_mask,
+                       sampler_logp=None if greedy or drawn_logp is None else drawn_logp.clone() * mask)
 
 
 def play(model, tokenizer, environment, examples, cfg, num_samples=1, greedy=False, logprobs=False):

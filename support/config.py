@@ -22,7 +22,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 # checkpoint's flags is refused (the optimizer state would also silently restore its --learning_rate).
 RESUMABLE_CHANGES = ("num_steps", "eval_every", "log_every", "log_rollouts", "save_steps", "save_total_limit",
                      "save_model", "merge_lora", "report_to", "output_dir", "resume_from", "gradient_checkpointing",
-                     "micro_batch_size", "generation_batch_size", "fast")
+                     "micro_batch_size", "generation_batch_size", "fast", "vllm_python", "vllm_memory")
 
 
 def arg(default, help):
@@ -88,6 +88,7 @@ class BaseConfig:
     reward_weights = ()
     warmup_steps, generation_batch_size, log_rollouts, report_to = 0, 0, 0, "none"
     save_total_limit, save_model, async_rollouts, fast, keep_routing = 2, True, 0, True, "none"
+    sampler, vllm_python, vllm_memory = "independent", "", None
 
     def __post_init__(self):
         check_rules(self, **{name: POSITIVE for name in ("num_steps", "batch_size", "learning_rate", "max_new_tokens",
@@ -158,6 +159,14 @@ class TrainConfig(BaseConfig):
     keep_routing: str = arg("none", "Mixture-of-experts policy: the experts of the trainer's forwards. none: its "
                             "router's | r3: the sampler's, replayed | r2: the pi_old pass's, replayed in the updates "
                             "(docs/stability.md).")
+    sampler: str = arg("independent", "What draws the completions: independent (this repository's decode loop) | "
+                       "vllm (a vLLM engine in a process of its own: docs/vllm.md) | tree (the group methods' TreePO).")
+    vllm_python: str = arg("", "--sampler vllm: the Python of the engine's environment (default: .venv-vllm/bin/python "
+                           "in this repository, which `bash lab/install_vllm.sh` makes).")
+    vllm_memory: float = arg(None, "--sampler vllm: the share of the GPU's memory the engine takes for its weights "
+                             "and cache; on a CPU, of the machine's (default 0.3 on a GPU, 0.1 on a CPU).")
+    # the samplers a script offers (lab/budget.py's ExplorationConfig adds TreePO's trees)
+    SAMPLERS = ("independent", "vllm")
 
     # Set by a script's __post_init__ where they apply: the clip of its loss (a common.Clip, which the rollout viewer
     # shows), and whether an update follows the first on the same batch (a pi_old pass, which --keep_routing r2
@@ -170,7 +179,10 @@ class TrainConfig(BaseConfig):
         check_rules(self, max_prompt_length=POSITIVE, eval_size=POSITIVE)
         check_rules(self, **{name: NON_NEGATIVE for name in ("train_size", "save_total_limit", "generation_batch_size",
                                                             "log_rollouts")})
-        check_rules(self, keep_routing=one_of("none", "r2", "r3"))
+        check_rules(self, keep_routing=one_of("none", "r2", "r3"), sampler=one_of(*self.SAMPLERS),
+                    vllm_memory=FRACTION)
+        check(self.sampler == "vllm" or not (self.vllm_python or self.vllm_memory), "--vllm_python and "
+              "--vllm_memory set up --sampler vllm's engine: give --sampler vllm too.")
         check(self.keep_routing != "r2" or self.reuses_batch,
               "--keep_routing r2 replays the routing of the pi_old pass in the updates that follow it, and this run "
               "makes one update per batch (no pi_old pass): give --num_epochs > 1, or --keep_routing r3.")
@@ -209,8 +221,9 @@ class CorrectionConfig(TrainConfig):
                           "<= tau (0 = off; the paper: 0.04).")
 
     def sampler_differs(self):
-        """Whether the samples come from other weights than the trainer's, and the flags that make them so."""
-        return self.async_rollouts > 0, "--async_rollouts > 0"
+        """Whether the samples come from another model than the trainer's (other weights, or another engine's
+        kernels), and the flags that make them so."""
+        return self.async_rollouts > 0 or self.sampler == "vllm", "--async_rollouts > 0 or --sampler vllm"
 
     def __post_init__(self):
         super().__post_init__()
@@ -236,14 +249,15 @@ class GroupConfig(CorrectionConfig):
     num_steps: int = arg(600, "Optimizer steps (one rollout batch each).")
     eval_every: int = arg(50, "Held-out greedy accuracy every N steps (and at start and end).")
     rollout_dtype: str = arg("float32", "Sample with a copy of the policy in this dtype, synced every step "
-                             "(the same as --torch_dtype: no copy, the trainer samples).")
+                             "(the same as --torch_dtype: no copy, the trainer samples); --sampler vllm: the engine's.")
     rollout_lag: int = arg(0, "Sample with the policy of k optimizer steps ago, as an asynchronous trainer does "
                            "(0 = this step's weights).")
 
     def sampler_differs(self):
-        differs = self.rollout_dtype != self.torch_dtype or self.rollout_lag > 0 or self.async_rollouts > 0
-        return differs, f"--rollout_dtype other than --torch_dtype ({self.torch_dtype}), --rollout_lag > 0 or " \
-            "--async_rollouts > 0"
+        differs = self.rollout_dtype != self.torch_dtype or self.rollout_lag > 0 or self.async_rollouts > 0 or \
+            self.sampler == "vllm"
+        return differs, f"--rollout_dtype other than --torch_dtype ({self.torch_dtype}), --rollout_lag > 0, " \
+            "--async_rollouts > 0 or --sampler vllm"
 
     def __post_init__(self):
         check_rules(self, rollout_dtype=one_of(*DTYPES), rollout_lag=NON_NEGATIVE)

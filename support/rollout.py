@@ -106,7 +106,7 @@ class Rollout:
                        pad([r.completion_ids for r in parts], pad_token_id),
                        pad([r.mask for r in parts], 0), [c for r in parts for c in r.completions],
                        None if parts[0].routing is None else (pad_routing(0), pad_routing(1)),
-                       group_size=parts[0].group_size, sampler_logp=None if parts[0].version is None else
+                       group_size=parts[0].group_size, sampler_logp=None if parts[0].sampler_logp is None else
                        pad([r.sampler_logp for r in parts], 0.0), ref_logp=None if parts[0].ref_logp is None else
                        pad([r.ref_logp for r in parts], 0.0), version=None if parts[0].version is None else
                        torch.cat([r.version for r in parts]),
