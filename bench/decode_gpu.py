@@ -14,7 +14,10 @@ completion width it returned, tokens per second its rows times that width over i
   cache, the ended rows kept behind the mask, the end checked every 8 steps, the forward compiled with CUDA graphs);
 - dynamic: transformers' `generate` with its dynamic cache (num_return_sequences = --samples);
 - static: transformers' `generate(cache_implementation="static")`, which it compiles (CUDA graphs) on a GPU;
-- batch: transformers' `generate_batch` (continuous batching).
+- batch: transformers' `generate_batch` (continuous batching);
+- vllm: a vLLM engine in its own process (lab/vllm_engine.py, --sampler vllm's; its environment from
+  `bash lab/install_vllm.sh`), colocated on the same GPU, each call waking it from sleep mode and putting it back (as
+  the lab's loops do between their updates): a call's seconds include that, and the token ids' round trip.
 
 A method that fails is reported as failed and the others still run. Without CUDA it says so and exits 0; with
 --allow_cpu it runs a 2-layer model of the same family on the CPU to test the code path (its numbers mean nothing).
@@ -39,7 +42,8 @@ from bench.gpu_check import QWEN25_05B, TINY  # noqa: E402
 METHODS = {"growing": "`support.fast.generate` (growing)", "fixed": "`support.fast.generate` (fixed shapes)",
            "dynamic": "transformers `generate` (dynamic cache)",
            "static": "transformers `generate(cache_implementation=\"static\")`",
-           "batch": "transformers `generate_batch`"}
+           "batch": "transformers `generate_batch`", "vllm": "vLLM (`--sampler vllm`)"}
+ENGINES = {}  # the vLLM engine of each model, started at its first call
 
 
 def build(shape, device):
@@ -61,6 +65,9 @@ def call(method, model, tokenizer, prompt_ids, prompt_mask, cfg, samples):
     import common
     from support import fast
 
+    if method == "vllm":
+        return tuple(engine(model, tokenizer, prompt_ids.shape[1], cfg).generate(
+            model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=samples).shape)
     if method in ("growing", "fixed"):
         return tuple(fast.generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=samples,
                                    fixed_shape=method == "fixed").shape)
@@ -74,6 +81,28 @@ def call(method, model, tokenizer, prompt_ids, prompt_mask, cfg, samples):
             gen.cache_implementation = "static"
         out = model.generate(input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=gen)
         return out.shape[0], out.shape[1] - prompt_ids.shape[1]
+
+
+def engine(model, tokenizer, prompt_tokens, cfg):
+    """The vLLM engine of this model (saved to a temporary folder for it to load), started once."""
+    import atexit
+    import tempfile
+
+    import torch
+
+    from lab import vllm_engine
+
+    if id(model) not in ENGINES:
+        folder = tempfile.mkdtemp(prefix="decode-gpu-model-")
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        device = next(model.parameters()).device
+        settings = SimpleNamespace(**vars(cfg), model_name_or_path=folder, max_prompt_length=prompt_tokens,
+                                   torch_dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
+                                   vllm_python="", vllm_memory=None, seed=0, output_dir=folder)
+        ENGINES[id(model)] = vllm_engine.Engine(settings, tokenizer, torch.device(device), 0, version=lambda: 0)
+        atexit.register(ENGINES[id(model)].close)
+    return ENGINES[id(model)]
 
 
 def measure(method, model, tokenizer, prompts, samples, args):
@@ -152,7 +181,7 @@ def main():
             print(f"[{prompts} x {samples}] {m} ...", file=sys.stderr, flush=True)
             try:
                 results.append(measure(m, model, tokenizer, prompts, samples, args))
-            except Exception as error:  # noqa: BLE001 - one method's failure is a result; the others still run
+            except (Exception, SystemExit) as error:  # noqa: BLE001 - a failure is a result; the others still run
                 print(f"[{prompts} x {samples}] {m} failed: {error!r}", file=sys.stderr)
                 results.append({"method": m, "prompts": prompts, "samples": samples,
                                 "failed": type(error).__name__})

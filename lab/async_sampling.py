@@ -29,7 +29,7 @@ import torch
 import torch.multiprocessing as mp
 
 import common
-from lab import tree
+from lab import tree, vllm_engine
 from support import environments, fast, models, reward_functions, routing, tasks, tool_process
 from support.rollout import Rollout, micro_batches
 
@@ -230,6 +230,9 @@ def serve(cfg, seed, weights, version, lock, requests, results, parent_pid, thre
         weights = list(weights.values())
         score = fast.token_logprobs if cfg.fast else common.token_logprobs
         environment = environments.load(cfg, tokenizer)  # --environment / --tools: the episodes are played here
+        # --sampler vllm: the engine draws for this process, taking each version of the weights it publishes
+        engine = vllm_engine.Engine(cfg, tokenizer, torch.device(device), seed - cfg.seed, lambda: have) \
+            if cfg.sampler == "vllm" else None
         reward = None if cfg.reward_model else reward_scorer(cfg, device)  # one reward model: the learner's
         torch.manual_seed(seed)  # the seed this rank's learner samples with in a synchronous run (LoRA's init drew)
         while (request := receive(requests, parent_pid)) != "stop":
@@ -245,8 +248,8 @@ def serve(cfg, seed, weights, version, lock, requests, results, parent_pid, thre
                         p.copy_(w)
             spans.append(("wait", start, time.time()))
             with torch.inference_mode():
-                out = draw_batch(model, tokenizer, environment, play, examples, num_samples, cfg, device)
-                out["greedy"] = draw_batch(model, tokenizer, environment, play, examples, 1, cfg, device,
+                out = draw_batch(model, tokenizer, environment, play, examples, num_samples, cfg, device, engine)
+                out["greedy"] = draw_batch(model, tokenizer, environment, play, examples, 1, cfg, device, engine,
                                            greedy=True) if greedy else None
                 spans.append(("generation", spans[-1][2], time.time()))
                 ids, n = torch.cat([out["prompt_ids"], out["completion_ids"]], 1), out["mask"].shape[1]
@@ -271,25 +274,30 @@ def serve(cfg, seed, weights, version, lock, requests, results, parent_pid, thre
             results.put({**arrays(out), "version": have, "spans": spans,
                          "times": {f"sampler_{phase}": end - begin for phase, begin, end in spans}})
         results.cancel_join_thread()  # "stop": the learner takes no more batches, so one sent ahead need not wait
+        if engine is not None:
+            engine.close()
     except (Exception, SystemExit) as e:  # one line for the learner to print (an environment's is one already)
         results.put({"error": str(e) if isinstance(e, SystemExit) else f"error: the sampler process failed: "
                      f"{type(e).__name__}: {e} (in {traceback.extract_tb(e.__traceback__)[-1].name})"})
         time.sleep(1)  # the queue's feeder thread sends it before the process ends
 
 
-def draw_batch(model, tokenizer, environment, play, examples, num_samples, cfg, device, greedy=False):
+def draw_batch(model, tokenizer, environment, play, examples, num_samples, cfg, device, engine=None, greedy=False):
     """num_samples completions of each example's prompt (greedy: one greedy completion), or with an environment its
     episodes (play: sampling.play), each example's rows adjacent: a dict of per-row prompt_ids, prompt_mask,
     completion_ids, mask (the actions), token_mask, episodes (None without an environment) and logp, the log-probs
-    of the draws taken as they were drawn (fast.generate(logprobs=True), fast.CachedTurns: mu at no extra pass),
-    else None (--fast False: scored after; greedy: not needed)."""
+    of the draws taken as they were drawn (fast.generate(logprobs=True), fast.CachedTurns, a vLLM engine's: mu at no
+    extra pass), else None (--fast False: scored after; greedy: not needed). engine: --sampler vllm's, or None."""
     if environment is not None:  # logp: the actions' log-probs as drawn (None under --fast False; greedy: none)
         played = play(model, tokenizer, environment, examples, cfg, num_samples, greedy, logprobs=not greedy)
         keys = ("prompt_ids", "prompt_mask", "completion_ids", "mask", "token_mask", "episodes", "logp")
         return {"logp": None, **dict(zip(keys, played))}
     k = 1 if greedy else num_samples
     prompt_ids, prompt_mask = tasks.tokenize_prompts(tokenizer, [ex["prompt"] for ex in examples], device)
-    if cfg.fast and not greedy:
+    if engine is not None:
+        completion_ids, logp = engine.generate(model, tokenizer, prompt_ids, prompt_mask, cfg, k, greedy, logprobs=True)
+        logp = None if greedy else logp
+    elif cfg.fast and not greedy:
         completion_ids, logp = fast.generate(model, tokenizer, prompt_ids, prompt_mask, cfg, k, logprobs=True)
     else:
         sample = fast.generate if cfg.fast else common.generate

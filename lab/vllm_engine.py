@@ -35,8 +35,7 @@ START_TIMEOUT_S = 1800  # a first start compiles kernels: minutes on a busy 2-co
 
 def check(cfg):
     """Before any model loads: what the engine cannot do here, one error line each."""
-    refuse = [(cfg.async_rollouts > 0, "--async_rollouts: the engine samples in turn with the updates"),
-              (getattr(cfg, "rollout_lag", 0) > 0, "--rollout_lag: the engine samples with the current weights"),
+    refuse = [(getattr(cfg, "rollout_lag", 0) > 0, "--rollout_lag: the engine samples with the current weights"),
               (bool(getattr(cfg, "environment", "") or getattr(cfg, "tools", "")),
                "--environment or --tools: episodes are played by this repository's decode loop"),
               (cfg.keep_routing != "none", "--keep_routing: vLLM does not return a mixture of experts' routing")]
@@ -82,26 +81,27 @@ def die_with_parent():
 
 class Engine:
     """The trainer's handle on the engine's process: `generate` (common.generate's signature, with logprobs the
-    drawn tokens' log-probs too), `close`. version(): the optimizer steps the policy has taken, which decides when
-    the engine takes its weights again."""
+    drawn tokens' log-probs too), `close`. device: the trainer's (a GPU: the engine shares it); rank: the trainer's
+    process index; version(): the optimizer steps the policy has taken, which decides when the engine takes its
+    weights again."""
 
-    def __init__(self, cfg, accelerator, tokenizer, version):
+    def __init__(self, cfg, tokenizer, device, rank, version):
         self.cfg, self.tokenizer, self.version, self.synced = cfg, tokenizer, version, None
-        self.rank = accelerator.process_index
-        cuda = accelerator.device.type == "cuda"
+        self.rank, self.cuda = rank, device.type == "cuda"
         self.dtype = config.DTYPES[getattr(cfg, "rollout_dtype", cfg.torch_dtype)]
         settings = {"model": cfg.model_name_or_path, "dtype": str(self.dtype).removeprefix("torch."),
                     "max_model_len": model_len(cfg),
-                    "memory": cfg.vllm_memory or (0.3 if cuda else 0.1), "seed": cfg.seed + self.rank,
-                    "device": "cuda" if cuda else "cpu"}
+                    "memory": cfg.vllm_memory or (0.3 if self.cuda else 0.1), "seed": cfg.seed + self.rank,
+                    "device": "cuda" if self.cuda else "cpu"}
         os.makedirs(cfg.output_dir, exist_ok=True)
-        self.log = os.path.join(cfg.output_dir, f"vllm_engine{self.rank if accelerator.num_processes > 1 else ''}"
-                                                ".log")
+        self.log = os.path.join(cfg.output_dir, f"vllm_engine{rank or ''}.log")
         self.folder = tempfile.mkdtemp(prefix="vllm-weights-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", TOKENIZERS_PARALLELISM="false")
         env.pop("OMP_NUM_THREADS", None)  # the engine samples while the trainer waits: it may take every core
-        if cuda:
-            env["CUDA_VISIBLE_DEVICES"] = str(accelerator.device.index or 0)
+        if self.cuda:  # colocated: the trainer's GPU (its index among those CUDA_VISIBLE_DEVICES shows)
+            visible = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+            index = device.index or 0
+            env["CUDA_VISIBLE_DEVICES"] = visible[index] if visible else str(index)
         here, there = multiprocessing.Pipe()
         began = time.perf_counter()
         with open(self.log, "w") as log:
@@ -163,14 +163,21 @@ class Engine:
     def generate(self, model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=1, greedy=False, logprobs=False):
         """common.generate's (B * num_samples, C) completion ids, each prompt's samples adjacent, padded after EOS,
         drawn by the engine with the policy's current weights; with logprobs also the (B * num_samples, C) log-prob
-        of each drawn token under the distribution it was drawn from (0 after EOS)."""
+        of each drawn token under the distribution it was drawn from (0 after EOS). On a GPU the engine sleeps
+        between calls (vLLM's sleep mode, level 1: its weights wait in CPU memory, its cache is freed), so that
+        training has the GPU's memory back."""
+        if self.cuda:
+            self.ask({"op": "wake"}, "waking up")
         self.sync(model)
         k = 1 if greedy else num_samples
         prompts = [row[keep.bool()].tolist() for row, keep in zip(prompt_ids, prompt_mask) for _ in range(k)]
-        seeds = torch.randint(0, 2 ** 31 - 1, (len(prompts),)).tolist()  # the trainer's random state
+        # the trainer's random state (a greedy decode draws nothing: it leaves that state as our decode loop does)
+        seeds = [0] * len(prompts) if greedy else torch.randint(0, 2 ** 31 - 1, (len(prompts),)).tolist()
         answer = self.ask({"op": "generate", "prompts": prompts, "seeds": seeds, "greedy": greedy,
                            "temperature": cfg.temperature, "top_k": cfg.top_k, "top_p": cfg.top_p,
                            "max_tokens": cfg.max_new_tokens, "stop_token_ids": [tokenizer.eos_token_id]}, "sampling")
+        if self.cuda:
+            self.ask({"op": "sleep"}, "going to sleep")
         width = max(1, max(len(t) for t in answer["tokens"]))
         ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)
         logp = torch.zeros(len(prompts), width)
