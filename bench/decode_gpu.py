@@ -118,6 +118,7 @@ def measure(method, model, tokenizer, prompts, samples, args):
     for _ in range(2):  # the warm-up call (the compilation), then the timed one
         if device.type == "cuda":
             torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
         rows, width = call(method, model, tokenizer, prompt_ids, prompt_mask, cfg, samples)
         if device.type == "cuda":
@@ -125,7 +126,8 @@ def measure(method, model, tokenizer, prompts, samples, args):
         seconds.append(time.perf_counter() - start)
     return {"method": method, "prompts": prompts, "samples": samples, "rows": rows, "width": width,
             "first_call_s": seconds[0], "ms_per_step": 1000 * seconds[1] / width,
-            "tokens_per_s": rows * width / seconds[1]}
+            "tokens_per_s": rows * width / seconds[1],  # the timed call's peak memory, in this process only
+            "peak_gib": torch.cuda.max_memory_allocated() / 2 ** 30 if device.type == "cuda" else None}
 
 
 def table(results, methods):
@@ -135,8 +137,9 @@ def table(results, methods):
         cells = []
         for m in methods:
             r = next((r for r in results if (r["prompts"], r["samples"]) == key and r["method"] == m), None)
+            memory = "" if r is None or r.get("peak_gib") is None or m == "vllm" else f", {r['peak_gib']:.1f} GiB"
             cells.append("" if r is None else f"failed: {r['failed']}" if "failed" in r else
-                         f"{r['ms_per_step']:.2f} ({r['tokens_per_s']:,.0f})")
+                         f"{r['ms_per_step']:.2f} ({r['tokens_per_s']:,.0f}{memory})")
         lines.append(f"| {key[0] * key[1]} ({key[0]} × {key[1]}) | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -184,7 +187,7 @@ def main():
             except (Exception, SystemExit) as error:  # noqa: BLE001 - a failure is a result; the others still run
                 print(f"[{prompts} x {samples}] {m} failed: {error!r}", file=sys.stderr)
                 results.append({"method": m, "prompts": prompts, "samples": samples,
-                                "failed": type(error).__name__})
+                                "failed": str(error)[:160] if isinstance(error, SystemExit) else type(error).__name__})
     ratios = []  # the goal's measure: each loop's milliseconds per step over the static-compiled generate's
     for prompts, samples in sizes:
         ms = {r["method"]: r["ms_per_step"] for r in results
@@ -200,7 +203,9 @@ def main():
         f"{next(model.parameters()).dtype}; prompts of {args.prompt_tokens} tokens, {args.max_new_tokens} new tokens, "
         "temperature 1, no top-k or top-p; one warm-up call, then one timed call.",
         f"Command: `{shlex.join(['python', 'bench/decode_gpu.py', *sys.argv[1:]])}`; {time.time() - start:.0f} s.",
-        "", "Milliseconds per decode step (tokens per second):", "", table(results, methods), "",
+        "", "Milliseconds per decode step (tokens per second, and on a GPU the timed call's peak memory in this "
+        "process; vLLM's is its own process's, the share `--vllm_memory` of the GPU, 0.3 by default):", "",
+        table(results, methods), "",
         f"Against the static-compiled generate: {'; '.join(ratios) or 'not measured'}.", "",
         f"First calls (compilation included): {firsts}.", ""])
     print(report)

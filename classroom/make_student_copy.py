@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT / "classroom"))
 from hint import HINTS  # noqa: E402
 
 BEGIN, END, HINT = "# BEGIN SOLUTION", "# END SOLUTION", "# HINT:"
-SKIP_DIRS = {".git", ".venv", "venv", "runs", "__pycache__", ".pytest_cache", "mutants"}
+SKIP_DIRS = {".git", ".venv", ".venv-vllm", "venv", "runs", "__pycache__", ".pytest_cache", "mutants"}
 # The teacher's files: the grader (its sandboxed runner, its hidden cases and tests), the wrong versions of
 # each exercise (pieces of the solutions) and the grader's tests, the mutation run. A path ending in "/" is a
 # folder.

@@ -41,7 +41,7 @@ def check(cfg):
     refuse = [(getattr(cfg, "rollout_lag", 0) > 0 or getattr(cfg, "rollout_dtype", cfg.torch_dtype) != cfg.torch_dtype,
                "--rollout_lag or --rollout_dtype: the sampler process is the stale copy"),
               (getattr(cfg, "budget", "uniform") != "uniform", "--budget knapsack: it allocates from fresh outcomes"),
-              (getattr(cfg, "sampler", "independent") != "independent", "--sampler tree: the process samples each "
+              (getattr(cfg, "sampler", "independent") == "tree", "--sampler tree: the process samples each "
                "completion on its own")]
     refuse.append((routing.names_moe(cfg.model_name_or_path),
                    "a mixture-of-experts policy: its routing is not replayed across processes"))

@@ -8,7 +8,7 @@ import pytest
 from conftest import ROOT
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-SKIP_DIRS = {".venv", ".git", "runs", "__pycache__", ".pytest_cache"}
+SKIP_DIRS = {".venv", ".venv-vllm", ".git", "runs", "__pycache__", ".pytest_cache"}
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 MD_PATH = re.compile(r"[\w./-]*\w\.md\b")
 
@@ -82,7 +82,7 @@ def test_the_repository_speaks_only_of_the_project():
     notes outside the repository. (The patterns are spelled so that this file does not match them.)"""
     pattern = re.compile(r"issue [0-9]|lent[ ]to|this[ ]task", re.IGNORECASE)
     outside = re.compile(r"ALGORITHMS[.]md|shared[/]")
-    skip = {".git", ".venv", "venv", "runs", "__pycache__", ".pytest_cache"}
+    skip = {".git", ".venv", ".venv-vllm", "venv", "runs", "__pycache__", ".pytest_cache"}
     files = [p for p in ROOT.rglob("*") if p.is_file() and not skip & set(p.relative_to(ROOT).parts)
              and p.suffix in (".py", ".md", ".yaml", ".yml", ".txt", ".toml", ".cfg", "")]
     found = [f"{path.relative_to(ROOT)}:{i}: {line.strip()}" for path in files

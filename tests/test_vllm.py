@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import common
-from conftest import ROOT
+from conftest import ROOT, run_together
 from lab import vllm_engine
 from support import config, fast, tasks
 
@@ -257,15 +257,18 @@ def test_a_resumed_run_samples_as_the_uninterrupted_one(tmp_path):
     completion's seed comes from the trainer's random state, which the checkpoint holds): the same rewards."""
     args = ["--sampler", "vllm", "--batch_size", "16", "--num_generations", "4", "--save_steps", "2",
             "--log_rollouts", "0"]
-    whole = run("lab/grpo.py", *args, "--num_steps", "4", "--output_dir", str(tmp_path / "whole"))
-    first = run("lab/grpo.py", *args, "--num_steps", "2", "--output_dir", str(tmp_path / "parts"))
+    script = [sys.executable, "lab/grpo.py", *args]
+    whole, first = run_together([script + ["--num_steps", "4", "--output_dir", str(tmp_path / "whole")],
+                                 script + ["--num_steps", "2", "--output_dir", str(tmp_path / "parts")]],
+                                {**os.environ, "OMP_NUM_THREADS": "1"})
     second = run("lab/grpo.py", *args, "--num_steps", "4", "--output_dir", str(tmp_path / "parts"),
                  "--resume_from", "latest")
     assert whole.returncode == first.returncode == second.returncode == 0, (whole.stderr + second.stderr)[-3000:]
     rows, resumed = metrics(tmp_path / "whole"), metrics(tmp_path / "parts")
     assert [r["step"] for r in resumed] == [0, 1, 2, 3, 4]
     for row, other in zip(rows[3:], resumed[3:]):
-        assert row["train/reward"] == other["train/reward"] and row["train/len"] == other["train/len"], row["step"]
+        assert row["train/reward"] == other["train/reward"] and row["train/completion_len"] == other["train/completion_len"], \
+            row["step"]
 
 
 # ---- what is refused, before any model loads (no engine needed) ----
