@@ -155,6 +155,23 @@ def is_r1_format(completion):
     return THINK_THEN_ANSWER.fullmatch(completion) is not None
 
 
+def add_format_reward(cfg, rewards, correct, completions):
+    """(rewards + --format_reward_weight x R1's format reward, stats) with the terms' shares logged apart:
+    train/reward/accuracy (the rule reward's correctness), train/reward/format (the format reward, unweighted,
+    when it is on) and, under --answer_check math, train/answer_timeouts (answers past the time limit since the
+    last step's count, evaluations' included)."""
+    import torch
+
+    stats = {"train/reward/accuracy": correct.float().mean().item()}
+    if cfg.format_reward_weight:
+        formatted = torch.tensor(format_reward(completions), device=rewards.device)
+        rewards = rewards + cfg.format_reward_weight * formatted
+        stats["train/reward/format"] = formatted.mean().item()
+    if cfg.answer_check == "math":
+        stats["train/answer_timeouts"] = take_timeouts()
+    return rewards, stats
+
+
 # ---- reward functions, called as TRL's GRPOTrainer calls them (docs/your_task.md) ----
 def text_of(completion):
     """A completion's text: itself, or the content of its one assistant message (TRL's conversational format)."""
