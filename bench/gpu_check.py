@@ -297,7 +297,7 @@ def main():
     parser.add_argument("--recipe", action="store_true", help="The README's GPU recipe: grpo.py (and lab/grpo.py "
                         "--sampler vllm) beside docs/scaling.md's arithmetic.")
     parser.add_argument("--out", help="Markdown file for the table, and the raw numbers next to it as .json ('' = "
-                        "stdout only; default runs/gpu_check/gpu_check.md, --recipe: recipe.md).")
+                        "stdout only; default runs/gpu_check/gpu_check.md, --recipe: runs/gpu_check/recipe.md).")
     args = parser.parse_args()
     defaults = {"steps": 3, "batch_size": 16, "micro_batch_size": 8, "max_new_tokens": 256,
                 "out": str(ROOT / "runs/gpu_check/gpu_check.md")}

@@ -41,7 +41,7 @@ def test_gpu_check_allow_cpu_runs_the_code_path_on_a_tiny_model(tmp_path):
 def test_gpu_check_recipe_allow_cpu_runs_grpo_on_a_gsm8k_shaped_file_with_a_bpe_tokenizer(tmp_path):
     """--recipe's code path on CPU: two steps of grpo.py (the lesson) on the GSM8K-shaped file, with the tokenizer
     built here; lab/grpo.py --sampler vllm is left out with the reason where vLLM or the flag is missing."""
-    out = tmp_path / "recipe.md"
+    out = (tmp_path / "recipe").with_suffix(".md")
     cmd = [sys.executable, "bench/gpu_check.py", "--recipe", "--allow_cpu", "--batch_size", "8", "--micro_batch_size",
            "4", "--max_new_tokens", "4", "--out", str(out)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=NO_GPU)
