@@ -189,9 +189,11 @@ class TrainConfig(BaseConfig):
                     eval_samples=NON_NEGATIVE)
         check(self.answer_check != "math" or importlib.util.find_spec("math_verify"), "--answer_check math checks "
               "answers with math-verify, which is not installed: pip install -r requirements-math.txt")
-        check(self.prompt_template == "chat" or self.dataset not in ("arithmetic", "tool_arithmetic"),
-              "--prompt_template r1_zero is for --dataset gsm8k or a file; the arithmetic task's prompts are bare "
-              "sums.")
+        real = self.dataset not in ("arithmetic", "tool_arithmetic")
+        check(real or self.prompt_template == "chat", "--prompt_template r1_zero is for --dataset gsm8k or a file; "
+              "the arithmetic task's prompts are bare sums.")
+        check(real or self.answer_check != "math", "--answer_check math is for --dataset gsm8k or a file; the "
+              "arithmetic task's answers are checked exactly.")
         check_rules(self, torch_dtype=one_of(*DTYPES), reward_model_dtype=one_of(*DTYPES))
         if self.torch_dtype != "float32" and self.lora_r == 0:
             say(f"warning: --torch_dtype {self.torch_dtype} without --lora_r trains the weights in "

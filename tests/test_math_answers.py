@@ -167,8 +167,11 @@ def test_without_math_verify_asking_for_it_is_one_error_line_naming_the_install_
 
 
 def test_the_lessons_load_neither_this_module_nor_math_verify():
+    """Their import closure stays the lesson's machinery: the math check, the reward model and pass@k load only when
+    a (lab) flag asks for them."""
     code = ("import sys, grpo, remax, rloo, dapo, ppo, reinforce_pp\n"
-            "print(sorted(m for m in sys.modules if m.startswith(('math_verify', 'support.math_answers', 'sympy'))))")
+            "print(sorted(m for m in sys.modules if m.startswith(('math_verify', 'sympy', 'support.math_answers', "
+            "'support.reward_model', 'lab'))))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "[]"

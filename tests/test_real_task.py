@@ -2,6 +2,7 @@
 reads a Hub dataset; gold answers math-verify cannot parse counted and reported once; the R1-Zero prompt; R1's format
 reward beside the verified accuracy, each logged; pass@k and mean@k (the unbiased estimator against brute-force
 enumeration); a two-step run of lab/grpo.py on a MATH-500 file with all of it."""
+import importlib.util
 import itertools
 import json
 import os
@@ -95,6 +96,9 @@ def test_r1_zero_template_wraps_the_question_without_the_chat_template(tmp_path,
 def test_flags_of_the_real_task_are_checked_before_any_model_loads():
     with pytest.raises(ValueError, match="--prompt_template r1_zero is for --dataset gsm8k or a file"):
         config.TrainConfig(prompt_template="r1_zero")
+    if importlib.util.find_spec("math_verify"):
+        with pytest.raises(ValueError, match="--answer_check math is for --dataset gsm8k or a file"):
+            config.TrainConfig(answer_check="math", dataset="tool_arithmetic")
     with pytest.raises(ValueError, match="--prompt_template must be chat or r1_zero"):
         config.TrainConfig(prompt_template="r1")
     with pytest.raises(ValueError, match="--eval_samples must be >= 0"):
@@ -178,3 +182,19 @@ def test_lab_grpo_trains_on_a_math500_file_with_the_verified_reward_and_logs_pas
     assert len(trained) == 2 and all({"train/reward/accuracy", "train/reward/format"} <= r.keys() for r in trained)
     assert [r["train/reward"] for r in trained] == [r["train/reward"] for r in plain if "train/reward" in r]
     assert torch.isfinite(torch.tensor([r["train/loss"] for r in trained])).all()
+
+
+def test_a_lesson_file_takes_the_verified_reward_as_a_reward_function(tmp_path):
+    """grpo.py keeps its flags: on a GSM8K-shaped file it takes accuracy_reward and format_reward with --reward_fn,
+    each logged under its name."""
+    pytest.importorskip("math_verify")
+    cmd = [sys.executable, "grpo.py", "--dataset", write(tmp_path / "gsm8k.jsonl", GSM8K * 3),
+           "--reward_fn", "support/math_answers.py:accuracy_reward",
+           "--reward_fn", "support/math_answers.py:format_reward",
+           "--num_steps", "2", "--batch_size", "4", "--num_generations", "2", "--max_new_tokens", "4",
+           "--eval_every", "100", "--output_dir", str(tmp_path / "run")]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    trained = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "train/reward" in r]
+    assert len(trained) == 2
+    assert all({"train/reward/accuracy_reward", "train/reward/format_reward"} <= r.keys() for r in trained)
