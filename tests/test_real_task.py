@@ -198,3 +198,28 @@ def test_a_lesson_file_takes_the_verified_reward_as_a_reward_function(tmp_path):
     trained = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "train/reward" in r]
     assert len(trained) == 2
     assert all({"train/reward/accuracy_reward", "train/reward/format_reward"} <= r.keys() for r in trained)
+
+
+def test_without_math_verify_the_flag_is_one_error_line_naming_the_install_step(tmp_path, monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *args: None if name == "math_verify" else
+                        find_spec(name, *args))
+    data = write(tmp_path / "g.jsonl", GSM8K)
+    with pytest.raises(SystemExit, match=r"^error: --answer_check math checks answers with math-verify, which is not "
+                                         r"installed: pip install -r requirements-math.txt$"):
+        config.parse_config(config.TrainConfig, ["--dataset", data, "--answer_check", "math", "--output_dir",
+                                                 str(tmp_path / "run")])
+
+
+def test_the_sampler_process_checks_math_answers_in_its_main_thread(tmp_path):
+    """--async_rollouts: the rewards are scored in the sampler process, whose main thread runs the time limit."""
+    pytest.importorskip("math_verify")
+    cmd = [sys.executable, "lab/grpo.py", "--dataset", write(tmp_path / "m.jsonl", MATH_500 * 4), "--prompt_column",
+           "problem", "--answer_check", "math", "--format_reward_weight", "0.5", "--async_rollouts", "1",
+           "--num_steps", "2", "--batch_size", "4", "--num_generations", "2", "--max_new_tokens", "4",
+           "--eval_size", "2", "--eval_every", "100", "--log_rollouts", "0", "--save_model", "False",
+           "--output_dir", str(tmp_path / "run")]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    trained = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "train/reward" in r]
+    assert len(trained) == 2 and all(r["train/answer_timeouts"] == 0 and "train/reward/format" in r for r in trained)
