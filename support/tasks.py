@@ -181,7 +181,8 @@ def is_conversation(prompt):
 def math_examples(rows, cfg, tokenizer, split, first_row=1):
     """The examples of a real dataset's rows, each checked first: its prompt is text that is not empty (or a
     conversation, for a tokenizer with a chat template), and its answer one that --answer_check can read. A row
-    that fails is an error naming it (`first_row`: the number of rows[0] in the file or split, counting from 1)."""
+    that fails is an error naming it (`first_row`: the number of rows[0] in the file or split, counting from 1);
+    under --answer_check math one whose gold answer math-verify cannot parse is left out, counted in one warning."""
     examples, too_long, unparsable = [], 0, []
     chat = cfg.use_chat_template and tokenizer is not None and bool(tokenizer.chat_template)
     for number, row in enumerate(rows, first_row):
@@ -224,8 +225,9 @@ def math_examples(rows, cfg, tokenizer, split, first_row=1):
         print(f"warning: dropped {too_long} {split} prompts longer than --max_prompt_length "
               f"{cfg.max_prompt_length} tokens", flush=True)
     if unparsable:
+        listed = ", ".join(map(str, unparsable[:5])) + (", ..." if len(unparsable) > 5 else "")
         print(f"warning: left out {len(unparsable)} {split} rows of --dataset {cfg.dataset!r} whose --answer_column "
-              f"{cfg.answer_column!r} math-verify cannot parse (rows {unparsable[:5]}...)", flush=True)
+              f"{cfg.answer_column!r} math-verify cannot parse (rows {listed})", flush=True)
     if not examples:
         raise SystemExit(f"error: no usable {split} prompts in --dataset {cfg.dataset!r} "
                          "(all longer than --max_prompt_length).")

@@ -82,7 +82,7 @@ def test_rows_whose_gold_math_verify_cannot_parse_are_counted_and_reported_once(
     train, held_out = tasks.load_task(cfg, tokenizer)
     assert len(train) == 2 and len(held_out) == 1
     warnings = [line for line in capsys.readouterr().out.splitlines() if "math-verify cannot parse" in line]
-    assert len(warnings) == 1 and "left out 2 train rows" in warnings[0] and "rows [2, 3]" in warnings[0]
+    assert len(warnings) == 1 and "left out 2 train rows" in warnings[0] and "(rows 2, 3)" in warnings[0]
 
 
 def test_r1_zero_template_wraps_the_question_without_the_chat_template(tmp_path, tokenizer):
