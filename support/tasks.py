@@ -1,7 +1,7 @@
-"""Tasks and rewards: the built-in arithmetic task, real data (GSM8K or a local file) with its
-rule reward, an optional reward model, the reward that adds the --reward_fn functions to them (how those are
-called: support/reward_functions.py), the prompt sampler, held-out evaluation, and prompts to token ids and
-completions back to text."""
+"""Tasks and rewards: the built-in arithmetic task, real data (GSM8K or a local file) with its rule reward
+(--answer_check math: support/math_answers.py), an optional reward model (support/reward_model.py), the reward that
+adds the --reward_fn functions to them (how those are called: support/reward_functions.py), the prompt sampler,
+held-out evaluation, and prompts to token ids and completions back to text."""
 import ast
 import hashlib
 import math
@@ -229,8 +229,8 @@ def math_examples(rows, cfg, tokenizer, split, first_row=1):
         print(f"warning: left out {len(unparsable)} {split} rows of --dataset {cfg.dataset!r} whose --answer_column "
               f"{cfg.answer_column!r} math-verify cannot parse (rows {listed})", flush=True)
     if not examples:
-        raise SystemExit(f"error: no usable {split} prompts in --dataset {cfg.dataset!r} "
-                         "(all longer than --max_prompt_length).")
+        raise SystemExit(f"error: no usable {split} prompts in --dataset {cfg.dataset!r} (all longer than "
+                         f"--max_prompt_length{', or with gold answers math-verify cannot parse' * bool(unparsable)}).")
     return examples
 
 
