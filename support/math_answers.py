@@ -8,6 +8,7 @@ Loaded only when asked for: by --answer_check math (support/tasks.py imports it 
 from TRL: `GRPOTrainer(reward_funcs=[accuracy_reward, format_reward], ...)`). math-verify itself is imported on
 the first check: `pip install -r requirements-math.txt`.
 """
+import contextlib
 import functools
 import re
 import signal
@@ -31,18 +32,28 @@ class TimeLimit(BaseException):
     """An answer's check ran past its time limit (a BaseException: math-verify's `except Exception` lets it by)."""
 
 
-def math_verify():
-    """The math_verify module, imported on first use; not installed: one error line naming the install step."""
-    try:
-        import math_verify
-    except ImportError:
-        raise SystemExit(f"error: checking math answers (--answer_check math, or its reward functions) needs "
-                         f"math-verify, which is not installed: {INSTALL}") from None
-    import logging
+_LOADED = []
 
-    # its own timers are off (ours bounds the whole answer, below): it would warn so once per process
-    logging.getLogger("math_verify").setLevel(logging.ERROR)
-    return math_verify
+
+def math_verify():
+    """The math_verify module, imported on first use and warmed up; not installed: one error line naming the
+    install step."""
+    if not _LOADED:
+        try:
+            import math_verify
+        except ImportError:
+            raise SystemExit(f"error: checking math answers (--answer_check math, or its reward functions) needs "
+                             f"math-verify, which is not installed: {INSTALL}") from None
+        import logging
+
+        # its own timers are off (ours bounds the whole answer, below): it would warn so once per process
+        logging.getLogger("math_verify").setLevel(logging.ERROR)
+        # the first parse and comparison build math-verify's LaTeX parser and load sympy's parts, slowly: here,
+        # outside any answer's time limit
+        one = math_verify.parse("$1$", parsing_timeout=None)
+        math_verify.verify(one, one, timeout_seconds=None)
+        _LOADED.append(math_verify)
+    return _LOADED[0]
 
 
 def last_boxed(text):
@@ -66,17 +77,19 @@ def gold_answer(value):
     text = str(value)
     gold = text.rpartition("####")[2] if "####" in text else last_boxed(text)
     gold = (text if gold is None else gold).strip()
-    return gold if gold and parse_gold(gold) else ""
+    math_verify()  # imported and warmed up outside the time limit
+    try:
+        with time_limit(TIME_LIMIT_S):
+            return gold if gold and parse_gold(gold) else ""
+    except TimeLimit:
+        return ""
 
 
 @functools.lru_cache(maxsize=65536)
 def parse_gold(gold):
-    """The gold answer parsed by math-verify, as if the model had boxed it (a tuple: cached); () if unparsable."""
-    try:
-        with time_limit(TIME_LIMIT_S):
-            return tuple(math_verify().parse("\\boxed{" + gold + "}", parsing_timeout=None))
-    except TimeLimit:
-        return ()
+    """The gold answer parsed by math-verify, as if the model had boxed it (a tuple: cached); () if unparsable. No
+    time limit of its own: its callers run it under theirs, and a parse cut short raises, so is not cached."""
+    return tuple(math_verify().parse("\\boxed{" + gold + "}", parsing_timeout=None))
 
 
 def final_answer_text(completion):
@@ -90,39 +103,36 @@ def check(completion, gold, time_limit_s=TIME_LIMIT_S):
     """(right, timed_out): whether math-verify finds the completion's answer equal to the gold answer (text, as
     gold_answer returns it), parsing and comparing within time_limit_s; past it the answer is wrong and timed_out.
     Main thread only: the limit is a SIGALRM timer (math-verify's own are too), which Python runs there alone."""
-    mv, golds = math_verify(), parse_gold(gold)
-    if not golds or not completion:
+    mv = math_verify()  # imported and warmed up outside the time limit
+    if not gold or not completion:
         return False, False
     try:
         with time_limit(time_limit_s):
-            answer = mv.parse(final_answer_text(completion), parsing_timeout=None)
-            return bool(mv.verify(list(golds), answer, timeout_seconds=None)), False
+            golds, answer = parse_gold(gold), mv.parse(final_answer_text(completion), parsing_timeout=None)
+            return bool(golds) and bool(mv.verify(list(golds), answer, timeout_seconds=None)), False
     except TimeLimit:
         return False, True
 
 
-class time_limit:
+def expire(signum, frame):
+    raise TimeLimit()
+
+
+@contextlib.contextmanager
+def time_limit(seconds):
     """`with time_limit(seconds):` raises TimeLimit in the block once `seconds` have passed (a SIGALRM timer, as
-    math-verify's; in another thread than the main one: a RuntimeError saying so)."""
-
-    def __init__(self, seconds):
-        self.seconds = seconds
-
-    def __enter__(self):
-        if threading.current_thread() is not threading.main_thread():
-            raise RuntimeError("math answers are checked in the main thread only: their time limit is a SIGALRM "
-                               "timer, which Python runs there alone (math-verify's own timers too).")
-
-        def expire(signum, frame):
-            raise TimeLimit()
-
-        self.previous = signal.signal(signal.SIGALRM, expire)
-        signal.setitimer(signal.ITIMER_REAL, self.seconds)
-
-    def __exit__(self, *exc):
+    math-verify's; in another thread than the main one: a RuntimeError saying so). The timer and the previous
+    handler are restored however the block ends, the limit's own TimeLimit included."""
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError("math answers are checked in the main thread only: their time limit is a SIGALRM timer, "
+                           "which Python runs there alone (math-verify's own timers too).")
+    previous = signal.signal(signal.SIGALRM, expire)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+        yield
+    finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, self.previous if self.previous is not None else signal.SIG_DFL)
-        return False
+        signal.signal(signal.SIGALRM, signal.SIG_DFL if previous is None else previous)
 
 
 class Timeouts:

@@ -1,6 +1,7 @@
 """support/math_answers.py: math answers checked with math-verify. A table of hand-picked (completion, gold, expected)
 cases, each with the reason for its expected value; gold answers read from the datasets' published shapes; the time
 limit per answer; R1's format; the reward functions called as TRL calls them; math-verify loaded only when asked for."""
+import importlib.util
 import subprocess
 import sys
 import threading
@@ -8,9 +9,10 @@ import threading
 import pytest
 
 from conftest import ROOT
+from support import math_answers
 
-pytest.importorskip("math_verify")  # requirements-math.txt; .ci/run installs it
-from support import math_answers  # noqa: E402
+# requirements-math.txt (.ci/run installs it); the tests of what happens without it run either way
+needs_math_verify = pytest.mark.skipif(importlib.util.find_spec("math_verify") is None, reason="math-verify")
 
 # (completion, the dataset's gold value, expected, why)
 CASES = [
@@ -75,6 +77,7 @@ CASES = [
 ]
 
 
+@needs_math_verify
 @pytest.mark.parametrize("completion, gold, expected, why", CASES, ids=[c[3][:60] for c in CASES])
 def test_math_verify_decides_each_case_of_the_table(completion, gold, expected, why):
     right, timed_out = math_answers.check(completion, math_answers.gold_answer(gold))
@@ -85,6 +88,7 @@ def test_the_table_has_at_least_40_cases_with_both_verdicts():
     assert len(CASES) >= 40 and {c[2] for c in CASES} == {True, False}
 
 
+@needs_math_verify
 @pytest.mark.parametrize("value, gold", [
     ("Weng earns 12/60 = $<<12/60=0.2>>0.2 per minute.\n#### 10", "10"),
     (r"The area is $\boxed{\frac{\sqrt{3}}{4}}$.", r"\frac{\sqrt{3}}{4}"),
@@ -107,6 +111,7 @@ def test_last_boxed_reads_nested_braces_and_ignores_an_unclosed_box():
     assert math_answers.last_boxed(r"\boxed{\frac{1}{2}") is None
 
 
+@needs_math_verify
 def test_a_pathological_answer_scores_0_within_the_time_limit_and_is_counted():
     """10^(10^10) has ten billion digits: sympy would compute it for hours. The answer's check stops at its time
     limit, scores 0 and is counted, and the next answer is checked as usual (the timer is cleared)."""
@@ -119,6 +124,26 @@ def test_a_pathological_answer_scores_0_within_the_time_limit_and_is_counted():
     time.sleep(0.6)  # no timer left over: nothing fires after the check returned
 
 
+@needs_math_verify
+def test_a_gold_answer_parse_cut_short_is_not_remembered_as_unparsable():
+    """A parse stopped by the time limit (a loaded machine) raises through the gold answers' cache: the next check
+    parses that gold again, instead of finding it unparsable for the rest of the run."""
+    assert math_answers.check(r"\boxed{12345}", "12345/1", time_limit_s=1e-6) == (False, True)
+    assert math_answers.check(r"\boxed{12345}", "12345/1") == (True, False)
+    assert math_answers.gold_answer("12346/2") == "12346/2"
+
+
+@needs_math_verify
+def test_importing_math_verify_is_outside_the_first_answers_time_limit():
+    """A fresh process's first check imports math-verify and builds its parser (seconds on a loaded machine) before
+    its timer starts: its answer gets the whole limit, and no import is cut half-way."""
+    code = ("from support import math_answers\n"
+            "print(math_answers.gold_answer('#### 3/4'), math_answers.check('0.75', '3/4', time_limit_s=0.5))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert proc.stdout.strip() == "3/4 (True, False)", proc.stderr[-2000:]
+
+
+@needs_math_verify
 def test_outside_the_main_thread_the_check_says_it_needs_the_main_thread():
     errors = []
 
@@ -134,6 +159,7 @@ def test_outside_the_main_thread_the_check_says_it_needs_the_main_thread():
     assert errors and "main thread" in errors[0]
 
 
+@needs_math_verify
 def test_reward_functions_take_trl_arguments_text_or_conversations():
     """TRL calls f(completions, **columns): completions as text, or as [{"role": "assistant", "content": ...}];
     the gold from `answer`, else from `solution`; an unparsable gold gives None (the row does not count)."""
