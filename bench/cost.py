@@ -142,16 +142,16 @@ def run_child(script, result_path, script_args):
 # ----------------------------------------------------------------------------------------
 # parent: one subprocess per (model, algorithm), then the tables
 # ----------------------------------------------------------------------------------------
-def make_large_model(folder, shape=LARGE_CONFIG):
-    """A randomly initialised Qwen2 of `shape` (LARGE_CONFIG unless given) with the embedded tokenizer,
-    saved to `folder`. The vocabulary is the tokenizer's unless `shape` sets vocab_size."""
+def make_large_model(folder, shape=LARGE_CONFIG, tokenizer=None):
+    """A randomly initialised Qwen2 of `shape` (LARGE_CONFIG unless given) with `tokenizer` (default: the embedded
+    one), saved to `folder`. The vocabulary is the tokenizer's unless `shape` sets vocab_size."""
     import torch
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
     sys.path.insert(0, str(ROOT))
     from support.config import EMBEDDED_MODEL
 
-    tokenizer = AutoTokenizer.from_pretrained(EMBEDDED_MODEL)
+    tokenizer = tokenizer or AutoTokenizer.from_pretrained(EMBEDDED_MODEL)
     config = Qwen2Config(bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id, **{"vocab_size": len(tokenizer), **shape})
     torch.manual_seed(0)

@@ -23,12 +23,20 @@ From metrics.jsonl, averaged over the steps after the first: s/step (time/step_s
 time/generation_s, so ReMax's greedy decodes count at the sampled mean length) and completion tokens per
 second of the whole step (time/tokens_per_s).
 
+--recipe checks the README's GPU recipe instead: two steps of grpo.py with its flags scaled to one GPU (batch 16
+per process, micro-batch 4, 512 new tokens, learning rate 1e-6; the same per process as on 8 GPUs) on a file of
+GSM8K's shape, and of `lab/grpo.py --sampler vllm` where vLLM is installed and the flag exists (else one line says
+why not), with a random model of Qwen2.5-0.5B's shape and a byte-level BPE tokenizer of Qwen2.5's vocabulary size
+built here (RecipeTokenizer). It prints s/step, completion tokens/s, the peak GPU memory and the memory predicted per
+GPU on 8 GPUs (the peak plus DDP's fp32 gradient buckets, 4 B a parameter) beside docs/scaling.md's arithmetic.
+
 Without CUDA it says so and exits 0. With --allow_cpu it runs instead, on CPU, a 2-layer model of the same
 family and vocabulary, to test the code path; its numbers mean nothing.
 
     python bench/gpu_check.py                                           # -> runs/gpu_check/gpu_check.md
     python bench/gpu_check.py --algorithms remax,grpo --precisions bf16 --steps 5
     python bench/gpu_check.py --allow_cpu --algorithms remax --steps 2 --batch_size 4 --max_new_tokens 4
+    python bench/gpu_check.py --recipe                                  # -> runs/gpu_check/recipe.md
 """
 import argparse
 import json
@@ -94,16 +102,17 @@ def count_params(model_path):
     return sum(p.numel() for p in model.parameters())
 
 
-def run_one(algorithm, precision, launch, model_path, args, workdir):
+def run_one(algorithm, precision, launch, model_path, args, workdir, script=None, flags=("--save_model", "False")):
+    """One run of `script` (default lab/<algorithm>.py) with the benchmark's flags and `flags`, in a subprocess."""
     name = f"{algorithm}_{precision}_{launch['name']}"
     out_dir, result_path = Path(workdir) / name, Path(workdir) / f"{name}.json"
     script_args = ["--model_name_or_path", model_path, "--num_steps", str(args.steps),
                    "--batch_size", str(args.batch_size), "--micro_batch_size", str(args.micro_batch_size),
                    "--max_new_tokens", str(args.max_new_tokens), "--eval_every", "1000000", "--log_every", "1000000",
-                   "--save_model", "False", "--seed", "0", "--output_dir", str(out_dir)]
+                   *flags, "--seed", "0", "--output_dir", str(out_dir)]
     cmd = [sys.executable, "-m", "accelerate.commands.launch", *launch["flags"], "--num_machines", "1",
            "--dynamo_backend", "no", "--mixed_precision", precision, str(Path(__file__).resolve()), "--child",
-           str(ROOT / "lab" / f"{algorithm}.py"), str(result_path), "--", *script_args]
+           str(script or ROOT / "lab" / f"{algorithm}.py"), str(result_path), "--", *script_args]
     proc = subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True)
     if proc.returncode != 0:
         print(f"[{name}] failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}", file=sys.stderr)
@@ -118,16 +127,17 @@ def run_one(algorithm, precision, launch, model_path, args, workdir):
         return {"algorithm": algorithm, "precision": precision, "setting": launch["name"], "failed": "no step trained"}
     on_gpu = ranks[0]["cuda_peak_bytes"] is not None
 
-    def mean(value):
-        return sum(value(r) for r in timed) / len(timed)
+    def mean(value, needs="time/step_s"):  # None where a metric is not logged (the lesson files log fewer)
+        return sum(value(r) for r in timed) / len(timed) if all(needs in r for r in timed) else None
 
     return {"algorithm": algorithm, "precision": precision, "setting": launch["name"], "device": ranks[0]["device"],
             "processes": len(ranks), "on_gpu": on_gpu, "timed_steps": len(timed),
             "peak_bytes": max(r["cuda_peak_bytes"] if on_gpu else r["peak_rss_bytes"] for r in ranks),
             "step_s": mean(lambda r: r["time/step_s"]),
             "generation_tokens_per_s": mean(lambda r: r["train/completion_len"] * r["train/generated"]
-                                            / r["time/generation_s"]),
-            "tokens_per_s": mean(lambda r: r["time/tokens_per_s"]),
+                                            / r["time/generation_s"], "time/generation_s"),
+            "tokens_per_s": mean(lambda r: r["time/tokens_per_s"], "time/tokens_per_s")
+            or mean(lambda r: r["train/completion_len"] * args.batch_size / r["time/step_s"]),  # the same, unlogged
             "completion_len": mean(lambda r: r["train/completion_len"])}
 
 
@@ -147,20 +157,155 @@ def table(results):
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------------------
+# --recipe: the README's GPU recipe, two steps on one GPU
+# ----------------------------------------------------------------------------------------
+# README.md's recipe, per process (the same on one GPU as on each of 8); docs/scaling.md's arithmetic assumes
+# prompts of up to 512 tokens
+RECIPE = {"steps": 2, "batch_size": 16, "micro_batch_size": 4, "max_new_tokens": 512}
+RECIPE_FLAGS = ["--learning_rate", "1e-6"]
+DOCS_PROMPT_TOKENS = 512
+QWEN25_TOKENS = 151643  # Qwen2.5's tokenizer: its byte-level BPE tokens, before its special tokens
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+          "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def build_tokenizer(folder, size=QWEN25_TOKENS):
+    """A byte-level BPE tokenizer of `size` tokens plus Qwen's special tokens and ChatML template, built here: trained
+    on the repository's own text (its merges, about 16k, decide how text splits: about 3.6 characters a token on
+    README.md), then grown to `size` with merges of pairs of its commonest tokens (valid merges, rare in text), so
+    that its vocabulary, the embedding and logits it implies, and its decode are a real tokenizer's size."""
+    import itertools
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer, tokenizer.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    files = [str(p) for p in [*ROOT.glob("*.md"), *ROOT.glob("docs/*.md"), *ROOT.glob("*.py"), *ROOT.glob("*/*.py")]]
+    tokenizer.train(files, trainers.BpeTrainer(vocab_size=size + len(SPECIAL_TOKENS), special_tokens=SPECIAL_TOKENS,
+                                               initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                               show_progress=False))
+    state = json.loads(tokenizer.to_str())
+    vocab, merges = state["model"]["vocab"], state["model"]["merges"]
+    commonest = sorted(vocab, key=vocab.get)[len(SPECIAL_TOKENS):1000]  # by id: the alphabet, then the first merges
+    for a, b in itertools.product(commonest, commonest):
+        if len(vocab) >= size + len(SPECIAL_TOKENS):
+            break
+        if a + b not in vocab:
+            vocab[a + b] = len(vocab)
+            merges.append([a, b])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(state)),
+                                        eos_token="<|im_end|>", pad_token="<|endoftext|>", padding_side="left")
+    tokenizer.chat_template = CHATML
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+def write_gsm8k_shaped(path, rows=64):
+    """A file of GSM8K's shape (question, answer ending in '#### N'), its questions of GSM8K's length."""
+    with open(path, "w") as f:
+        for i in range(rows):
+            a, b = 12 + i, 3 + i % 7
+            f.write(json.dumps({
+                "question": f"A baker makes {a} loaves of bread every morning and sells them at the market. On "
+                            f"Saturday she bakes {b} times as many loaves as on a weekday, and a café buys half of "
+                            "Saturday's loaves before the market opens. How many loaves are left for the market?",
+                "answer": f"On Saturday she bakes {a} * {b} = {a * b} loaves.\nThe café buys {a * b} / 2 loaves.\n"
+                          f"#### {a * b / 2:g}"}) + "\n")
+    return path
+
+
+def docs_estimate_bytes(shape, params, micro_batch, new_tokens, prompt_tokens=DOCS_PROMPT_TOKENS):
+    """docs/scaling.md's arithmetic for recipe (a) on one GPU of 8: fp32 weights, gradients and two AdamW moments
+    (16 B a parameter), the fp32 reference (4 B), one micro-batch's completion logits three times in fp32, and its
+    activations (about 7 x hidden + 4 x MLP bf16 values a token and layer)."""
+    h, mlp, layers, vocab = (shape[k] for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "vocab_size"))
+    logits = 3 * 4 * micro_batch * (new_tokens + 1) * vocab
+    activations = 2 * (7 * h + 4 * mlp) * layers * micro_batch * (prompt_tokens + new_tokens)
+    return 16 * params + 4 * params + logits + activations
+
+
+def vllm_missing():
+    """Why `lab/grpo.py --sampler vllm` cannot run here, or None when it can."""
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return "vLLM is not installed"
+    help_text = subprocess.run([sys.executable, "lab/grpo.py", "--help"], cwd=ROOT, capture_output=True, text=True,
+                               env=child_env()).stdout
+    return None if "vllm" in help_text else "lab/grpo.py has no --sampler vllm"
+
+
+def recipe(args, on_gpu):
+    """Two steps of grpo.py, and of lab/grpo.py --sampler vllm where it can run, with the recipe's flags: the
+    report beside docs/scaling.md's arithmetic."""
+    import torch
+
+    shape = QWEN25_05B if on_gpu else TINY
+    launch = {"name": "1 GPU" if on_gpu else "CPU", "flags": ["--num_processes", "1"]}
+    precision = args.precisions.split(",")[0]
+    with tempfile.TemporaryDirectory(prefix="gpu_recipe_") as tmp:
+        model_path = os.path.join(tmp, "model")
+        tokenizer = build_tokenizer(model_path, QWEN25_TOKENS if on_gpu else 2000)
+        make_large_model(model_path, shape, tokenizer)
+        params, data = count_params(model_path), write_gsm8k_shaped(os.path.join(tmp, "gsm8k_shaped.jsonl"))
+        runs = [("grpo", ROOT / "grpo.py", ["--dataset", data, *RECIPE_FLAGS])]
+        why_not = vllm_missing()
+        if why_not is None:
+            runs.append(("grpo_vllm", ROOT / "lab" / "grpo.py", ["--dataset", data, *RECIPE_FLAGS, "--sampler", "vllm",
+                                                                "--save_model", "False"]))
+        results = [run_one(name, precision, launch, model_path, args, tmp, script, flags)
+                   for name, script, flags in runs]
+    estimate = docs_estimate_bytes(shape, params, args.micro_batch_size, args.max_new_tokens)
+    lines = [f"Device: {torch.cuda.get_device_name() if on_gpu else 'CPU (a tiny model: the code path only)'}; "
+             f"torch {torch.__version__}; {precision}.",
+             f"Model: random Qwen2, {params / 1e6:.1f}M parameters, vocabulary {shape['vocab_size']:,}; tokenizer "
+             f"built here, {len(tokenizer):,} tokens. Flags: --batch_size {args.batch_size} --micro_batch_size "
+             f"{args.micro_batch_size} --max_new_tokens {args.max_new_tokens} {' '.join(RECIPE_FLAGS)}, "
+             f"{args.steps} steps (the first not timed); random 0/1 rewards.",
+             f"Command: `{shlex.join(['python', 'bench/gpu_check.py', *sys.argv[1:]])}`.",
+             *([] if why_not is None else [f"lab/grpo.py --sampler vllm: not run ({why_not})."]), "",
+             "| script | s/step | completion tokens/s | peak memory (GB) | predicted per GPU on 8 GPUs (GB) | "
+             "docs/scaling.md arithmetic (GB) |", "|---|---|---|---|---|---|"]
+    for r in results:
+        if "failed" in r:
+            lines.append(f"| {r['algorithm']} | failed: {r['failed']} | | | | |")
+            continue
+        ddp = r["peak_bytes"] + 4 * params  # DDP's gradient buckets, a fp32 copy of the gradients
+        lines.append(f"| {r['algorithm']} | {r['step_s']:.2f} | {r['tokens_per_s']:,.0f} | {r['peak_bytes'] / 1e9:.1f}"
+                     f" | {ddp / 1e9:.1f} | {estimate / 1e9:.1f} |")
+    write_report(args.out, "\n".join(lines) + "\n", results)
+    if any("failed" in r for r in results):
+        raise SystemExit("error: some runs failed (above)")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--algorithms", default=",".join(ALGORITHMS), help="Comma list of scripts.")
     parser.add_argument("--precisions", default="bf16,fp16", help="Comma list of accelerate --mixed_precision values.")
-    parser.add_argument("--steps", type=int, default=3, help="Training steps per run; the first is not timed.")
-    parser.add_argument("--batch_size", type=int, default=16, help="Sampled completions per step per process.")
-    parser.add_argument("--micro_batch_size", type=int, default=8,
-                        help="Sequences per forward/backward pass (rloo.py: a multiple of its 8 samples per prompt).")
-    parser.add_argument("--max_new_tokens", type=int, default=256, help="Completion length (reached: EOS is rare).")
+    parser.add_argument("--steps", type=int, help="Training steps per run; the first is not timed (default 3; "
+                        "--recipe: 2).")
+    parser.add_argument("--batch_size", type=int, help="Sampled completions per step per process (default 16).")
+    parser.add_argument("--micro_batch_size", type=int, help="Sequences per forward/backward pass (rloo.py: a "
+                        "multiple of its 8 samples per prompt; default 8; --recipe: 4).")
+    parser.add_argument("--max_new_tokens", type=int, help="Completion length, reached: EOS is rare (default 256; "
+                        "--recipe: 512).")
     parser.add_argument("--allow_cpu", action="store_true", help="Without CUDA, run a tiny model on CPU instead.")
-    parser.add_argument("--out", default=str(ROOT / "runs/gpu_check/gpu_check.md"),
-                        help="Markdown file for the table, and the raw numbers next to it as .json ('' = stdout only).")
+    parser.add_argument("--recipe", action="store_true", help="The README's GPU recipe: grpo.py (and lab/grpo.py "
+                        "--sampler vllm) beside docs/scaling.md's arithmetic.")
+    parser.add_argument("--out", help="Markdown file for the table, and the raw numbers next to it as .json ('' = "
+                        "stdout only; default runs/gpu_check/gpu_check.md, --recipe: runs/gpu_check/recipe.md).")
     args = parser.parse_args()
+    defaults = {"steps": 3, "batch_size": 16, "micro_batch_size": 8, "max_new_tokens": 256,
+                "out": str(ROOT / "runs/gpu_check/gpu_check.md")}
+    if args.recipe:
+        defaults = {**defaults, **RECIPE, "out": str(ROOT / "runs/gpu_check/recipe.md")}
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     for name in args.algorithms.split(","):
         if name not in ALGORITHMS:
             parser.error(f"--algorithms: unknown {name!r} (one of {', '.join(ALGORITHMS)})")
@@ -172,6 +317,8 @@ def main():
         print("No CUDA GPU here: bench/gpu_check.py measures GPU memory and speed, and has nothing to measure. "
               "--allow_cpu runs a tiny model on CPU instead, to test the code path.")
         return
+    if args.recipe:
+        return recipe(args, on_gpu)
     gpus = torch.cuda.device_count() if on_gpu else 0
     launches = [{"name": "1 GPU" if on_gpu else "CPU", "flags": ["--num_processes", "1"]}]
     if gpus >= 2:

@@ -26,7 +26,7 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 import common
-from lab import async_sampling, priority, sampling, vllm_engine
+from lab import async_sampling, pass_at_k, priority, sampling, vllm_engine
 from support import checkpoint, environments, fast, helpers, models, routing, run, tasks, view
 from support.rollout import MicroBatch, micro_batches
 
@@ -128,10 +128,11 @@ class Trainer:
         return self.start_step
 
     def evaluate(self, step=None):
-        """Held-out greedy accuracy of the policy (or of its greedy episodes), logged at `step` (0: before training)."""
+        """Held-out greedy accuracy (or of greedy episodes), --eval_samples' pass@k: logged at `step` (0: the start)."""
         metrics = tasks.evaluate(self.policy.model, self.tokenizer, self.eval_data, self.cfg, self.accelerator,
                                  generate=self.sample if self.engine is None else self.engine.generate,
                                  play=sampling.greedy_play(self.environment, self.cfg))
+        metrics.update(pass_at_k.evaluate(self, self.eval_data, self.cfg.eval_samples) if self.cfg.eval_samples else {})
         return metrics if step is None else self.logger.log(step, metrics)
 
     def steps(self):

@@ -2,6 +2,7 @@
 what it adds), GroupConfig (the group methods' shared fields and defaults), parsing and the
 Accelerator."""
 import functools
+import importlib.util
 import json
 import os
 import re
@@ -81,6 +82,7 @@ class BaseConfig:
 
     # the lab's flags (TrainConfig's fields), at their defaults
     prompt_column, answer_column, answer_check, system_prompt = "question", "answer", "number", ""
+    prompt_template, format_reward_weight, eval_samples = "chat", 0.0, 0
     eval_size, train_size, use_chat_template, max_prompt_length = 200, 0, True, 512
     torch_dtype, gradient_checkpointing, lora_alpha, lora_target_modules, merge_lora = "float32", False, 16, \
         "all-linear", False
@@ -126,10 +128,17 @@ class TrainConfig(BaseConfig):
     answer_column: str = arg("answer", "Answer column ('' for prompts without answers, scored by --reward_fn or "
                              "--reward_model).")
     answer_check: str = arg("number", "How the rule reward checks a completion of gsm8k or a file against its answer: "
-                            "'number' (equal final numbers) or 'exact' (equal text once stripped).")
+                            "'number' (equal final numbers), 'exact' (equal text once stripped) or 'math' (equal "
+                            "values by math-verify: requirements-math.txt).")
+    prompt_template: str = arg("chat", "A real dataset's prompt: 'chat' (the tokenizer's chat template, where it "
+                               "has one and --use_chat_template) or 'r1_zero' (DeepSeek-R1-Zero's, for a base model).")
+    format_reward_weight: float = arg(0.0, "Weight of R1's format reward: 1 for '<think>...</think><answer>..."
+                                      "</answer>', else 0 (0 = off).")
     system_prompt: str = arg("", "System message for each prompt of gsm8k or a file (its own turn in the chat "
                              "template; without one, text and a blank line before the prompt).")
     eval_size: int = arg(200, "Held-out prompts of a real dataset (its test split, else the file's last rows).")
+    eval_samples: int = arg(0, "Also sample k completions of each held-out prompt: eval/pass@k and eval/mean@k "
+                            "(0 = off).")
     train_size: int = arg(0, "Train on the first N training prompts only (0 = all): a small pool, visited again.")
     use_chat_template: bool = arg(True, "Wrap prompts in the tokenizer's chat template when it has one.")
     max_prompt_length: int = arg(512, "Prompts longer than this many tokens are dropped (with a warning).")
@@ -187,7 +196,16 @@ class TrainConfig(BaseConfig):
               "--keep_routing r2 replays the routing of the pi_old pass in the updates that follow it, and this run "
               "makes one update per batch (no pi_old pass): give --num_epochs > 1, or --keep_routing r3.")
         check_rules(self, report_to=one_of("none", "tensorboard", "wandb"),
-                    answer_check=one_of("number", "exact"), async_rollouts=NON_NEGATIVE)
+                    answer_check=one_of("number", "exact", "math"), async_rollouts=NON_NEGATIVE)
+        check_rules(self, prompt_template=one_of("chat", "r1_zero"), format_reward_weight=NON_NEGATIVE,
+                    eval_samples=NON_NEGATIVE)
+        check(self.answer_check != "math" or importlib.util.find_spec("math_verify"), "--answer_check math checks "
+              "answers with math-verify, which is not installed: pip install -r requirements-math.txt")
+        real = self.dataset not in ("arithmetic", "tool_arithmetic")
+        check(real or self.prompt_template == "chat", "--prompt_template r1_zero is for --dataset gsm8k or a file; "
+              "the arithmetic task's prompts are bare sums.")
+        check(real or self.answer_check != "math", "--answer_check math is for --dataset gsm8k or a file; the "
+              "arithmetic task's answers are checked exactly.")
         check_rules(self, torch_dtype=one_of(*DTYPES), reward_model_dtype=one_of(*DTYPES))
         if self.torch_dtype != "float32" and self.lora_r == 0:
             say(f"warning: --torch_dtype {self.torch_dtype} without --lora_r trains the weights in "

@@ -1,7 +1,7 @@
-"""Tasks and rewards: the built-in arithmetic task, real data (GSM8K or a local file) with its
-rule reward, an optional reward model, the reward that adds the --reward_fn functions to them (how those are
-called: support/reward_functions.py), the prompt sampler, held-out evaluation, and prompts to token ids and
-completions back to text."""
+"""Tasks and rewards: the built-in arithmetic task, real data (GSM8K or a local file) with its rule reward
+(--answer_check math: support/math_answers.py), an optional reward model (support/reward_model.py), the reward that
+adds the --reward_fn functions to them (how those are called: support/reward_functions.py), the prompt sampler,
+held-out evaluation, and prompts to token ids and completions back to text."""
 import ast
 import hashlib
 import math
@@ -12,9 +12,6 @@ import torch
 
 import common
 from support import config, environments, fast, reward_functions
-from support.config import DTYPES
-from support.models import check_model_path, prepare_frozen
-from support.rollout import micro_batches
 
 # ----------------------------------------------------------------------------------------
 # The built-in task: arithmetic in families of different difficulty
@@ -118,6 +115,14 @@ def extract_final_number(text):
     return None
 
 
+def math_answers():
+    """support/math_answers.py, loaded only when a flag asks for it (--answer_check math, --prompt_template r1_zero,
+    --format_reward_weight)."""
+    from support import math_answers
+
+    return math_answers
+
+
 def load_task(cfg, tokenizer=None):
     """(train examples, held-out eval examples). Every example: prompt (as fed to the policy), answer,
     family and, for real data, raw_prompt (the dataset's prompt: text, or a conversation's messages), check
@@ -176,8 +181,9 @@ def is_conversation(prompt):
 def math_examples(rows, cfg, tokenizer, split, first_row=1):
     """The examples of a real dataset's rows, each checked first: its prompt is text that is not empty (or a
     conversation, for a tokenizer with a chat template), and its answer one that --answer_check can read. A row
-    that fails is an error naming it (`first_row`: the number of rows[0] in the file or split, counting from 1)."""
-    examples, too_long = [], 0
+    that fails is an error naming it (`first_row`: the number of rows[0] in the file or split, counting from 1);
+    under --answer_check math one whose gold answer math-verify cannot parse is left out, counted in one warning."""
+    examples, too_long, unparsable = [], 0, []
     chat = cfg.use_chat_template and tokenizer is not None and bool(tokenizer.chat_template)
     for number, row in enumerate(rows, first_row):
         where = f"--dataset {cfg.dataset!r}" + (f" ({split} split)" if cfg.dataset == "gsm8k" else "") + \
@@ -198,12 +204,17 @@ def math_examples(rows, cfg, tokenizer, split, first_row=1):
                              "be text, or a list of {'role': ..., 'content': ...} messages.")
         else:
             question = prompt = question.strip()
-            if chat:
+            if cfg.prompt_template == "r1_zero":  # a base model's prompt: no chat template
+                prompt = math_answers().R1_ZERO_TEMPLATE.format(question=question)
+            elif chat:
                 prompt = tokenizer.apply_chat_template(system + [{"role": "user", "content": question}],
                                                        tokenize=False, add_generation_prompt=True)
             elif cfg.system_prompt:
                 prompt = f"{cfg.system_prompt}\n\n{question}"
         answer = read_answer(row[cfg.answer_column], cfg.answer_check, where, cfg) if cfg.answer_column else None
+        if answer == "":  # --answer_check math: a gold answer math-verify cannot parse, counted and left out
+            unparsable.append(number)
+            continue
         n_tokens = len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) if tokenizer is not None else 0
         if n_tokens > cfg.max_prompt_length:
             too_long += 1
@@ -213,9 +224,13 @@ def math_examples(rows, cfg, tokenizer, split, first_row=1):
     if too_long:
         print(f"warning: dropped {too_long} {split} prompts longer than --max_prompt_length "
               f"{cfg.max_prompt_length} tokens", flush=True)
+    if unparsable:
+        listed = ", ".join(map(str, unparsable[:5])) + (", ..." if len(unparsable) > 5 else "")
+        print(f"warning: left out {len(unparsable)} {split} rows of --dataset {cfg.dataset!r} whose --answer_column "
+              f"{cfg.answer_column!r} math-verify cannot parse (rows {listed})", flush=True)
     if not examples:
-        raise SystemExit(f"error: no usable {split} prompts in --dataset {cfg.dataset!r} "
-                         "(all longer than --max_prompt_length).")
+        raise SystemExit(f"error: no usable {split} prompts in --dataset {cfg.dataset!r} (all longer than "
+                         f"--max_prompt_length{', or with gold answers math-verify cannot parse' * bool(unparsable)}).")
     return examples
 
 
@@ -227,6 +242,8 @@ def read_answer(value, check, where, cfg):
     if isinstance(value, bool) or not isinstance(value, (str, int, float)):
         raise SystemExit(f"error: {where}: --answer_column {cfg.answer_column!r} holds {value!r:.100}, not text or a "
                          f"number, which no --answer_check reads. Fill in or remove the row, or give {no_answers}.")
+    if check == "math":  # '' when unparsable: the row is counted and left out (math_examples)
+        return math_answers().gold_answer(value)
     answer = extract_final_number(str(value)) if check == "number" else str(value).strip()
     if answer:
         return answer
@@ -238,12 +255,14 @@ def read_answer(value, check, where, cfg):
 
 
 def is_correct(completion, answer, check="exact"):
-    """`check`: 'exact' (the stripped text), 'number' (the final number) or 'final_answer' (an episode's final
-    answer, exactly: --dataset tool_arithmetic)."""
+    """`check`: 'exact' (the stripped text), 'number' (the final number), 'math' (equal values by math-verify) or
+    'final_answer' (an episode's final answer, exactly: --dataset tool_arithmetic)."""
     if answer is None:
         return False
     if check == "number":
         return extract_final_number(completion) == answer
+    if check == "math":
+        return math_answers().is_equivalent(completion, answer)
     if check == "final_answer":
         completion = final_answer(completion)
     return completion.strip() == answer
@@ -259,41 +278,6 @@ def compute_rewards(examples, completions, reward_scales="uniform"):
     return lo_hi[:, 0] + (lo_hi[:, 1] - lo_hi[:, 0]) * correct, correct
 
 
-class RewardModel:
-    """Scores (prompt, completion) with an AutoModelForSequenceClassification, its own
-    tokenizer and chat template; frozen, no grad, optionally in its own dtype, under the policy's
-    mixed precision, micro_batch_size completions per forward pass (0 = all)."""
-
-    def __init__(self, name, dtype, accelerator, micro_batch_size=0):
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-        check_model_path(name, flag="--reward_model")
-        self.tokenizer = AutoTokenizer.from_pretrained(name)
-        if self.tokenizer.pad_token is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
-        model = AutoModelForSequenceClassification.from_pretrained(name, dtype=DTYPES[dtype])
-        model.config.pad_token_id = self.tokenizer.pad_token_id
-        self.model = prepare_frozen(accelerator, model.eval().requires_grad_(False))
-        self.device, self.micro_batch_size = accelerator.device, micro_batch_size
-
-    @torch.no_grad()
-    def __call__(self, prompts, completions):
-        """Scores of (prompt, completion) pairs; a prompt is text or a conversation's messages."""
-        if self.tokenizer.chat_template:
-            turns = [p if isinstance(p, list) else [{"role": "user", "content": p}] for p in prompts]
-            texts = [self.tokenizer.apply_chat_template(t + [{"role": "assistant", "content": c}], tokenize=False)
-                     for t, c in zip(turns, completions)]
-        else:
-            texts = [("\n\n".join(m["content"] for m in p) if isinstance(p, list) else p) + c
-                     for p, c in zip(prompts, completions)]
-        scores = []
-        for mb in micro_batches(len(texts), self.micro_batch_size):
-            enc = self.tokenizer(texts[mb], return_tensors="pt", padding=True, truncation=True,
-                                 add_special_tokens=not self.tokenizer.chat_template)
-            scores.append(self.model(**enc.to(self.device)).logits[:, 0].float())
-        return torch.cat(scores)
-
-
 def make_reward_fn(cfg, accelerator):
     """reward_fn(examples, completions, scored=None, episodes=None) -> (rewards, correct, stats) on the accelerator's
     device (episodes: the multi-turn episodes, agents.Episode, which --reward_fn functions receive; by default the
@@ -302,8 +286,11 @@ def make_reward_fn(cfg, accelerator):
     reward that raises, or a value that is not a finite number, stops every rank before any update, naming what and
     where. scored: the (rewards, correct, stats, error) the sampler process computed with the same function
     (--async_rollouts: rollout.rewards), not computed again; None: compute them."""
-    reward_model = RewardModel(cfg.reward_model, cfg.reward_model_dtype, accelerator, cfg.micro_batch_size) \
-        if cfg.reward_model else None
+    reward_model = None
+    if cfg.reward_model:  # a lab flag: its module loads only then
+        from support.reward_model import RewardModel
+
+        reward_model = RewardModel(cfg.reward_model, cfg.reward_model_dtype, accelerator, cfg.micro_batch_size)
     score = reward_scorer(cfg, accelerator.device, reward_model)
 
     def reward_fn(examples, completions, scored=None, episodes=None):
@@ -335,6 +322,8 @@ def reward_scorer(cfg, device, reward_model=None):
             rewards, correct = cfg.rule_reward_weight * rewards.to(device), correct.to(device)
             if reward_model is not None:
                 rewards = rewards + cfg.reward_model_weight * reward_model(prompts, completions)
+            if cfg.answer_check == "math" or cfg.format_reward_weight:  # R1's reward terms, each logged
+                rewards, stats = math_answers().add_format_reward(cfg, rewards, correct, completions)
         except Exception as e:  # a reward that raises: say on what, and apply nothing
             rewards = correct = torch.zeros(len(completions), device=device)
             error = (f"error: the reward raised {type(e).__name__}: {e} (first prompt {examples[0]['prompt'][:200]!r}, "

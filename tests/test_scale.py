@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import common
 from support import config, fast, models, tasks
 from support.checkpoint import Checkpointer
+from support.reward_model import RewardModel
 from support.run import read_metrics
 from conftest import ROOT, run_together
 
@@ -116,7 +117,7 @@ def test_reward_model_score_is_combined_with_the_rule_reward(tmp_path):
     reward_fn = tasks.make_reward_fn(cfg, CPU)
     examples = [{"prompt": "12+3=", "answer": "15", "family": "add_2x1"}] * 2
     rewards, correct, _ = reward_fn(examples, ["15", "16"])
-    reward_model = tasks.RewardModel(rm_path, "float32", CPU)
+    reward_model = RewardModel(rm_path, "float32", CPU)
     scores = reward_model(["12+3="] * 2, ["15", "16"])
     assert torch.allclose(rewards, 0.5 * torch.tensor([1.0, 0.0]) + 2.0 * scores)
     assert correct.tolist() == [1.0, 0.0]
@@ -126,8 +127,8 @@ def test_reward_model_score_is_combined_with_the_rule_reward(tmp_path):
 def test_reward_model_scores_in_micro_batches_equal_one_pass(tmp_path):
     rm_path = make_reward_model(tmp_path / "rm")
     prompts, completions = ["12+3=", "4+5=", "99+1=", "7*8="], ["15", "9", "1000", "56123"]  # different lengths
-    one_pass = tasks.RewardModel(rm_path, "float32", CPU)(prompts, completions)
-    chunked = tasks.RewardModel(rm_path, "float32", CPU, micro_batch_size=3)(prompts, completions)
+    one_pass = RewardModel(rm_path, "float32", CPU)(prompts, completions)
+    chunked = RewardModel(rm_path, "float32", CPU, micro_batch_size=3)(prompts, completions)
     assert one_pass.std() > 0
     torch.testing.assert_close(chunked, one_pass, rtol=0, atol=1e-5)
 
