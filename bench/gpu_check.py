@@ -228,14 +228,13 @@ def docs_estimate_bytes(shape, params, micro_batch, new_tokens, prompt_tokens=DO
 
 
 def vllm_missing():
-    """Why `lab/grpo.py --sampler vllm` cannot run here, or None when it can."""
-    import importlib.util
+    """Why `lab/grpo.py --sampler vllm` cannot run here (its engine's environment, .venv-vllm/, is missing), or
+    None when it can."""
+    from lab import vllm_engine
 
-    if importlib.util.find_spec("vllm") is None:
-        return "vLLM is not installed"
-    help_text = subprocess.run([sys.executable, "lab/grpo.py", "--help"], cwd=ROOT, capture_output=True, text=True,
-                               env=child_env()).stdout
-    return None if "vllm" in help_text else "lab/grpo.py has no --sampler vllm"
+    if not os.access(vllm_engine.ENGINE_PYTHON, os.X_OK):
+        return f"no engine environment: `{vllm_engine.INSTALL}` makes it"
+    return None
 
 
 def recipe(args, on_gpu):
