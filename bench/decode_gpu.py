@@ -100,7 +100,7 @@ def engine(model, tokenizer, prompt_tokens, cfg):
         settings = SimpleNamespace(**vars(cfg), model_name_or_path=folder, max_prompt_length=prompt_tokens,
                                    torch_dtype=str(next(model.parameters()).dtype).removeprefix("torch."),
                                    vllm_python="", vllm_memory=None, seed=0, output_dir=folder)
-        ENGINES[id(model)] = vllm_engine.Engine(settings, tokenizer, torch.device(device), 0, version=lambda: 0)
+        ENGINES[id(model)] = vllm_engine.Engine(settings, torch.device(device), 0, version=lambda: 0)
         atexit.register(ENGINES[id(model)].close)
     return ENGINES[id(model)]
 

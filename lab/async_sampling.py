@@ -231,7 +231,7 @@ def serve(cfg, seed, weights, version, lock, requests, results, parent_pid, thre
         score = fast.token_logprobs if cfg.fast else common.token_logprobs
         environment = environments.load(cfg, tokenizer)  # --environment / --tools: the episodes are played here
         # --sampler vllm: the engine draws for this process, taking each version of the weights it publishes
-        engine = vllm_engine.Engine(cfg, tokenizer, torch.device(device), seed - cfg.seed, lambda: have) \
+        engine = vllm_engine.Engine(cfg, torch.device(device), seed - cfg.seed, lambda: have) \
             if cfg.sampler == "vllm" else None
         reward = None if cfg.reward_model else reward_scorer(cfg, device)  # one reward model: the learner's
         torch.manual_seed(seed)  # the seed this rank's learner samples with in a synchronous run (LoRA's init drew)

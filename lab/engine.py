@@ -106,7 +106,7 @@ class Trainer:
         # --sampler vllm: a vLLM engine in its own process draws the rollouts and the evaluation's greedy completions,
         # taking the policy's weights again after each of its optimizer steps (`updates`: lab/vllm_engine.py)
         self.updates = 0
-        self.engine = vllm_engine.Engine(cfg, tokenizer, accelerator.device, accelerator.process_index,
+        self.engine = vllm_engine.Engine(cfg, accelerator.device, accelerator.process_index,
                                          lambda: self.updates) if cfg.sampler == "vllm" else None
         self.rollout_sampler = sampling.rollout_sampler(self, policy, rollout_model, rollout_lag,
                                                         sampler.sample_with(self.sample))  # --sampler tree: trees

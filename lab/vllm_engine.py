@@ -85,13 +85,12 @@ class Engine:
     process index; version(): the optimizer steps the policy has taken, which decides when the engine takes its
     weights again."""
 
-    def __init__(self, cfg, tokenizer, device, rank, version):
-        self.cfg, self.tokenizer, self.version, self.synced = cfg, tokenizer, version, None
-        self.rank, self.cuda = rank, device.type == "cuda"
+    def __init__(self, cfg, device, rank, version):
+        self.version, self.synced, self.cuda = version, None, device.type == "cuda"
         self.dtype = config.DTYPES[getattr(cfg, "rollout_dtype", cfg.torch_dtype)]
         settings = {"model": cfg.model_name_or_path, "dtype": str(self.dtype).removeprefix("torch."),
                     "max_model_len": model_len(cfg),
-                    "memory": cfg.vllm_memory or (0.3 if self.cuda else 0.1), "seed": cfg.seed + self.rank,
+                    "memory": cfg.vllm_memory or (0.3 if self.cuda else 0.1), "seed": cfg.seed + rank,
                     "device": "cuda" if self.cuda else "cpu"}
         os.makedirs(cfg.output_dir, exist_ok=True)
         self.log = os.path.join(cfg.output_dir, f"vllm_engine{rank or ''}.log")
@@ -120,8 +119,8 @@ class Engine:
         deadline = time.monotonic() + timeout
         while not self.conn.poll(1.0):
             if self.process.poll() is not None or time.monotonic() > deadline:
-                self.close()
                 state = "stopped" if self.process.returncode is not None else "did not answer"
+                self.close()
                 raise SystemExit(f"error: --sampler vllm: the engine {state} during {what} ({self.last_log_line()}); "
                                  f"its log: {self.log}")
         try:
@@ -135,7 +134,10 @@ class Engine:
         return answer
 
     def ask(self, request, what, timeout=3600):
-        self.conn.send_bytes(json.dumps(request).encode())
+        try:
+            self.conn.send_bytes(json.dumps(request).encode())
+        except OSError:  # the engine is gone: receive says why
+            pass
         return self.receive(timeout, what)
 
     def last_log_line(self):

@@ -57,8 +57,7 @@ class Version:
 def engine(tmp_path_factory):
     if not HAS_ENGINE:
         pytest.fail(f"VLLM_REQUIRED=1 and no vLLM environment at {vllm_engine.ENGINE_PYTHON}")
-    tokenizer = AutoTokenizer.from_pretrained(config.EMBEDDED_MODEL)
-    handle = vllm_engine.Engine(settings(tmp_path_factory.mktemp("engine")), tokenizer, torch.device("cpu"), 0,
+    handle = vllm_engine.Engine(settings(tmp_path_factory.mktemp("engine")), torch.device("cpu"), 0,
                                 lambda: Version.updates)
     yield handle
     handle.close()
