@@ -317,3 +317,15 @@ def test_the_engines_flags_need_the_engine(tmp_path):
     assert out.returncode != 0 and "give --sampler vllm too" in out.stderr
     out = run("lab/remax.py", "--sampler", "tree", "--output_dir", str(tmp_path))
     assert out.returncode != 0 and "--sampler must be independent or vllm" in out.stderr
+
+
+def test_the_benchmark_times_a_sampler_and_reports_its_gap(tmp_path):
+    """bench/vllm.py's row of our decode loop, two steps: its seconds, no gap (the trainer samples), its accuracies."""
+    out = subprocess.run([sys.executable, "bench/vllm.py", "--rows", "ours", "--steps", "2", "--out",
+                          str(tmp_path / "vllm.md"), "--batch_size", "16", "--num_generations", "4"], cwd=ROOT,
+                         capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    (ours,) = json.loads((tmp_path / "vllm.json").read_text())
+    assert ours["step_s"] > 0 and ours["generation_s"] > 0 and len(ours["accuracy"]) == 2
+    assert ours["mismatch_k3"] is None and ours["engine_start"] == ""
+    assert "| this repository's decode loop (the default) |" in (tmp_path / "vllm.md").read_text()
