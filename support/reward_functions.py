@@ -41,8 +41,8 @@ def reward_kwargs(cfg, examples, completions, episodes=None):
     prompts (the dataset's prompt: text, or a conversation's messages), completions (text, or for a conversation
     [{"role": "assistant", "content": text}]), completion_ids (the sampled token ids, up to and including EOS),
     trainer_state, and every column of the dataset but the prompt's, by its name. With multi-turn episodes
-    (agents.Episode, one per completion) also episodes and, with --environment, environments: each episode's
-    environment instance, as TRL passes them."""
+    (agents.Episode, one per completion) also episodes and, with --environment and --reward_fn, environments: each
+    episode's environment instance, as TRL passes them (unpickled in this process: Environment.instance)."""
     rows = [ex.get("row", ex) for ex in examples]
     prompt_column = "prompt" if cfg.dataset in ("arithmetic", "tool_arithmetic") else cfg.prompt_column
     columns = {key: [row[key] for row in rows] for key in rows[0] if key != prompt_column}
@@ -53,7 +53,7 @@ def reward_kwargs(cfg, examples, completions, episodes=None):
               "completion_ids": [getattr(c, "token_ids", None) for c in completions], "trainer_state": trainer_state()}
     if episodes is not None:
         kwargs["episodes"] = episodes
-        if getattr(cfg, "environment", ""):
+        if getattr(cfg, "environment", "") and cfg.reward_fn:
             kwargs["environments"] = [episode.env.instance for episode in episodes]
     return kwargs
 
