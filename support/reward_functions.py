@@ -93,10 +93,22 @@ def call_reward_function(name, function, kwargs, when="step not applied"):
         return None, (f"error: {what} returned {type(values[not_numbers[0]]).__name__} "
                       f"{str(values[not_numbers[0]])[:100]!r}, not a number, at batch rows {show(not_numbers, texts)}; "
                       f"{when}.")
-    non_finite = [i for i, v in enumerate(values) if v is not None and not math.isfinite(v)]
+    floats = [None if v is None else finite_float(v) for v in values]
+    non_finite = [i for i, (v, f) in enumerate(zip(values, floats)) if v is not None and f is None]
     if non_finite:
-        return None, f"error: {what} returned {values[non_finite[0]]} at batch rows {show(non_finite, texts)}; {when}."
-    return [None if v is None else float(v) for v in values], None
+        v = values[non_finite[0]]
+        said = v if isinstance(v, float) else f"a number too large for a float ({type(v).__name__})"
+        return None, f"error: {what} returned {said} at batch rows {show(non_finite, texts)}; {when}."
+    return floats, None
+
+
+def finite_float(value):
+    """float(value), or None where it is not finite (inf, NaN; an int or a Fraction past a float's range)."""
+    try:
+        value = float(value)
+    except (OverflowError, ValueError):
+        return None
+    return value if math.isfinite(value) else None
 
 
 def show(rows, completions):
