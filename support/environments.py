@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from support import config, routing, tool_process, user_files
+from support.calculator import Calculator
 from support.config import AT_LEAST_ONE, Rule, arg, check, check_rules
 
 AGENT_MODEL = os.path.join(config.ROOT, "embedded_model", "agent")
@@ -47,8 +48,7 @@ class AgentConfig:
                            "environment_factory shape (reset and one public method per tool).")
     tools: str = arg("", "Stateless tools FILE.py:fn1,fn2: typed functions with docstrings (TRL's tools).")
     max_turns: int = arg(4, "The most model turns in an episode (each may call tools).")
-    tool_timeout: float = arg(5.0, "Seconds a tool call (or reset, or get_reward) may run before its process is "
-                              "killed.")
+    tool_timeout: float = arg(5.0, "Seconds a tool call, reset or get_reward may run before its process is killed.")
 
     def __post_init__(self):
         super().__post_init__()
@@ -75,35 +75,6 @@ class ToolResult(NamedTuple):
     error: bool
     name: str = ""
     cut: bool = False
-
-
-# ----------------------------------------------------------------------------------------
-# The built-in environment
-# ----------------------------------------------------------------------------------------
-class Calculator:
-    """--environment calculator: one tool that evaluates ONE binary integer operation, so a+b*c takes two calls.
-    Its answers are short: a 1M-parameter character model reads them."""
-
-    def reset(self, **kwargs):
-        self.history = []  # (expression, result) of each call that succeeded
-        return None
-
-    def calculate(self, expression: str) -> str:
-        """Evaluate one operation on two non-negative integers.
-
-        Args:
-            expression: Two integers and one operator between them: a+b, a-b or a*b (e.g. 34*5).
-        """
-        match = re.fullmatch(r"\s*(\d+)\s*([-+*])\s*(\d+)\s*", expression)
-        if match is None:
-            raise ValueError("need a+b, a-b or a*b")
-        a, op, b = match.groups()
-        if max(len(a), len(b)) > 9:
-            raise ValueError("number too long")
-        a, b = int(a), int(b)
-        result = str(a + b if op == "+" else a - b if op == "-" else a * b)
-        self.history.append((expression, result))
-        return result
 
 
 # ----------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import re
 import torch
 
 import common
-from support import config, environments, fast, reward_functions
+from support import config, environments, fast, reward_functions, user_files
 from support.config import DTYPES
 from support.models import check_model_path, prepare_frozen
 from support.rollout import micro_batches
@@ -97,8 +97,7 @@ def final_answer(episode_text):
 # ----------------------------------------------------------------------------------------
 # Real data (GSM8K or a local file) and the math reward
 # ----------------------------------------------------------------------------------------
-# a number starts with a digit, a point or a minus, never a comma: `-?[\d,]*\.?\d+`, which may, tried each run of
-# commas from each of its commas (16,000 of them: 6.9 s for one answer); what it found past leading commas is the same
+# never from a comma: `-?[\d,]*\.?\d+` tried a run of commas from each of them, in time quadratic in its length
 NUMBER = r"-?(?:\d[\d,]*)?\.?\d+"
 
 
@@ -149,7 +148,7 @@ def load_rows(cfg, tokenizer):
         else:
             kind = "parquet" if cfg.dataset.endswith(".parquet") else "json"
             if cfg.dataset.endswith(".jsonl"):
-                check_json_lines(cfg.dataset)
+                user_files.check_json_lines(cfg.dataset)
             rows = datasets.load_dataset(kind, data_files=cfg.dataset, split="train")
             if len(rows) < 2:
                 raise SystemExit(f"error: --dataset {cfg.dataset!r} has {len(rows)} rows; "
@@ -169,30 +168,6 @@ def load_rows(cfg, tokenizer):
     first_eval_row = 1 if cfg.dataset == "gsm8k" else len(train_rows) + 1  # a file's held-out rows are its last
     return [math_examples(train_rows, cfg, tokenizer, "train"),
             math_examples(eval_rows, cfg, tokenizer, "test" if cfg.dataset == "gsm8k" else "eval", first_eval_row)]
-
-
-def check_json_lines(path):
-    """SystemExit with one line naming the file and the line for the first line of a JSON Lines file that is not
-    UTF-8 or not a JSON object, or for a file without one (the datasets library says neither, in a traceback)."""
-    import json
-
-    rows = 0
-    with open(path, "rb") as f:
-        for number, line in enumerate(f, 1):
-            where = f"error: --dataset {path!r} line {number}"
-            try:
-                row = json.loads(line.decode("utf-8")) if line.strip() else None
-            except UnicodeDecodeError as e:
-                raise SystemExit(f"{where}: not UTF-8 (byte 0x{line[e.start]:02x} at byte {e.start + 1} of the line; "
-                                 "latin-1?): save the file as UTF-8.") from None
-            except (ValueError, RecursionError) as e:  # (an int of 5,000 digits, nesting past the stack)
-                why = f"{e.msg} at character {e.pos + 1}" if isinstance(e, json.JSONDecodeError) else e
-                raise SystemExit(f"{where}: not JSON ({why}).") from None
-            if row is not None and not isinstance(row, dict):
-                raise SystemExit(f"{where}: a JSON {type(row).__name__}, not an object of columns.")
-            rows += row is not None
-    if not rows:
-        raise SystemExit(f"error: --dataset {path!r} holds no rows: each line of a .jsonl file is one JSON object.")
 
 
 def is_conversation(prompt):

@@ -361,7 +361,7 @@ def message_of(error):
 def call(request, modules):
     """Run one request: (outcome, state) as ToolProcess.run returns them. The user's code runs here only: the
     instance unpickled and pickled again, the class made, the call, str() of its value."""
-    seed, kind, path, target, name, arguments, chars, state = pickle.loads(request)  # plain data: the training process's
+    seed, kind, path, target, name, arguments, chars, state = pickle.loads(request)  # the training process's data
     random.seed(seed)
     if "numpy" in sys.modules:
         sys.modules["numpy"].random.seed(seed % 2 ** 32)
