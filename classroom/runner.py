@@ -5,8 +5,8 @@
 classroom/grade.py runs this file inside the sandbox, one process per exercise. Before anything of the student's
 runs it locks itself down (`lock_down`): the sandbox's /tmp capped in files too (--tmp), a user of its own
 (--uid, as root) and no capabilities, limits on memory, CPU time, threads and file size, a session keyring of its
-own, and a seccomp filter that refuses new processes, namespaces, keyrings, memory outside the address space and
-sockets. Then it imports the student's MODULE from STUDENT_DIR, calls FUNCTION on every case of CASES_JSON (their
+own, and a seccomp filter that refuses new processes, namespaces, keyrings, memory outside the address space (System
+V's IPC among it), sockets and fallocate. Then it imports the student's MODULE from STUDENT_DIR, calls FUNCTION on every case of CASES_JSON (their
 inputs only, in an order of the grader's: nothing of what the reference did on them), and prints one JSON
 document: for each case what the function returned (or the exception it raised) and, for the inputs a case names,
 the gradients of what it returned. Nothing here decides anything: once the student's module is imported
