@@ -674,7 +674,7 @@ from test_environments import load
 from support.environments import ToolCall
 mode, started = sys.argv[2], time.monotonic()
 try:
-    env = load(environment=sys.argv[1], tool_timeout=1.0, examples=({{"prompt": "1+2=", "mode": mode}},))
+    env = load(environment=sys.argv[1], tool_timeout=2.0, examples=({{"prompt": "1+2=", "mode": mode}},))
     env = env.episode({{"prompt": "1+2=", "mode": mode}})
     said = env.call(ToolCall("look", {{}})).text
 except SystemExit as e:
@@ -708,10 +708,10 @@ def test_an_instances_pickling_hooks_run_in_the_tool_process_under_the_timeout(m
         assert proc.returncode == 0 and proc.stdout, (mode or cls, proc.stdout, proc.stderr[-2000:])
         text, seconds = json.loads(proc.stdout)
         said[mode or cls] = text
-        assert seconds < 20, (mode or cls, seconds)  # 1 s of limit; a slow hook sleeps 30 s
+        assert seconds < 20, (mode or cls, seconds)  # 2 s of limit; a slow hook sleeps 30 s
     assert said == {"slow_get": "seen", "slow_set": "seen", "exit_set": "seen",
                     "Exits": "error: look ended its process (exit status 0) before returning",
-                    "always_slow_set": "error: look ran past 1 s"}, said
+                    "always_slow_set": "error: look ran past 2 s"}, said
 
 
 def test_a_reply_is_an_exact_str_and_a_helper_made_a_sibling_of_the_worker_ends_with_its_call(misbehaving, tmp_path,
