@@ -673,7 +673,8 @@ def main():
     say("| Exercise | File | Score | Result |\n|---|---|---|---|")
 
     def row(r):
-        say(f"| `{r.name}` | `{r.key.split('::')[0]}` | {r.score} / {r.stars} | {r.status} |")
+        status = r.status.replace("|", "\\|")  # a `|` of the student's text would end the cell
+        say(f"| `{r.name}` | `{r.key.split('::')[0]}` | {r.score} / {r.stars} | {status} |")
 
     results, seed = grade(args.student_dir, only, args.seed, args.timeout, args.jobs, progress=row,
                           sandbox=not args.no_sandbox)

@@ -5,8 +5,8 @@
 classroom/grade.py runs this file inside the sandbox, one process per exercise. Before anything of the student's
 runs it locks itself down (`lock_down`): the sandbox's /tmp capped in files too (--tmp), a user of its own
 (--uid, as root) and no capabilities, limits on memory, CPU time, threads and file size, a session keyring of its
-own, and a seccomp filter that refuses new processes, namespaces, keyrings, memory outside the address space and
-sockets. Then it imports the student's MODULE from STUDENT_DIR, calls FUNCTION on every case of CASES_JSON (their
+own, and a seccomp filter that refuses new processes, namespaces, keyrings, memory outside the address space (System
+V's IPC among it), sockets and fallocate. Then it imports the student's MODULE from STUDENT_DIR, calls FUNCTION on every case of CASES_JSON (their
 inputs only, in an order of the grader's: nothing of what the reference did on them), and prints one JSON
 document: for each case what the function returned (or the exception it raised) and, for the inputs a case names,
 the gradients of what it returned. Nothing here decides anything: once the student's module is imported
@@ -118,17 +118,19 @@ def call(function, case):
 
 # The system calls the filter refuses, by machine: (AUDIT_ARCH, {name: number}). An exercise needs no socket (a
 # socket's buffers are the kernel's memory, counted against no limit), and io_uring could make one without the
-# socket call. clone is refused unless it makes a thread; clone3 (whose flags the filter cannot read) answers "not
-# implemented", and the C library falls back to clone for its threads.
+# socket call. Nor System V's shared memory, message queues or semaphore sets (kernel memory no limit counts, kept
+# after the process ends), nor fallocate (a reservation past a file's end changes no size: RLIMIT_FSIZE lets it
+# fill the disk that holds the runner's answer file). clone is refused unless it makes a thread; clone3 (whose flags
+# the filter cannot read) answers "not implemented", and the C library falls back to clone for its threads.
 SYSCALLS = {
     "x86_64": (0xC000003E, {"fork": 57, "vfork": 58, "execve": 59, "execveat": 322, "clone": 56, "clone3": 435,
                             "unshare": 272, "setns": 308, "keyctl": 250, "add_key": 248, "request_key": 249,
-                            "shmget": 29, "msgget": 68, "memfd_create": 319, "ptrace": 101, "socket": 41,
-                            "socketpair": 53, "io_uring_setup": 425}),
+                            "shmget": 29, "msgget": 68, "semget": 64, "fallocate": 285, "memfd_create": 319,
+                            "ptrace": 101, "socket": 41, "socketpair": 53, "io_uring_setup": 425}),
     "aarch64": (0xC00000B7, {"execve": 221, "execveat": 281, "clone": 220, "clone3": 435, "unshare": 97,
                              "setns": 268, "keyctl": 219, "add_key": 217, "request_key": 218, "shmget": 194,
-                             "msgget": 186, "memfd_create": 279, "ptrace": 117, "socket": 198, "socketpair": 199,
-                             "io_uring_setup": 425}),
+                             "msgget": 186, "semget": 190, "fallocate": 47, "memfd_create": 279, "ptrace": 117,
+                             "socket": 198, "socketpair": 199, "io_uring_setup": 425}),
 }
 CLONE_THREAD, CLONE_NAMESPACES = 0x00010000, 0x7E020000  # CLONE_NEW{NS,CGROUP,UTS,IPC,USER,PID,NET}
 
@@ -174,7 +176,8 @@ def lock_down(seconds, uid, tmp):
         raise OSError(ctypes.get_errno(), "dropping the capabilities")
     for which, value in ((resource.RLIMIT_AS, MEMORY_BYTES), (resource.RLIMIT_CPU, seconds),
                          (resource.RLIMIT_NPROC, THREADS), (resource.RLIMIT_FSIZE, FILE_BYTES),
-                         (resource.RLIMIT_NOFILE, OPEN_FILES), (resource.RLIMIT_CORE, 0)):
+                         (resource.RLIMIT_NOFILE, OPEN_FILES), (resource.RLIMIT_CORE, 0),
+                         (resource.RLIMIT_RTPRIO, 0), (resource.RLIMIT_NICE, 0)):
         resource.setrlimit(which, (value, value))
     machine = os.uname().machine
     # KEYCTL_JOIN_SESSION_KEYRING: a new, anonymous one. Where the kernel refuses keyctl (a container's own

@@ -1,5 +1,8 @@
 """Checkpoints and resume (Checkpointer, find_checkpoint), and the checks that stop a run whose loss, gradient
-norm, weights or logits are not finite, naming its last good state."""
+norm, weights or logits are not finite, naming its last good state. A resume loads no file in a way that can run
+code: weights as safetensors, the optimizers', schedulers' and RNG states through torch's weights-only unpickler
+(accelerate's default), and the rest as JSON, the objects registered with accelerator.register_for_checkpointing
+(PPO's KL controller) among them (`save_state`, `load_state`)."""
 import hashlib
 import json
 import os
@@ -130,6 +133,12 @@ def find_checkpoint(cfg, world_size, script=None):
         if problem:
             return "", (f"error: --resume_from {path!r} is damaged: {problem}. Give another checkpoint "
                         "(--resume_from latest skips damaged ones).")
+    pickles = sorted(name for name in os.listdir(path) if name.startswith("custom_checkpoint_"))
+    if pickles:
+        return "", (f"error: --resume_from {path!r} holds {pickles[0]}, a pickle of a registered object, which a "
+                    "resume never loads (unpickling can run any code); this version keeps that state as JSON "
+                    "(custom_state_N.json): start a new run from its weights with --model_name_or_path "
+                    f"{os.path.join(path, 'model')}.")
     state = config.read_json(os.path.join(path, "trainer_state.json"))
     if state["script"] != script:
         return "", (f"error: --resume_from {path!r} was written by {state['script']}, not {script}: resume it "
@@ -305,7 +314,7 @@ def load_checkpoint(cfg, accelerator, sampler):
     cfg.resume_from = path
     if not path:
         return 0
-    accelerator.load_state(path)
+    load_state(accelerator, path)
     with open(os.path.join(path, f"sampler_rank{accelerator.process_index}.json")) as f:
         sampler.load_state_dict(json.load(f))
     with open(os.path.join(path, "trainer_state.json")) as f:
@@ -325,7 +334,7 @@ def save_checkpoint(cfg, accelerator, step, policy, tokenizer, sampler_state):
     if main and os.path.exists(tmp):
         shutil.rmtree(tmp)  # left by a killed run
     accelerator.wait_for_everyone()
-    accelerator.save_state(tmp)
+    save_state(accelerator, tmp)
     with open(os.path.join(tmp, f"sampler_rank{accelerator.process_index}.json"), "w") as f:
         json.dump(sampler_state, f)
     save_model(accelerator, policy, tokenizer, os.path.join(tmp, "model"))
@@ -340,6 +349,46 @@ def save_checkpoint(cfg, accelerator, step, policy, tokenizer, sampler_state):
         prune(cfg, keep=path)
     accelerator.wait_for_everyone()
     return path
+
+
+def registered_objects(accelerator):
+    """The objects registered with accelerator.register_for_checkpointing, which save_state and load_state keep as
+    JSON (accelerate would pickle them, and load them with weights_only=False)."""
+    return accelerator._custom_objects
+
+
+def save_state(accelerator, path):
+    """accelerator.save_state(path), but each registered object's state_dict() (plain numbers) written as JSON,
+    custom_state_N.json, by the main process."""
+    objects = list(registered_objects(accelerator))
+    registered_objects(accelerator).clear()
+    try:
+        accelerator.save_state(path)
+    finally:
+        registered_objects(accelerator).extend(objects)
+    if accelerator.is_main_process:
+        for index, obj in enumerate(objects):
+            with open(os.path.join(path, f"custom_state_{index}.json"), "w") as f:
+                json.dump(obj.state_dict(), f)
+
+
+def load_state(accelerator, path):
+    """accelerator.load_state(path), then each registered object's state from its JSON: SystemExit with one line when
+    it is not the same keys with values of the same types as the object's own state_dict()."""
+    objects = list(registered_objects(accelerator))
+    registered_objects(accelerator).clear()
+    try:
+        accelerator.load_state(path)
+    finally:
+        registered_objects(accelerator).extend(objects)
+    for index, obj in enumerate(objects):
+        file = os.path.join(path, f"custom_state_{index}.json")
+        state, own = config.read_json(file), obj.state_dict()
+        if not isinstance(state, dict) or state.keys() != own.keys() or \
+                any(type(state[k]) is not type(own[k]) or state[k] != state[k] for k in own):  # (NaN)
+            raise SystemExit(f"error: --resume_from {path!r}: {file} is missing or is not the state of "
+                             f"{type(obj).__name__} (keys {sorted(own)}).")
+        obj.load_state_dict(state)
 
 
 def prune(cfg, keep):

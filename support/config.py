@@ -1,6 +1,7 @@
 """Configuration every script shares: TrainConfig (each algorithm file subclasses it with
 what it adds), GroupConfig (the group methods' shared fields and defaults), parsing and the
 Accelerator."""
+import fcntl
 import functools
 import importlib.util
 import json
@@ -379,6 +380,27 @@ def say(message):
     """A warning or note on stderr, once per launch (before the Accelerator exists)."""
     if os.environ.get("RANK", "0") == "0":
         print(message, file=sys.stderr, flush=True)
+
+
+HELD_FOLDERS = {}  # the --output_dir folders this process holds the lock of: path -> the open folder
+
+
+def lock_output_dir(output_dir):
+    """Hold the lock of output_dir (flock on the folder, made if need be) while this process lives: a second run
+    given the same --output_dir stops here with one line, instead of interleaving metrics.jsonl and deleting the
+    other's checkpoint in the middle of its save. The kernel releases it when the process ends, however it ends."""
+    path = os.path.realpath(output_dir)
+    if path in HELD_FOLDERS:
+        return
+    os.makedirs(path, exist_ok=True)
+    folder = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        fcntl.flock(folder, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(folder)
+        raise SystemExit(f"error: --output_dir {output_dir!r} is in use by another run (it holds the folder's lock): "
+                         "wait for it to end, or give another --output_dir.") from None
+    HELD_FOLDERS[path] = folder
 
 
 def check_output_dir(cfg, script):

@@ -16,7 +16,9 @@ An environment class has TRL's GRPOTrainer(environment_factory=...) shape, which
   - a tool that raises is not the end of the episode: its message is what the model reads (`error: ...`).
 Reward functions receive the episodes' instances as `environments`, as TRL passes them (reward_functions.py).
 --tools functions are stateless (TRL's GRPOTrainer(tools=...)): the same checks, without reset.
-The user's reset and tool calls run in a process of their own, under --tool_timeout (support/tool_process.py)."""
+The user's reset, tool calls and get_reward run in a process of their own, under --tool_timeout
+(support/tool_process.py); the training process loads the user's files once (their top level runs there, without a
+limit) to read the tools' signatures and docstrings."""
 import functools
 import inspect
 import json
@@ -27,12 +29,14 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from support import config, routing, tool_process, user_files
-from support.config import AT_LEAST_ONE, POSITIVE, arg, check, check_rules
+from support.calculator import Calculator
+from support.config import AT_LEAST_ONE, Rule, arg, check, check_rules
 
 AGENT_MODEL = os.path.join(config.ROOT, "embedded_model", "agent")
 AGENT_BUDGET = 40  # --max_new_tokens of episodes at the default: a+b*c's two calls and answer take about 28 tokens
 CHARS_PER_TOKEN = 32  # an observation is cut to this many characters per token it may add, before it is tokenised
 RESERVED = ("reset", "get_reward")  # an environment's methods that are not tools (TRL's)
+SECONDS = Rule(lambda v: 0 < v <= 86400, "> 0 and at most 86400 (a day)")
 
 
 @dataclass
@@ -44,11 +48,11 @@ class AgentConfig:
                            "environment_factory shape (reset and one public method per tool).")
     tools: str = arg("", "Stateless tools FILE.py:fn1,fn2: typed functions with docstrings (TRL's tools).")
     max_turns: int = arg(4, "The most model turns in an episode (each may call tools).")
-    tool_timeout: float = arg(5.0, "Seconds a tool call (or reset) may run before its process is killed.")
+    tool_timeout: float = arg(5.0, "Seconds a tool call, reset or get_reward may run before its process is killed.")
 
     def __post_init__(self):
         super().__post_init__()
-        check_rules(self, max_turns=AT_LEAST_ONE, tool_timeout=POSITIVE)
+        check_rules(self, max_turns=AT_LEAST_ONE, tool_timeout=SECONDS)
         toolbox(self.environment, self.tools)  # a bad file, name or tool is an error before any model loads
         if self.environment == "calculator" and (self.model_name_or_path, self.dataset) == \
                 (config.EMBEDDED_MODEL, "arithmetic"):  # the agent model and task
@@ -71,35 +75,6 @@ class ToolResult(NamedTuple):
     error: bool
     name: str = ""
     cut: bool = False
-
-
-# ----------------------------------------------------------------------------------------
-# The built-in environment
-# ----------------------------------------------------------------------------------------
-class Calculator:
-    """--environment calculator: one tool that evaluates ONE binary integer operation, so a+b*c takes two calls.
-    Its answers are short: a 1M-parameter character model reads them."""
-
-    def reset(self, **kwargs):
-        self.history = []  # (expression, result) of each call that succeeded
-        return None
-
-    def calculate(self, expression: str) -> str:
-        """Evaluate one operation on two non-negative integers.
-
-        Args:
-            expression: Two integers and one operator between them: a+b, a-b or a*b (e.g. 34*5).
-        """
-        match = re.fullmatch(r"\s*(\d+)\s*([-+*])\s*(\d+)\s*", expression)
-        if match is None:
-            raise ValueError("need a+b, a-b or a*b")
-        a, op, b = match.groups()
-        if max(len(a), len(b)) > 9:
-            raise ValueError("number too long")
-        a, b = int(a), int(b)
-        result = str(a + b if op == "+" else a - b if op == "-" else a * b)
-        self.history.append((expression, result))
-        return result
 
 
 # ----------------------------------------------------------------------------------------
@@ -133,10 +108,12 @@ def schema(flag, spec, name, function):
                          "with an Args section).") from e
 
 
-def public_methods(instance):
-    """The tools of an environment instance, as TRL finds them: the public functions of its class other than reset
-    and get_reward, bound to it."""
-    return {name: getattr(instance, name) for name, _ in inspect.getmembers(type(instance), inspect.isfunction)
+def public_methods(cls):
+    """The tools of an environment class, as TRL finds them: the public functions of the class other than reset and
+    get_reward, each bound to a placeholder (its signature and schema without self, as a bound method's; no instance
+    is made in this process)."""
+    return {name: function if isinstance(inspect.getattr_static(cls, name), staticmethod) else
+            types.MethodType(function, object()) for name, function in inspect.getmembers(cls, inspect.isfunction)
             if not name.startswith("_") and name not in RESERVED}
 
 
@@ -157,13 +134,7 @@ def toolbox(environment, tools):
     if environment_class is not None:
         check(callable(getattr(environment_class, "reset", None)), f"--environment {environment!r}: the class has "
               "no reset method: give it reset(self, **kwargs), which starts each episode.")
-        try:
-            probe = environment_class()
-        except Exception as e:
-            raise ValueError(f"--environment {environment!r}: {environment_class.__name__}() raised "
-                             f"{type(e).__name__}: {one_line(e)} (one instance is made per episode, without "
-                             "arguments).") from e
-        methods = public_methods(probe)
+        methods = public_methods(environment_class)
         check(methods, f"--environment {environment!r}: the class has no public method other than reset: each "
               "tool is one (typed, with a docstring).")
         schemas = [schema("--environment", environment, name, method) for name, method in methods.items()]
@@ -188,12 +159,12 @@ def toolbox(environment, tools):
 
 
 @functools.cache
-def process_of(environment, tools):
+def process_of(environment, tools, timeout):
     """The process that runs the calls of --environment / --tools in this process (None: the built-in calculator
     alone, whose calls are bounded and run here: one linear regular expression and one operation on 9-digit
     numbers)."""
     files = toolbox(environment, tools).files
-    return tool_process.ToolProcess(files) if files else None
+    return tool_process.ToolProcess(files, timeout) if files else None
 
 
 WARNED = set()
@@ -209,33 +180,66 @@ def warn_once(key, line):
 class Environment:
     """The environment of one episode: a new instance of the environment class (None for --tools alone) whose
     reset was called with the example's row, and its tools. call() never raises. cfg: the run's flags (its
-    --environment, --tools, --tool_timeout, the budgets that cap observations). The user's reset and calls run in the
-    tool process (support/tool_process.py), each under --tool_timeout; `instance` is the environment as the last of
-    them left it."""
+    --environment, --tools, --tool_timeout, the budgets that cap observations). The user's reset, calls and get_reward
+    run in the tool process (support/tool_process.py), each under --tool_timeout; `state` is the instance as the last
+    of them left it, pickled there, which this process keeps without reading (`instance` reads it)."""
 
     def __init__(self, cfg, example):
         box, flag = toolbox(cfg.environment, cfg.tools), flag_of(cfg)
-        self.signatures, self.timeout = box.signatures, cfg.tool_timeout
-        self.process, self.functions = process_of(cfg.environment, cfg.tools), box.functions
+        self.signatures, self.timeout, self.flag = box.signatures, cfg.tool_timeout, flag
+        self.process = process_of(cfg.environment, cfg.tools, cfg.tool_timeout)
+        self.functions, self.tools_path = box.functions, cfg.tools.rpartition(":")[0]
+        self.path, _, self.class_name = cfg.environment.rpartition(":")
         self.reply_chars = CHARS_PER_TOKEN * getattr(cfg, "max_new_tokens", AGENT_BUDGET)
-        self.instance, self.observation, self.cut = None, None, False  # observation: reset's, appended to the prompt
+        self.local, self.state, self.unpickled, self.reward_outcome = None, b"", None, None
+        self.observation, self.cut = None, False  # observation: reset's, appended to the prompt
         if box.environment_class is None:
             return
         row = example.get("row", example)
         try:
             if self.process is None:  # the built-in calculator
-                self.instance = box.environment_class()
-                self.observation = self.instance.reset(**row)
+                self.local = box.environment_class()
+                self.observation = self.local.reset(**row)
             else:
                 chars = CHARS_PER_TOKEN * getattr(cfg, "max_prompt_length", 512)
-                self.observation, self.instance, self.cut = self.process.run("reset", box.environment_class, "reset",
-                                                                             row, self.timeout, chars)
+                outcome, self.state = self.process.run("reset", self.path, self.class_name, "reset", row, self.timeout,
+                                                       chars)
+                self.observation, self.cut = outcome["text"], outcome["cut"]
         except Exception as e:
             reason = e.reason if isinstance(e, tool_process.CallFailed) else f"raised {type(e).__name__}: {one_line(e)}"
             raise SystemExit(f"error: {flag}: reset {reason} on the row {str(row)[:200]}.") from e
         if self.cut:
             warn_once("reset", f"{flag}: reset returned more than {chars} characters; the observation was cut to "
                       "--max_prompt_length tokens at most and its episode counts as truncated (train/truncated_frac).")
+
+    @property
+    def instance(self):
+        """The environment as its last call left it, as an object of this process (None without an environment): the
+        tool process's pickled bytes unpickled here, once, so the class's __setstate__ or __reduce__ runs in this
+        process, without a limit. Only the reward functions' `environments` and tests read it."""
+        if self.process is None or not self.state:
+            return self.local
+        if self.unpickled is None or self.unpickled[0] is not self.state:
+            try:
+                self.unpickled = self.state, tool_process.loads(self.state, self.process.modules)
+            except BaseException as e:  # SystemExit too: one line, not the user's exit status
+                raise SystemExit(f"error: {self.flag}: unpickling an instance in the training process (for the "
+                                 f"reward functions' environments) raised {type(e).__name__}: {one_line(e)}") from e
+        return self.unpickled[1]
+
+    def reward(self):
+        """get_reward() of the instance, run in the tool process under --tool_timeout: a float or None, once per
+        episode (a failure is raised again, at once, when the reward functions retry row by row)."""
+        if self.reward_outcome is None:
+            try:
+                outcome, _ = self.process.run("reward", self.path, self.class_name, "get_reward", {}, self.timeout, 0,
+                                              self.state)
+                self.reward_outcome = outcome["value"]
+            except tool_process.CallFailed as e:
+                self.reward_outcome = RuntimeError(f"get_reward {e.reason}")
+        if isinstance(self.reward_outcome, Exception):
+            raise self.reward_outcome
+        return self.reward_outcome
 
     def call(self, call):
         """The ToolResult of a call: the tool's return value as str(), or `error: ...` for a call that could not be
@@ -253,23 +257,23 @@ class Environment:
             signature.bind(**call.arguments)
         except TypeError as e:
             return error(f"{call.name}: {one_line(e)}")
-        function = self.functions.get(call.name)
         try:
             if self.process is None:  # the built-in calculator, in this process
-                return ToolResult(str(getattr(self.instance, call.name)(**call.arguments)), False, call.name)
-            kind, target = ("function", function) if function is not None else ("method", self.instance)
-            text, instance, cut = self.process.run(kind, target, call.name, call.arguments, self.timeout,
-                                                   self.reply_chars)
+                return ToolResult(str(getattr(self.local, call.name)(**call.arguments)), False, call.name)
+            if call.name in self.functions:
+                outcome, _ = self.process.run("function", self.tools_path, call.name, call.name, call.arguments,
+                                              self.timeout, self.reply_chars)
+            else:
+                outcome, self.state = self.process.run("method", self.path, self.class_name, call.name,
+                                                       call.arguments, self.timeout, self.reply_chars, self.state)
         except tool_process.CallFailed as e:
             return error(e.message if e.message is not None else f"{call.name} {e.reason}")
         except Exception as e:  # the built-in calculator's
             return error(one_line(e))
-        if function is None:
-            self.instance = instance
-        if cut:
+        if outcome["cut"]:
             warn_once("reply", f"a reply of {call.name} was cut to {self.reply_chars} characters ({CHARS_PER_TOKEN} "
                       "per token of --max_new_tokens); its episode counts as truncated (train/truncated_frac).")
-        return ToolResult(text, False, call.name, cut)
+        return ToolResult(outcome["text"], False, call.name, outcome["cut"])
 
 
 # ----------------------------------------------------------------------------------------
@@ -385,19 +389,15 @@ class Spec:
 
 def reward_source(cfg):
     """TRL's get_reward: (the class's name, a reward function that calls each episode's get_reward()) when the
-    --environment class defines one, else None. It is called once per episode after the episode, in the process
-    that played it, as a --reward_fn is."""
+    --environment class defines one, else None. It is called once per episode after the episode, in the tool process
+    of the process that played it, under --tool_timeout (Environment.reward)."""
     box = toolbox(getattr(cfg, "environment", ""), getattr(cfg, "tools", ""))
     cls = box.environment_class
     if cls is None or not inspect.isfunction(getattr(cls, "get_reward", None)):
         return None
 
-    if inspect.iscoroutinefunction(cls.get_reward):  # as TRL wraps it
-        async def get_reward(environments, **kwargs):
-            return [await env.get_reward() if type(env) is cls else None for env in environments]
-    else:
-        def get_reward(environments, **kwargs):
-            return [env.get_reward() if type(env) is cls else None for env in environments]
+    def get_reward(episodes, **kwargs):  # (an `async def` get_reward is run to its end there)
+        return [None if episode.env is None else episode.env.reward() for episode in episodes]
     return cls.__name__, get_reward
 
 

@@ -46,6 +46,8 @@ def make_accelerator(cfg):
     cpu = (not torch.cuda.is_available() or use_cpu) and not deepspeed
     accelerator = Accelerator(cpu=cpu, log_with=None if cfg.report_to == "none" else cfg.report_to,
                               project_dir=cfg.output_dir)
+    if accelerator.is_main_process:
+        config.lock_output_dir(cfg.output_dir)  # a second run on this --output_dir stops with one line
     atexit.register(close_process_group)
     if accelerator.state.deepspeed_plugin is not None:
         deepspeed_settings(accelerator.state.deepspeed_plugin.deepspeed_config, cfg, accelerator.num_processes)

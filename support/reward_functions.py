@@ -41,8 +41,8 @@ def reward_kwargs(cfg, examples, completions, episodes=None):
     prompts (the dataset's prompt: text, or a conversation's messages), completions (text, or for a conversation
     [{"role": "assistant", "content": text}]), completion_ids (the sampled token ids, up to and including EOS),
     trainer_state, and every column of the dataset but the prompt's, by its name. With multi-turn episodes
-    (agents.Episode, one per completion) also episodes and, with --environment, environments: each episode's
-    environment instance, as TRL passes them."""
+    (agents.Episode, one per completion) also episodes and, with --environment and --reward_fn, environments: each
+    episode's environment instance, as TRL passes them (unpickled in this process: Environment.instance)."""
     rows = [ex.get("row", ex) for ex in examples]
     prompt_column = "prompt" if cfg.dataset in ("arithmetic", "tool_arithmetic") else cfg.prompt_column
     columns = {key: [row[key] for row in rows] for key in rows[0] if key != prompt_column}
@@ -53,7 +53,7 @@ def reward_kwargs(cfg, examples, completions, episodes=None):
               "completion_ids": [getattr(c, "token_ids", None) for c in completions], "trainer_state": trainer_state()}
     if episodes is not None:
         kwargs["episodes"] = episodes
-        if getattr(cfg, "environment", ""):
+        if getattr(cfg, "environment", "") and cfg.reward_fn:
             kwargs["environments"] = [episode.env.instance for episode in episodes]
     return kwargs
 
@@ -93,10 +93,22 @@ def call_reward_function(name, function, kwargs, when="step not applied"):
         return None, (f"error: {what} returned {type(values[not_numbers[0]]).__name__} "
                       f"{str(values[not_numbers[0]])[:100]!r}, not a number, at batch rows {show(not_numbers, texts)}; "
                       f"{when}.")
-    non_finite = [i for i, v in enumerate(values) if v is not None and not math.isfinite(v)]
+    floats = [None if v is None else finite_float(v) for v in values]
+    non_finite = [i for i, (v, f) in enumerate(zip(values, floats)) if v is not None and f is None]
     if non_finite:
-        return None, f"error: {what} returned {values[non_finite[0]]} at batch rows {show(non_finite, texts)}; {when}."
-    return [None if v is None else float(v) for v in values], None
+        v = values[non_finite[0]]
+        said = v if isinstance(v, float) else f"a number too large for a float ({type(v).__name__})"
+        return None, f"error: {what} returned {said} at batch rows {show(non_finite, texts)}; {when}."
+    return floats, None
+
+
+def finite_float(value):
+    """float(value), or None where it is not finite (inf, NaN; an int or a Fraction past a float's range)."""
+    try:
+        value = float(value)
+    except (OverflowError, ValueError):
+        return None
+    return value if math.isfinite(value) else None
 
 
 def show(rows, completions):

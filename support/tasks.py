@@ -11,7 +11,7 @@ import re
 import torch
 
 import common
-from support import config, environments, fast, reward_functions
+from support import config, environments, fast, reward_functions, user_files
 
 # ----------------------------------------------------------------------------------------
 # The built-in task: arithmetic in families of different difficulty
@@ -94,7 +94,8 @@ def final_answer(episode_text):
 # ----------------------------------------------------------------------------------------
 # Real data (GSM8K or a local file) and the math reward
 # ----------------------------------------------------------------------------------------
-NUMBER = r"-?[\d,]*\.?\d+"
+# never from a comma: `-?[\d,]*\.?\d+` tried a run of commas from each of them, in time quadratic in its length
+NUMBER = r"-?(?:\d[\d,]*)?\.?\d+"
 
 
 def normalize_number(text):
@@ -151,6 +152,8 @@ def load_rows(cfg, tokenizer):
             eval_rows = splits["test"].select(range(min(cfg.eval_size, len(splits["test"]))))
         else:
             kind = "parquet" if cfg.dataset.endswith(".parquet") else "json"
+            if cfg.dataset.endswith(".jsonl"):
+                user_files.check_json_lines(cfg.dataset)
             rows = datasets.load_dataset(kind, data_files=cfg.dataset, split="train")
             if len(rows) < 2:
                 raise SystemExit(f"error: --dataset {cfg.dataset!r} has {len(rows)} rows; "

@@ -416,3 +416,53 @@ def test_damaged_checkpoints_are_an_error_by_path_and_skipped_by_latest(tmp_path
     assert f"resumed from {out_dir / 'checkpoint-1'} at step 1" in out.stdout
     assert [r["step"] for r in run.read_metrics(out_dir / "metrics.jsonl")] == [0, 1, 2, 3]
     assert checkpoint.verify_checkpoint(newest) is None  # written again by the resumed run
+
+
+# A pickle that, once loaded, writes a file: what a crafted checkpoint's custom_checkpoint_0.pkl held.
+PAYLOAD = "import os, pickle\nclass P:\n    def __reduce__(self):\n        return os.system, ('touch {sentinel}',)\n" \
+          "open({file!r}, 'wb').write(pickle.dumps(P()))\n"
+
+
+@pytest.mark.parametrize("script", ["ppo.py", "lab/ppo.py"])
+def test_ppos_kl_controller_is_saved_as_json_and_a_resume_runs_no_pickle(tmp_path, script):
+    """The KL controller (registered with accelerate) is saved as plain JSON, not a pickle, and restored from it; a
+    checkpoint given a pickle where accelerate keeps registered objects, its checksums rewritten to verify, is refused
+    with one line and the pickle never runs (accelerate loads them with weights_only=False); a state that is not the
+    controller's is one line too."""
+    out_dir = tmp_path / "run"
+    cmd = [sys.executable, script, "--num_steps", "2", "--batch_size", "4", "--num_mini_batches", "2",
+           "--max_new_tokens", "4", "--eval_every", "100000", "--save_steps", "1", "--adaptive_kl", "True",
+           "--output_dir", str(out_dir)]
+    first = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stderr[-3000:]
+    last = out_dir / "checkpoint-2"
+    betas = [json.loads(line)["train/beta"] for line in open(out_dir / "metrics.jsonl") if "train/beta" in line]
+    assert sorted(p.name for p in last.glob("custom_*")) == ["custom_state_0.json"]
+    assert json.loads((last / "custom_state_0.json").read_text())["value"] != betas[0]  # moved by step 2's update
+    if script == "ppo.py":  # (the lab's saves and loads through the same functions)
+        resumed = subprocess.run(cmd + ["--resume_from", str(out_dir / "checkpoint-1"), "--output_dir",
+                                        str(tmp_path / "resumed")], cwd=ROOT, env=ENV, capture_output=True,
+                                 text=True, timeout=600)
+        assert resumed.returncode == 0, resumed.stderr[-3000:]
+        again = [json.loads(line)["train/beta"] for line in open(tmp_path / "resumed" / "metrics.jsonl")
+                 if "train/beta" in line]
+        assert again[-1] == betas[-1]  # step 2 starts from step 1's coefficient, restored
+    sentinel = tmp_path / "sentinel"
+    crafted = last / "custom_checkpoint_0.pkl"
+    subprocess.run([sys.executable, "-c", PAYLOAD.format(sentinel=sentinel, file=str(crafted))], check=True)
+    state = json.loads((last / "trainer_state.json").read_text())
+    (last / "trainer_state.json").write_text(json.dumps({**state, "files": checkpoint.file_records(last)}))
+    refused = subprocess.run(cmd + ["--resume_from", str(last)], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                             timeout=600)
+    assert not sentinel.exists()
+    assert refused.returncode != 0 and refused.stderr.strip().splitlines()[-1].startswith(
+        f"error: --resume_from {str(last)!r} holds custom_checkpoint_0.pkl"), refused.stderr[-3000:]
+    if script != "ppo.py":
+        return
+    crafted.unlink()
+    (last / "custom_state_0.json").write_text('{"value": "0.1"}')
+    (last / "trainer_state.json").write_text(json.dumps({**state, "files": checkpoint.file_records(last)}))
+    refused = subprocess.run(cmd + ["--resume_from", str(last)], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                             timeout=600)
+    assert refused.stderr.strip().splitlines()[-1].startswith(f"error: --resume_from {str(last)!r}: ") and \
+        "is not the state of AdaptiveKLController" in refused.stderr, refused.stderr[-3000:]

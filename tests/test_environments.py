@@ -573,3 +573,197 @@ def test_the_sampler_process_dies_with_the_learner_even_while_it_plays():
         time.sleep(0.05)
     assert not running(sampler)
     assert "tool_process.die_with_parent()" in open(f"{ROOT}/lab/async_sampling.py").read()
+
+
+# An environment's own code that must not run in the training process: pickling hooks slow or fatal outside the
+# process that made the instance (the training process, before), a str subclass returned by a tool, a helper started
+# with clone(CLONE_PARENT) in a session of its own, an instance of 100 MB.
+MISBEHAVING = '''
+import ctypes
+import os
+import time
+
+
+class Hooked:
+    def reset(self, mode="", **kwargs):
+        self.mode, self.home = mode, os.getpid()
+
+    def look(self) -> str:
+        """Look around."""
+        return "seen"
+
+    def __getstate__(self):
+        if self.mode == "slow_get" and os.getpid() != self.home:  # a flush to a server that never answers
+            time.sleep(30)
+        return {"mode": self.mode, "home": self.home}
+
+    def __setstate__(self, state):
+        self.mode, self.home = state["mode"], state["home"]
+        if self.mode in ("slow_set", "exit_set") and os.getpid() != self.home or self.mode == "always_slow_set":
+            if self.mode == "exit_set":
+                raise SystemExit(0)
+            time.sleep(30)  # a reconnection that never ends
+
+
+class Exits:
+    def reset(self, **kwargs):
+        pass
+
+    def look(self) -> str:
+        """Look around."""
+        return "seen"
+
+    def __reduce__(self):
+        return os._exit, (0,)
+
+
+class Hoards:
+    def reset(self, megabytes=0, **kwargs):
+        self.blob = bytes(int(megabytes) << 20)
+
+    def hoard(self, megabytes: int) -> str:
+        """Hold that many MiB.
+
+        Args:
+            megabytes: How many.
+        """
+        self.blob = bytes(megabytes << 20)
+        return "held"
+
+    def size(self) -> int:
+        """The bytes held."""
+        return len(self.blob)
+
+
+class Marked(str):
+    """A str whose methods say which process ran them."""
+
+    def __format__(self, spec):
+        with open(os.environ["MARKS"], "a") as f:
+            f.write(f"{os.getpid()}\\n")
+        return str.__format__(self, spec)
+
+    __str__ = __add__ = __radd__ = __format__
+
+
+class Shown:
+    def __str__(self):
+        return Marked("shown")
+
+
+def show() -> Shown:
+    """An object whose str() is a str subclass."""
+    return Shown()
+
+
+def helper() -> str:
+    """Starts a helper that sleeps, as a sibling of this process (clone with CLONE_PARENT) in a session of its own."""
+    number = {"x86_64": 56, "aarch64": 220}[os.uname().machine]
+    pid = ctypes.CDLL(None, use_errno=True).syscall(number, 0x00008000 | 17, 0, 0, 0, 0)  # CLONE_PARENT | SIGCHLD
+    if pid == 0:
+        os.setsid()
+        time.sleep(60)
+        os._exit(0)
+    return str(pid)
+'''
+# Each case in a process of its own: an instance unpickled in the training process ended it (os._exit(0)).
+HOOK_CASE = """
+import json, sys, time
+sys.path[:0] = [{root!r}, {root!r} + "/tests"]
+from test_environments import load
+from support.environments import ToolCall
+mode, started = sys.argv[2], time.monotonic()
+try:
+    env = load(environment=sys.argv[1], tool_timeout=2.0, examples=({{"prompt": "1+2=", "mode": mode}},))
+    env = env.episode({{"prompt": "1+2=", "mode": mode}})
+    said = env.call(ToolCall("look", {{}})).text
+except SystemExit as e:
+    said = f"SystemExit: {{e.code}}"
+print(json.dumps([said, time.monotonic() - started]))
+"""
+
+
+@pytest.fixture
+def misbehaving(tmp_path):
+    path = tmp_path / "misbehaving.py"
+    path.write_text(MISBEHAVING)
+    return str(path)
+
+
+def test_an_instances_pickling_hooks_run_in_the_tool_process_under_the_timeout(misbehaving):
+    """The instance stays pickled between calls: its __getstate__, __setstate__ and what its __reduce__ names run in
+    the tool process, under --tool_timeout, never in the training process (where a slow hook ran past the limit,
+    SystemExit ended the run and os._exit(0) ended it with status 0)."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    said = {}
+    for cls, mode in [("Hooked", "slow_get"), ("Hooked", "slow_set"), ("Hooked", "exit_set"), ("Exits", ""),
+                      ("Hooked", "always_slow_set")]:
+        proc = subprocess.run([sys.executable, "-c", HOOK_CASE.format(root=str(ROOT)), f"{misbehaving}:{cls}", mode],
+                              capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert proc.returncode == 0 and proc.stdout, (mode or cls, proc.stdout, proc.stderr[-2000:])
+        text, seconds = json.loads(proc.stdout)
+        said[mode or cls] = text
+        assert seconds < 20, (mode or cls, seconds)  # 2 s of limit; a slow hook sleeps 30 s
+    assert said == {"slow_get": "seen", "slow_set": "seen", "exit_set": "seen",
+                    "Exits": "error: look ended its process (exit status 0) before returning",
+                    "always_slow_set": "error: look ran past 2 s"}, said
+
+
+def test_a_reply_is_an_exact_str_and_a_helper_made_a_sibling_of_the_worker_ends_with_its_call(misbehaving, tmp_path,
+                                                                                             monkeypatch):
+    """A tool whose value's str() is a str subclass: the training process gets a str (the subclass's methods ran in
+    it when the observation was formatted). A helper started with clone(CLONE_PARENT) becomes a child of the tool
+    process, not of the worker, in a session of its own: it is killed before the call replies."""
+    marks = tmp_path / "marks"
+    monkeypatch.setenv("MARKS", str(marks))
+    spec = load(tools=f"{misbehaving}:show,helper")
+    env = spec.episode({"prompt": "1+2="})
+    result = env.call(ToolCall("show", {}))
+    assert result == ToolResult("shown", False, "show") and type(result.text) is str
+    assert spec.observation_text([result]) == "<result>shown</result>"
+    assert str(os.getpid()) not in (marks.read_text().split() if marks.exists() else [])
+    helper = env.call(ToolCall("helper", {}))
+    assert not helper.error, helper
+    assert not running(int(helper.text))
+
+
+def test_an_instance_is_capped_and_the_load_of_the_tool_process_has_a_time_limit(misbehaving, tmp_path):
+    """An instance that pickles to more than INSTANCE_BYTES fails its call (reset: the environment's one line; a tool:
+    an error reply, the instance kept as it was): the training process keeps one per episode. A file whose import
+    waits (a lock the training process's own load holds) stops the run with one line, leaving no process."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    with pytest.raises(SystemExit) as stopped:
+        load(environment=f"{misbehaving}:Hoards", examples=({"prompt": "1+2=", "megabytes": 100},))
+    assert "reset raised ValueError: the instance pickles to 100.0 MiB, more than the 8 MiB" in str(stopped.value.code)
+    env = load(environment=f"{misbehaving}:Hoards").episode({"prompt": "1+2="})
+    assert env.call(ToolCall("hoard", {"megabytes": 100})).text.startswith("error: the instance pickles to 100.0 MiB")
+    assert env.call(ToolCall("size", {})).text == "0"
+    locked = tmp_path / "locked.py"
+    locked.write_text("import fcntl\n_lock = open(__file__ + '.lock', 'w')\nfcntl.flock(_lock, fcntl.LOCK_EX)\n"
+                      + MISBEHAVING)
+    script = (f"import os, sys, time\nsys.path[:0] = [{str(ROOT)!r}, {str(ROOT)!r} + '/tests']\n"
+              "from test_environments import load, children_of\nfrom support import tool_process\n"
+              "tool_process.LOAD_SECONDS = 1.0\nstarted = time.monotonic()\ntry:\n"
+              f"    load(environment={str(locked)!r} + ':Hooked', tool_timeout=0.5)\nexcept SystemExit as e:\n"
+              "    print(e.code)\nprint(round(time.monotonic() - started), children_of(os.getpid()))\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    said, left = proc.stdout.splitlines()
+    assert said == f"error: --environment '{locked}:Hooked': loading the file in the process that runs its calls " \
+        "took more than 1 s (an import that waits for a lock or the network?).", proc.stdout + proc.stderr
+    seconds, children = left.split(" ", 1)
+    assert int(seconds) < 30 and children == "[]", left
+
+
+@pytest.mark.parametrize("seconds", [float("inf"), 1e14, float("nan")])
+def test_a_tool_timeout_past_a_day_is_one_error_line(seconds):
+    with pytest.raises(ValueError, match=r"--tool_timeout must be > 0 and at most 86400 \(a day\)"):
+        AgentTrainConfig(environment="calculator", tool_timeout=seconds)

@@ -196,3 +196,58 @@ def test_a_rank_leaves_with_its_output_flushed_and_its_own_exit_code():
     for code in (0, 1):
         out = subprocess.run([sys.executable, "-c", script, str(code)], cwd=ROOT, capture_output=True, text=True)
         assert (out.returncode, out.stdout, out.stderr) == (code, "one process returns ", "to stderr")
+
+
+# A JSON Lines file's lines the datasets library reads with a traceback that names neither file nor line
+BAD_LINES = [
+    (b'{"question": "caf\xe9 1+1=", "answer": "2"}\n', "not UTF-8 (byte 0xe9 at byte 18 of the line; latin-1?): save "
+                                                       "the file as UTF-8."),
+    (b'{"question": "1+1=", "answer": 2\n', "not JSON (Expecting ',' delimiter at character 34)."),
+    (b'["1+1=", "2"]\n', "a JSON list, not an object of columns."),
+]
+
+
+@pytest.mark.parametrize("line, said", BAD_LINES, ids=["latin-1", "malformed", "not_an_object"])
+def test_a_bad_line_of_a_jsonl_file_is_one_error_naming_the_file_and_the_line(tmp_path, line, said):
+    path = tmp_path / "data.jsonl"
+    good = b'{"question": "2+2=", "answer": "4"}\n'
+    path.write_bytes(good + good + line + good)
+    out = run(["--dataset", str(path), "--eval_size", "1"], tmp_path)
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert out.stderr.strip().splitlines()[-1] == f"error: --dataset {str(path)!r} line 3: {said}"
+
+
+def test_an_empty_jsonl_file_is_one_error_before_any_model_loads(tmp_path):
+    from support import tasks
+
+    path = tmp_path / "empty.jsonl"
+    for text in ("", "\n  \n"):
+        path.write_text(text)
+        with pytest.raises(SystemExit) as stopped:
+            tasks.load_task(config.TrainConfig(dataset=str(path)))  # no model yet: the data are loaded first
+        assert stopped.value.code == f"error: --dataset {str(path)!r} holds no rows: each line of a .jsonl file is " \
+                                     "one JSON object."
+
+
+def test_a_second_run_on_the_same_output_dir_stops_with_one_line(tmp_path):
+    """Two runs given one --output_dir interleaved metrics.jsonl, and one deleted the other's tmp-checkpoint-N in
+    the middle of its save: the first holds the folder's lock (taken with its Accelerator, before any model loads),
+    the second stops, and the lock goes with the process that held it."""
+    holder = ("import sys, time; sys.path.insert(0, sys.argv[1]); from types import SimpleNamespace; "
+              "from support import helpers; helpers.make_accelerator(SimpleNamespace(report_to='none', "
+              "output_dir=sys.argv[2])); print('holding', flush=True); time.sleep(120)")
+    first = subprocess.Popen([sys.executable, "-c", holder, str(ROOT), str(tmp_path / "run")], stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert first.stdout.readline() == "holding\n"
+        second = run(["--num_steps", "1"], tmp_path)
+    finally:
+        first.kill()
+        first.wait()
+    assert second.returncode == 1 and "Traceback" not in second.stderr, second.stderr[-3000:]
+    assert second.stderr.strip().splitlines()[-1] == f"error: --output_dir {str(tmp_path / 'run')!r} is in use by " \
+                                                     "another run (it holds the folder's lock): wait for it to end, " \
+                                                     "or give another --output_dir."
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+    assert run(["--num_steps", "1", "--batch_size", "2", "--max_new_tokens", "2", "--eval_every", "100000"],
+               tmp_path).returncode == 0  # once the first has ended

@@ -740,3 +740,73 @@ def test_the_sandbox_is_given_each_cases_inputs_only_in_an_order_of_its_own():
     assert order != other  # two orders of 33 cases alike: a chance of 1 in 33!
     answers = {"cases": [{"value": i} for i in order]}
     assert grade.in_order(answers, order) == {"cases": [{"value": i} for i in range(len(cases))]}
+
+
+# Kernel memory and disk that no limit of the sandbox's counts, then the limits it inherits, reported (once: the
+# runner calls it on every case) as its exception, whose text holds a `|`.
+UNCOUNTED = """
+        import ctypes, json, os, resource
+        found = globals().get("_found")
+        if found is None:
+            libc = ctypes.CDLL(None, use_errno=True)
+            semget, fallocate = {"x86_64": (64, 285), "aarch64": (190, 47)}[os.uname().machine]
+            found = {"sets": 0, "reserved_MiB": 0}
+            for _ in range(10):  # System V semaphore sets of 32,000 (IPC_PRIVATE, IPC_CREAT | 0600): ~2 MB each
+                if libc.syscall(semget, 0, 32000, 0o1600) < 0:
+                    break
+                found["sets"] += 1
+            blocks = {}  # 128 MiB reserved past the end of each file open (FALLOC_FL_KEEP_SIZE): the answer's
+            for fd in range(64):
+                try:
+                    libc.syscall(fallocate, fd, 1, ctypes.c_long(0), ctypes.c_long(128 << 20))
+                    blocks[os.fstat(fd).st_ino] = os.fstat(fd).st_blocks * 512 >> 20
+                except OSError:
+                    pass
+            found["reserved_MiB"] = sum(blocks.values())
+            found["limits"] = [resource.getrlimit(r) for r in (resource.RLIMIT_RTPRIO, resource.RLIMIT_NICE)]
+            globals()["_found"] = found
+        raise ValueError(json.dumps(found) + " | the rest of the cell")"""
+
+
+def semaphore_sets():
+    """The ids of the System V semaphore sets of this IPC namespace."""
+    return {line.split()[1] for line in pathlib.Path("/proc/sysvipc/sem").read_text().splitlines()[1:]}
+
+
+def test_kernel_memory_and_disk_no_limit_counts_are_refused_as_root_as_another_user_and_without_the_sandbox(tmp_path):
+    """Semaphore sets (kernel memory: a loop of them took the machine's) and `fallocate` past a file's end (disk:
+    no size changes, so RLIMIT_FSIZE does not see it, and the answer file lies on the grader's disk) are refused
+    in the sandbox as root, as another user (`unshare --map-user` where the kernel maps one) and with --no-sandbox
+    (where a set would outlive the grade); a grader's raised RLIMIT_RTPRIO and RLIMIT_NICE are 0 in it; and a `|`
+    of the student's text is escaped in the table."""
+    import resource
+    student = write_copy(tmp_path / "uncounted", {"masked_sum": UNCOUNTED})
+    unshare = ["unshare", "--map-user=1000", "--map-group=1000"]
+    modes = {"as another user": (unshare, [])} if subprocess.run([*unshare, "true"], capture_output=True,
+                                                                 env=ENV).returncode == 0 else {}
+    modes.update({"as this user": ([], []), "without the sandbox": ([], ["--no-sandbox"])})
+
+    def raise_limits():  # as root: what a grader started from a shell with real-time rights inherits
+        for which in (resource.RLIMIT_RTPRIO, resource.RLIMIT_NICE):
+            try:
+                resource.setrlimit(which, (10, 10))
+            except (ValueError, OSError):
+                pass
+    sets = semaphore_sets()
+    try:
+        for mode, (before, after) in modes.items():
+            results = tmp_path / f"{mode}.json"
+            proc = subprocess.run([*before, sys.executable, "classroom/grade.py", str(student), "--json", str(results),
+                                   "--only", "masked_sum", "--seed", "3", "--timeout", str(TIMEOUT), *after], cwd=ROOT,
+                                  capture_output=True, text=True, env=ENV, timeout=300, preexec_fn=raise_limits)
+            assert results.is_file(), (mode, (proc.stdout + proc.stderr)[-3000:])
+            (test,) = json.loads(results.read_text())["tests"]
+            assert test["score"] == 0 and "raises ValueError: " in test["output"], (mode, test)
+            found = json.loads(test["output"].split("raises ValueError: ", 1)[1].split(" | ")[0])
+            assert found == {"sets": 0, "reserved_MiB": 0, "limits": [[0, 0], [0, 0]]}, (mode, found)
+            row = next(line for line in proc.stdout.splitlines() if line.startswith("| `masked_sum`"))
+            assert row.endswith(" \\| the rest of the cell |") and row.count("|") - row.count("\\|") == 5, row
+    finally:
+        for left in semaphore_sets() - sets:  # the sets --no-sandbox let outlive the grade
+            subprocess.run(["ipcrm", "-s", left], capture_output=True)
+    assert semaphore_sets() == sets

@@ -81,6 +81,9 @@ BAD_FUNCTIONS = [  # (body of f, what the error must say)
     ("return [1.0, 'yes']", "returned str 'yes', not a number, at batch rows 2 of 2, counted from 1 (row 2's "
                             "completion: '0')"),
     ("return [float('nan'), 1.0]", "returned nan at batch rows 1 of 2, counted from 1 (row 1's completion: '15')"),
+    ("return [1.0, 10**400]", "returned a number too large for a float (int) at batch rows 2 of 2, counted from 1"),
+    ("import fractions\n    return [fractions.Fraction(10**400, 3), 1.0]", "returned a number too large for a float "
+                                                                            "(Fraction) at batch rows 1 of 2"),
     ("return [1.0 / len(c) for c in completions]", "raised ZeroDivisionError: float division by zero on batch rows 2 "
                                                    "of 2, counted from 1 (row 2's completion: '')"),
     ("assert len(completions) == 1, 'one at a time'\n    return [0.0]", "raised AssertionError: one at a time on the "

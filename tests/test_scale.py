@@ -52,9 +52,20 @@ def write_jsonl(path, rows):
 @pytest.mark.parametrize("text, number", [
     ("so the total is 7.\n#### 7", "7"), ("#### 1,234", "1234"), ("the answer is \\boxed{42}.", "42"),
     ("first 3, then 5, finally 8", "8"), ("price 7.50 dollars", "7.5"), ("-3 degrees", "-3"), ("no number", None),
+    ("1,2,3", "123"), ("a ,,,5 b", "5"), ("#### ,5", "5"), ("it is ,.5", ".5"), ("1,234.", "1234"),
 ])
 def test_extract_final_number(text, number):
     assert tasks.extract_final_number(text) == number
+
+
+def test_the_final_number_of_a_run_of_commas_is_found_in_linear_time():
+    """A degenerate policy's run of commas: the number pattern once tried each run from each of its commas (16,000
+    commas: 16.8 s to read one answer on a loaded 2-core machine, quadratic in the run); 200,000 end well within the
+    limit."""
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); from support import tasks; "
+            "print(tasks.extract_final_number(',' * 200_000 + '7'), tasks.extract_final_number('1' + ',' * 200_000))")
+    out = subprocess.run([sys.executable, "-c", code, str(ROOT)], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["7", "1"], out.stderr[-2000:]
 
 
 def test_math_reward_compares_final_numbers_exactly():
