@@ -104,10 +104,11 @@ class Trainer:
             (common.generate, common.token_logprobs)
         self.environment = environments.load(cfg, tokenizer)  # --environment, --tools
         # --sampler vllm: a vLLM engine in its own process draws the rollouts and the evaluation's greedy completions,
-        # taking the policy's weights again after each of its optimizer steps (`updates`: lab/vllm_engine.py)
+        # taking the policy's weights again after each of its optimizer steps (`updates`: lab/vllm_engine.py); with
+        # --async_rollouts the sampler process holds it, and the learner evaluates with its own decode loop
         self.updates = 0
-        self.engine = vllm_engine.Engine(cfg, accelerator.device, accelerator.process_index,
-                                         lambda: self.updates) if cfg.sampler == "vllm" else None
+        self.engine = vllm_engine.Engine(cfg, accelerator.device, accelerator.process_index, lambda: self.updates) \
+            if cfg.sampler == "vllm" and not cfg.async_rollouts else None
         self.rollout_sampler = sampling.rollout_sampler(self, policy, rollout_model, rollout_lag,
                                                         sampler.sample_with(self.sample))  # --sampler tree: trees
         set_seed(cfg.seed + accelerator.process_index)  # each rank samples different completions
