@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import signal
+from contextlib import contextmanager
 from dataclasses import asdict
 
 import torch
@@ -357,15 +358,23 @@ def registered_objects(accelerator):
     return accelerator._custom_objects
 
 
-def save_state(accelerator, path):
-    """accelerator.save_state(path), but each registered object's state_dict() (plain numbers) written as JSON,
-    custom_state_N.json, by the main process."""
+@contextmanager
+def set_aside(accelerator):
+    """The registered objects, taken out of accelerate's list while the block runs (save_state, load_state) and put
+    back after it, however it ends."""
     objects = list(registered_objects(accelerator))
     registered_objects(accelerator).clear()
     try:
-        accelerator.save_state(path)
+        yield objects
     finally:
         registered_objects(accelerator).extend(objects)
+
+
+def save_state(accelerator, path):
+    """accelerator.save_state(path), but each registered object's state_dict() (plain numbers) written as JSON,
+    custom_state_N.json, by the main process."""
+    with set_aside(accelerator) as objects:
+        accelerator.save_state(path)
     if accelerator.is_main_process:
         for index, obj in enumerate(objects):
             with open(os.path.join(path, f"custom_state_{index}.json"), "w") as f:
@@ -375,12 +384,8 @@ def save_state(accelerator, path):
 def load_state(accelerator, path):
     """accelerator.load_state(path), then each registered object's state from its JSON: SystemExit with one line when
     it is not the same keys with values of the same types as the object's own state_dict()."""
-    objects = list(registered_objects(accelerator))
-    registered_objects(accelerator).clear()
-    try:
+    with set_aside(accelerator) as objects:
         accelerator.load_state(path)
-    finally:
-        registered_objects(accelerator).extend(objects)
     for index, obj in enumerate(objects):
         file = os.path.join(path, f"custom_state_{index}.json")
         state, own = config.read_json(file), obj.state_dict()
