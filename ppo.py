@@ -140,6 +140,7 @@ def ppo_policy_loss(logp, old_logp, adv, mask, epsilon, dual_clip_c=0.0, loss_ag
     # the padding may hold anything (NaN, a gap past exp's range): there the detached inputs take
     # logp's value, so the gradient at a padded position is 0, not 0 * inf = NaN from exp's backward
     old_logp = torch.where(mask.bool(), old_logp, logp.detach())
+    adv = torch.where(mask.bool(), adv, 0.0)  # and the advantage 0: 0 * NaN would be NaN
     # BEGIN SOLUTION
     log_ratio = logp - old_logp
     ratio = torch.exp(log_ratio)
