@@ -292,8 +292,8 @@ HINTS = {
                "the wrong samples and the padding count for nothing, in the sum and in N; padding may hold NaN",
                "a micro-batch divides by the num_tokens it is given (the whole minibatch's N), not by its own"],
         steps=["positive = mask * correct[:, None]: 1 on the correct samples' tokens.",
-               "N = positive.sum(), or num_tokens when it is given (as a tensor); at least 1.",
-               "Return minus the masked sum of logp over positive, divided by N."]),
+               "N = positive.sum(), or num_tokens when it is given (as a tensor; a mean over processes may be below 1).",
+               "Return minus the masked sum of logp over positive, divided by N (by 1 when N is 0)."]),
     "episode_masks": Hint(
         "an episode's two masks from its segments: the action mask (1 on the model's tokens) and the token mask "
         "(1 on every token of the episode, the environment's too), each row's segments one after the other from "

@@ -475,7 +475,7 @@ WRONG_ANSWERS = {
          "(clipped > unclipped).float().mean()", "test_ppo_value_loss_and_clip_fraction_ignore_the_padding"),
     ],
     "vapo.py::positive_example_nll": [
-        ("a sum, not a token-mean", "return -common.masked_sum(logp, positive) / n.clamp(min=1)",
+        ("a sum, not a token-mean", "return -common.masked_sum(logp, positive) / torch.where(n > 0, n, 1.0)",
          "return -common.masked_sum(logp, positive)", VAPO_NLL),
         ("the wrong samples' tokens too", "positive = mask * correct[:, None]", "positive = mask * 1.0", VAPO_NLL),
         ("the micro-batch's own N, not num_tokens", "n = positive.sum() if num_tokens is None else",
