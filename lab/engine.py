@@ -318,11 +318,13 @@ def m2po_keep(trainer, rollout, old_logp, rollout_logp):
 
 def over_updates(updates, micro_batches):
     """One value per statistic of a step of several updates (PPO: num_epochs x num_mini_batches). updates: what
-    trainer.step returned for each, averaged over them. micro_batches: every update's micro-batches' (token share,
-    stats) of the statistics that are the batch's, combined over all as helpers.combine combines one update's (the
-    max of the maxima, an effective sample size or a fraction from every pass's sums), in place of their means."""
+    trainer.step returned for each, averaged over them. micro_batches: every update's micro-batches' (token count,
+    stats) of the statistics that are the batch's: a token mean over the whole batch (each micro-batch weighted by
+    its tokens over all the passes' tokens, not by its share of its minibatch), the max of the maxima, an effective
+    sample size or a fraction from every pass's sums, in place of the means over the updates."""
     stats = {key: torch.stack([torch.as_tensor(u[key]) for u in updates]).mean() for key in updates[0]}
-    return {**stats, **helpers.combine([(share / len(updates), s) for share, s in micro_batches])}
+    total = sum(tokens for tokens, _ in micro_batches)
+    return {**stats, **helpers.combine([(tokens / max(total, 1), s) for tokens, s in micro_batches])}
 
 
 def loop_rows(mb):

@@ -220,7 +220,7 @@ def main():
         # ---- update: num_epochs passes over num_mini_batches minibatches, one optimizer step of each model per
         # minibatch, its gradient summed over its micro-batches; the loss: the clipped policy loss plus vf_coef
         # times the clipped value loss ----
-        updates, corrections = [], []  # corrections: every micro-batch's (token share, sampler statistics)
+        updates, corrections = [], []  # corrections: every micro-batch's (token count, sampler statistics)
         for epoch in range(cfg.num_epochs):
             for rows in torch.randperm(cfg.batch_size, device=accelerator.device).chunk(cfg.num_mini_batches):
                 if cfg.pos_lm_coef > 0:  # VAPO's NLL divides by the minibatch's correct tokens (mean over processes)
@@ -246,7 +246,7 @@ def main():
                         "value_loss": common.Sums((vf_loss.detach(),), float), "value_clip_frac": vf_stats["clip_frac"],
                         **pg_stats, **correction,
                         "entropy": common.masked_mean(entropy, mb.mask)}, per_row)
-                    corrections.append((mb.share, correction))
+                    corrections.append((mb.mask.sum(), correction))
                 updates.append(trainer.step(policy, critic))  # clip each, check finite, both optimizers step
         stats = engine.over_updates(updates, corrections)  # means over the updates; the sampler's: the batch's
 
