@@ -284,7 +284,8 @@ HINTS = {
                "a tie is not a clipped token; padding may hold NaN"],
         steps=["clipped values = old_values + clamp(values - old_values, -epsilon_value, epsilon_value).",
                "loss = 0.5 * masked mean of max((values - returns)^2, (clipped values - returns)^2).",
-               "clip_frac = masked mean of (clipped error > unclipped error)."]),
+               "clip_frac = masked mean of (clipped error > unclipped error) where the clip binds, |V - V_old| > "
+               "epsilon_value (elsewhere the two errors differ by rounding alone)."]),
     "positive_example_nll": Hint(
         "VAPO's positive-example LM loss: minus the mean log-probability of the correct samples' tokens",
         "docs/algorithms.md, VAPO, and the docstring", "logp, mask (b, T), correct (b,); a scalar",

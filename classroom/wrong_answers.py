@@ -471,8 +471,8 @@ WRONG_ANSWERS = {
          "test_value_loss_is_a_token_mean_over_the_mask"),
         ("clip_frac counts ties", "(clipped > unclipped)", "(clipped >= unclipped)",
          "test_value_loss_inside_the_clip_is_half_squared_error"),
-        ("clip_frac over the padding too", "common.masked_mean((clipped > unclipped).float(), mask)",
-         "(clipped > unclipped).float().mean()", "test_ppo_value_loss_and_clip_fraction_ignore_the_padding"),
+        ("clip_frac over the padding too", "common.masked_mean(((clipped > unclipped) & binds).float(), mask)",
+         "((clipped > unclipped) & binds).float().mean()", "test_ppo_value_loss_and_clip_fraction_ignore_the_padding"),
     ],
     "vapo.py::positive_example_nll": [
         ("a sum, not a token-mean", "return -common.masked_sum(logp, positive) / torch.where(n > 0, n, 1.0)",

@@ -237,7 +237,8 @@ def main():
                                                         pg_weight)
                     if cfg.pos_lm_coef > 0:  # VAPO: imitate the correct samples, token-mean over the minibatch's
                         nll = vapo.positive_example_nll(logp, mb.mask, mb.of(correct), positive_tokens)
-                        pg_loss, pg_stats = pg_loss + cfg.pos_lm_coef * nll, {**pg_stats, "pos_lm_loss": nll.detach()}
+                        pg_loss, pg_stats = pg_loss + cfg.pos_lm_coef * nll, {**pg_stats, "pos_lm_loss": common.Sums(
+                            (nll.detach(),), float)}  # a micro-batch's part of the minibatch's NLL: the parts add up
                     values = critic.model(mb.of(input_ids), mb.of(attention_mask), T)  # (b, T), with gradient
                     vf_loss, vf_stats = ppo_value_loss(values, mb.of(old_values), mb.of(returns), mb.mask,
                                                        cfg.epsilon_value, mb.agg)
