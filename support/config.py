@@ -95,6 +95,9 @@ class BaseConfig:
         check_rules(self, **{name: NON_NEGATIVE for name in ("lora_r", "save_steps", "max_grad_norm", "top_k",
                                                             "micro_batch_size")})
         check_rules(self, top_p=Rule(lambda v: 0 < v <= 1, "in (0, 1]"), reward_scales=one_of("uniform", "hetero"))
+        check(self.micro_batch_size <= self.batch_size, f"--micro_batch_size ({self.micro_batch_size}) is larger than "
+              f"--batch_size ({self.batch_size}), whose rows it splits: give at most {self.batch_size} (0 = the whole "
+              "batch in one pass).")
         if self.dataset not in ("arithmetic", "tool_arithmetic", "gsm8k"):
             if not self.dataset.endswith((".json", ".jsonl", ".parquet")):
                 raise ValueError("--dataset must be 'arithmetic', 'tool_arithmetic', 'gsm8k' or a .json/.jsonl/"
@@ -267,6 +270,7 @@ def parse_config(config_class, args=None):
     checkpoint's files, --resume_from latest among them, is checked by checkpoint.Checkpointer.resume.)"""
     script = script_name()
     parser = command_line(config_class)
+    args = negative_values_joined(sys.argv[1:] if args is None else list(args))
     try:
         cfg, unknown = parser.parse_args_into_dataclasses(args=args, return_remaining_strings=True)
         if unknown:
@@ -279,6 +283,21 @@ def parse_config(config_class, args=None):
     return cfg
 
 
+def negative_values_joined(args):
+    """["--learning_rate", "-1e-4"] -> ["--learning_rate=-1e-4"]: argparse takes a value that starts with "-" and
+    is not a plain decimal (-1e-4, -inf) for a flag, and says the flag "expected one argument"."""
+    out, i = [], 0
+    while i < len(args):
+        if args[i].startswith("--") and "=" not in args[i] and i + 1 < len(args) and NEGATIVE.fullmatch(args[i + 1]):
+            out.append(f"{args[i]}={args[i + 1]}")
+            i += 2
+        else:
+            out.append(args[i])
+            i += 1
+    return out
+
+
+NEGATIVE = re.compile(r"-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|-inf")  # a negative number, as a flag's value
 DEFAULT_SAID = re.compile(r"\(default[: ]")  # a help text that says its default: "(default 0.2; ...)"
 
 
@@ -337,10 +356,31 @@ def unknown_flag(unknown, parser):
         return (f"unexpected value {unknown[0]!r}: every setting is a flag with its value, e.g. --num_steps 4 "
                 f"({parser.prog} --help lists the flags)")
     name = "--" + flag.lstrip("-").split("=")[0].replace("-", "_")
+    lab = lab_script(name[2:])
+    if lab:  # a flag of the lab's script of the same name (what docs/your_task.md and docs/scaling.md use)
+        return (f"{flag.split('=')[0]} is a flag of {lab} (the lab), not of {parser.prog} (the lesson): python "
+                f"{lab} {flag.split('=')[0]} ... takes every flag of {parser.prog} and more")
     flags = [a.option_strings[0] for a in parser._actions if a.option_strings and a.help != argparse.SUPPRESS]
     close = difflib.get_close_matches(name, flags, n=1)
     return f"unknown flag {flag.split('=')[0]}; " + (f"did you mean {close[0]}?" if close else
                                                        f"{parser.prog} --help lists the flags.")
+
+
+def lab_script(flag):
+    """lab/<script>.py when the running script is a lesson and that lab script has the flag (a field of the lab's
+    config classes here, or of its own Config), else None."""
+    from dataclasses import fields
+
+    script = script_name()
+    lab = os.path.join(ROOT, "lab", os.path.basename(script))
+    if script.startswith("lab" + os.sep) or not os.path.isfile(lab):
+        return None
+    names = {f.name for f in fields(GroupConfig)}
+    with open(lab, encoding="utf-8") as f:
+        names |= set(re.findall(r"^    (\w+): .*= arg\(", f.read(), re.M))
+    with open(os.path.join(ROOT, "support", "environments.py"), encoding="utf-8") as f:
+        names |= set(re.findall(r"^    (\w+): .*= arg\(", f.read(), re.M))  # AgentConfig's --environment, --tools
+    return f"lab/{os.path.basename(script)}" if flag in names else None
 
 
 def say(message):

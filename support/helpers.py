@@ -91,6 +91,7 @@ def load_data(cfg, accelerator):
     with accelerator.main_process_first():
         tokenizer = models.load_tokenizer(cfg)
         train_data, eval_data = tasks.load_task(cfg, tokenizer)
+    models.check_prompts_tokenize(tokenizer, train_data + eval_data, cfg, accelerator.is_main_process)
     return tokenizer, train_data, eval_data
 
 
