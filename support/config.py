@@ -286,14 +286,10 @@ def parse_config(config_class, args=None):
 def negative_values_joined(args):
     """["--learning_rate", "-1e-4"] -> ["--learning_rate=-1e-4"]: argparse takes a value that starts with "-" and
     is not a plain decimal (-1e-4, -inf) for a flag, and says the flag "expected one argument"."""
-    out, i = [], 0
-    while i < len(args):
-        if args[i].startswith("--") and "=" not in args[i] and i + 1 < len(args) and NEGATIVE.fullmatch(args[i + 1]):
-            out.append(f"{args[i]}={args[i + 1]}")
-            i += 2
-        else:
-            out.append(args[i])
-            i += 1
+    out = []
+    for a in args:
+        joined = out and out[-1].startswith("--") and "=" not in out[-1] and NEGATIVE.fullmatch(a)
+        out[-1:] = [f"{out[-1]}={a}"] if joined else [*out[-1:], a]
     return out
 
 
@@ -367,20 +363,27 @@ def unknown_flag(unknown, parser):
 
 
 def lab_script(flag):
-    """lab/<script>.py when the running script is a lesson and that lab script has the flag (a field of the lab's
-    config classes here, or of its own Config), else None."""
+    """lab/<script>.py when the running script is a lesson without the flag and that lab script has it (a field of
+    the lab's config classes here, of its own Config or of environments.AgentConfig), else None."""
     from dataclasses import fields
 
+    def flags(*path):
+        with open(os.path.join(ROOT, *path), encoding="utf-8") as f:
+            return set(re.findall(r"^    (\w+): .*= arg\(", f.read(), re.M))
     script = script_name()
-    lab = os.path.join(ROOT, "lab", os.path.basename(script))
-    if script.startswith("lab" + os.sep) or not os.path.isfile(lab):
+    if script.startswith("lab" + os.sep) or not os.path.isfile(os.path.join(ROOT, "lab", script)) or \
+            flag in {f.name for f in fields(BaseConfig)} | flags(script):  # the lesson's own
         return None
-    names = {f.name for f in fields(GroupConfig)}
-    with open(lab, encoding="utf-8") as f:
-        names |= set(re.findall(r"^    (\w+): .*= arg\(", f.read(), re.M))
-    with open(os.path.join(ROOT, "support", "environments.py"), encoding="utf-8") as f:
-        names |= set(re.findall(r"^    (\w+): .*= arg\(", f.read(), re.M))  # AgentConfig's --environment, --tools
-    return f"lab/{os.path.basename(script)}" if flag in names else None
+    lab = {f.name for f in fields(GroupConfig)} | flags("lab", script) | flags("support", "environments.py")
+    return f"lab/{script}" if flag in lab else None
+
+
+def where_the_flags_are(message):
+    """An error message, and in a lesson script the lab script that has the flags it names which this one lacks."""
+    lab_only = [flag for flag in dict.fromkeys(re.findall(r"--\w+", message)) if lab_script(flag[2:])]
+    kind = "a flag" if len(lab_only) == 1 else "flags"
+    return f"{message} ({', '.join(lab_only)}: {kind} of lab/{script_name()} (the lab), not of {script_name()})" \
+        if lab_only else message
 
 
 def say(message):

@@ -87,3 +87,32 @@ def test_a_hub_name_that_cannot_be_fetched_is_one_line(monkeypatch):
     with pytest.raises(SystemExit, match=r"^error: --model_name_or_path 'nobody-here/no-such-model-0x5a' .*(cannot be "
                                          r"reached|no such model on the Hub)"):
         models.check_model_path("nobody-here/no-such-model-0x5a")
+
+
+def test_the_console_marks_where_it_cut_a_long_prompt_or_completion():
+    from support.run import shortened
+    prompt = "Tom has 16 eggs and gets 35 more. " * 3 + "How many eggs?"
+    assert shortened(prompt, 60, keep="end") == "..." + prompt[-57:] and len(shortened(prompt, 60, keep="end")) == 60
+    assert shortened(prompt, 60) == prompt[:57] + "..."
+    assert shortened("12+7=", 60, keep="end") == "12+7="  # short: whole, no mark
+
+
+def test_a_new_critic_head_says_its_load_report_is_expected(capfd):
+    import ppo
+    ppo.ValueModel(config.EMBEDDED_MODEL)
+    err = capfd.readouterr().err
+    assert "note: the critic's value head `score` is new" in err and "expected (docs/ppo.md)" in err
+
+
+def test_a_data_error_in_a_lesson_script_names_the_lab_script_that_has_the_flags_it_advises():
+    message = ("error: --dataset 'd.jsonl' row 1: --answer_column 'answer' holds 'Paris', in which --answer_check "
+               "number finds no number. Give --answer_check exact")
+    argv0 = sys.argv[0]
+    try:
+        sys.argv[0] = os.path.join(config.ROOT, "grpo.py")
+        said = config.where_the_flags_are(message)
+        sys.argv[0] = os.path.join(config.ROOT, "lab", "grpo.py")
+        assert config.where_the_flags_are(message) == message  # the lab's script has them
+    finally:
+        sys.argv[0] = argv0
+    assert said == message + " (--answer_column, --answer_check: flags of lab/grpo.py (the lab), not of grpo.py)"
