@@ -56,8 +56,8 @@ class BaseConfig:
     dataset: str = arg("arithmetic", "'arithmetic' (built-in), 'gsm8k' (Hub) or a local .json/.jsonl/.parquet file.")
     # action "extend": the flag can be repeated, each time with one or more values
     reward_fn: list[str] = field(default_factory=list, metadata={"action": "extend", "help": (
-        "A reward function FILE.py:NAME, f(completions, **kwargs) -> list of float or None as in TRL, "
-        "added to the reward (repeatable).")})
+        "A reward function FILE.py:NAME, f(completions, **kwargs) -> list of float or None as in TRL, added "
+        "to the answer's reward (repeatable; lab/<script> --rule_reward_weight 0: the whole reward).")})
     reward_scales: str = arg("uniform", "The arithmetic task's rewards: 'uniform' (1/0 for right/wrong) or 'hetero' "
                              "(each family on its own offset: docs/baselines.md).")
     lora_r: int = arg(0, "LoRA rank (0 = full fine-tuning); the reference is then the policy with its adapter off.")
