@@ -13,13 +13,14 @@ def length_reward(lengths, correct, group_size):
     each prompt's group_size samples adjacent. Within a group, lam_i = 0.5 - (len_i - min_len) / (max_len - min_len):
     lam_i for a right answer, min(0, lam_i) for a wrong one, so the shortest right answer gains 0.5, the longest
     loses 0.5, and a wrong answer is never rewarded for being short. A group whose lengths are all equal gets 0.
-    Returns (B,) floats, added to the task reward with a weight (--length_penalty)."""
+    Lengths need not be integers. Returns (B,) floats, added to the task reward with a weight (--length_penalty)."""
     # BEGIN SOLUTION
     lengths = lengths.float().view(-1, group_size)  # (B / G, G)
     shortest = lengths.min(dim=1, keepdim=True).values
     longest = lengths.max(dim=1, keepdim=True).values
     spread = longest - shortest
-    lam = torch.where(spread > 0, 0.5 - (lengths - shortest) / spread.clamp(min=1), 0.0)
+    safe = torch.where(spread > 0, spread, 1.0)  # all lengths equal: no 0 / 0 (lam is 0 there); any spread > 0 kept
+    lam = torch.where(spread > 0, 0.5 - (lengths - shortest) / safe, 0.0)
     right = correct.view(-1, group_size) > 0
     return torch.where(right, lam, lam.clamp(max=0.0)).view(-1)
     # END SOLUTION
@@ -28,7 +29,13 @@ def length_reward(lengths, correct, group_size):
 def priority_weights(success_rates):
     """Prioritised sampling (section 2.3.4): prompt i is drawn with probability proportional to 1 - s_i, s_i its
     success rate, so the prompts the policy fails get more of the samples. (N,) rates in [0, 1] in, (N,)
-    probabilities out (summing to 1); every prompt solved (all s_i = 1): uniform."""
+    probabilities out (summing to 1); every prompt solved (all s_i = 1): uniform. A rate outside [0, 1] or NaN
+    (a prompt never tried: give it a rate first) is refused with a ValueError."""
+    bad = ~((success_rates >= 0) & (success_rates <= 1))  # NaN is neither
+    if bad.any():
+        i = int(bad.nonzero()[0])
+        raise ValueError(f"kimi.priority_weights: success rate {success_rates[i].item()} at prompt {i}; each must "
+                         "be in [0, 1] (a prompt never tried has none: give it one, e.g. 0).")
     # BEGIN SOLUTION
     weights = 1.0 - success_rates.double()
     total = weights.sum()

@@ -140,6 +140,7 @@ def ppo_policy_loss(logp, old_logp, adv, mask, epsilon, dual_clip_c=0.0, loss_ag
     # the padding may hold anything (NaN, a gap past exp's range): there the detached inputs take
     # logp's value, so the gradient at a padded position is 0, not 0 * inf = NaN from exp's backward
     old_logp = torch.where(mask.bool(), old_logp, logp.detach())
+    adv = torch.where(mask.bool(), adv, 0.0)  # and the advantage 0: 0 * NaN would be NaN
     # BEGIN SOLUTION
     log_ratio = logp - old_logp
     ratio = torch.exp(log_ratio)
@@ -166,7 +167,7 @@ def ppo_value_loss(values, old_values, returns, mask, epsilon_value, loss_agg="t
 
     values: (B, T) with grad; old_values, returns: (B, T) from rollout time. Like the policy clip,
     it keeps the critic near the one that produced the advantages. Returns (loss, stats) with stats:
-    clip_frac (fraction of tokens where the clipped term wins).
+    clip_frac (fraction of tokens where the clip binds and the clipped term wins).
     """
     # the padding may hold anything: there the detached inputs take the value's, so its gradient is 0
     old_values, returns = (torch.where(mask.bool(), x, values.detach()) for x in (old_values, returns))
@@ -176,7 +177,8 @@ def ppo_value_loss(values, old_values, returns, mask, epsilon_value, loss_agg="t
     clipped = (values_clipped - returns) ** 2
     loss = 0.5 * common.aggregate_loss(torch.max(unclipped, clipped), mask, loss_agg)
     with torch.no_grad():
-        stats = {"clip_frac": common.masked_mean((clipped > unclipped).float(), mask)}
+        binds = (values - old_values).abs() > epsilon_value  # elsewhere the two differ by rounding alone
+        stats = {"clip_frac": common.masked_mean(((clipped > unclipped) & binds).float(), mask)}
     return loss, stats
     # END SOLUTION
 
@@ -199,8 +201,11 @@ class ValueModel(torch.nn.Module):
 
     def __init__(self, path, torch_dtype="float32", gradient_checkpointing=False, lora=None):
         super().__init__()
-        self.model = AutoModelForSequenceClassification.from_pretrained(
-            path, num_labels=1, dtype=helpers.DTYPES[torch_dtype])
+        self.model, loaded = AutoModelForSequenceClassification.from_pretrained(
+            path, num_labels=1, dtype=helpers.DTYPES[torch_dtype], output_loading_info=True)
+        if "score.weight" in loaded["missing_keys"]:  # what the load report above calls MISSING
+            helpers.config.say("note: the critic's value head `score` is new, initialised at random: the load "
+                               "report's MISSING score.weight is expected (docs/ppo.md)")
         helpers.models.disable_dropout(self.model)
         if gradient_checkpointing:
             self.model.activation_checkpointing_enable(

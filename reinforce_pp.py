@@ -89,6 +89,7 @@ def reinforce_pp_loss(logp, old_logp, adv, mask, clip, loss_agg="token-mean", pg
     # the padding may hold anything (NaN, a gap past exp's range): there the detached inputs take
     # logp's value, so the gradient at a padded position is 0, not 0 * inf = NaN from exp's backward
     old_logp = torch.where(mask.bool(), old_logp, logp.detach())
+    adv = torch.where(mask.bool(), adv, 0.0)  # and the advantage 0: 0 * NaN would be NaN
     log_ratio = logp - old_logp  # (B, T)
     ratio = torch.exp(log_ratio)  # rho_t = pi_theta / pi_old
     surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - clip.low, 1 + clip.high) * adv)

@@ -127,7 +127,8 @@ def main():
                 update_loss += loss.detach()
                 entropy = common.masked_mean(entropy, mask[rows])
                 share = mask[rows].sum() / mask.sum().clamp(min=1)  # its stats' weight
-                update_stats.append((share, {**stats, "entropy": entropy}))
+                seq_logp = common.Sums((stats["seq_logp_mean"] * len(logp), len(logp)))  # a mean over rows
+                update_stats.append((share, {**stats, "entropy": entropy, "seq_logp_mean": seq_logp}))
                 kl_seq += common.masked_sum(kl, mask[rows]) / B
             max_norm = cfg.max_grad_norm or float("inf")
             grad_norm = accelerator.clip_grad_norm_(policy.parameters(), max_norm)

@@ -16,10 +16,11 @@ def positive_example_nll(logp, mask, correct, num_tokens=None):
     """VAPO's positive-example LM loss: -(1 / N) sum of logp over the tokens of the correct samples, N their count
     (a token-mean over the correct samples' tokens only; the wrong samples and the padding count for nothing).
     logp, mask: (b, T); correct: (b,) 1 for a correct sample, 0 for a wrong one. num_tokens: N of the whole
-    minibatch when logp is one micro-batch of it (the parts then add up to the minibatch's loss); 0 correct tokens
+    minibatch when logp is one micro-batch of it (the parts then add up to the minibatch's loss; under data
+    parallelism the mean count per process, as DDP averages the gradients: it may be below 1); 0 correct tokens
     give 0. Returns a scalar whose gradient flows through logp."""
     # BEGIN SOLUTION
     positive = mask * correct[:, None]  # (b, T)
-    n = positive.sum() if num_tokens is None else torch.as_tensor(num_tokens)
-    return -common.masked_sum(logp, positive) / n.clamp(min=1)
+    n = positive.sum() if num_tokens is None else torch.as_tensor(num_tokens, dtype=logp.dtype)
+    return -common.masked_sum(logp, positive) / torch.where(n > 0, n, 1.0)  # only N = 0 is not divided by
     # END SOLUTION

@@ -284,7 +284,8 @@ HINTS = {
                "a tie is not a clipped token; padding may hold NaN"],
         steps=["clipped values = old_values + clamp(values - old_values, -epsilon_value, epsilon_value).",
                "loss = 0.5 * masked mean of max((values - returns)^2, (clipped values - returns)^2).",
-               "clip_frac = masked mean of (clipped error > unclipped error)."]),
+               "clip_frac = masked mean of (clipped error > unclipped error) where the clip binds, |V - V_old| > "
+               "epsilon_value (elsewhere the two errors differ by rounding alone)."]),
     "positive_example_nll": Hint(
         "VAPO's positive-example LM loss: minus the mean log-probability of the correct samples' tokens",
         "docs/algorithms.md, VAPO, and the docstring", "logp, mask (b, T), correct (b,); a scalar",
@@ -292,8 +293,8 @@ HINTS = {
                "the wrong samples and the padding count for nothing, in the sum and in N; padding may hold NaN",
                "a micro-batch divides by the num_tokens it is given (the whole minibatch's N), not by its own"],
         steps=["positive = mask * correct[:, None]: 1 on the correct samples' tokens.",
-               "N = positive.sum(), or num_tokens when it is given (as a tensor); at least 1.",
-               "Return minus the masked sum of logp over positive, divided by N."]),
+               "N = positive.sum(), or num_tokens when it is given (as a tensor; a mean over processes may be below 1).",
+               "Return minus the masked sum of logp over positive, divided by N (by 1 when N is 0)."]),
     "episode_masks": Hint(
         "an episode's two masks from its segments: the action mask (1 on the model's tokens) and the token mask "
         "(1 on every token of the episode, the environment's too), each row's segments one after the other from "

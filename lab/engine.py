@@ -321,23 +321,33 @@ class Trainer:
 
 
 def m2po_keep(trainer, rollout, old_logp, rollout_logp):
-    """M2PO's (B, T) keep mask of this process's batch (common.m2po_mask at --m2po_tau), computed once before the
-    update, as AReaL does: of log(pi_old / mu), the trainer's log-probs at the update's start (old_logp, or scored
-    now when the loop has none) over the sampler's. The same for every micro-batch size, every epoch and every PPO
-    minibatch. None when --m2po_tau is 0 or the policy samples itself."""
+    """M2PO's (B, T) keep mask of this process's rows of the global batch (common.m2po_mask at --m2po_tau over every
+    process's tokens, as AReaL masks the whole batch), computed once before the update: of log(pi_old / mu), the
+    trainer's log-probs at the update's start (old_logp, or scored now when the loop has none) over the sampler's.
+    The same for every micro-batch size, every process count, every epoch and every PPO minibatch. None when
+    --m2po_tau is 0 or the policy samples itself."""
     if trainer.cfg.m2po_tau == 0 or rollout_logp is None:
         return None
     old_logp = trainer.old_logprobs(rollout) if old_logp is None else old_logp
-    return common.m2po_mask(old_logp - rollout_logp, rollout.mask, trainer.cfg.m2po_tau)
+    accelerator, (B, T) = trainer.accelerator, rollout.mask.shape
+    log_ratio, mask = old_logp - rollout_logp, rollout.mask
+    if accelerator.num_processes > 1:  # every process's rows, padded (mask 0) to the widest batch and completion
+        log_ratio, mask = (accelerator.gather(accelerator.pad_across_processes(
+            accelerator.pad_across_processes(x, dim=0), dim=1)) for x in (log_ratio, mask))
+    keep = common.m2po_mask(log_ratio, mask, trainer.cfg.m2po_tau)
+    start = accelerator.process_index * len(keep) // accelerator.num_processes  # this process's rows
+    return keep[start:start + B, :T]
 
 
 def over_updates(updates, micro_batches):
     """One value per statistic of a step of several updates (PPO: num_epochs x num_mini_batches). updates: what
-    trainer.step returned for each, averaged over them. micro_batches: every update's micro-batches' (token share,
-    stats) of the statistics that are the batch's, combined over all as helpers.combine combines one update's (the
-    max of the maxima, an effective sample size or a fraction from every pass's sums), in place of their means."""
+    trainer.step returned for each, averaged over them. micro_batches: every update's micro-batches' (token count,
+    stats) of the statistics that are the batch's: a token mean over the whole batch (each micro-batch weighted by
+    its tokens over all the passes' tokens, not by its share of its minibatch), the max of the maxima, an effective
+    sample size or a fraction from every pass's sums, in place of the means over the updates."""
     stats = {key: torch.stack([torch.as_tensor(u[key]) for u in updates]).mean() for key in updates[0]}
-    return {**stats, **helpers.combine([(share / len(updates), s) for share, s in micro_batches])}
+    total = sum(tokens for tokens, _ in micro_batches)
+    return {**stats, **helpers.combine([(tokens / max(total, 1), s) for tokens, s in micro_batches])}
 
 
 def loop_rows(mb):

@@ -121,19 +121,24 @@ class GroupedPrompts(tasks.PromptSampler):
         return super().next(), self.num_generations
 
 
-def pretrain_value(cfg, accelerator, trainer, critic, sampler, reward_fn):
+def pretrain_value(cfg, accelerator, trainer, critic, sampler, reward_fn, ref_model=None):
     """VAPO's value pretraining: before the first policy update, --value_pretrain_steps rollout batches of the
     initial policy, the critic regressed (0.5 token-mean squared error, num_epochs x num_mini_batches critic steps
-    each) on every token's Monte Carlo return, GAE with lam = 1 and V = 0: the task reward R (the k1 penalty is 0
-    while the policy is the reference). A minibatch is one forward pass (--micro_batch_size does not split it).
-    Returns the first and last batch's value loss and explained variance (of the critic before its updates)."""
+    each) on every token's Monte Carlo return, GAE with lam = 1 and V = 0 of the rewards the main loop gives: the
+    task reward R at the last token and -beta k1 on every token (k1 is 0 while the policy samples its whole
+    distribution and is the reference; with --top_k / --top_p the policy's log-probs are the truncated
+    distribution's, and k1 is not). The token-mean is the global batch's: each process divides its sum by the mean
+    token count over processes, as DDP averages. A minibatch is one forward pass (--micro_batch_size does not split
+    it). Returns the first and last batch's value loss and explained variance (of the critic before its updates)."""
     first = last = None
     for _ in range(cfg.value_pretrain_steps):
         rollout = trainer.rollout(sampler)
         rewards, _, _ = reward_fn(rollout.examples, rollout.completions, rollout.rewards)
         mask, T = rollout.mask, rollout.mask.shape[1]
-        token_rewards = torch.zeros(mask.shape, device=mask.device)
-        token_rewards[torch.arange(len(rollout)), last_action(mask)] = rewards
+        kl = common.kl_k1(trainer.old_logprobs(rollout), trainer.reference_logprobs(ref_model, rollout)) \
+            if ref_model is not None else torch.zeros(mask.shape, device=mask.device)
+        token_rewards = -cfg.beta * kl
+        token_rewards[torch.arange(len(rollout)), last_action(mask)] += rewards
         _, returns = gae(token_rewards, torch.zeros_like(token_rewards), mask, cfg.gamma, 1.0)  # (B, T)
         values = trainer.values(critic.model, rollout)
         last = {"pretrain/value_loss": 0.5 * common.masked_mean((values - returns) ** 2, mask),
@@ -141,8 +146,10 @@ def pretrain_value(cfg, accelerator, trainer, critic, sampler, reward_fn):
         first = first or last
         for epoch in range(cfg.num_epochs):
             for rows in torch.randperm(len(rollout), device=mask.device).chunk(cfg.num_mini_batches):
+                num_tokens = accelerator.reduce(mask[rows].sum().float(), "mean")  # per process, as DDP averages
                 values = critic.model(rollout.input_ids[rows], rollout.attention_mask[rows], T)  # with gradient
-                accelerator.backward(0.5 * common.masked_mean((values - returns[rows]) ** 2, mask[rows]))
+                sse = common.masked_sum((values - returns[rows]) ** 2, mask[rows])
+                accelerator.backward(0.5 * sse / torch.where(num_tokens > 0, num_tokens, 1.0))
                 models.clip_grad_norms(accelerator, [critic], cfg.max_grad_norm or float("inf"))
                 models.step_optimizers(accelerator, [critic])
     return {**{f"{k}_first": v for k, v in first.items()}, **{f"{k}_last": v for k, v in last.items()}}
@@ -178,7 +185,7 @@ def main():
         trainer.evaluate(step=0)  # held-out accuracy before training
         if cfg.value_pretrain_steps > 0:  # VAPO: the critic first learns the initial policy's returns
             trainer.logger.log(0, run.reduce_metrics(accelerator, pretrain_value(cfg, accelerator, trainer, critic,
-                                                                                 sampler, reward_fn)))
+                                                                                 sampler, reward_fn, ref_model)))
 
     for step in trainer.steps():
         # ---- rollout: one sampled response per prompt (--num_generations G: G of each, adjacent) ----
@@ -213,7 +220,7 @@ def main():
         # ---- update: num_epochs passes over num_mini_batches minibatches, one optimizer step of each model per
         # minibatch, its gradient summed over its micro-batches; the loss: the clipped policy loss plus vf_coef
         # times the clipped value loss ----
-        updates, corrections = [], []  # corrections: every micro-batch's (token share, sampler statistics)
+        updates, corrections = [], []  # corrections: every micro-batch's (token count, sampler statistics)
         for epoch in range(cfg.num_epochs):
             for rows in torch.randperm(cfg.batch_size, device=accelerator.device).chunk(cfg.num_mini_batches):
                 if cfg.pos_lm_coef > 0:  # VAPO's NLL divides by the minibatch's correct tokens (mean over processes)
@@ -230,7 +237,8 @@ def main():
                                                         pg_weight)
                     if cfg.pos_lm_coef > 0:  # VAPO: imitate the correct samples, token-mean over the minibatch's
                         nll = vapo.positive_example_nll(logp, mb.mask, mb.of(correct), positive_tokens)
-                        pg_loss, pg_stats = pg_loss + cfg.pos_lm_coef * nll, {**pg_stats, "pos_lm_loss": nll.detach()}
+                        pg_loss, pg_stats = pg_loss + cfg.pos_lm_coef * nll, {**pg_stats, "pos_lm_loss": common.Sums(
+                            (nll.detach(),), float)}  # a micro-batch's part of the minibatch's NLL: the parts add up
                     values = critic.model(mb.of(input_ids), mb.of(attention_mask), T)  # (b, T), with gradient
                     vf_loss, vf_stats = ppo_value_loss(values, mb.of(old_values), mb.of(returns), mb.mask,
                                                        cfg.epsilon_value, mb.agg)
@@ -239,7 +247,7 @@ def main():
                         "value_loss": common.Sums((vf_loss.detach(),), float), "value_clip_frac": vf_stats["clip_frac"],
                         **pg_stats, **correction,
                         "entropy": common.masked_mean(entropy, mb.mask)}, per_row)
-                    corrections.append((mb.share, correction))
+                    corrections.append((mb.mask.sum(), correction))
                 updates.append(trainer.step(policy, critic))  # clip each, check finite, both optimizers step
         stats = engine.over_updates(updates, corrections)  # means over the updates; the sampler's: the batch's
 

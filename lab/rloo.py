@@ -83,7 +83,8 @@ def main():
                     logp, logp.detach(), mb.of(rollout_logp), adv[-1], mb.mask, cfg.tis_cap, cfg.geo_mask_delta,
                     cfg.tis_level, cfg.tis_veto, mb.of(m2po_keep))
             loss, stats = rloo_loss(logp, adv[-1], mb.mask, pg_weight, mb.agg)
-            stats = {**stats, **correction, "entropy": common.masked_mean(entropy, mb.mask)}
+            stats = {**stats, **correction, "entropy": common.masked_mean(entropy, mb.mask),  # means over tokens
+                     "seq_logp_mean": common.Sums((stats["seq_logp_mean"] * len(logp), len(logp)))}  # over rows
             trainer.backward(loss, mb, stats, per_row)
             kl_seq += common.masked_sum(kl, mb.mask) / len(rollout)
         update = trainer.step(policy)  # clip, check finite, optimizer step, zero_grad

@@ -58,8 +58,8 @@ class BaseConfig:
     dataset: str = arg("arithmetic", "'arithmetic' (built-in), 'gsm8k' (Hub) or a local .json/.jsonl/.parquet file.")
     # action "extend": the flag can be repeated, each time with one or more values
     reward_fn: list[str] = field(default_factory=list, metadata={"action": "extend", "help": (
-        "A reward function FILE.py:NAME, f(completions, **kwargs) -> list of float or None as in TRL, "
-        "added to the reward (repeatable).")})
+        "A reward function FILE.py:NAME, f(completions, **kwargs) -> list of float or None as in TRL, added "
+        "to the answer's reward (repeatable; lab/<script> --rule_reward_weight 0: the whole reward).")})
     reward_scales: str = arg("uniform", "The arithmetic task's rewards: 'uniform' (1/0 for right/wrong) or 'hetero' "
                              "(each family on its own offset: docs/baselines.md).")
     lora_r: int = arg(0, "LoRA rank (0 = full fine-tuning); the reference is then the policy with its adapter off.")
@@ -99,6 +99,9 @@ class BaseConfig:
         check_rules(self, **{name: NON_NEGATIVE for name in ("lora_r", "save_steps", "max_grad_norm", "top_k",
                                                             "micro_batch_size")})
         check_rules(self, top_p=Rule(lambda v: 0 < v <= 1, "in (0, 1]"), reward_scales=one_of("uniform", "hetero"))
+        check(self.micro_batch_size <= self.batch_size, f"--micro_batch_size ({self.micro_batch_size}) is larger than "
+              f"--batch_size ({self.batch_size}), whose rows it splits: give at most {self.batch_size} (0 = the whole "
+              "batch in one pass).")
         if self.dataset not in ("arithmetic", "tool_arithmetic", "gsm8k"):
             if not self.dataset.endswith((".json", ".jsonl", ".parquet")):
                 raise ValueError("--dataset must be 'arithmetic', 'tool_arithmetic', 'gsm8k' or a .json/.jsonl/"
@@ -300,6 +303,7 @@ def parse_config(config_class, args=None):
     checkpoint's files, --resume_from latest among them, is checked by checkpoint.Checkpointer.resume.)"""
     script = script_name()
     parser = command_line(config_class)
+    args = negative_values_joined(sys.argv[1:] if args is None else list(args))
     try:
         cfg, unknown = parser.parse_args_into_dataclasses(args=args, return_remaining_strings=True)
         if unknown:
@@ -312,6 +316,17 @@ def parse_config(config_class, args=None):
     return cfg
 
 
+def negative_values_joined(args):
+    """["--learning_rate", "-1e-4"] -> ["--learning_rate=-1e-4"]: argparse takes a value that starts with "-" and
+    is not a plain decimal (-1e-4, -inf) for a flag, and says the flag "expected one argument"."""
+    out = []
+    for a in args:
+        joined = out and out[-1].startswith("--") and "=" not in out[-1] and NEGATIVE.fullmatch(a)
+        out[-1:] = [f"{out[-1]}={a}"] if joined else [*out[-1:], a]
+    return out
+
+
+NEGATIVE = re.compile(r"-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|-inf")  # a negative number, as a flag's value
 DEFAULT_SAID = re.compile(r"\(default[: ]")  # a help text that says its default: "(default 0.2; ...)"
 
 
@@ -370,10 +385,38 @@ def unknown_flag(unknown, parser):
         return (f"unexpected value {unknown[0]!r}: every setting is a flag with its value, e.g. --num_steps 4 "
                 f"({parser.prog} --help lists the flags)")
     name = "--" + flag.lstrip("-").split("=")[0].replace("-", "_")
+    lab = lab_script(name[2:])
+    if lab:  # a flag of the lab's script of the same name (what docs/your_task.md and docs/scaling.md use)
+        return (f"{flag.split('=')[0]} is a flag of {lab} (the lab), not of {parser.prog} (the lesson): python "
+                f"{lab} {flag.split('=')[0]} ... takes every flag of {parser.prog} and more")
     flags = [a.option_strings[0] for a in parser._actions if a.option_strings and a.help != argparse.SUPPRESS]
     close = difflib.get_close_matches(name, flags, n=1)
     return f"unknown flag {flag.split('=')[0]}; " + (f"did you mean {close[0]}?" if close else
                                                        f"{parser.prog} --help lists the flags.")
+
+
+def lab_script(flag):
+    """lab/<script>.py when the running script is a lesson without the flag and that lab script has it (a field of
+    the lab's config classes here, of its own Config or of environments.AgentConfig), else None."""
+    from dataclasses import fields
+
+    def flags(*path):
+        with open(os.path.join(ROOT, *path), encoding="utf-8") as f:
+            return set(re.findall(r"^    (\w+): .*= arg\(", f.read(), re.M))
+    script = script_name()
+    if script.startswith("lab" + os.sep) or not os.path.isfile(os.path.join(ROOT, "lab", script)) or \
+            flag in {f.name for f in fields(BaseConfig)} | flags(script):  # the lesson's own
+        return None
+    lab = {f.name for f in fields(GroupConfig)} | flags("lab", script) | flags("support", "environments.py")
+    return f"lab/{script}" if flag in lab else None
+
+
+def where_the_flags_are(message):
+    """An error message, and in a lesson script the lab script that has the flags it names which this one lacks."""
+    lab_only = [flag for flag in dict.fromkeys(re.findall(r"--\w+", message)) if lab_script(flag[2:])]
+    kind = "a flag" if len(lab_only) == 1 else "flags"
+    return f"{message} ({', '.join(lab_only)}: {kind} of lab/{script_name()} (the lab), not of {script_name()})" \
+        if lab_only else message
 
 
 def say(message):

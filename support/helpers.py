@@ -92,7 +92,11 @@ def load_data(cfg, accelerator):
     """The tokenizer and the (train, eval) examples; the main process downloads first, the others read its cache."""
     with accelerator.main_process_first():
         tokenizer = models.load_tokenizer(cfg)
-        train_data, eval_data = tasks.load_task(cfg, tokenizer)
+        try:
+            train_data, eval_data = tasks.load_task(cfg, tokenizer)
+        except SystemExit as e:  # a data error that names a lab flag: in a lesson script, which script has it
+            raise SystemExit(config.where_the_flags_are(str(e))) from None
+    models.check_prompts_tokenize(tokenizer, train_data + eval_data, cfg, accelerator.is_main_process)
     return tokenizer, train_data, eval_data
 
 

@@ -71,6 +71,13 @@ def reduce_metrics(accelerator, metrics):
     return dict(zip(keys, values.tolist()))
 
 
+def shortened(text, limit, keep="start"):
+    """text, or its first (keep "start") or last ("end") characters with '...' where the rest was cut."""
+    if len(text) <= limit:
+        return text
+    return text[:limit - 3] + "..." if keep == "start" else "..." + text[-(limit - 3):]
+
+
 class MetricLogger:
     """Every step to output_dir/metrics.jsonl (+ tensorboard/wandb); a console line every
     log_every steps. Only the main process writes."""
@@ -111,7 +118,8 @@ class MetricLogger:
             tqdm.write(" | ".join([f"step {step}"] + shown))
             samples = list(samples)  # the first of two prompts: a group's samples are adjacent
             for prompt, completion, reward in samples[:1] + [s for s in samples if s[0] != samples[0][0]][:1]:
-                tqdm.write(f"  sample {prompt[-60:]!r} -> {completion[:60]!r} reward {reward:.3g}")
+                tqdm.write(f"  sample {shortened(prompt, 60, keep='end')!r} -> {shortened(completion, 60)!r} "
+                           f"reward {reward:.3g}")
         if "eval/accuracy" in metrics:
             accs = [f"{k[len('eval/acc_'):]} {v:.3g}" for k, v in metrics.items() if k.startswith("eval/acc_")]
             tqdm.write(" | ".join([f"eval {step}", f"accuracy {metrics['eval/accuracy']:.3f}"] + accs))

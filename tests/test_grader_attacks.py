@@ -25,7 +25,11 @@ sys.path.insert(0, str(ROOT / "classroom"))
 import make_student_copy as msc  # noqa: E402
 
 ENV = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-TIMEOUT = 10  # the time limit of one exercise in these runs, seconds (three run at once: the hangs mostly wait)
+# The time limit of one exercise in these runs, seconds. An attack that must stop for a reason of its own (a crash, a
+# limit, a refusal) runs under a limit it does not meet on a loaded machine (at a load of 12 on 2 cores one took more
+# than 10 s to crash); only the hangs, graded apart, meet the short one (three run at once: they mostly wait).
+TIMEOUT, HANG_TIMEOUT = 300, 10
+HANGS = ("grpo_advantages", "overlong_penalty")
 
 # (category, exercise, body). {root}: the teacher's tree, {sentinel}: a path outside the student's folder,
 # {results}: the results.json the teacher asked for, {port}: a port this test listens on. No body holds
@@ -262,9 +266,9 @@ def fingerprint():
             sorted(os.listdir(torch_dir)), hashlib.sha256(open(torch.__file__, "rb").read()).hexdigest())
 
 
-def grade(student, results, only, seed=3):
+def grade(student, results, only, seed=3, timeout=TIMEOUT):
     return subprocess.run([sys.executable, "classroom/grade.py", str(student), "--json", str(results), "--only",
-                           ",".join(only), "--seed", str(seed), "--timeout", str(TIMEOUT), "--jobs", "3"], cwd=ROOT,
+                           ",".join(only), "--seed", str(seed), "--timeout", str(timeout), "--jobs", "3"], cwd=ROOT,
                           capture_output=True, text=True, env=ENV, timeout=900)
 
 
@@ -301,11 +305,13 @@ def test_every_attack_scores_zero_and_touches_nothing_outside_its_sandbox(tmp_pa
               for _, name, body in ATTACKS}
     student = write_copy(tmp_path / "attacks", bodies)
     before = fingerprint()
-    proc = grade(student, results, bodies)
-    assert results.is_file(), (proc.stdout + proc.stderr)[-3000:]
-    report = json.loads(results.read_text())
-    scores = {t["name"]: (t["score"], t["output"]) for t in report["tests"]}
-    assert set(scores) == set(bodies)
+    hangs = tmp_path / "hangs.json"
+    for proc, path in ((grade(student, results, [n for n in bodies if n not in HANGS]), results),
+                       (grade(student, hangs, HANGS, timeout=HANG_TIMEOUT), hangs)):
+        assert path.is_file(), (proc.stdout + proc.stderr)[-3000:]
+    report, hung = (json.loads(path.read_text()) for path in (results, hangs))
+    scores = {t["name"]: (t["score"], t["output"]) for t in report["tests"] + hung["tests"]}
+    assert set(scores) == set(bodies) and hung["score"] == 0
     assert {name: s for name, (s, _) in scores.items() if s} == {}, scores
     assert report["score"] == 0 and "bubblewrap sandbox" in report["output"]
     assert fingerprint() == before

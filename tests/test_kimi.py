@@ -28,6 +28,19 @@ def test_length_reward_ranges_from_half_for_the_shortest_to_minus_half_for_the_l
     torch.testing.assert_close(reward, torch.tensor([0.5, 0.25, 0.0, -0.25, -0.5]))
 
 
+def test_length_reward_of_lengths_closer_than_one_is_the_same_formula():
+    """Non-integer lengths whose spread is below 1: [0.2, 0.4, 0.6] is [2, 4, 6] scaled, so 0.5, 0, -0.5 (a spread
+    clamped to at least 1 would give 0.5, 0.3, 0.1)."""
+    reward = length_reward(torch.tensor([0.2, 0.4, 0.6]), torch.ones(3), group_size=3)
+    torch.testing.assert_close(reward, torch.tensor([0.5, 0.0, -0.5]))
+
+
+@pytest.mark.parametrize("rate", [float("nan"), -0.1, 1.5])
+def test_priority_weights_refuse_a_rate_that_is_not_a_probability(rate):
+    with pytest.raises(ValueError, match="success rate .* at prompt 1"):
+        priority_weights(torch.tensor([0.5, rate, 0.0]))
+
+
 def test_priority_weights_are_proportional_to_one_minus_the_success_rate():
     weights = priority_weights(torch.tensor([0.0, 0.5, 1.0, 0.75]))
     torch.testing.assert_close(weights, torch.tensor([1.0, 0.5, 0.0, 0.25], dtype=torch.float64) / 1.75)

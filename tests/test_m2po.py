@@ -70,13 +70,73 @@ def test_m2po_s_mask_is_computed_once_from_pi_old_over_the_sampler():
     none (one update per batch); None when M2PO is off or the policy samples itself."""
     rollout = SimpleNamespace(mask=MASK)
     old_logp, rollout_logp = LOG_RATIO - 2.0, torch.full_like(LOG_RATIO, -2.0)
-    trainer = SimpleNamespace(cfg=SimpleNamespace(m2po_tau=0.04), old_logprobs=lambda r: old_logp)
+    trainer = SimpleNamespace(cfg=SimpleNamespace(m2po_tau=0.04), old_logprobs=lambda r: old_logp,
+                              accelerator=SimpleNamespace(num_processes=1, process_index=0))
     expected = common.m2po_mask(LOG_RATIO, MASK, 0.04)
     assert engine.m2po_keep(trainer, rollout, old_logp, rollout_logp).equal(expected)
     assert engine.m2po_keep(trainer, rollout, None, rollout_logp).equal(expected)  # scored now
     assert engine.m2po_keep(trainer, rollout, old_logp, None) is None
     trainer.cfg.m2po_tau = 0.0
     assert engine.m2po_keep(trainer, rollout, old_logp, rollout_logp) is None
+
+
+class Process:
+    """One of several data-parallel processes, run as threads: gather and pad_across_processes as accelerate's
+    collectives (every process calls them in the same order; each waits for all)."""
+    def __init__(self, rank, world, slots, barrier):
+        self.process_index, self.num_processes, self.slots, self.barrier = rank, world, slots, barrier
+
+    def _all(self, x):
+        self.slots[self.process_index] = x
+        self.barrier.wait()
+        out = list(self.slots)
+        self.barrier.wait()
+        return out
+
+    def gather(self, x):
+        return torch.cat(self._all(x))
+
+    def pad_across_processes(self, x, dim=0):
+        size = max(t.shape[dim] for t in self._all(x))
+        pad = [0, 0] * (x.dim() - 1 - dim) + [0, size - x.shape[dim]]
+        return torch.nn.functional.pad(x, pad)
+
+
+def on_processes(parts, tau):
+    """engine.m2po_keep on each process's (log_ratio, mask), the processes run together."""
+    import threading
+    slots, barrier, out = [None] * len(parts), threading.Barrier(len(parts)), [None] * len(parts)
+
+    def run(rank):
+        log_ratio, mask = parts[rank]
+        trainer = SimpleNamespace(cfg=SimpleNamespace(m2po_tau=tau), accelerator=Process(rank, len(parts), slots,
+                                                                                           barrier))
+        out[rank] = engine.m2po_keep(trainer, SimpleNamespace(mask=mask), log_ratio, torch.zeros_like(log_ratio))
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in range(len(parts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return out
+
+
+def test_m2po_masks_every_process_s_tokens_together_whatever_the_process_count():
+    """The docs' two rows, (log r)^2 = [1, 0 x 29] and [0.2 x 10], at tau = 0.04, one row on each of two processes:
+    4 of the 40 tokens masked, as on one process holding both (a mask per process: row 0's mean 1/30 masks nothing,
+    row 1 all ten, 10 of 40). The processes' batches differ in width (30 and 10 columns) and in rows (1 and 2)."""
+    log_ratio = torch.zeros(2, 30, dtype=torch.float64)
+    log_ratio[0, 0], log_ratio[1, :10] = 1.0, 0.2 ** 0.5
+    mask = torch.zeros(2, 30, dtype=torch.long)
+    mask[0], mask[1, :10] = 1, 1
+    one = on_processes([(log_ratio, mask)], 0.04)[0]
+    assert ((one == 0) & mask.bool()).sum() == 4
+    wide, narrow = (log_ratio[:1], mask[:1]), (log_ratio[1:, :10].repeat(2, 1), mask[1:, :10].repeat(2, 1))
+    narrow[1][1] = 0  # process 1's second row is all padding: it holds 10 tokens, as row 1
+    keep = on_processes([wide, narrow], 0.04)
+    assert keep[0].shape == (1, 30) and keep[1].shape == (2, 10)
+    assert keep[0].equal(one[:1]) and keep[1][0].equal(one[1, :10]) and keep[1][1].sum() == 0
+    separately = [on_processes([part], 0.04)[0] for part in (wide, narrow)]
+    assert sum(int(((k == 0) & m.bool()).sum()) for k, (_, m) in zip(separately, (wide, narrow))) == 10
 
 
 @pytest.mark.parametrize("kwargs", [{"m2po_tau": 0.04}, {"m2po_tau": -1.0, "rollout_lag": 1}])

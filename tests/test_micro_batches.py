@@ -147,32 +147,52 @@ def test_micro_batches_cover_the_batch_in_order():
     assert micro_batches(4, 8) == [slice(0, 4)]
 
 
+# Every loop of both tiers, with what makes its statistics: several epochs (a ratio that moves), PPO's minibatches,
+# the lab's stale sampler and its corrections (TIS, the veto, the geometric mask, M2PO) and VAPO's pieces.
+LOOPS = {
+    "remax.py": [], "rloo.py": [], "grpo.py": ["--num_epochs", "2"], "dapo.py": ["--num_epochs", "2"],
+    "ppo.py": ["--num_epochs", "2", "--num_mini_batches", "2"], "reinforce_pp.py": ["--num_epochs", "2"],
+    "lab/remax.py": [], "lab/rloo.py": ["--rollout_lag", "1", "--tis_cap", "2", "--m2po_tau", "1e-4"],
+    "lab/grpo.py": ["--num_epochs", "2", "--rollout_lag", "1", "--tis_cap", "1.5", "--tis_veto", "0.5",
+                    "--geo_mask_delta", "1e-4", "--m2po_tau", "1e-4"],
+    "lab/dapo.py": ["--num_epochs", "2", "--rollout_lag", "1", "--tis_cap", "2", "--tis_level", "sequence"],
+    "lab/ppo.py": ["--num_epochs", "2", "--num_mini_batches", "2", "--value_pretrain_steps", "1", "--pos_lm_coef",
+                   "0.1", "--lam_alpha", "0.05", "--num_generations", "4"],
+}
+
+
 def command(script, micro_batch_size, out_dir):
-    args = [sys.executable, f"lab/{script}", "--num_steps", "2", "--batch_size", "16", "--generation_batch_size", "16",
-            "--micro_batch_size", str(micro_batch_size), "--eval_every", "1000", "--save_model", "False",
-            "--output_dir", str(out_dir)]
-    if script == "ppo.py":
-        args += ["--num_epochs", "2", "--num_mini_batches", "2"]
-    if script in ("grpo.py", "dapo.py"):
-        args += ["--num_epochs", "2"]  # old log-probs from a scoring pass, and a ratio that moves
-    return args
+    lab = ["--generation_batch_size", "16", "--save_model", "False"] if script.startswith("lab/") else []
+    return [sys.executable, script, "--num_steps", "2", "--batch_size", "16", "--micro_batch_size",
+            str(micro_batch_size), "--eval_every", "1000", "--output_dir", str(out_dir), *lab, *LOOPS[script]]
 
 
-@pytest.mark.parametrize("script", ["remax.py", "grpo.py", "rloo.py", "dapo.py", "ppo.py"])
-def test_a_run_in_micro_batches_logs_the_losses_of_one_in_whole_batches(script, tmp_path):
-    small = 8 if script == "rloo.py" else 5  # rloo: whole groups of 8; the others: 5 does not divide 16
+@pytest.mark.parametrize("script", LOOPS)
+def test_a_run_in_micro_batches_logs_every_statistic_of_one_in_whole_batches(script, tmp_path):
+    """Every statistic a loop logs (train/ and pretrain/) is the whole batch's, whatever --micro_batch_size: a mean
+    over tokens by the micro-batches' token counts, a mean over rows by their rows, a fraction or an ESS from their
+    sums, an extreme from their extremes. Compared up to float rounding over the first step, whose updates start
+    from the same weights; later the runs' weights part by more than rounding (AdamW moves a weight by about lr
+    whatever the size of its gradient, so an element near 0 whose sign rounding flips moves visibly), and only the
+    loss is compared there, as the loss and the gradient norm are by their own bounds."""
+    small = 8 if "rloo" in script else 5  # rloo: whole groups of 8; the others: 5 does not divide 16
     sizes = (small, 16)
     for out in run_together([command(script, mb, tmp_path / str(mb)) for mb in sizes],
                             env={**os.environ, "OMP_NUM_THREADS": "1"}):
         assert out.returncode == 0, out.stderr[-2000:]
-    rows = {mb: [r for r in read_metrics(tmp_path / str(mb) / "metrics.jsonl") if "train/loss" in r] for mb in sizes}
-    assert len(rows[small]) == len(rows[16]) == 2
-    for a, b in zip(rows[small], rows[16]):
+    rows = {mb: [r for r in read_metrics(tmp_path / str(mb) / "metrics.jsonl") if "train/loss" in r
+                 or "pretrain/value_loss_first" in r] for mb in sizes}
+    assert len(rows[small]) == len(rows[16]) == 2 + ("--value_pretrain_steps" in LOOPS[script])
+    for a, b in zip(rows[small][:-1], rows[16][:-1]):  # step 1 (and the pretraining before it)
+        keys = sorted(k for k in b if k.startswith(("train/", "pretrain/")))
+        assert sorted(k for k in a if k.startswith(("train/", "pretrain/"))) == keys
+        for key in set(keys) - {"train/loss", "train/grad_norm", "train/critic_grad_norm"}:
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (key, a["step"])
+    for a, b in zip(rows[small][-2:], rows[16][-2:]):
         assert a["train/loss"] == pytest.approx(b["train/loss"], abs=1e-5)
-    # the first step's gradient norm only: over more updates AdamW, which moves every weight by about lr whatever the
-    # size of its gradient, turns a near-zero gradient element whose sign float rounding flips into a visible change
-    assert rows[small][0]["train/grad_norm"] == pytest.approx(rows[16][0]["train/grad_norm"], rel=1e-4)
-    assert rows[16][-1]["train/loss"] != rows[16][0]["train/loss"]  # the weights moved between steps
+    # the first step's gradient norm only (AdamW, above)
+    assert rows[small][-2]["train/grad_norm"] == pytest.approx(rows[16][-2]["train/grad_norm"], rel=1e-4)
+    assert rows[16][-1]["train/loss"] != rows[16][-2]["train/loss"]  # the weights moved between steps
 
 
 def test_two_optimizers_under_fp16_loss_scaling_step_once_each_on_gradients_unscaled_once(monkeypatch):

@@ -183,17 +183,26 @@ def test_lora_run_saves_the_adapter_and_merges_on_request(tmp_path):
 
 
 @pytest.mark.parametrize("path", [common, fast], ids=["common", "fast"])
-def test_logprobs_are_fp32_under_bf16_autocast(path):
+def test_logprobs_are_fp32_under_bf16_autocast(path, monkeypatch):
     """Under bf16 autocast the logits come out in bfloat16; the log-softmax must then be taken in
     float32. A dtype check alone passes for a bf16 log-softmax cast at the end (`.float()` last),
     so compare the values: they match the fp32 log-softmax of the same bf16 logits to 1e-6, while
     a bf16 log-softmax is off by more than 1e-3 (bf16 keeps 8 bits of mantissa). The definition
-    (common.py) and the fast path (support/fast.py) alike."""
+    (common.py) and the fast path (support/fast.py) alike, each against the logits it computed itself:
+    the fast path runs a group's prompt once, and its bf16 logits need not be a separate full forward's
+    (they are not on a processor without AVX-512, or under ATEN_CPU_CAPABILITY=avx2)."""
     model = AutoModelForCausalLM.from_pretrained(config.EMBEDDED_MODEL)
     ids, mask = torch.tensor([[4, 5, 13, 6, 16, 7, 9, 12]]), torch.ones(1, 8, dtype=torch.long)
+    seen = []  # the (1, 5, V) logits the path scores
+    if path is fast:
+        completion_logits = fast.completion_logits
+        monkeypatch.setattr(fast, "completion_logits", lambda *args: seen.append(completion_logits(*args)) or seen[-1])
+    else:
+        model.register_forward_hook(lambda module, args, out: seen.append(out.logits[:, -6:-1]))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logp = path.token_logprobs(model, ids, mask, 5, temperature=0.7)
-        logits = model(input_ids=ids, attention_mask=mask).logits[:, -6:-1]
+    (logits,) = seen
+    assert logits.shape == (1, 5, model.config.vocab_size)
     assert logits.dtype == torch.bfloat16 and logp.dtype == torch.float32
     targets = ids[:, -5:, None]
     fp32 = torch.log_softmax(logits.float() / 0.7, -1).gather(-1, targets).squeeze(-1)

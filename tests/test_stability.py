@@ -144,13 +144,35 @@ def test_ppos_updates_log_the_batchs_extremes_and_effective_sample_size():
     for rows in torch.arange(8).chunk(4):  # each minibatch one update, of one micro-batch
         stats = common.rollout_correction(old_logp[rows].clone(), old_logp[rows], rollout_logp[rows],
                                           torch.ones(2, dtype=F64), mask[rows], tis_cap=3.0).stats
-        micro_batches.append((torch.tensor(1.0), stats))
+        micro_batches.append((mask[rows].sum(), stats))  # (its token count, its statistics)
         updates.append({"loss": torch.tensor(float(len(updates))), **combine([micro_batches[-1]])})
     step = engine.over_updates(updates, micro_batches)
     assert step["mismatch_ratio_max"].item() == pytest.approx(math.e, rel=1e-6)
     assert step["mismatch_ratio_min"].item() == 1.0
     assert step["is_ess"].item() == pytest.approx((63 + math.e) ** 2 / (64 * (63 + math.e ** 2)), rel=1e-12)
     assert step["tis_clip_frac"].item() == 0 and step["loss"].item() == 1.5  # what is a mean stays one
+
+
+def test_ppos_step_logs_the_mismatch_as_the_whole_batchs_token_mean():
+    """Two minibatches of 4 and 2 tokens (one row each), one token of the second with pi_train / pi_rollout = e:
+    its k3 is e - 2, so the batch's token mean is (e - 2) / 6 = 0.11971, not the minibatches' mean (0 + (e - 2) / 2)
+    / 2 = 0.17957. Over two epochs the same."""
+    from lab import engine
+    from support.helpers import combine
+    old_logp, mask = torch.zeros(2, 4, dtype=F64), torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]], dtype=F64)
+    rollout_logp = old_logp.clone()
+    rollout_logp[1, 0] = -1.0
+    for epochs in (1, 2):
+        updates, micro_batches = [], []
+        for _ in range(epochs):
+            for row in (0, 1):
+                rows = slice(row, row + 1)
+                stats = common.rollout_correction(old_logp[rows].clone(), old_logp[rows], rollout_logp[rows],
+                                                  torch.ones(1, dtype=F64), mask[rows]).stats
+                micro_batches.append((mask[rows].sum(), stats))
+                updates.append({"loss": torch.tensor(0.0), **combine([(1.0, stats)])})
+        step = engine.over_updates(updates, micro_batches)
+        assert step["mismatch_k3"].item() == pytest.approx((math.e - 2) / 6, rel=1e-12)
 
 
 def test_tis_clip_frac_counts_at_the_level_the_weight_is_applied():
