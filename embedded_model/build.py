@@ -31,7 +31,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
-from support import config, tasks  # noqa: E402
+from lab import config as lab_config  # noqa: E402
+from support import tasks  # noqa: E402
 
 SPECIAL = ["<pad>", "<eos>", "<unk>"]
 CHARS = list("0123456789+-*= ")
@@ -260,7 +261,7 @@ def agent_main(args):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(1)
-    cfg = config.TrainConfig(seed=args.seed, dataset="tool_arithmetic")
+    cfg = lab_config.TrainConfig(seed=args.seed, dataset="tool_arithmetic")
     train, held_out = tasks.load_task(cfg)
     if args.check:
         model, tokenizer = AutoModelForCausalLM.from_pretrained(args.out), AutoTokenizer.from_pretrained(args.out)
@@ -327,7 +328,7 @@ def main():
     moe = {"output_router_logits": True} if args.moe else {}  # adds the load-balancing loss to .loss
     n_params = sum(p.numel() for p in model.parameters())
     print(f"{n_params / 1e6:.2f}M parameters")
-    cfg = config.TrainConfig(seed=args.seed)
+    cfg = lab_config.TrainConfig(seed=args.seed)
     train, held_out = tasks.load_task(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     rng, start, log = random.Random(args.seed), time.time(), []

@@ -77,6 +77,7 @@ class AsyncRolloutSampler:
         self.asked = collections.deque()  # the (examples, completions of each, greedy) asked for, in order
         self.received = []  # this step's batches: (version per row, the sampler's seconds per phase)
         self.sample = sample  # the prompt sampler's (tasks.PromptSampler.sample_with): the process reports to it
+        self.evaluation_sample = trainer.sample  # the learner evaluates with its own (the process holds any engine)
         self.timeline = trainer.accelerator.is_main_process and os.path.join(trainer.cfg.output_dir, "timeline.jsonl")
         self.sampler_spans = []  # (phase, start, end), wall clock, as the learner's timer.spans (bench/async.py)
         threads = split_threads(trainer.accelerator.device)
@@ -164,7 +165,9 @@ class AsyncRolloutSampler:
 
     def close(self):
         """After the last step: the sampler process stopped and joined (several learner processes leave with os._exit,
-        which ends no daemon process)."""
+        which ends no daemon process). Once: the trainer's finish calls it again."""
+        if self.process is None:
+            return
         if self.process.is_alive():
             self.requests.put("stop")
             self.process.join(timeout=10)
@@ -231,8 +234,7 @@ def serve(cfg, seed, weights, version, lock, requests, results, parent_pid, thre
         score = fast.token_logprobs if cfg.fast else common.token_logprobs
         environment = environments.load(cfg, tokenizer)  # --environment / --tools: the episodes are played here
         # --sampler vllm: the engine draws for this process, taking each version of the weights it publishes
-        engine = vllm_engine.Engine(cfg, torch.device(device), seed - cfg.seed, lambda: have) \
-            if cfg.sampler == "vllm" else None
+        engine = vllm_engine.Engine(cfg, torch.device(device), seed - cfg.seed) if cfg.sampler == "vllm" else None
         reward = None if cfg.reward_model else reward_scorer(cfg, device)  # one reward model: the learner's
         torch.manual_seed(seed)  # the seed this rank's learner samples with in a synchronous run (LoRA's init drew)
         while (request := receive(requests, parent_pid)) != "stop":
@@ -246,6 +248,8 @@ def serve(cfg, seed, weights, version, lock, requests, results, parent_pid, thre
                     have = version.value
                     for p, w in zip(params, weights, strict=True):
                         p.copy_(w)
+                    if engine is not None:
+                        engine.weights_changed()
             spans.append(("wait", start, time.time()))
             with torch.inference_mode():
                 out = draw_batch(model, tokenizer, environment, play, examples, num_samples, cfg, device, engine)

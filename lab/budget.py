@@ -16,12 +16,12 @@ from support.config import arg, check, check_rules, one_of
 
 @dataclass
 class ExplorationConfig:
-    """The exploration flags of GRPO, RLOO and DAPO (docs/exploration.md), before config.GroupConfig in their
+    """The exploration flags of GRPO, RLOO and DAPO (docs/exploration.md), before lab/config.py's GroupConfig in their
     Config's bases: its checks run after GroupConfig's. batch_size / G prompts a step either way. --budget knapsack:
     G is the mean group size, each prompt's between --min_n and --max_n, and a success rate needs answers.
     --sampler tree (TreePO: the G completions are the leaves of a tree whose branches share their segments): G
     leaves, each fork before the completion's end."""
-    SAMPLERS = ("independent", "vllm", "tree")  # config.TrainConfig's --sampler, and the trees
+    SAMPLERS = ("independent", "vllm", "tree")  # lab/config.py's TrainConfig's --sampler, and the trees
     budget: str = arg("uniform", "Completions per prompt: uniform (G each) | knapsack (Knapsack RL: by each prompt's "
                       "success rate over its latest answers, batch_size in all).")
     min_n: int = arg(None, "--budget knapsack: the fewest completions of a prompt (default 2).")

@@ -28,13 +28,14 @@ if __name__ == "__main__":  # run as lab/dapo.py: the repository's root first, s
 import common  # noqa: E402
 import exploration  # noqa: E402
 from dapo import dapo_loss, dynamic_sampling_filter, grpo_advantages, overlong_penalty  # noqa: E402 (the lesson's)
+from lab import config as lab_config  # noqa: E402
 from lab import budget, engine  # noqa: E402
 from support import config, environments, helpers, tasks  # noqa: E402
 from support.config import arg  # noqa: E402
 
 
 @dataclass
-class Config(environments.AgentConfig, budget.ExplorationConfig, config.GroupConfig):
+class Config(environments.AgentConfig, budget.ExplorationConfig, lab_config.GroupConfig):
     epsilon_low: float = arg(0.2, "Clip the ratio below at 1 - epsilon_low (DAPO: 0.2).")
     epsilon_high: float = arg(0.28, "Clip the ratio above at 1 + epsilon_high (DAPO: 0.28), >= epsilon_low.")
     dual_clip_c: float = arg(0.0, "Dual clip: a token with A < 0 loses at most c |A|, whatever its ratio (0 = off).")

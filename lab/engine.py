@@ -103,21 +103,14 @@ class Trainer:
         self.sample, self.score = (fast.generate, fast.token_logprobs) if cfg.fast else \
             (common.generate, common.token_logprobs)
         self.environment = environments.load(cfg, tokenizer)  # --environment, --tools
-        # --sampler vllm: a vLLM engine in its own process draws the rollouts and the evaluation's greedy completions,
-        # taking the policy's weights again after each of its optimizer steps (`updates`: lab/vllm_engine.py); with
-        # --async_rollouts the sampler process holds it, and the learner evaluates with its own decode loop
-        self.updates = 0
-        self.engine = vllm_engine.Engine(cfg, accelerator.device, accelerator.process_index, lambda: self.updates) \
-            if cfg.sampler == "vllm" and not cfg.async_rollouts else None
         self.rollout_sampler = sampling.rollout_sampler(self, policy, rollout_model, rollout_lag,
                                                         sampler.sample_with(self.sample))  # --sampler tree: trees
         set_seed(cfg.seed + accelerator.process_index)  # each rank samples different completions
         self.ckpt = checkpoint.Checkpointer(cfg, accelerator, sampler, self.rollout_sampler.rewound)
         self.logger, self.viewer, self.start_step, self.at_step = None, None, 0, 1  # at_step: the step running
         self.timer, self.generated, self.update_loss, self.update_stats = run.StepTimer(), 0, 0.0, []  # this step's
-        # sampling and scoring record no gradient: inference mode is cheaper than no_grad (their outputs are
-        # cloned into ordinary tensors before a loss reads them). Not under DeepSpeed: ZeRO-3 gathers weights
-        # inside these passes, and one it keeps gathered must not become an inference tensor.
+        # sampling and scoring record no gradient: inference mode, cheaper than no_grad (the outputs are cloned before
+        # a loss reads them); not under DeepSpeed, whose ZeRO-3 gathers weights that must not become inference tensors
         self.inference = torch.no_grad if accelerator.state.deepspeed_plugin is not None else torch.inference_mode
 
     def resume(self):
@@ -131,7 +124,7 @@ class Trainer:
     def evaluate(self, step=None):
         """Held-out greedy accuracy (or of greedy episodes), --eval_samples' pass@k: logged at `step` (0: the start)."""
         metrics = tasks.evaluate(self.policy.model, self.tokenizer, self.eval_data, self.cfg, self.accelerator,
-                                 generate=self.sample if self.engine is None else self.engine.generate,
+                                 generate=self.rollout_sampler.evaluation_sample,
                                  play=sampling.greedy_play(self.environment, self.cfg))
         metrics.update(pass_at_k.evaluate(self, self.eval_data, self.cfg.eval_samples) if self.cfg.eval_samples else {})
         return metrics if step is None else self.logger.log(step, metrics)
@@ -200,8 +193,7 @@ class Trainer:
         --micro_batch_size rows each. loss_agg, the update's common.Aggregation (or its mode), said here once: each
         micro-batch carries it as mb.agg with its weight (common.micro_batch_weight; token-mean: over the mean token
         count per process, as DDP averages), so the losses aggregated with it add up to the batch's loss."""
-        agg = common.Aggregation(loss_agg) if isinstance(loss_agg, str) else loss_agg
-        mask = rollout.mask
+        agg, mask = common.Aggregation(loss_agg) if isinstance(loss_agg, str) else loss_agg, rollout.mask
         index = torch.arange(len(rollout), device=mask.device) if rows is None else rows
         num_tokens = self.accelerator.reduce(mask[index].sum().float(), reduction="mean")
         total, out = mask[index].sum().clamp(min=1), []
@@ -270,7 +262,6 @@ class Trainer:
             self.ckpt.check_finite(self.at_step, self.update_loss, norms[0] if len(norms) == 1 else torch.stack(norms),
                                    self.policy.model, self.tokenizer)
             models.step_optimizers(accelerator, trainables)
-            self.updates += 1
         stats = {"loss": self.update_loss,
                  **{"grad_norm" if t is self.policy else f"{t.name}_grad_norm": n for t, n in zip(trainables, norms)}}
         stats.update(helpers.combine(self.update_stats))
@@ -308,8 +299,7 @@ class Trainer:
     def finish(self):
         """Summary and curves, the final policy saved, the process group closed, several processes ended."""
         cfg, accelerator = self.cfg, self.accelerator
-        if self.engine is not None:
-            self.engine.close()
+        self.rollout_sampler.close()  # --sampler vllm's engine, --async_rollouts' process
         self.logger.finish(self.policy.model)
         if self.viewer.enabled:
             print(f"the rollouts, token by token: {os.path.join(cfg.output_dir, 'rollouts.html')}", flush=True)

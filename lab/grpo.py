@@ -28,13 +28,14 @@ import common  # noqa: E402
 import exploration  # noqa: E402
 import kimi  # noqa: E402
 from grpo import grpo_advantages, grpo_loss  # noqa: E402  (the lesson's math)
+from lab import config as lab_config  # noqa: E402
 from lab import budget, engine  # noqa: E402
 from support import config, environments, helpers, tasks  # noqa: E402
 from support.config import arg  # noqa: E402
 
 
 @dataclass
-class Config(environments.AgentConfig, budget.ExplorationConfig, config.GroupConfig):
+class Config(environments.AgentConfig, budget.ExplorationConfig, lab_config.GroupConfig):
     beta: float = arg(0.04, "Coefficient of the KL-to-reference term in the per-token loss (0 = no reference).")
     kl_estimator: str = arg("k3", "Estimator of that KL term: k3 (GRPO) | k2 | k1 (docs/algorithms.md).")
     kl_is_weight: bool = arg(False, "Multiply the KL term by the ratio pi_theta / pi_old (DeepSeek-V3.2).")

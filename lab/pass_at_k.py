@@ -38,7 +38,7 @@ def evaluate(trainer, examples, k, batch_size=256):
         raise SystemExit("error: --eval_samples samples plain completions, and this run plays episodes (--environment, "
                          "--tools): give --eval_samples 0.")
     model = accelerator.unwrap_model(trainer.policy.model)
-    sample = trainer.sample if trainer.engine is None else trainer.engine.generate  # --sampler vllm: the engine's
+    sample = trainer.rollout_sampler.evaluation_sample  # --sampler vllm: the engine's
     shard = examples[accelerator.process_index::accelerator.num_processes]
     num_calls = math.ceil(math.ceil(len(examples) / accelerator.num_processes) / max(1, batch_size // k))
     js = reported(k)

@@ -34,13 +34,14 @@ import common  # noqa: E402
 import vapo  # noqa: E402
 from ppo import (AdaptiveKLController, ValueModel, decoupled_gae, explained_variance, gae, last_action,  # noqa: E402
                  length_adaptive_lam, ppo_policy_loss, ppo_value_loss)  # the lesson's math and models
+from lab import config as lab_config  # noqa: E402
 from lab import engine  # noqa: E402
 from support import config, environments, helpers, models, run, tasks  # noqa: E402
 from support.config import arg  # noqa: E402
 
 
 @dataclass
-class Config(environments.AgentConfig, config.CorrectionConfig):
+class Config(environments.AgentConfig, lab_config.CorrectionConfig):
     # 150 batches of num_epochs x num_mini_batches = 16 optimizer steps each: 5 minutes on 2 CPU cores
     num_steps: int = arg(150, "Rollout batches (each gives num_epochs x num_mini_batches optimizer steps).")
     # below the common 1e-4 because each batch gives 16 steps (tuned on the embedded model, docs/ppo.md)
@@ -72,7 +73,7 @@ class Config(environments.AgentConfig, config.CorrectionConfig):
     num_generations: Optional[int] = arg(None, "VAPO's group sampling: batch_size / G prompts a step, each sampled G "
                                          "times, its rows adjacent (VAPO: 16; default 1: one sample per prompt).")
     vapo: bool = arg(False, "VAPO's recipe: each VAPO flag left unset takes VAPO's value (docs/algorithms.md#vapo).")
-    reuses_batch = True  # num_epochs x num_mini_batches updates on each batch (config.TrainConfig)
+    reuses_batch = True  # num_epochs x num_mini_batches updates on each batch (lab_config.TrainConfig)
 
     def __post_init__(self):
         super().__post_init__()

@@ -24,13 +24,14 @@ import torch  # noqa: E402
 
 import common  # noqa: E402
 from remax import remax_advantages, remax_loss  # noqa: E402  (the lesson's math)
+from lab import config as lab_config  # noqa: E402
 from lab import engine  # noqa: E402
 from support import config, environments, helpers, tasks  # noqa: E402
 from support.config import arg  # noqa: E402
 
 
 @dataclass
-class Config(environments.AgentConfig, config.CorrectionConfig):
+class Config(environments.AgentConfig, lab_config.CorrectionConfig):
     baseline: str = arg("greedy", "'greedy' (ReMax) or 'none' (plain REINFORCE).")
     beta: float = arg(0.05, "Coefficient of the per-token k1 penalty folded into the return (0 = no reference).")
     adv_clip: float = arg(5.0, "Clip the advantage r - r_greedy to [-adv_clip, adv_clip] (0 = off).")

@@ -26,13 +26,14 @@ import torch  # noqa: E402
 import common  # noqa: E402
 import exploration  # noqa: E402
 from rloo import rloo_advantages, rloo_loss  # noqa: E402  (the lesson's math)
+from lab import config as lab_config  # noqa: E402
 from lab import budget, engine  # noqa: E402
 from support import config, environments, helpers, tasks  # noqa: E402
 from support.config import arg  # noqa: E402
 
 
 @dataclass
-class Config(environments.AgentConfig, budget.ExplorationConfig, config.GroupConfig):
+class Config(environments.AgentConfig, budget.ExplorationConfig, lab_config.GroupConfig):
     beta: float = arg(0.05, "Coefficient of the sequence k1 penalty folded into the reward (0 = no reference).")
 
     def __post_init__(self):

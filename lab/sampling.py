@@ -10,30 +10,37 @@ import torch
 
 import agents
 import common
-from lab import async_sampling, tree
+from lab import async_sampling, tree, vllm_engine
 from support import fast, models, reward_functions, routing, tasks
 from support.helpers import any_process
 from support.rollout import Rollout
 
 
 def rollout_sampler(trainer, policy, rollout_model, rollout_lag, sample):
-    """The RolloutSampler, or with --async_rollouts the sampler process's (lab/async_sampling.py)."""
+    """The RolloutSampler (--sampler vllm: with a vLLM engine in its own process, lab/vllm_engine.py), or with
+    --async_rollouts the sampler process's (lab/async_sampling.py, which then holds the engine)."""
     if trainer.cfg.async_rollouts:
         return async_sampling.AsyncRolloutSampler(trainer, policy, sample, play)
-    return RolloutSampler(trainer, policy, rollout_model, rollout_lag, sample)
+    accelerator = trainer.accelerator
+    engine = vllm_engine.Engine(trainer.cfg, accelerator.device, accelerator.process_index) \
+        if trainer.cfg.sampler == "vllm" else None
+    return RolloutSampler(trainer, policy, rollout_model, rollout_lag, sample, engine)
 
 
 class RolloutSampler:
     """Samples with `policy` (a Trainable), unless `rollout_model` (its low-precision or stale copy) does, synced to
-    it before each rollout: to this step's weights, or with `rollout_lag` k to those of k steps ago. `sample` is
-    fast.generate or common.generate; `inference`, the context the passes run in; `trainer` gives the timer, the
-    step running and, when sampling fails, the check that stops a run whose weights broke."""
+    it before each rollout: to this step's weights, or with `rollout_lag` k to those of k steps ago, or `engine`
+    (--sampler vllm's vllm_engine.Engine) does, with the policy's weights of the step. `sample` is fast.generate or
+    common.generate; `trainer` gives the timer, the step running, the context the passes run in (`inference`) and,
+    when sampling fails, the check that stops a run whose weights broke. evaluation_sample: the held-out
+    evaluation's sample function (the engine's, or the trainer's)."""
 
     rewound = None  # a checkpoint saves the prompt sampler's own state: no batch is drawn ahead (async_sampling's is)
 
-    def __init__(self, trainer, policy, rollout_model, rollout_lag, sample):
+    def __init__(self, trainer, policy, rollout_model, rollout_lag, sample, engine=None):
         self.trainer, self.policy, self.rollout_model, self.rollout_lag = trainer, policy, rollout_model, rollout_lag
-        self.sample, self.moe = sample, routing.is_moe(policy.model)
+        self.sample, self.moe, self.engine = sample, routing.is_moe(policy.model), engine
+        self.evaluation_sample = trainer.sample if engine is None else engine.generate
         # rollout_lag k: (step, trainable weights) at the start of the last k + 1 steps; the oldest samples
         self.past_weights = collections.deque(maxlen=(rollout_lag or 0) + 1)
 
@@ -62,8 +69,16 @@ class RolloutSampler:
         return rollout
 
     def end_step(self, step):
-        """The step's metrics: with --rollout_lag, train/staleness."""
+        """After the step's updates (the engine takes the new weights before it samples again), its metrics: with
+        --rollout_lag, train/staleness."""
+        if self.engine is not None:
+            self.engine.weights_changed()
         return {} if self.rollout_lag is None else {"train/staleness": self.staleness(step)}
+
+    def close(self):
+        """After the run: the engine's process ended."""
+        if self.engine is not None:
+            self.engine.close()
 
     @torch.no_grad()
     def generate(self, examples, num_samples=1, greedy=False):
@@ -80,8 +95,8 @@ class RolloutSampler:
             model, error, episodes, drawn_logp = self.model(trainer.at_step, greedy), None, None, None
             try:
                 with trainer.inference(), routing.record(model) if self.moe else ExitStack() as recording:
-                    if trainer.engine is not None:  # --sampler vllm: the engine's draws, and their log-probs (mu)
-                        completion_ids, drawn_logp = trainer.engine.generate(
+                    if self.engine is not None:  # --sampler vllm: the engine's draws, and their log-probs (mu)
+                        completion_ids, drawn_logp = self.engine.generate(
                             model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples, greedy, logprobs=True)
                         if isinstance(self.sample, tree.Sampling) and not greedy:  # train/decoded_per_completion
                             self.sample.count(int(common.completion_mask(completion_ids, tokenizer.eos_token_id)

@@ -20,7 +20,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 
@@ -81,12 +80,11 @@ def die_with_parent():
 
 class Engine:
     """The trainer's handle on the engine's process: `generate` (common.generate's signature, with logprobs the
-    drawn tokens' log-probs too), `close`. device: the trainer's (a GPU: the engine shares it); rank: the trainer's
-    process index; version(): the optimizer steps the policy has taken, which decides when the engine takes its
-    weights again."""
+    drawn tokens' log-probs too), `weights_changed` (after an update: the next sampling hands the engine the policy's
+    weights first), `close`. device: the trainer's (a GPU: the engine shares it); rank: the trainer's process index."""
 
-    def __init__(self, cfg, device, rank, version):
-        self.version, self.synced, self.cuda = version, None, device.type == "cuda"
+    def __init__(self, cfg, device, rank):
+        self.stale, self.cuda = True, device.type == "cuda"  # stale: the engine holds other weights than the policy
         self.dtype = config.DTYPES[getattr(cfg, "rollout_dtype", cfg.torch_dtype)]
         settings = {"model": cfg.model_name_or_path, "dtype": str(self.dtype).removeprefix("torch."),
                     "max_model_len": model_len(cfg),
@@ -149,9 +147,14 @@ class Engine:
         except OSError:
             return "no log"
 
+    def weights_changed(self):
+        """The policy took an update: the engine takes its weights before it samples again."""
+        self.stale = True
+
     def sync(self, model):
-        """Hand the engine the policy's weights when an optimizer step changed them (the first call always)."""
-        if self.synced == self.version():
+        """Hand the engine the policy's weights when an update changed them since it last took them (the first call
+        always: the engine starts from the model's folder, the policy from there or from a checkpoint)."""
+        if not self.stale:
             return
         path = os.path.join(self.folder, "weights.safetensors")
         from safetensors.torch import save_file
@@ -159,7 +162,7 @@ class Engine:
             save_file(checkpoint_weights(model, self.dtype), path)
         self.ask({"op": "load", "path": path}, "loading the policy's weights")
         os.remove(path)
-        self.synced = self.version()
+        self.stale = False
 
     @torch.no_grad()
     def generate(self, model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=1, greedy=False, logprobs=False):

@@ -16,6 +16,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from lab import config as lab_config
 from support import checkpoint, config, models, run, tasks
 from conftest import ROOT, free_port
 
@@ -125,7 +126,7 @@ def parts():
     """A CPU accelerator with the embedded policy prepared, its tokenizer and a prompt sampler."""
     from accelerate import Accelerator
 
-    cfg = config.TrainConfig()
+    cfg = lab_config.TrainConfig()
     accelerator = Accelerator(cpu=True)
     policy = accelerator.prepare(models.load_model(cfg))
     sampler = tasks.PromptSampler([{"prompt": "12+3="}, {"prompt": "7*8="}], 1, 0)
@@ -134,7 +135,7 @@ def parts():
 
 def checkpointer(parts, out_dir, **flags):
     accelerator, policy, tokenizer, sampler = parts
-    return checkpoint.Checkpointer(config.TrainConfig(output_dir=str(out_dir), **flags), accelerator, sampler)
+    return checkpoint.Checkpointer(lab_config.TrainConfig(output_dir=str(out_dir), **flags), accelerator, sampler)
 
 
 def test_retention_keeps_the_newest_complete_checkpoints_and_latest_skips_partial_ones(parts, tmp_path, capsys,

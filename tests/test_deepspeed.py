@@ -23,7 +23,8 @@ def checksum(model):
 
 
 def test_deepspeed_settings_come_from_the_flags():
-    from support import config, helpers
+    from lab import config
+    from support import helpers
 
     cfg = config.TrainConfig(batch_size=16, max_grad_norm=0.5)
     ds = helpers.deepspeed_settings({"gradient_accumulation_steps": "auto", "gradient_clipping": 1.0}, cfg, 4)

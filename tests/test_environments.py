@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 from accelerate import Accelerator
 
+from lab import config as lab_config
 from support import config, environments, reward_functions, tasks
 from support.environments import ToolCall, ToolResult
 
@@ -255,7 +256,7 @@ def test_each_bad_flag_is_one_error_line_naming_it(tools_file, flag, value, said
 
 
 @dataclass
-class AgentTrainConfig(environments.AgentConfig, config.TrainConfig):
+class AgentTrainConfig(environments.AgentConfig, lab_config.TrainConfig):
     pass
 
 

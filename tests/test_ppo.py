@@ -13,6 +13,7 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import common  # noqa: E402
+from lab import config as lab_config  # noqa: E402
 from support import config  # noqa: E402
 from support.run import read_metrics  # noqa: E402
 from conftest import run_together  # noqa: E402
@@ -324,7 +325,7 @@ def test_lora_critic_trains_only_its_adapter_and_head_and_starts_as_the_full_cri
     torch.manual_seed(0)
     full = ValueModel(config.EMBEDDED_MODEL).eval()
     torch.manual_seed(0)  # the same random head: the adapter is added after it
-    lora = ValueModel(config.EMBEDDED_MODEL, lora=models.lora_config(config.TrainConfig(lora_r=4), "SEQ_CLS")).eval()
+    lora = ValueModel(config.EMBEDDED_MODEL, lora=models.lora_config(lab_config.TrainConfig(lora_r=4), "SEQ_CLS")).eval()
     trainable = [name for name, p in lora.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in name or "score" in name for name in trainable)
     assert any("score" in name for name in trainable) and any("lora_B" in name for name in trainable)

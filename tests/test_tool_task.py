@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from conftest import ROOT
-from support import config, tasks
+from lab import config as lab_config
+from support import tasks
 
 AGENT_DIR = ROOT / "embedded_model" / "agent"
 spec = importlib.util.spec_from_file_location("build", ROOT / "embedded_model" / "build.py")
@@ -17,7 +18,7 @@ spec.loader.exec_module(build)
 
 
 def load(dataset, seed=0):
-    return tasks.load_task(config.TrainConfig(dataset=dataset, seed=seed))
+    return tasks.load_task(lab_config.TrainConfig(dataset=dataset, seed=seed))
 
 
 def test_tool_arithmetic_has_its_families_in_turn_with_right_answers():
@@ -54,9 +55,9 @@ def test_arithmetic_is_unchanged():
 
 
 def test_config_accepts_tool_arithmetic_and_names_it_for_an_unknown_dataset():
-    config.TrainConfig(dataset="tool_arithmetic")
+    lab_config.TrainConfig(dataset="tool_arithmetic")
     with pytest.raises(ValueError, match="'tool_arithmetic'"):
-        config.TrainConfig(dataset="tool_arith")
+        lab_config.TrainConfig(dataset="tool_arith")
 
 
 @pytest.mark.parametrize("episode, answer, right", [
