@@ -1,0 +1,280 @@
+"""The clipped-objective family (objectives.py, docs/algorithms.md): CISPO, SAPO, GMPO. Hand values, gradients against
+their closed forms in fp64, the plain policy gradient on-policy, and the peers' formulas (verl's core_algos.py, TRL's
+GRPOTrainer, transcribed below) on identical tensors."""
+import math
+
+import pytest
+import torch
+
+import common
+from grpo import grpo_loss
+from objectives import cispo_loss, gmpo_loss, sapo_gate, sapo_loss
+
+F64 = torch.float64
+NAN = float("nan")
+
+
+def grad_of(loss_fn, log_ratio, adv, mask, **kwargs):
+    """loss_fn with logp = log_ratio and old_logp 0 on the mask, NaN in its padding; returns (loss, d loss / d logp,
+    stats)."""
+    logp, mask = torch.tensor(log_ratio, dtype=F64, requires_grad=True), torch.tensor(mask)
+    old = torch.where(mask.bool(), 0.0, NAN).to(F64)
+    loss, stats = loss_fn(logp, old, torch.tensor(adv, dtype=F64), mask, **kwargs)
+    loss.backward()
+    return loss, logp.grad, stats
+
+
+def random_batch(seed, B=4, T=6, scale=0.6):
+    g = torch.Generator().manual_seed(seed)
+    logp = -torch.rand(B, T, generator=g, dtype=F64) * 3
+    old = logp + scale * torch.randn(B, T, generator=g, dtype=F64)
+    adv = torch.randn(B, generator=g, dtype=F64)
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    mask = (torch.arange(T)[None] < lengths[:, None]).long()
+    return logp, old, adv, mask
+
+
+# ------------------------------------------------------------------------------------------------------ CISPO
+def test_cispo_weight_is_the_capped_ratio_and_no_token_is_silenced():
+    """Ratios (0.5, 1.1, 3), clip (0.2, 0.28): weights (0.8, 1.1, 1.28), with A = +1 and -1 alike; token-mean over 3
+    tokens: d loss / d logp_t = -w_t A / 3. PPO's clip would give 0 to the third token (A > 0) and to the first (A < 0)."""
+    ratios = [0.5, 1.1, 3.0]
+    for adv in (1.0, -1.0):
+        _, grad, stats = grad_of(cispo_loss, [[math.log(r) for r in ratios]], [adv], [[1, 1, 1]], clip=(0.2, 0.28))
+        expected = torch.tensor([[-0.8 * adv / 3, -1.1 * adv / 3, -1.28 * adv / 3]], dtype=F64)
+        torch.testing.assert_close(grad, expected, rtol=1e-12, atol=0)
+        assert stats["clip_frac_low"].item() == pytest.approx(1 / 3)
+        assert stats["clip_frac_high"].item() == pytest.approx(1 / 3)
+
+
+def test_cispo_value_is_the_weighted_log_prob_and_padding_is_ignored():
+    """loss = -sum_t w_t A log pi_t / N over the valid tokens: the value is a REINFORCE surrogate (not the ratio), and
+    NaN in the padding of old_logp (junk in logp's: the model's output there) changes nothing."""
+    logp = torch.tensor([[-0.5, -2.0, 7.0], [-1.0, 50.0, -60.0]], dtype=F64, requires_grad=True)
+    old = torch.tensor([[-0.5, -1.0, NAN], [-1.5, NAN, NAN]], dtype=F64)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    loss, _ = cispo_loss(logp, old, torch.tensor([2.0, -1.0], dtype=F64), mask, (1.0, 0.5))
+    w = [1.0, math.exp(-1.0), 1.5]  # ratio of the third token e^0.5 = 1.65, capped at 1.5
+    expected = -(w[0] * 2 * -0.5 + w[1] * 2 * -2.0 + w[2] * -1 * -1.0) / 3
+    assert loss.item() == pytest.approx(expected, rel=1e-12)
+    loss.backward()
+    assert torch.isfinite(logp.grad).all() and logp.grad[0, 2] == 0 and logp.grad[1, 1:].eq(0).all()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_cispo_closed_form_gradient(seed):
+    logp, old, adv, mask = random_batch(seed)
+    logp.requires_grad_(True)
+    cispo_loss(logp, old, adv, mask, (0.2, 0.28))[0].backward()
+    weight = torch.exp(logp.detach() - old).clamp(0.8, 1.28)
+    expected = -weight * adv[:, None] * mask / mask.sum()
+    torch.testing.assert_close(logp.grad, expected, rtol=1e-12, atol=1e-15)
+
+
+def test_cispo_on_policy_is_the_plain_policy_gradient():
+    """r = 1: d loss / d logp = -A / N for each token, GRPO's gradient with token-mean (one update per batch)."""
+    logp, _, adv, mask = random_batch(3)
+    a, b = logp.clone().requires_grad_(True), logp.clone().requires_grad_(True)
+    cispo_loss(a, a.detach(), adv, mask, (0.2, 0.28))[0].backward()
+    grpo_loss(b, b.detach(), None, adv, mask, 0.2, 0.0, "token-mean")[0].backward()
+    torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=0)
+
+
+def verl_cispo(old_log_prob, log_prob, advantages, response_mask, clip_ratio_low, clip_ratio_high):
+    """verl's compute_policy_loss_cispo (verl/trainer/ppo/core_algos.py), token-mean aggregation."""
+    ratio = torch.exp(torch.clamp(log_prob - old_log_prob, -20.0, 20.0))
+    clipped_ratio_sg = torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high).detach()
+    pg_losses = -clipped_ratio_sg * advantages * log_prob
+    return (pg_losses * response_mask).sum() / response_mask.sum()
+
+
+def trl_cispo(per_token_logps, old_per_token_logps, advantages, mask, epsilon_high):
+    """TRL's GRPOTrainer, loss_type="cispo": an absolute cap from above only, normalised by the batch's tokens."""
+    coef_1 = torch.exp(per_token_logps - old_per_token_logps)
+    clamped = torch.clamp(coef_1, max=epsilon_high).detach()
+    per_token_loss = -clamped * advantages * per_token_logps
+    return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_cispo_equals_verls_two_sided_clip_and_trls_absolute_cap(seed):
+    """verl: clip_ratio_low / high are our (eps_low, eps_high). TRL: epsilon_high = 5.0 (an absolute cap on r, as in
+    ScaleRL) is our eps_high = 4.0 with no lower bound (eps_low = 1). Values and gradients, token-mean."""
+    logp, old, adv, mask = random_batch(seed, scale=1.5)
+    for ours, theirs in [
+        (lambda x: cispo_loss(x, old, adv, mask, (0.2, 0.28))[0],
+         lambda x: verl_cispo(old, x, adv[:, None], mask, 0.2, 0.28)),
+        (lambda x: cispo_loss(x, old, adv, mask, (1.0, 4.0))[0],
+         lambda x: trl_cispo(x, old, adv[:, None], mask, 5.0)),
+    ]:
+        a, b = logp.clone().requires_grad_(True), logp.clone().requires_grad_(True)
+        loss_a, loss_b = ours(a), theirs(b)
+        torch.testing.assert_close(loss_a, loss_b, rtol=1e-12, atol=0)
+        loss_a.backward(), loss_b.backward()
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=0)
+
+
+# ------------------------------------------------------------------------------------------------------- SAPO
+def test_sapo_gate_at_one_is_two_over_tau_with_unit_slope():
+    r = torch.tensor([1.0], dtype=F64, requires_grad=True)
+    for tau in (1.0, 1.05, 20.0):
+        value = sapo_gate(r, tau)
+        (slope,) = torch.autograd.grad(value.sum(), r)
+        assert value.item() == pytest.approx(2 / tau, rel=1e-12) and slope.item() == pytest.approx(1.0, rel=1e-12)
+
+
+def test_sapo_hand_values_pick_tau_by_the_sign_of_the_advantage():
+    """One token each, r = 2: loss = -f(2; tau) A with tau_pos = 1 for A = 1 and tau_neg = 1.05 for A = -1 (and for
+    A = 0, whose loss is 0 anyway). Gradient -A r f'(r) = -A * 2 * 4 s (1 - s), s = sigmoid(tau)."""
+    log2 = math.log(2.0)
+    for adv, tau in ((1.0, 1.0), (-1.0, 1.05)):
+        loss, grad, _ = grad_of(sapo_loss, [[log2]], [adv], [[1]])
+        s = 1 / (1 + math.exp(-tau))
+        assert loss.item() == pytest.approx(-4 / tau * s * adv, rel=1e-12)
+        assert grad.item() == pytest.approx(-adv * 2 * 4 * s * (1 - s), rel=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_sapo_closed_form_gradient_and_gate_weight(seed):
+    logp, old, adv, mask = random_batch(seed, scale=1.0)
+    logp.requires_grad_(True)
+    _, stats = sapo_loss(logp, old, adv, mask, 1.0, 1.05)
+    sapo_loss(logp, old, adv, mask, 1.0, 1.05)[0].backward()
+    r = torch.exp(logp.detach() - old)
+    tau = torch.where(adv[:, None] > 0, torch.tensor(1.0, dtype=F64), torch.tensor(1.05, dtype=F64))
+    s = torch.sigmoid(tau * (r - 1))
+    w = 4 * r * s * (1 - s)
+    lengths = mask.sum(1, keepdim=True)
+    expected = -w * adv[:, None] * mask / (lengths * mask.shape[0])
+    torch.testing.assert_close(logp.grad, expected, rtol=1e-12, atol=1e-15)
+    assert stats["gate_weight"].item() == pytest.approx(((w * mask).sum() / mask.sum()).item(), rel=1e-12)
+
+
+def test_sapo_on_policy_is_the_plain_policy_gradient():
+    """r = 1: weight r f'(r) = 1, so the gradient is GRPO's on-policy gradient with the same aggregation (SAPO, sec. 3);
+    the value differs (2 / tau per unit of A), which the gradient does not see."""
+    logp, _, adv, mask = random_batch(4)
+    a, b = logp.clone().requires_grad_(True), logp.clone().requires_grad_(True)
+    _, stats = sapo_loss(a, a.detach(), adv, mask)
+    sapo_loss(a, a.detach(), adv, mask)[0].backward()
+    grpo_loss(b, b.detach(), None, adv, mask, 0.2, 0.0, "seq-mean-token-mean")[0].backward()
+    torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=0)
+    assert stats["gate_weight"].item() == pytest.approx(1.0, rel=1e-12)
+
+
+def verl_sapo(old_log_prob, log_prob, advantages, response_mask, tau_pos, tau_neg):
+    """verl's compute_policy_loss_sapo (and TRL's loss_type="sapo"): tau_pos where A > 0, else tau_neg; per-token
+    loss -f(r) A; seq-mean-token-mean."""
+    ratio = torch.exp(torch.clamp(log_prob - old_log_prob, -20.0, 20.0))
+    tau_pos, tau_neg = (torch.as_tensor(tau, dtype=advantages.dtype) for tau in (tau_pos, tau_neg))
+    taus = torch.where(advantages > 0, tau_pos, tau_neg)
+    pg_losses = -torch.sigmoid(taus * (ratio - 1.0)) * (4.0 / taus) * advantages
+    return ((pg_losses * response_mask).sum(-1) / response_mask.sum(-1)).mean()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_sapo_equals_verls_and_trls(seed):
+    logp, old, adv, mask = random_batch(seed, scale=1.0)
+    adv[0] = 0.0  # A = 0 takes tau_neg in both
+    a, b = logp.clone().requires_grad_(True), logp.clone().requires_grad_(True)
+    loss_a = sapo_loss(a, old, adv, mask, 1.0, 1.05)[0]
+    loss_b = verl_sapo(old, b, adv[:, None].expand_as(b), mask, 1.0, 1.05)
+    torch.testing.assert_close(loss_a, loss_b, rtol=1e-12, atol=0)
+    loss_a.backward(), loss_b.backward()
+    torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=0)
+
+
+# ------------------------------------------------------------------------------------------------------- GMPO
+def test_gmpo_hand_case_clips_each_token_before_the_geometric_mean():
+    """A = 1, log-ratios (0.6, 0.0, -0.6), clip 0.4: the first is clipped to 0.4 (above binds for A > 0), the third
+    is not (below does not bind for A > 0): g = exp((0.4 + 0 - 0.6) / 3). Gradient -g / 3 on tokens 2 and 3, 0 on the
+    clipped one. GSPO would clip exp(mean) = exp(0) = 1 itself: nothing clipped, every token -1/3."""
+    loss, grad, stats = grad_of(gmpo_loss, [[0.6, 0.0, -0.6]], [1.0], [[1, 1, 1]])
+    g = math.exp(-0.2 / 3)
+    assert loss.item() == pytest.approx(-g, rel=1e-12)
+    torch.testing.assert_close(grad, torch.tensor([[0.0, -g / 3, -g / 3]], dtype=F64), rtol=1e-12, atol=0)
+    assert stats["clip_frac_high"].item() == pytest.approx(1 / 3) and stats["clip_frac_low"].item() == 0
+    # A = -1: the third token is clipped (to -0.4), the first is not
+    loss, grad, stats = grad_of(gmpo_loss, [[0.6, 0.0, -0.6]], [-1.0], [[1, 1, 1]])
+    g = math.exp(0.2 / 3)
+    assert loss.item() == pytest.approx(g, rel=1e-12)
+    torch.testing.assert_close(grad, torch.tensor([[g / 3, g / 3, 0.0]], dtype=F64), rtol=1e-12, atol=0)
+    assert stats["clip_frac_low"].item() == pytest.approx(1 / 3)
+
+
+def test_gmpo_counts_each_sequence_once_and_ignores_the_padding():
+    """Two sequences of lengths 2 and 1, unclipped: loss = -(A_1 g_1 + A_2 g_2) / 2, token-mean not allowed to weigh
+    the longer one twice; junk in the padding changes nothing."""
+    loss, grad, _ = grad_of(gmpo_loss, [[0.1, 0.3, 9.0], [-0.2, -30.0, 40.0]], [1.0, 2.0], [[1, 1, 0], [1, 0, 0]],
+                            loss_agg="token-mean")
+    g1, g2 = math.exp(0.2), math.exp(-0.2)
+    assert loss.item() == pytest.approx(-(g1 + 2 * g2) / 2, rel=1e-12)
+    torch.testing.assert_close(grad, torch.tensor([[-g1 / 4, -g1 / 4, 0], [-g2, 0, 0]], dtype=F64), rtol=1e-12, atol=0)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_gmpo_closed_form_gradient(seed):
+    logp, old, adv, mask = random_batch(seed, scale=0.5)
+    logp.requires_grad_(True)
+    gmpo_loss(logp, old, adv, mask, (0.4, 0.4))[0].backward()
+    lr = logp.detach() - old
+    a = adv[:, None]
+    clipped = ((a > 0) & (lr > 0.4)) | ((a < 0) & (lr < -0.4))
+    lengths = mask.sum(1, keepdim=True)
+    g = torch.exp((torch.where(clipped, lr.clamp(-0.4, 0.4), lr) * mask).sum(1, keepdim=True) / lengths)
+    expected = -g * a * (~clipped) * mask / (lengths * mask.shape[0])
+    torch.testing.assert_close(logp.grad, expected, rtol=1e-12, atol=1e-15)
+
+
+def test_gmpo_on_policy_is_grpos_gradient_with_seq_mean_token_mean():
+    logp, _, adv, mask = random_batch(5)
+    a, b = logp.clone().requires_grad_(True), logp.clone().requires_grad_(True)
+    gmpo_loss(a, a.detach(), adv, mask)[0].backward()
+    grpo_loss(b, b.detach(), None, adv, mask, 0.2, 0.0, "seq-mean-token-mean")[0].backward()
+    torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=0)
+
+
+def verl_geo_mean(old_log_prob, log_prob, advantages, response_mask, cliprange_low, cliprange_high):
+    """verl's compute_policy_loss_geo_mean: the log-ratio clamped, min with the sign of A, exp of its token mean."""
+    negative_approx_kl = log_prob - old_log_prob
+    sgn_advantage = torch.sign(advantages)
+    clamped = torch.clamp(negative_approx_kl, -cliprange_low, cliprange_high)
+    kl_min = sgn_advantage * torch.min(sgn_advantage * negative_approx_kl, sgn_advantage * clamped)
+    response_mask_sum = response_mask.sum(dim=-1)
+    ratio = torch.exp((kl_min * response_mask).sum(dim=-1) / (response_mask_sum + 1e-8))
+    advantage = (advantages * response_mask).sum(dim=-1) / (response_mask_sum + 1e-8)
+    return torch.mean(-advantage * ratio)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_gmpo_equals_verls_geo_mean(seed):
+    """Identical tensors; verl divides by (|y| + 1e-8), a relative 1e-8 / |y| of the mean log-ratio and of A: the
+    values and gradients agree to 1e-8 relative. Ratios spread so that the clip binds on some tokens, none exactly
+    at the bound (where verl's torch.min splits the gradient of a tie)."""
+    logp, old, adv, mask = random_batch(seed, scale=0.8)
+    lr = logp - old
+    assert ((lr.abs() - 0.4).abs() > 1e-6).all() and ((lr.abs() > 0.4) & mask.bool()).any()
+    a, b = logp.clone().requires_grad_(True), logp.clone().requires_grad_(True)
+    loss_a = gmpo_loss(a, old, adv, mask, (0.4, 0.4))[0]
+    loss_b = verl_geo_mean(old, b, adv[:, None].expand_as(b), mask.to(F64), 0.4, 0.4)
+    torch.testing.assert_close(loss_a, loss_b, rtol=1e-7, atol=0)
+    loss_a.backward(), loss_b.backward()
+    torch.testing.assert_close(a.grad, b.grad, rtol=1e-7, atol=1e-15)
+
+
+def test_each_objective_keeps_a_junk_padding_weight_out_of_the_gradient():
+    logp, old, adv, mask = random_batch(6)
+    weight = torch.where(mask.bool(), 0.5, NAN).to(F64)
+    for fn in (lambda *a, **k: cispo_loss(*a, clip=(0.2, 0.28), **k), sapo_loss, gmpo_loss):
+        a, b = logp.clone().requires_grad_(True), logp.clone().requires_grad_(True)
+        fn(a, old, adv, mask, pg_weight=weight)[0].backward()
+        fn(b, old, adv, mask)[0].backward()
+        torch.testing.assert_close(a.grad, 0.5 * b.grad, rtol=1e-12, atol=0)
+
+
+def test_micro_batch_aggregation_weight_is_kept():
+    logp, old, adv, mask = random_batch(7)
+    agg = common.Aggregation("seq-mean-token-mean", None, 0.25)
+    for fn in (lambda *a, **k: cispo_loss(*a, clip=(0.2, 0.28), **k), sapo_loss, gmpo_loss):
+        assert fn(logp, old, adv, mask, loss_agg=agg)[0].item() == pytest.approx(
+            0.25 * fn(logp, old, adv, mask, loss_agg="seq-mean-token-mean")[0].item(), rel=1e-12)
