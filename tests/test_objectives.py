@@ -278,3 +278,56 @@ def test_micro_batch_aggregation_weight_is_kept():
     for fn in (lambda *a, **k: cispo_loss(*a, clip=(0.2, 0.28), **k), sapo_loss, gmpo_loss):
         assert fn(logp, old, adv, mask, loss_agg=agg)[0].item() == pytest.approx(
             0.25 * fn(logp, old, adv, mask, loss_agg="seq-mean-token-mean")[0].item(), rel=1e-12)
+
+
+# ---------------------------------------------------------------------------------- the lab: --policy_loss
+def lab_step(out_dir, *flags):
+    """One step of lab/grpo.py (in process); its metrics row."""
+    from lab import grpo as lab_grpo
+    from support.run import read_metrics
+
+    argv = ["lab/grpo.py", "--num_steps", "1", "--batch_size", "16", "--num_generations", "4", "--eval_every", "100",
+            "--save_model", "False", "--log_rollouts", "0", "--output_dir", str(out_dir), *flags]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("sys.argv", argv)
+        lab_grpo.main()
+    return read_metrics(out_dir / "metrics.jsonl")[-1]
+
+
+def test_each_policy_loss_trains_one_step_with_the_on_policy_gradient_of_its_peer(tmp_path):
+    """One update on the same samples (the same seed): on-policy CISPO's gradient is PPO's with token-mean, SAPO's
+    and GMPO's are PPO's with seq-mean-token-mean (the gradient norms agree to float32 rounding); each loss logs
+    its own statistics."""
+    rows = {name: lab_step(tmp_path / name, *flags) for name, flags in {
+        "ppo": [], "ppo_token": ["--loss_agg", "token-mean"], "cispo": ["--policy_loss", "cispo", "--loss_agg",
+                                                                       "token-mean"],
+        "sapo": ["--policy_loss", "sapo"], "gmpo": ["--policy_loss", "gmpo"]}.items()}
+    for name, peer in (("cispo", "ppo_token"), ("sapo", "ppo"), ("gmpo", "ppo")):
+        assert rows[name]["train/reward"] == rows[peer]["train/reward"]
+        assert rows[name]["train/grad_norm"] == pytest.approx(rows[peer]["train/grad_norm"], rel=1e-4), name
+    assert rows["sapo"]["train/gate_weight"] == pytest.approx(1.0, abs=1e-5)
+    assert rows["cispo"]["train/clip_frac_high"] == 0 and rows["gmpo"]["train/clip_frac_low"] == 0
+
+
+@pytest.mark.parametrize("flags, message", [
+    ({"policy_loss": "sapo", "importance_sampling_level": "sequence"}, "--importance_sampling_level sequence is"),
+    ({"policy_loss": "gmpo", "loss_agg": "token-mean"}, "--loss_agg token-mean"),
+    ({"policy_loss": "sapo", "epsilon_high": 0.3}, "--epsilon_high needs"),
+    ({"policy_loss": "cispo", "tau_pos": 0.0}, "--tau_pos must be > 0"),
+    ({"policy_loss": "clip"}, "--policy_loss must be ppo, cispo, sapo or gmpo"),
+])
+def test_policy_loss_flags_are_checked(flags, message):
+    from lab.grpo import Config
+
+    with pytest.raises(ValueError, match=message.replace("-", r"\-")):
+        Config(**flags)
+
+
+def test_cispo_and_gmpo_clip_defaults():
+    """CISPO: no lower bound and the cap r <= 5 (eps_high 4); GMPO: (e^-0.4, e^0.4); PPO keeps 0.2."""
+    from lab.grpo import Config
+
+    assert Config(policy_loss="cispo").clip[:2] == (1.0, 4.0)
+    assert Config(policy_loss="cispo", epsilon=0.2, epsilon_high=0.28).clip[:2] == (0.2, 0.28)
+    assert Config(policy_loss="gmpo").clip[:2] == (0.4, 0.4)
+    assert Config().clip[:2] == (0.2, 0.2)
