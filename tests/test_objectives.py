@@ -132,6 +132,9 @@ def test_sapo_hand_values_pick_tau_by_the_sign_of_the_advantage():
         s = 1 / (1 + math.exp(-tau))
         assert loss.item() == pytest.approx(-4 / tau * s * adv, rel=1e-12)
         assert grad.item() == pytest.approx(-adv * 2 * 4 * s * (1 - s), rel=1e-12)
+    _, grad, stats = grad_of(sapo_loss, [[log2]], [0.0], [[1]])  # A = 0: no loss, tau_neg in the gate weight
+    s = 1 / (1 + math.exp(-1.05))
+    assert grad.item() == 0 and stats["gate_weight"].item() == pytest.approx(2 * 4 * s * (1 - s), rel=1e-12)
 
 
 @pytest.mark.parametrize("seed", range(3))

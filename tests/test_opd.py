@@ -9,12 +9,25 @@ import pytest
 import torch
 
 import opd
+import rloo
 from conftest import ROOT
-from opd import full_reverse_kl, opd_advantages, opd_loss
+from opd import full_reverse_kl, opd_advantages, opd_loss, rloo_advantages
 from support.run import read_metrics
 
 F64 = torch.float64
 NAN = float("nan")
+
+
+def test_task_advantage_is_rloos_leave_one_out():
+    """opd.py carries its own copy of RLOO's advantage (a file imports no other algorithm file): r_i minus the mean
+    of the other G - 1 rewards of its group, equal to rloo.py's on random groups."""
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0, 2.0, 4.0, 4.0, 2.0], dtype=F64)
+    expected = torch.tensor([1.0, -1 / 3, -1 / 3, -1 / 3, -4 / 3, 4 / 3, 4 / 3, -4 / 3], dtype=F64)
+    torch.testing.assert_close(rloo_advantages(rewards, 4), expected, rtol=1e-12, atol=0)
+    g = torch.Generator().manual_seed(0)
+    for G in (2, 3, 5):
+        rewards = torch.randn(4 * G, generator=g, dtype=F64)
+        assert torch.equal(rloo_advantages(rewards, G), rloo.rloo_advantages(rewards, G))
 
 
 def test_advantage_hand_values_student_first():
@@ -37,6 +50,13 @@ def test_loss_hand_value_and_a_nan_advantage_in_the_padding_never_reaches_the_gr
     loss.backward()
     torch.testing.assert_close(logp.grad, torch.tensor([[-0.5, 1.0, 0.0], [-1.5, 0.0, 0.0]], dtype=F64))
     assert stats["adv_token_mean"].item() == pytest.approx(2 / 3)
+    # with the exact KL: + lambda * KL_t per token, and its mean in the statistics
+    full_kl = torch.tensor([[0.5, 0.25, NAN], [1.0, NAN, NAN]], dtype=F64, requires_grad=True)
+    loss, stats = opd_loss(logp.detach(), adv, mask, full_kl=full_kl, kl_coef=0.5)
+    assert loss.item() == pytest.approx(((1.0 - 4.0) + 1.5) / 2 + 0.5 * (0.75 + 1.0) / 2, rel=1e-12)
+    loss.backward()
+    torch.testing.assert_close(full_kl.grad, torch.tensor([[0.25, 0.25, 0.0], [0.25, 0.0, 0.0]], dtype=F64))
+    assert stats["full_kl"].item() == pytest.approx(1.75 / 3)
 
 
 def test_full_reverse_kl_hand_value_and_direction():
