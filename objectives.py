@@ -16,7 +16,7 @@ import common
 
 
 def cispo_loss(logp, old_logp, adv, mask, clip, loss_agg="token-mean", pg_weight=None):
-    """CISPO (MiniMax-M1, arXiv 2506.13585, eq. 4-5): J = sum_i sum_t sg(r_hat_t) A_i log pi_theta(y_t) / sum_i |y_i|,
+    """CISPO (MiniMax-M1, arXiv 2506.13585): J = sum_i sum_t sg(r_hat_t) A_i log pi_theta(y_t) / sum_i |y_i|,
     r_hat = clip(r, 1 - eps_low, 1 + eps_high). The clipped ratio is a detached weight on the REINFORCE term, so
     d J / d log pi_t = clip(r, 1 - eps_low, 1 + eps_high) A: every token keeps its gradient, only its weight is
     capped (PPO's clip silences a clipped token: weight 0). No token is silenced; at r = 1 the gradient is the plain
@@ -49,12 +49,12 @@ def cispo_loss(logp, old_logp, adv, mask, clip, loss_agg="token-mean", pg_weight
 
 
 def sapo_gate(ratio, tau):
-    """SAPO's soft gate f(r) = (4 / tau) sigmoid(tau (r - 1)) (arXiv 2511.20347, eq. 5): f(1) = 2 / tau, f'(1) = 1."""
+    """SAPO's soft gate f(r) = (4 / tau) sigmoid(tau (r - 1)) (arXiv 2511.20347): f(1) = 2 / tau, f'(1) = 1."""
     return 4.0 / tau * torch.sigmoid(tau * (ratio - 1))
 
 
 def sapo_loss(logp, old_logp, adv, mask, tau_pos=1.0, tau_neg=1.05, loss_agg="seq-mean-token-mean", pg_weight=None):
-    """SAPO (Soft Adaptive Policy Optimization, arXiv 2511.20347, eq. 4-6): the hard clip replaced by a soft gate,
+    """SAPO (Soft Adaptive Policy Optimization, arXiv 2511.20347): the hard clip replaced by a soft gate,
     J = mean_i mean_t f_t(r_t) A_i with f(r) = (4 / tau) sigmoid(tau (r - 1)), tau = tau_pos when A > 0, tau_neg
     otherwise (A <= 0, as TRL and verl; defaults 1.0 and 1.05, theirs). d J / d log pi_t = r f'(r) A with
     f'(r) = 4 sigmoid(x) (1 - sigmoid(x)), x = tau (r - 1): the weight is 1 at r = 1 (on-policy the plain policy
@@ -85,8 +85,8 @@ def sapo_loss(logp, old_logp, adv, mask, tau_pos=1.0, tau_neg=1.05, loss_agg="se
 
 
 def gmpo_loss(logp, old_logp, adv, mask, clip=(0.4, 0.4), loss_agg="seq-mean-token-mean", pg_weight=None):
-    """GMPO (Geometric-Mean Policy Optimization, arXiv 2507.20673, eq. 4): each token's ratio clipped first, on the
-    side that would raise the objective, then the geometric mean over the sequence:
+    """GMPO (Geometric-Mean Policy Optimization, arXiv 2507.20673): each token's ratio clipped first, on the side that
+    would raise the objective, then the geometric mean over the sequence:
         J = (1/G) sum_i (prod_t min(r_t^s, clip(r_t^s, e^-low, e^high))^s)^(1/|y_i|) A_i,   s = sgn(A_i),
     i.e. in logs, l_t = log r_t clipped to [-low, high] where it binds for that sign (A > 0: above; A < 0: below),
     g_i = exp(mean_t l_t), J = mean_i g_i A_i (the paper: low = high = 0.4). GSPO clips the geometric mean itself

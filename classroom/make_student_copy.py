@@ -27,10 +27,11 @@ from hint import HINTS  # noqa: E402
 BEGIN, END, HINT = "# BEGIN SOLUTION", "# END SOLUTION", "# HINT:"
 SKIP_DIRS = {".git", ".venv", "venv", "runs", "__pycache__", ".pytest_cache", "mutants"}
 # The teacher's files: the grader (its sandboxed runner, its hidden cases and tests), the wrong versions of
-# each exercise (pieces of the solutions) and the grader's tests, the mutation run. A path ending in "/" is a
-# folder.
+# each exercise (pieces of the solutions) and the grader's tests, the mutation run, the tests against the peers'
+# formulas (working versions of exercises). A path ending in "/" is a folder.
 TEACHER_ONLY = {"classroom/wrong_answers.py", "classroom/grade.py", "classroom/runner.py", "classroom/mutation.py",
-                "classroom/teacher_tests/", "tests/test_grading.py", "tests/test_grader_attacks.py"}
+                "classroom/teacher_tests/", "tests/test_grading.py", "tests/test_grader_attacks.py",
+                "tests/test_objectives_peers.py"}
 TEACHER_PART = "<!-- The student copy ends this page here: below is for teachers. -->"
 # docs/algorithms.md's forms that an exercise asks a student to find (the toy bandit's variances and baselines,
 # the fp32-exact ratio-weighted k3): in the copy each marked region becomes ANSWER_NOTE
@@ -161,18 +162,17 @@ VISIBLE_TESTS = {
         "test_cispo_weight_is_the_capped_ratio_and_no_token_is_silenced",
         "test_cispo_value_is_the_weighted_log_prob_and_padding_is_ignored", "test_cispo_closed_form_gradient",
         "test_cispo_on_policy_is_the_plain_policy_gradient",
-        "test_cispo_equals_verls_two_sided_clip_and_trls_absolute_cap",
         "test_each_objective_keeps_a_junk_padding_weight_out_of_the_gradient",
         "test_micro_batch_aggregation_weight_is_kept"]),
     "objectives.py::sapo_loss": ("tests/test_objectives.py", [
         "test_sapo_hand_values_pick_tau_by_the_sign_of_the_advantage", "test_sapo_closed_form_gradient_and_gate_weight",
-        "test_sapo_on_policy_is_the_plain_policy_gradient", "test_sapo_equals_verls_and_trls",
+        "test_sapo_on_policy_is_the_plain_policy_gradient",
         "test_each_objective_keeps_a_junk_padding_weight_out_of_the_gradient",
         "test_micro_batch_aggregation_weight_is_kept"]),
     "objectives.py::gmpo_loss": ("tests/test_objectives.py", [
         "test_gmpo_hand_case_clips_each_token_before_the_geometric_mean",
         "test_gmpo_counts_each_sequence_once_and_ignores_the_padding", "test_gmpo_closed_form_gradient",
-        "test_gmpo_on_policy_is_grpos_gradient_with_seq_mean_token_mean", "test_gmpo_equals_verls_geo_mean",
+        "test_gmpo_on_policy_is_grpos_gradient_with_seq_mean_token_mean",
         "test_each_objective_keeps_a_junk_padding_weight_out_of_the_gradient",
         "test_micro_batch_aggregation_weight_is_kept"]),
     "opd.py::rloo_advantages": ("tests/test_opd.py", ["test_task_advantage_is_rloos_leave_one_out"]),

@@ -1,6 +1,6 @@
 """The clipped-objective family (objectives.py, docs/algorithms.md): CISPO, SAPO, GMPO. Hand values, gradients against
-their closed forms in fp64, the plain policy gradient on-policy, and the peers' formulas (verl's core_algos.py, TRL's
-GRPOTrainer, transcribed below) on identical tensors."""
+their closed forms in fp64, the plain policy gradient on-policy, one step of the lab's loop with each; the peers'
+formulas on identical tensors: tests/test_objectives_peers.py."""
 import math
 
 import pytest
@@ -80,40 +80,6 @@ def test_cispo_on_policy_is_the_plain_policy_gradient():
     torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=0)
 
 
-def verl_cispo(old_log_prob, log_prob, advantages, response_mask, clip_ratio_low, clip_ratio_high):
-    """verl's compute_policy_loss_cispo (verl/trainer/ppo/core_algos.py), token-mean aggregation."""
-    ratio = torch.exp(torch.clamp(log_prob - old_log_prob, -20.0, 20.0))
-    clipped_ratio_sg = torch.clamp(ratio, 1 - clip_ratio_low, 1 + clip_ratio_high).detach()
-    pg_losses = -clipped_ratio_sg * advantages * log_prob
-    return (pg_losses * response_mask).sum() / response_mask.sum()
-
-
-def trl_cispo(per_token_logps, old_per_token_logps, advantages, mask, epsilon_high):
-    """TRL's GRPOTrainer, loss_type="cispo": an absolute cap from above only, normalised by the batch's tokens."""
-    coef_1 = torch.exp(per_token_logps - old_per_token_logps)
-    clamped = torch.clamp(coef_1, max=epsilon_high).detach()
-    per_token_loss = -clamped * advantages * per_token_logps
-    return (per_token_loss * mask).sum() / mask.sum().clamp(min=1.0)
-
-
-@pytest.mark.parametrize("seed", range(3))
-def test_cispo_equals_verls_two_sided_clip_and_trls_absolute_cap(seed):
-    """verl: clip_ratio_low / high are our (eps_low, eps_high). TRL: epsilon_high = 5.0 (an absolute cap on r, as in
-    ScaleRL) is our eps_high = 4.0 with no lower bound (eps_low = 1). Values and gradients, token-mean."""
-    logp, old, adv, mask = random_batch(seed, scale=1.5)
-    for ours, theirs in [
-        (lambda x: cispo_loss(x, old, adv, mask, (0.2, 0.28))[0],
-         lambda x: verl_cispo(old, x, adv[:, None], mask, 0.2, 0.28)),
-        (lambda x: cispo_loss(x, old, adv, mask, (1.0, 4.0))[0],
-         lambda x: trl_cispo(x, old, adv[:, None], mask, 5.0)),
-    ]:
-        a, b = logp.clone().requires_grad_(True), logp.clone().requires_grad_(True)
-        loss_a, loss_b = ours(a), theirs(b)
-        torch.testing.assert_close(loss_a, loss_b, rtol=1e-12, atol=0)
-        loss_a.backward(), loss_b.backward()
-        torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=0)
-
-
 # ------------------------------------------------------------------------------------------------------- SAPO
 def test_sapo_gate_at_one_is_two_over_tau_with_unit_slope():
     r = torch.tensor([1.0], dtype=F64, requires_grad=True)
@@ -165,28 +131,6 @@ def test_sapo_on_policy_is_the_plain_policy_gradient():
     assert stats["gate_weight"].item() == pytest.approx(1.0, rel=1e-12)
 
 
-def verl_sapo(old_log_prob, log_prob, advantages, response_mask, tau_pos, tau_neg):
-    """verl's compute_policy_loss_sapo (and TRL's loss_type="sapo"): tau_pos where A > 0, else tau_neg; per-token
-    loss -f(r) A; seq-mean-token-mean."""
-    ratio = torch.exp(torch.clamp(log_prob - old_log_prob, -20.0, 20.0))
-    tau_pos, tau_neg = (torch.as_tensor(tau, dtype=advantages.dtype) for tau in (tau_pos, tau_neg))
-    taus = torch.where(advantages > 0, tau_pos, tau_neg)
-    pg_losses = -torch.sigmoid(taus * (ratio - 1.0)) * (4.0 / taus) * advantages
-    return ((pg_losses * response_mask).sum(-1) / response_mask.sum(-1)).mean()
-
-
-@pytest.mark.parametrize("seed", range(3))
-def test_sapo_equals_verls_and_trls(seed):
-    logp, old, adv, mask = random_batch(seed, scale=1.0)
-    adv[0] = 0.0  # A = 0 takes tau_neg in both
-    a, b = logp.clone().requires_grad_(True), logp.clone().requires_grad_(True)
-    loss_a = sapo_loss(a, old, adv, mask, 1.0, 1.05)[0]
-    loss_b = verl_sapo(old, b, adv[:, None].expand_as(b), mask, 1.0, 1.05)
-    torch.testing.assert_close(loss_a, loss_b, rtol=1e-12, atol=0)
-    loss_a.backward(), loss_b.backward()
-    torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=0)
-
-
 # ------------------------------------------------------------------------------------------------------- GMPO
 def test_gmpo_hand_case_clips_each_token_before_the_geometric_mean():
     """A = 1, log-ratios (0.6, 0.0, -0.6), clip 0.4: the first is clipped to 0.4 (above binds for A > 0), the third
@@ -235,34 +179,6 @@ def test_gmpo_on_policy_is_grpos_gradient_with_seq_mean_token_mean():
     gmpo_loss(a, a.detach(), adv, mask)[0].backward()
     grpo_loss(b, b.detach(), None, adv, mask, 0.2, 0.0, "seq-mean-token-mean")[0].backward()
     torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=0)
-
-
-def verl_geo_mean(old_log_prob, log_prob, advantages, response_mask, cliprange_low, cliprange_high):
-    """verl's compute_policy_loss_geo_mean: the log-ratio clamped, min with the sign of A, exp of its token mean."""
-    negative_approx_kl = log_prob - old_log_prob
-    sgn_advantage = torch.sign(advantages)
-    clamped = torch.clamp(negative_approx_kl, -cliprange_low, cliprange_high)
-    kl_min = sgn_advantage * torch.min(sgn_advantage * negative_approx_kl, sgn_advantage * clamped)
-    response_mask_sum = response_mask.sum(dim=-1)
-    ratio = torch.exp((kl_min * response_mask).sum(dim=-1) / (response_mask_sum + 1e-8))
-    advantage = (advantages * response_mask).sum(dim=-1) / (response_mask_sum + 1e-8)
-    return torch.mean(-advantage * ratio)
-
-
-@pytest.mark.parametrize("seed", range(3))
-def test_gmpo_equals_verls_geo_mean(seed):
-    """Identical tensors; verl divides by (|y| + 1e-8), a relative 1e-8 / |y| of the mean log-ratio and of A: the
-    values and gradients agree to 1e-8 relative. Ratios spread so that the clip binds on some tokens, none exactly
-    at the bound (where verl's torch.min splits the gradient of a tie)."""
-    logp, old, adv, mask = random_batch(seed, scale=0.8)
-    lr = logp - old
-    assert ((lr.abs() - 0.4).abs() > 1e-6).all() and ((lr.abs() > 0.4) & mask.bool()).any()
-    a, b = logp.clone().requires_grad_(True), logp.clone().requires_grad_(True)
-    loss_a = gmpo_loss(a, old, adv, mask, (0.4, 0.4))[0]
-    loss_b = verl_geo_mean(old, b, adv[:, None].expand_as(b), mask.to(F64), 0.4, 0.4)
-    torch.testing.assert_close(loss_a, loss_b, rtol=1e-7, atol=0)
-    loss_a.backward(), loss_b.backward()
-    torch.testing.assert_close(a.grad, b.grad, rtol=1e-7, atol=1e-15)
 
 
 def test_each_objective_keeps_a_junk_padding_weight_out_of_the_gradient():
