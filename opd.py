@@ -36,7 +36,7 @@ from support.helpers import arg
 
 @dataclass
 class Config(helpers.TrainConfig):
-    teacher: str = arg("embedded_model/teacher", "The frozen teacher, with the student's tokenizer.")
+    teacher: str = arg(helpers.EMBEDDED_TEACHER, "The frozen teacher, with the student's tokenizer.")
     num_generations: int = arg(4, "G: completions per prompt, >= 2 (batch_size / G prompts).")
     num_steps: int = arg(100, "Optimizer steps (one rollout batch each).")
     kl_coef: float = arg(1.0, "lambda: weight of the reverse KL in each token's advantage.")
@@ -141,7 +141,7 @@ def main():
     logger = helpers.open_log(cfg, accelerator, start)
     viewer = helpers.rollout_viewer(cfg, accelerator, tokenizer, start)  # rollouts.html
     ceiling = helpers.evaluate(teacher, tokenizer, eval_data, cfg, accelerator)["eval/accuracy"]
-    accelerator.print(f"teacher {cfg.teacher}: held-out accuracy {ceiling:.3f}")
+    accelerator.print(f"teacher: held-out accuracy {ceiling:.3f}")
     if start == 0:  # held-out accuracy before training
         logger.log(0, helpers.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
 

@@ -18,8 +18,8 @@ from tqdm.auto import tqdm
 import common
 from support import checkpoint, config, models, run, tasks, view
 from support.config import (  # noqa: F401 (the lessons')
-    DTYPES, AT_LEAST_ONE, DUAL_CLIP, FRACTION, NON_NEGATIVE, POSITIVE, PROBABILITY, BaseConfig as TrainConfig, arg, check,
-    check_rules, one_of)
+    DTYPES, AT_LEAST_ONE, DUAL_CLIP, EMBEDDED_TEACHER, FRACTION, NON_NEGATIVE, POSITIVE, PROBABILITY,
+    BaseConfig as TrainConfig, arg, check, check_rules, one_of)
 from support.fast import generate, token_logprobs
 from support.rollout import Rollout, micro_batches
 from support.tasks import make_reward_fn  # noqa: F401 (the lessons')
