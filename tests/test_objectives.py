@@ -250,3 +250,23 @@ def test_cispo_and_gmpo_clip_defaults():
     assert Config(policy_loss="cispo", epsilon=0.2, epsilon_high=0.28).clip[:2] == (0.2, 0.28)
     assert Config(policy_loss="gmpo").clip[:2] == (0.4, 0.4)
     assert Config().clip[:2] == (0.2, 0.2)
+
+
+@pytest.mark.parametrize("policy_loss, loss_agg", [("sapo", "seq-mean-token-mean"), ("gmpo", "seq-mean-token-mean"),
+                                                   ("cispo", "token-mean")])
+def test_the_labs_composition_adds_grpos_kl_term(policy_loss, loss_agg):
+    """lab/grpo.py's objective_loss: the objective plus beta times the KL term, per token, aggregated as grpo_loss adds
+    it. On-policy the objectives' gradients are the policy gradient, so with a reference (k3, beta 0.1, its padding
+    NaN) the whole gradient and the kl_term statistic are grpo_loss's."""
+    from lab.grpo import Config, objective_loss
+
+    logp, ref, adv, mask = random_batch(8)
+    ref = torch.where(mask.bool(), ref, NAN)
+    cfg = Config(policy_loss=policy_loss, beta=0.1, loss_agg=loss_agg)
+    a, b = logp.clone().requires_grad_(True), logp.clone().requires_grad_(True)
+    _, stats = objective_loss(cfg, a, a.detach(), ref, adv, mask, loss_agg, None)
+    objective_loss(cfg, a, a.detach(), ref, adv, mask, loss_agg, None)[0].backward()
+    _, peer_stats = grpo_loss(b, b.detach(), ref, adv, mask, 0.2, 0.1, loss_agg)
+    grpo_loss(b, b.detach(), ref, adv, mask, 0.2, 0.1, loss_agg)[0].backward()
+    torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-15)
+    assert stats["kl_term"].item() == pytest.approx(peer_stats["kl_term"].item(), rel=1e-12)
