@@ -295,6 +295,69 @@ HINTS = {
         steps=["positive = mask * correct[:, None]: 1 on the correct samples' tokens.",
                "N = positive.sum(), or num_tokens when it is given (as a tensor; a mean over processes may be below 1).",
                "Return minus the masked sum of logp over positive, divided by N (by 1 when N is 0)."]),
+    "cispo_loss": Hint(
+        "CISPO's loss: each token's log-probability weighted by its capped ratio, detached, times its advantage",
+        "docs/algorithms.md, CISPO, SAPO and GMPO, and the docstring",
+        "logp, old_logp (B, T), adv (B,), mask (B, T); a scalar and a dict",
+        traps=["the capped ratio is a weight without gradient: only log pi carries it, every token keeps one",
+               "a lower bound at or below 0 is no bound", "the padding of old_logp may hold NaN",
+               "the clip fractions count the tokens past each bound, whatever the sign of A"],
+        steps=["ratio = exp(logp - old_logp), detached.",
+               "weight = ratio clamped to [max(1 - low, 0), 1 + high].",
+               "per token: weight * adv[:, None] * logp (times pg_weight on the mask when given).",
+               "loss = common.aggregate_loss of minus that, over the mask, with loss_agg.",
+               "stats: masked means of (ratio < 1 - low), (ratio > 1 + high), and ratio - 1 - log ratio."]),
+    "sapo_loss": Hint(
+        "SAPO's loss: the soft gate of each token's ratio times its advantage, with the gate's temperature picked "
+        "by the advantage's sign",
+        "docs/algorithms.md, CISPO, SAPO and GMPO, and the docstring",
+        "logp, old_logp (B, T), adv (B,), mask (B, T); a scalar and a dict",
+        traps=["tau_pos for a positive advantage, tau_neg otherwise (zero included)",
+               "the gradient flows through the ratio inside the gate", "the padding of old_logp may hold NaN",
+               "the gate weight statistic is the ratio times the gate's slope, not the gate"],
+        steps=["ratio = exp(logp - old_logp).", "tau = tau_pos where adv > 0 else tau_neg, per row, in adv's dtype.",
+               "per token: sapo_gate(ratio, tau) * adv (times pg_weight on the mask when given).",
+               "loss = common.aggregate_loss of minus that, with loss_agg.",
+               "gate_weight = masked mean of 4 ratio s (1 - s), s = sigmoid(tau (ratio - 1)); approx_kl as in "
+               "grpo_loss."]),
+    "gmpo_loss": Hint(
+        "GMPO's loss: each token's log-ratio clipped on the side that binds for its advantage's sign, their mean "
+        "over the sequence exponentiated, times the advantage, one term per sequence",
+        "docs/algorithms.md, CISPO, SAPO and GMPO, and the docstring",
+        "logp, old_logp (B, T), adv (B,), mask (B, T); a scalar and a dict",
+        traps=["the clip binds above for a positive advantage and below for a negative one, never both",
+               "a clipped token is a constant: no gradient through it", "the mean runs over each row's valid "
+               "tokens only", "one term per sequence: the aggregation is per sequence, whatever loss_agg's mode"],
+        work="the geometric mean of the clipped ratios is the exponential of the mean of the clipped log-ratios",
+        steps=["log_ratio = logp - old_logp.",
+               "clipped_low = (adv < 0) & (log_ratio < -low); clipped_high = (adv > 0) & (log_ratio > high).",
+               "Replace the clipped entries by the bound (-low or high), a constant.",
+               "g = exp(masked mean over each row) as (B, 1); surrogate = g * adv on every token of the row.",
+               "loss = common.aggregate_loss of minus it with common.per_sequence(loss_agg).",
+               "stats: masked means of clipped_low and clipped_high; approx_kl as in grpo_loss."]),
+    "opd_advantages": Hint(
+        "on-policy distillation's per-token advantage: minus lambda times the student's log-probability less the "
+        "teacher's, plus w times the sequence's task advantage",
+        "docs/algorithms.md, On-policy distillation", "logp, teacher_logp (B, T), task_adv (B,); (B, T) out",
+        traps=["the direction: student first, the reverse KL", "detached: the student's log-prob enters the "
+               "gradient through the loss only", "the task advantage is one number per sequence, on every token"],
+        steps=["reverse_kl = logp.detach() - teacher_logp.",
+               "return -kl_coef * reverse_kl + reward_weight * task_adv[:, None]."]),
+    "opd_loss": Hint(
+        "REINFORCE on per-token advantages: minus each advantage times its log-probability, aggregated over the "
+        "mask, with lambda times the exact KL added when it is given",
+        "docs/algorithms.md, On-policy distillation, and the docstring",
+        "logp, adv, mask (B, T), full_kl None or (B, T); a scalar and a dict",
+        traps=["the padding of adv may hold NaN, and NaN times a zero gradient is NaN",
+               "the statistics are masked means over the valid tokens"],
+        steps=["adv = 0 where mask is 0.", "per_token = -adv * logp, plus kl_coef * full_kl when given.",
+               "loss = common.aggregate_loss(per_token, mask, loss_agg).",
+               "stats: adv_token_mean, the masked mean of adv; full_kl, the masked mean of the detached full_kl."]),
+    "full_reverse_kl": Hint(
+        "the reverse KL of the student to the teacher at each position, over the whole vocabulary",
+        "docs/algorithms.md, On-policy distillation", "(B, T, V) log-probs in, (B, T) out",
+        traps=["the student's probabilities weigh the difference, student first: not the forward KL"],
+        steps=["Return (logprobs.exp() * (logprobs - teacher_logprobs)).sum(-1)."]),
     "episode_masks": Hint(
         "an episode's two masks from its segments: the action mask (1 on the model's tokens) and the token mask "
         "(1 on every token of the episode, the environment's too), each row's segments one after the other from "

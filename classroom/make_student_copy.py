@@ -27,10 +27,11 @@ from hint import HINTS  # noqa: E402
 BEGIN, END, HINT = "# BEGIN SOLUTION", "# END SOLUTION", "# HINT:"
 SKIP_DIRS = {".git", ".venv", ".venv-vllm", "venv", "runs", "__pycache__", ".pytest_cache", "mutants"}
 # The teacher's files: the grader (its sandboxed runner, its hidden cases and tests), the wrong versions of
-# each exercise (pieces of the solutions) and the grader's tests, the mutation run. A path ending in "/" is a
-# folder.
+# each exercise (pieces of the solutions) and the grader's tests, the mutation run, the tests against the peers'
+# formulas (working versions of exercises). A path ending in "/" is a folder.
 TEACHER_ONLY = {"classroom/wrong_answers.py", "classroom/grade.py", "classroom/runner.py", "classroom/mutation.py",
-                "classroom/teacher_tests/", "tests/test_grading.py", "tests/test_grader_attacks.py"}
+                "classroom/teacher_tests/", "tests/test_grading.py", "tests/test_grader_attacks.py",
+                "tests/test_objectives_peers.py"}
 TEACHER_PART = "<!-- The student copy ends this page here: below is for teachers. -->"
 # docs/algorithms.md's forms that an exercise asks a student to find (the toy bandit's variances and baselines,
 # the fp32-exact ratio-weighted k3): in the copy each marked region becomes ANSWER_NOTE
@@ -157,6 +158,35 @@ VISIBLE_TESTS = {
         "test_value_loss_is_a_token_mean_over_the_mask"]),
     "vapo.py::positive_example_nll": ("tests/test_vapo.py", [
         "test_positive_example_nll_is_the_token_mean_of_minus_logp_over_the_correct_samples_only"]),
+    "objectives.py::cispo_loss": ("tests/test_objectives.py", [
+        "test_cispo_weight_is_the_capped_ratio_and_no_token_is_silenced",
+        "test_cispo_value_is_the_weighted_log_prob_and_padding_is_ignored", "test_cispo_closed_form_gradient",
+        "test_cispo_on_policy_is_the_plain_policy_gradient",
+        "test_each_objective_keeps_a_junk_padding_weight_out_of_the_gradient",
+        "test_micro_batch_aggregation_weight_is_kept"]),
+    "objectives.py::sapo_loss": ("tests/test_objectives.py", [
+        "test_sapo_hand_values_pick_tau_by_the_sign_of_the_advantage", "test_sapo_closed_form_gradient_and_gate_weight",
+        "test_sapo_on_policy_is_the_plain_policy_gradient",
+        "test_each_objective_keeps_a_junk_padding_weight_out_of_the_gradient",
+        "test_micro_batch_aggregation_weight_is_kept"]),
+    "objectives.py::gmpo_loss": ("tests/test_objectives.py", [
+        "test_gmpo_hand_case_clips_each_token_before_the_geometric_mean",
+        "test_gmpo_counts_each_sequence_once_and_ignores_the_padding", "test_gmpo_closed_form_gradient",
+        "test_gmpo_on_policy_is_grpos_gradient_with_seq_mean_token_mean",
+        "test_each_objective_keeps_a_junk_padding_weight_out_of_the_gradient",
+        "test_micro_batch_aggregation_weight_is_kept"]),
+    "opd.py::rloo_advantages": ("tests/test_opd.py", ["test_task_advantage_is_rloos_leave_one_out"]),
+    "opd.py::opd_advantages": ("tests/test_opd.py", [
+        "test_advantage_hand_values_student_first",
+        "test_sampled_advantage_is_unbiased_for_the_per_state_kl_and_its_expected_gradient_is_the_full_vocab_gradient",
+        "test_discount_zero_gradient_is_the_per_state_kl_with_the_states_held_fixed_not_the_sequence_kl"]),
+    "opd.py::opd_loss": ("tests/test_opd.py", [
+        "test_loss_hand_value_and_a_nan_advantage_in_the_padding_never_reaches_the_gradient",
+        "test_discount_zero_gradient_is_the_per_state_kl_with_the_states_held_fixed_not_the_sequence_kl"]),
+    "opd.py::full_reverse_kl": ("tests/test_opd.py", [
+        "test_full_reverse_kl_hand_value_and_direction",
+        "test_sampled_advantage_is_unbiased_for_the_per_state_kl_and_its_expected_gradient_is_the_full_vocab_gradient",
+        "test_discount_zero_gradient_is_the_per_state_kl_with_the_states_held_fixed_not_the_sequence_kl"]),
     "agents.py::episode_masks": ("tests/test_agents.py", [
         "test_episode_masks_lay_out_segments_one_after_the_other"]),
     "toy_bandit.py::gradient_variance": ("tests/test_toy_bandit.py", [

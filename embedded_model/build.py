@@ -16,6 +16,9 @@ It writes config.json, model.safetensors, tokenizer files and build_log.json nex
 `--moe` builds the mixture-of-experts sibling the same way into embedded_model/moe/: a Qwen3-MoE causal
 LM of the same width and depth whose every layer routes each token to 2 of 8 small experts (the same
 total size), warmed up on the same noisy labels with the load-balancing loss of its config.
+`--teacher` builds the teacher that opd.py distils into the student, into embedded_model/teacher/: the committed
+student (this folder) warmed up further on clean labels (no carry dropped), 300 steps from its weights, the same
+tokenizer; its held-out greedy accuracy is the ceiling opd.py reports beside the student's.
 `--agent` builds the tool-using sibling into embedded_model/agent/ (agent_main: the same architecture, four more
 tokens, warmed up on --dataset tool_arithmetic); `--agent --check` measures the committed one again.
 """
@@ -307,6 +310,7 @@ def main():
     ap.add_argument("--out", default=None, help="default: this folder, or its moe/ subfolder with --moe")
     ap.add_argument("--moe", action="store_true", help="build the mixture-of-experts model instead of the dense one")
     ap.add_argument("--agent", action="store_true", help="build the tool-using model into agent/ instead")
+    ap.add_argument("--teacher", action="store_true", help="build the distillation teacher into teacher/ instead")
     ap.add_argument("--check", action="store_true", help="with --agent: only measure the saved model (no build)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--steps", type=int, default=None, help="default: 1500, or 1000 with --agent")
@@ -315,16 +319,20 @@ def main():
     ap.add_argument("--eval_every", type=int, default=250)
     args = ap.parse_args()
     here = os.path.dirname(os.path.abspath(__file__))
-    sibling = "moe" if args.moe else "agent" if args.agent else None
+    sibling = "moe" if args.moe else "agent" if args.agent else "teacher" if args.teacher else None
     args.out = args.out or (os.path.join(here, sibling) if sibling else here)
     if args.check and not args.agent:
         ap.error("--check measures the tool-using model: give --agent too")
-    args.steps = args.steps or (1000 if args.agent else 1500)
+    args.steps = args.steps or (1000 if args.agent else 300 if args.teacher else 1500)
     if args.agent:
         return agent_main(args)
     torch.set_num_threads(2)
     tokenizer = build_tokenizer()
     model = (build_moe_model if args.moe else build_model)(tokenizer, args.seed)
+    if args.teacher:  # the student's weights, then clean labels: the same tokenizer, a better model
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained(here)
+        model.train()
     moe = {"output_router_logits": True} if args.moe else {}  # adds the load-balancing loss to .loss
     n_params = sum(p.numel() for p in model.parameters())
     print(f"{n_params / 1e6:.2f}M parameters")
@@ -333,7 +341,8 @@ def main():
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     rng, start, log = random.Random(args.seed), time.time(), []
     for step in range(1, args.steps + 1):
-        ids, attn, labels = sft_batch(tokenizer, [warmup_example(ex, rng) for ex in rng.sample(train, args.batch_size)])
+        ids, attn, labels = sft_batch(tokenizer, [ex if args.teacher else warmup_example(ex, rng)
+                                              for ex in rng.sample(train, args.batch_size)])
         position_ids = common.position_ids_from_mask(attn)
         loss = model(input_ids=ids, attention_mask=attn, position_ids=position_ids, labels=labels, **moe).loss
         opt.zero_grad()

@@ -16,10 +16,13 @@ clips one ratio per sequence instead of one per token.
     accelerate launch --multi_gpu --num_processes 2 grpo.py      # data-parallel on CPU
     python grpo.py --scale_rewards none --loss_agg seq-mean-token-sum-norm   # Dr. GRPO
     python grpo.py --importance_sampling_level sequence --beta 0  # GSPO
+    python lab/grpo.py --policy_loss cispo --num_epochs 4         # CISPO, SAPO, GMPO: objectives.py
 """
 import os
 import sys
 from dataclasses import dataclass
+
+import torch
 
 if __name__ == "__main__":  # run as lab/grpo.py: the repository's root first, so that `grpo` is the lesson
     sys.path[0] = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -27,6 +30,7 @@ if __name__ == "__main__":  # run as lab/grpo.py: the repository's root first, s
 import common  # noqa: E402
 import exploration  # noqa: E402
 import kimi  # noqa: E402
+import objectives  # noqa: E402
 from grpo import grpo_advantages, grpo_loss  # noqa: E402  (the lesson's math)
 from lab import config as lab_config  # noqa: E402
 from lab import budget, engine  # noqa: E402
@@ -43,6 +47,10 @@ class Config(environments.AgentConfig, budget.ExplorationConfig, lab_config.Grou
     epsilon: float = arg(None, "Clip the ratio to [1 - epsilon, 1 + epsilon] (default 0.2; sequence level: 3e-4).")
     epsilon_high: float = arg(None, "Sequence level: the upper clip 1 + epsilon_high (default --epsilon, else 4e-4).")
     dual_clip_c: float = arg(0.0, "Dual clip: a token with A < 0 loses at most c |A|, whatever its ratio (0 = off).")
+    policy_loss: str = arg("ppo", "The token objective: ppo (the clip) | cispo | sapo | gmpo (objectives.py; "
+                           "docs/algorithms.md).")
+    tau_pos: float = arg(1.0, "--policy_loss sapo: the gate's temperature on tokens with A > 0.")
+    tau_neg: float = arg(1.05, "--policy_loss sapo: the gate's temperature on tokens with A <= 0.")
     num_epochs: int = arg(1, "mu: optimizer updates per rollout batch (1 = on-policy, the clip is inert).")
     scale_rewards: str = arg("group", "Divide the centred reward by the std of: group | batch | none (Dr. GRPO).")
     loss_agg: str = arg("seq-mean-token-mean", "Loss aggregation: seq-mean-token-mean (GRPO) | token-mean | "
@@ -58,19 +66,47 @@ class Config(environments.AgentConfig, budget.ExplorationConfig, lab_config.Grou
         config.check_rules(self, kl_estimator=config.one_of("k1", "k2", "k3"), epsilon=config.FRACTION, epsilon_high=
                            config.POSITIVE, importance_sampling_level=config.one_of("token", "sequence"), scale_rewards=
                            config.one_of("group", "batch", "none"), loss_agg=config.one_of(*common.LOSS_AGG_MODES))
+        config.check_rules(self, policy_loss=config.one_of("ppo", "cispo", "sapo", "gmpo"), tau_pos=config.POSITIVE,
+                           tau_neg=config.POSITIVE)
         sequence = self.importance_sampling_level == "sequence"  # GSPO's clip range: v2 section 5.1
-        config.check(sequence or self.epsilon_high is None, "--epsilon_high needs --importance_sampling_level sequence")
+        config.check(self.policy_loss == "ppo" or not sequence, "--importance_sampling_level sequence is GSPO, a "
+                     "clip of --policy_loss ppo: give one or the other.")
+        config.check(sequence or self.policy_loss in ("cispo", "gmpo") or self.epsilon_high is None,
+                     "--epsilon_high needs --importance_sampling_level sequence or --policy_loss cispo | gmpo")
+        if self.policy_loss == "cispo":  # MiniMax-M1: no lower bound; the cap 1 + 4 = 5 (ScaleRL, TRL's example)
+            self.epsilon, self.epsilon_high = self.epsilon or 1.0, self.epsilon_high or 4.0
+        if self.policy_loss == "gmpo":  # GMPO: the clip (e^-0.4, e^0.4) on each token ratio
+            self.epsilon = self.epsilon or 0.4
         if sequence and self.epsilon_high is None:
             self.epsilon_high = 4e-4 if self.epsilon is None else self.epsilon
         self.epsilon = (3e-4 if sequence else 0.2) if self.epsilon is None else self.epsilon
-        config.check(not sequence or self.loss_agg != "token-mean", "--importance_sampling_level sequence: one term "
-                     "per sequence, which --loss_agg token-mean would weigh by its tokens.")
+        config.check((not sequence and self.policy_loss != "gmpo") or self.loss_agg != "token-mean", "--importance_"
+                     "sampling_level sequence, --policy_loss gmpo: one term per sequence, which --loss_agg token-mean "
+                     "would weigh by its tokens.")
         config.check_rules(self, length_penalty=config.NON_NEGATIVE)
         config.check(self.length_penalty == 0 or (self.budget == "uniform" and self.sampler != "tree"),
                      "--length_penalty compares the lengths of each prompt's G samples: give --budget uniform and "
                      "a --sampler other than tree.")
         self.clip = common.Clip(self.epsilon, self.epsilon_high or self.epsilon, self.dual_clip_c,
                                 self.importance_sampling_level)
+
+
+def objective_loss(cfg, logp, old_logp, ref_logp, adv, mask, agg, pg_weight):
+    """--policy_loss cispo | sapo | gmpo: objectives.py's loss plus beta times the KL term to the reference, per token
+    and aggregated with agg, as grpo_loss adds it. Returns (loss, stats)."""
+    if cfg.policy_loss == "cispo":
+        loss, stats = objectives.cispo_loss(logp, old_logp, adv, mask, cfg.clip, agg, pg_weight)
+    elif cfg.policy_loss == "sapo":
+        loss, stats = objectives.sapo_loss(logp, old_logp, adv, mask, cfg.tau_pos, cfg.tau_neg, agg, pg_weight)
+    else:
+        loss, stats = objectives.gmpo_loss(logp, old_logp, adv, mask, cfg.clip, agg, pg_weight)
+    if ref_logp is None:
+        return loss, stats
+    ref_logp = torch.where(mask.bool(), ref_logp, logp.detach())
+    weight = old_logp if cfg.kl_is_weight else None  # DeepSeek-V3.2's ratio weight
+    kl = common.kl_penalty(logp, ref_logp, cfg.kl_estimator, weight)
+    kl_term = common.masked_mean(kl.detach(), mask)
+    return loss + common.aggregate_loss(cfg.beta * kl, mask, agg), {**stats, "kl_term": kl_term}
 
 
 def main():
@@ -120,8 +156,11 @@ def main():
                     pg_weight, correction, per_row = common.rollout_correction(
                         logp, old, mb.of(rollout_logp), mb.of(adv), mb.mask, cfg.tis_cap, cfg.geo_mask_delta,
                         cfg.tis_level, cfg.tis_veto, mb.of(m2po_keep))
-                loss, stats = grpo_loss(logp, old, mb.of(ref_logp), mb.of(adv), mb.mask, cfg.clip, cfg.beta, mb.agg,
-                                        common.KLTerm(cfg.kl_estimator, cfg.kl_is_weight), pg_weight)
+                if cfg.policy_loss == "ppo":
+                    loss, stats = grpo_loss(logp, old, mb.of(ref_logp), mb.of(adv), mb.mask, cfg.clip, cfg.beta,
+                                            mb.agg, common.KLTerm(cfg.kl_estimator, cfg.kl_is_weight), pg_weight)
+                else:  # CISPO, SAPO, GMPO: the objective, then the same KL term
+                    loss, stats = objective_loss(cfg, logp, old, mb.of(ref_logp), mb.of(adv), mb.mask, mb.agg, pg_weight)
                 stats = {**stats, **correction, "entropy": common.masked_mean(entropy, mb.mask)}
                 trainer.backward(loss, mb, stats, per_row)
                 if ref_logp is not None:

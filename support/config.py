@@ -17,6 +17,7 @@ from support import user_files
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EMBEDDED_MODEL = os.path.join(ROOT, "embedded_model")
+EMBEDDED_TEACHER = os.path.join(EMBEDDED_MODEL, "teacher")  # opd.py's (embedded_model/build.py --teacher)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Flags a resumed run may change: they decide how long to run, what to write and how much memory a step
 # takes (the steps stay the same up to rounding), not the steps themselves. Any other difference from the

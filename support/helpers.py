@@ -4,10 +4,12 @@ them with no gradient, the metrics of an update, evaluation, logging, checkpoint
 see; the update itself (micro-batches, backward, clip, optimizer step) is written out in each loop. The lab's engine
 (lab/engine.py) runs on the same pieces."""
 import atexit
+import copy
 import logging
 import os
 import sys
 import time
+import types
 
 import torch
 from accelerate.utils import set_seed
@@ -16,8 +18,8 @@ from tqdm.auto import tqdm
 import common
 from support import checkpoint, config, models, run, tasks, view
 from support.config import (  # noqa: F401 (the lessons')
-    DTYPES, AT_LEAST_ONE, DUAL_CLIP, FRACTION, NON_NEGATIVE, POSITIVE, PROBABILITY, BaseConfig as TrainConfig, arg, check,
-    check_rules, one_of)
+    DTYPES, AT_LEAST_ONE, DUAL_CLIP, EMBEDDED_TEACHER, FRACTION, NON_NEGATIVE, POSITIVE, PROBABILITY,
+    BaseConfig as TrainConfig, arg, check, check_rules, one_of)
 from support.fast import generate, token_logprobs
 from support.rollout import Rollout, micro_batches
 from support.tasks import make_reward_fn  # noqa: F401 (the lessons')
@@ -109,6 +111,23 @@ def load_models(cfg, accelerator, reference):
     optimizer, scheduler = models.make_optimizer(policy, cfg)  # a constant learning rate (lab: --warmup_steps)
     policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
     return policy, models.prepare_frozen(accelerator, ref_model), optimizer
+
+
+def load_teacher(cfg, accelerator):
+    """opd.py's frozen teacher (--teacher, any causal LM with the student's tokenizer), on the device and in the
+    policy's precision as a reference is."""
+    teacher_cfg = copy.copy(cfg)
+    teacher_cfg.model_name_or_path, teacher_cfg.lora_r = cfg.teacher, 0
+    return models.prepare_frozen(accelerator, models.load_model(teacher_cfg, trainable=False))
+
+
+def check_same_tokenizer(student, teacher):
+    """Distillation compares the two models' log-probs of the same token ids: --teacher must share the student's
+    vocabulary (the same id for every token, the same EOS). Reads the two tokenizers only."""
+    models.check_model_path(teacher, "--teacher")
+    a, b = (models.load_tokenizer(types.SimpleNamespace(model_name_or_path=path)) for path in (student, teacher))
+    check(a.get_vocab() == b.get_vocab() and a.eos_token_id == b.eos_token_id, f"--teacher {teacher!r} has another "
+          f"tokenizer than the student {student!r}: distillation needs the same token ids; give a teacher of its family.")
 
 
 def load_critic(value_model, cfg, accelerator):

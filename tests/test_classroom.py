@@ -159,6 +159,9 @@ HELPERS = {
     "tests/test_ppo.py::value_loss_and_grad": "calls ppo_value_loss",
     "tests/test_toy_bandit.py::two_arm_variances": "calls gradient_variance for each baseline",
     "tests/test_toy_bandit.py::softmax_variances": "calls softmax_gradient_variance for each baseline",
+    "tests/test_objectives.py::grad_of": "calls a loss on hand values and returns its gradient",
+    "tests/test_objectives.py::random_batch": "random log-probs, advantages and masks",
+    "tests/test_opd.py::two_token_tree": "random logits of a two-token student and teacher",
 }
 
 

@@ -13,11 +13,12 @@ import pytest
 from conftest import ROOT
 
 ROOT = Path(ROOT)
-ALGORITHMS = ("remax", "rloo", "grpo", "dapo", "ppo", "reinforce_pp")
+ALGORITHMS = ("remax", "rloo", "grpo", "dapo", "ppo", "reinforce_pp", "opd")
 # The lesson tier's budgets, fixed (they are never raised to fit: what does not fit moves to the lab). A diff between
 # two lesson files shows the idea that separates them (the README prints the counts); each file reads in one sitting,
 # with its flags in one screen of --help and its lines as prose; the helper module stays short.
-DIFF_BUDGET = {("remax", "rloo"): 160, ("rloo", "grpo"): 160, ("grpo", "dapo"): 160, ("grpo", "reinforce_pp"): 160}
+DIFF_BUDGET = {("remax", "rloo"): 160, ("rloo", "grpo"): 160, ("grpo", "dapo"): 160, ("grpo", "reinforce_pp"): 160,
+               ("rloo", "opd"): 160}
 MAIN_BUDGET = {"ppo": 140}  # the others: 110
 FILE_BUDGET, FLAG_BUDGET = {"ppo": 420}, {"dapo": 36, "ppo": 36}  # the others: 320 lines, 30 flags
 HELPERS_BUDGET = 400

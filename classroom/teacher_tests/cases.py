@@ -537,6 +537,84 @@ def positive_example_nll(seed):
               Case("every sample correct, float32", [logp.float(), mask, torch.ones(B)], grad=(0,))]
     return cases
 
+# ---------------------------------------------------------------------------------------------- objectives.py
+
+def objective_cases(seed, salt, configs, hand_kwargs):
+    """A clipped objective's cases: loss_cases on (logp, old_logp, adv, mask), each config's clip or gate in its
+    keyword arguments, and the hand-value grid (ratios 0.5, 1, 4 by advantages -0.5, 0, 0.5)."""
+    ones = torch.ones(3, 3, dtype=torch.long)
+    grid = [Case("hand values: the clip grid", [GRID_LOG_RATIO, torch.zeros(3, 3, dtype=F64), GRID_ADV.clone(), ones],
+                 hand_kwargs, grad=(0,)),
+            Case("on-policy", [torch.zeros(3, 3, dtype=F64), torch.zeros(3, 3, dtype=F64), GRID_ADV.clone(), ones],
+                 hand_kwargs, grad=(0,))]
+    logp, old_logp, _, adv, mask = rollout(seed, salt)
+    weight = padded(torch.rand(B, T, dtype=F64, generator=generator(seed, salt + 3)) * 2, mask, float("nan"))
+    grid.append(Case("pg_weight NaN in the padding, with gradient", [logp, old_logp, adv, mask],
+                     {**hand_kwargs, "pg_weight": weight}, grad=(0,)))
+    return loss_cases(seed, salt, lambda logp, old, ref, adv, token_adv, mask: [logp, old, adv, mask], configs, grid)
+
+
+def cispo_loss(seed):
+    configs = [("clip 0.2 / 0.28", {"clip": (0.2, 0.28)}), ("TRL's cap 5, no lower bound", {"clip": (1.0, 4.0)}),
+               ("seq-mean-token-mean, pg_weight", {"clip": (0.2, 0.2), "loss_agg": "seq-mean-token-mean",
+                                                   "pg_weight": "weight"}),
+               ("a micro-batch: token-mean, weight 0.25", {"clip": (0.1, 0.3), "loss_agg": ("token-mean", None, 0.25)})]
+    return objective_cases(seed, 111, configs, {"clip": (0.2, 0.2)})
+
+
+def sapo_loss(seed):
+    configs = [("the defaults", {}),
+               ("tau 2 / 3, token-mean", {"tau_pos": 2.0, "tau_neg": 3.0, "loss_agg": "token-mean"}),
+               ("pg_weight", {"pg_weight": "weight"}),
+               ("a micro-batch: weight 0.5", {"tau_neg": 0.5, "loss_agg": ("seq-mean-token-mean", None, 0.5)})]
+    return objective_cases(seed, 115, configs, {"tau_pos": 1.0, "tau_neg": 4.0})
+
+
+def gmpo_loss(seed):
+    configs = [("the defaults", {}), ("clip 0.2 / 0.3", {"clip": (0.2, 0.3)}), ("pg_weight", {"pg_weight": "weight"}),
+               ("token-mean given, weight 0.5: still per sequence", {"loss_agg": ("token-mean", None, 0.5)})]
+    return objective_cases(seed, 119, configs, {"clip": (0.4, 0.4)})
+
+
+# ---------------------------------------------------------------------------------------------- opd.py
+
+def opd_advantages(seed):
+    logp, _, teacher_logp, adv, mask = rollout(seed, 123)
+    cases = [Case(f"padding {fill_name(fill)}", [*spoil(mask, fill, logp, teacher_logp), adv], grad=(0,))
+             for fill in (float("nan"), None)]
+    cases += [Case("lambda 0.5, w 2", [logp, teacher_logp, adv, 0.5, 2.0], grad=(0, 1, 2)),
+              Case("w 1 only (no KL)", [logp, teacher_logp, adv], {"kl_coef": 0.0, "reward_weight": 1.0}),
+              Case("float32", [logp.float(), teacher_logp.float(), adv.float(), 2.0])]
+    return cases
+
+
+def opd_loss(seed):
+    logp, _, teacher_logp, adv, mask = rollout(seed, 127)
+    token_adv = -(logp - teacher_logp) + adv[:, None]
+    full_kl = (logp - teacher_logp) ** 2
+    cases = [Case(f"padding {fill_name(fill)}", [*spoil(mask, fill, logp, token_adv), mask], grad=(0,) if fill is None
+                  else ()) for fill in (float("nan"), float("inf"), None)]
+    cases += [Case("the lesson's aggregation, with gradient", [logp, token_adv, mask, "seq-mean-token-sum"],
+                   grad=(0, 1)),
+              Case("full_kl, lambda 0.5, padding NaN", [padded(logp, mask, 1.0), padded(token_adv, mask, float("nan")),
+                                                        mask, "token-mean", padded(full_kl, mask, float("nan")), 0.5],
+                   grad=(0, 4)),
+              Case("a micro-batch: seq-mean-token-sum, weight 0.25", [logp, token_adv, mask,
+                                                                      ("seq-mean-token-sum", None, 0.25)], grad=(0,))]
+    return cases
+
+
+def full_reverse_kl(seed):
+    g = generator(seed, 131)
+    student = torch.randn(3, 4, 6, dtype=F64, generator=g).log_softmax(-1)
+    teacher = torch.randn(3, 4, 6, dtype=F64, generator=g).log_softmax(-1)
+    peaked = torch.tensor([[[0.0, -30.0, -30.0]]], dtype=F64).log_softmax(-1)
+    return [Case("(3, 4) positions, a vocabulary of 6", [student, teacher], grad=(0,)),
+            Case("equal distributions", [student, student.clone()], grad=(0,)),
+            Case("a peaked student", [peaked, torch.full((1, 1, 3), -math.log(3), dtype=F64)], grad=(0,)),
+            Case("float32", [student.float(), teacher.float()], grad=(0,))]
+
+
 # ---------------------------------------------------------------------------------------------- agents.py
 
 def episode_masks(seed):
@@ -634,6 +712,13 @@ CASES = {
     "ppo.py::ppo_policy_loss": ppo_policy_loss,
     "ppo.py::ppo_value_loss": ppo_value_loss,
     "vapo.py::positive_example_nll": positive_example_nll,
+    "objectives.py::cispo_loss": cispo_loss,
+    "objectives.py::sapo_loss": sapo_loss,
+    "objectives.py::gmpo_loss": gmpo_loss,
+    "opd.py::rloo_advantages": rloo_advantages,
+    "opd.py::opd_advantages": opd_advantages,
+    "opd.py::opd_loss": opd_loss,
+    "opd.py::full_reverse_kl": full_reverse_kl,
     "agents.py::episode_masks": episode_masks,
     "toy_bandit.py::gradient_variance": lambda seed: two_arm(seed, with_baseline=True, with_bernoulli=True),
     "toy_bandit.py::optimal_baseline": two_arm,
