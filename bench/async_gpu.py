@@ -38,7 +38,7 @@ def run_one(name, model_path, args, workdir):
     cmd = [sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--child", str(ROOT / "lab" / "grpo.py"),
            str(out_dir) + ".json", "--", "--model_name_or_path", model_path, "--num_steps", str(args.steps),
            "--batch_size", str(args.batch_size), "--num_generations", "4", "--micro_batch_size",
-           str(args.micro_batch_size), "--max_new_tokens", str(args.max_new_tokens), "--eval_every", "1000000",
+           str(min(args.micro_batch_size, args.batch_size)), "--max_new_tokens", str(args.max_new_tokens), "--eval_every", "1000000",
            "--log_every", "1000000", "--log_rollouts", "0", "--save_model", "False", "--seed", "0", "--output_dir",
            str(out_dir), *VARIANTS[name]]
     start = time.time()

@@ -87,7 +87,7 @@ def record_models_and_optimizers():
 
     def recording_from_pretrained(cls, *args, **kwargs):
         model = from_pretrained(cls, *args, **kwargs)
-        loaded.append(model)
+        loaded.append(model[0] if isinstance(model, tuple) else model)  # output_loading_info=True: (model, info)
         return model
 
     optimizer_init = torch.optim.Optimizer.__init__

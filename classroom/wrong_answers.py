@@ -469,7 +469,7 @@ WRONG_ANSWERS = {
         ("mean over padding", "common.aggregate_loss(torch.max(unclipped, clipped), mask, loss_agg)",
          "common.aggregate_loss(torch.max(unclipped, clipped), torch.ones_like(mask), loss_agg)",
          "test_value_loss_is_a_token_mean_over_the_mask"),
-        ("clip_frac counts ties", "(clipped > unclipped)", "(clipped >= unclipped)",
+        ("clip_frac counts ties", "((clipped > unclipped) & binds)", "(clipped >= unclipped)",
          "test_value_loss_inside_the_clip_is_half_squared_error"),
         ("clip_frac over the padding too", "common.masked_mean(((clipped > unclipped) & binds).float(), mask)",
          "((clipped > unclipped) & binds).float().mean()", "test_ppo_value_loss_and_clip_fraction_ignore_the_padding"),
