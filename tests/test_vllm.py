@@ -48,17 +48,11 @@ def settings(tmp, **changes):
         "temperature": 1.0, "top_k": 0, "top_p": 1.0, "generation_batch_size": 0, **changes})
 
 
-class Version:
-    """The trainer's optimizer steps, which the engine compares with those of the weights it holds."""
-    updates = 0
-
-
 @pytest.fixture(scope="module")
 def engine(tmp_path_factory):
     if not HAS_ENGINE:
         pytest.fail(f"VLLM_REQUIRED=1 and no vLLM environment at {vllm_engine.ENGINE_PYTHON}")
-    handle = vllm_engine.Engine(settings(tmp_path_factory.mktemp("engine")), torch.device("cpu"), 0,
-                                lambda: Version.updates)
+    handle = vllm_engine.Engine(settings(tmp_path_factory.mktemp("engine")), torch.device("cpu"), 0)
     yield handle
     handle.close()
 
@@ -156,7 +150,7 @@ def test_after_an_update_the_engine_samples_from_the_updated_policy(engine, poli
     old ones'), the tied output layer included (vLLM's CPU backend keeps a packed copy of it: lab/vllm_worker.py)."""
     cfg = settings(tmp_path)
     prompt_ids, prompt_mask = held_out(tokenizer, 16)
-    Version.updates += 1  # the policy is the embedded model again: the engine takes its weights
+    engine.weights_changed()  # the policy is the embedded model again: the engine takes its weights
     before = engine.generate(policy, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=4, logprobs=True)
     old = AutoModelForCausalLM.from_pretrained(config.EMBEDDED_MODEL, dtype=torch.float32).eval()
     optimizer = torch.optim.SGD(policy.parameters(), lr=0.5)
@@ -168,7 +162,7 @@ def test_after_an_update_the_engine_samples_from_the_updated_policy(engine, poli
         loss.backward()
     optimizer.step()
     policy.eval()
-    Version.updates += 1
+    engine.weights_changed()
     torch.manual_seed(3)
     completion_ids, drawn = engine.generate(policy, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=4,
                                             logprobs=True)
@@ -192,7 +186,7 @@ def test_a_lora_policy_reaches_the_engine_with_its_adapter_merged(engine, policy
     lora.eval()
     cfg = settings(tmp_path)
     prompt_ids, prompt_mask = held_out(tokenizer, 16)
-    Version.updates += 1
+    engine.weights_changed()
     completion_ids, drawn = engine.generate(lora, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=4,
                                             logprobs=True)
     logp, mask = trainer_logprobs(lora, prompt_ids, prompt_mask, completion_ids, cfg, 4)
