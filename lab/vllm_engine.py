@@ -13,19 +13,17 @@ do a low-precision copy's. Before each sampling the engine takes the policy's we
 them (LoRA: merged; ZeRO-3: gathered), so every batch is drawn from the current policy. Each completion is drawn
 with its own seed, taken from the trainer's random state: a run is repeatable, and a resumed run draws as the
 uninterrupted one would."""
-import ctypes
 import json
 import multiprocessing
 import os
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
 
 import torch
 
-from support import config, models
+from support import config, models, tool_process
 
 ENGINE_PYTHON = os.path.join(config.ROOT, ".venv-vllm", "bin", "python")
 INSTALL = "bash lab/install_vllm.sh"
@@ -70,14 +68,6 @@ def check_lengths(cfg, tokenizer, examples):
                          "--max_new_tokens, or drop long prompts with --max_prompt_length.")
 
 
-def die_with_parent():
-    """In the engine's process before it starts: the kernel kills it when the trainer dies (Linux)."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
 class Engine:
     """The trainer's handle on the engine's process: `generate` (common.generate's signature, with logprobs the
     drawn tokens' log-probs too), `weights_changed` (after an update: the next sampling hands the engine the policy's
@@ -105,7 +95,8 @@ class Engine:
             self.process = subprocess.Popen(
                 [cfg.vllm_python or ENGINE_PYTHON, os.path.join(config.ROOT, "lab", "vllm_worker.py"),
                  str(there.fileno()), json.dumps(settings)], pass_fds=[there.fileno()], stdin=subprocess.DEVNULL,
-                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True, preexec_fn=die_with_parent)
+                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                preexec_fn=tool_process.die_with_parent)  # the kernel kills the engine when the trainer dies
         there.close()
         self.conn = here
         ready = self.receive(START_TIMEOUT_S, "start")["ready"]
