@@ -127,7 +127,7 @@ class RolloutSampler:
         return Rollout([ex for ex in examples for _ in range(k)], prompt_ids, prompt_mask, completion_ids, mask,
                        completions, experts, group_size=k, episodes=episodes,
                        token_mask=None if episodes is None else token_mask,
-                       sampler_logp=None if greedy or drawn_logp is None else drawn_logp.clone() * mask)
+                       sampler_logp=None if greedy or drawn_logp is None else drawn_logp.clone())
 
 
 def play(model, tokenizer, environment, examples, cfg, num_samples=1, greedy=False, logprobs=False):

@@ -61,9 +61,10 @@ def check_lengths(cfg, tokenizer, examples):
 
     longest = max(int(tasks.tokenize_prompts(tokenizer, [ex["prompt"] for ex in examples[i:i + 256]], "cpu")[1]
                       .sum(1).max()) for i in range(0, len(examples), 256))
-    if longest + cfg.max_new_tokens > model_len(cfg):
+    limit = model_len(cfg)
+    if longest + cfg.max_new_tokens > limit:
         raise SystemExit(f"error: --sampler vllm: the longest prompt ({longest} tokens) plus --max_new_tokens "
-                         f"({cfg.max_new_tokens}) is longer than the engine may hold ({model_len(cfg)} tokens: the "
+                         f"({cfg.max_new_tokens}) is longer than the engine may hold ({limit} tokens: the "
                          "model's max_position_embeddings, or --max_prompt_length + --max_new_tokens): lower "
                          "--max_new_tokens, or drop long prompts with --max_prompt_length.")
 
