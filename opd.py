@@ -130,6 +130,7 @@ def main():
     accelerator = helpers.make_accelerator(cfg)
     tokenizer, train_data, eval_data = helpers.load_data(cfg, accelerator)
     reward_fn = helpers.make_reward_fn(cfg, accelerator)
+    set_seed(cfg.seed)  # the same initial weights on every rank (a LoRA adapter is drawn)
     policy, _, optimizer = helpers.load_models(cfg, accelerator, reference=False)
     teacher = helpers.load_teacher(cfg, accelerator)  # frozen, as a reference is
     G = cfg.num_generations
@@ -137,7 +138,6 @@ def main():
     set_seed(cfg.seed + accelerator.process_index)  # each rank samples different completions
     start = helpers.resume(cfg, accelerator, prompts)  # --resume_from: its step, else 0
     logger = helpers.open_log(cfg, accelerator, start)
-    viewer = helpers.rollout_viewer(cfg, accelerator, tokenizer, start)  # rollouts.html
     ceiling = helpers.evaluate(teacher, tokenizer, eval_data, cfg, accelerator)["eval/accuracy"]
     accelerator.print(f"teacher: held-out accuracy {ceiling:.3f}")
     if start == 0:  # held-out accuracy before training
@@ -154,6 +154,7 @@ def main():
         teacher_logp = helpers.score(teacher, rollout, cfg, truncated=False)  # (B, T) log pi_T(y_t)
 
         # ---- update: one on-policy optimizer step, summing its micro-batches' gradients ----
+        agg = common.Aggregation("seq-mean-token-sum")  # how the loss reduces its tokens, said once
         num_tokens = accelerator.reduce(mask.sum().float(), "mean")  # per process, as DDP averages
         size = cfg.micro_batch_size or B  # rows of a forward/backward pass (0: the whole batch)
         batches = [slice(start, start + size) for start in range(0, B, size)]
@@ -174,9 +175,9 @@ def main():
                     full_kl = vocab_kl(policy, teacher, rollout.input_ids[rows],
                                        rollout.attention_mask[rows], T, cfg.temperature)
                 # its part of the batch's loss: the weighted losses sum to the batch's
-                weight = common.micro_batch_weight(mask[rows], "seq-mean-token-sum", num_tokens, B)
-                agg = common.Aggregation("seq-mean-token-sum", None, weight)
-                loss, stats = opd_loss(logp, adv, mask[rows], agg, full_kl, cfg.kl_coef)
+                weight = common.micro_batch_weight(mask[rows], agg.mode, num_tokens, B)
+                mb_agg = agg._replace(weight=weight)
+                loss, stats = opd_loss(logp, adv, mask[rows], mb_agg, full_kl, cfg.kl_coef)
                 last = rows == batches[-1]  # DDP averages the gradients after the last one only
                 accelerator.sync_gradients = last  # (and DeepSpeed steps there)
                 with nullcontext() if last else accelerator.no_sync(policy):
@@ -212,7 +213,6 @@ def main():
         due = step % cfg.eval_every == 0 or step == cfg.num_steps
         evaluation = helpers.evaluate(policy, tokenizer, eval_data, cfg, accelerator) if due else {}
         helpers.log_step(logger, step, metrics, rollout, rewards, started, evaluation)
-        helpers.show_rollouts(viewer, step, rollout, rewards, task_adv)
         helpers.save_checkpoint(cfg, accelerator, step, policy, tokenizer, prompts)
 
     accuracy = helpers.evaluate(policy, tokenizer, eval_data, cfg, accelerator)["eval/accuracy"]
@@ -221,4 +221,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    helpers.launch(main)  # one thread per process, the process group closed at the end

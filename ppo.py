@@ -22,6 +22,7 @@ several updates per batch of samples.
 Between the BEGIN SOLUTION and END SOLUTION comments: a classroom exercise's code, which a student
 copy replaces with # HINT: lines (docs/classroom.md).
 """
+import os
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -65,6 +66,9 @@ class Config(helpers.TrainConfig):
         helpers.check(not self.adaptive_kl or self.beta > 0, "--adaptive_kl needs --beta > 0.")
         helpers.check(self.batch_size % self.num_mini_batches == 0, f"--num_mini_batches "
                       f"({self.num_mini_batches}) must divide --batch_size ({self.batch_size}).")
+        deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() in ("1", "true")
+        helpers.check(not deepspeed, "ppo.py trains two models and accelerate's DeepSpeed integration prepares "
+                      "one per Accelerator: launch it with DDP.")
 
 
 def gae(rewards, values, mask, gamma, lam):
@@ -246,20 +250,13 @@ class AdaptiveKLController:
         self.value = state["value"]
 
 
-# the critic's own panels, next to run.PLOT_KEYS in curves.png
-CRITIC_PLOT_KEYS = ("train/value_loss", "train/explained_variance", "train/value_clip_frac",
-                    "train/clip_frac_high", "train/approx_kl", "train/beta")
-
-
 def main():
     cfg = helpers.parse_config(Config)
     # ---- setup: accelerator, data, policy, critic, reference (PLUMBING: skip at first) ----
     accelerator = helpers.make_accelerator(cfg)
-    if accelerator.state.deepspeed_plugin is not None:
-        raise SystemExit("error: ppo.py trains two models and accelerate's DeepSpeed integration "
-                         "prepares one per Accelerator: launch it with DDP.")
     tokenizer, train_data, eval_data = helpers.load_data(cfg, accelerator)
     reward_fn = helpers.make_reward_fn(cfg, accelerator)
+    set_seed(cfg.seed)  # the same initial weights on every rank (a LoRA adapter, the value head)
     policy, ref_model, optimizer = helpers.load_models(cfg, accelerator, reference=cfg.beta > 0)
     lora = helpers.models.lora_config(cfg, "SEQ_CLS") if cfg.lora_r > 0 else None
     value_model = ValueModel(cfg.model_name_or_path, lora=lora)  # the policy's backbone, a new head
@@ -270,7 +267,6 @@ def main():
     set_seed(cfg.seed + accelerator.process_index)  # each rank samples different completions
     start = helpers.resume(cfg, accelerator, prompts)  # --resume_from: its step, else 0
     logger = helpers.open_log(cfg, accelerator, start)
-    viewer = helpers.rollout_viewer(cfg, accelerator, tokenizer, start)  # rollouts.html
     if start == 0:  # held-out accuracy before training
         logger.log(0, helpers.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
 
@@ -300,6 +296,7 @@ def main():
         # ---- update: num_epochs passes over num_mini_batches minibatches, one optimizer step of
         # each model per minibatch, summing its micro-batches' gradients; the loss: the clipped
         # policy loss plus vf_coef times the clipped value loss ----
+        agg = common.Aggregation("token-mean")  # how the loss reduces its tokens, said once
         updates = []
         for epoch in range(cfg.num_epochs):
             order = torch.randperm(B, device=accelerator.device)
@@ -314,14 +311,13 @@ def main():
                         policy, rollout.input_ids[rows], rollout.attention_mask[rows], T, cfg.temperature,
                         with_entropy=True, top_k=cfg.top_k, top_p=cfg.top_p)
                     # its part of the minibatch's loss: the weighted losses sum to the minibatch's
-                    weight = common.micro_batch_weight(mask[rows], "token-mean", num_tokens,
-                                                       len(minibatch))
-                    agg = common.Aggregation("token-mean", None, weight)
+                    weight = common.micro_batch_weight(mask[rows], agg.mode, num_tokens, len(minibatch))
+                    mb_agg = agg._replace(weight=weight)
                     pg_loss, pg_stats = ppo_policy_loss(logp, old_logp[rows], adv[rows], mask[rows],
-                                                        cfg.epsilon, loss_agg=agg)
+                                                        cfg.epsilon, loss_agg=mb_agg)
                     values = critic(rollout.input_ids[rows], rollout.attention_mask[rows], T)
                     vf_loss, vf_stats = ppo_value_loss(values, old_values[rows], returns[rows], mask[rows],
-                                                       cfg.epsilon_value, agg)
+                                                       cfg.epsilon_value, mb_agg)
                     loss = pg_loss + cfg.vf_coef * vf_loss
                     last = part == batches[-1]  # DDP averages the gradients after the last one only
                     accelerator.sync_gradients = last
@@ -368,7 +364,6 @@ def main():
         due = step % cfg.eval_every == 0 or step == cfg.num_steps
         evaluation = helpers.evaluate(policy, tokenizer, eval_data, cfg, accelerator) if due else {}
         helpers.log_step(logger, step, metrics, rollout, rewards, started, evaluation)
-        helpers.show_rollouts(viewer, step, rollout, rewards, adv)
         helpers.save_checkpoint(cfg, accelerator, step, policy, tokenizer, prompts)
 
     helpers.save_critic(cfg, accelerator, critic, tokenizer)  # beside the policy, in final/critic
@@ -376,4 +371,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    helpers.launch(main)  # one thread per process, the process group closed at the end

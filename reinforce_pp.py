@@ -111,13 +111,13 @@ def main():
     accelerator = helpers.make_accelerator(cfg)
     tokenizer, train_data, eval_data = helpers.load_data(cfg, accelerator)
     reward_fn = helpers.make_reward_fn(cfg, accelerator)
+    set_seed(cfg.seed)  # the same initial weights on every rank (a LoRA adapter is drawn)
     policy, ref_model, optimizer = helpers.load_models(cfg, accelerator, reference=cfg.beta > 0)
     G = cfg.num_generations
     prompts = helpers.prompt_sampler(train_data, cfg.batch_size // G, cfg, accelerator)
     set_seed(cfg.seed + accelerator.process_index)  # each rank samples different completions
     start = helpers.resume(cfg, accelerator, prompts)  # --resume_from: its step, else 0
     logger = helpers.open_log(cfg, accelerator, start)
-    viewer = helpers.rollout_viewer(cfg, accelerator, tokenizer, start)  # rollouts.html
     if start == 0:  # held-out accuracy before training
         logger.log(0, helpers.evaluate(policy, tokenizer, eval_data, cfg, accelerator))
 
@@ -142,6 +142,7 @@ def main():
         adv = adv.chunk(accelerator.num_processes)[accelerator.process_index][:, :T]  # (B, T)
 
         # ---- update: mu optimizer steps, each summing its micro-batches' gradients ----
+        agg = common.Aggregation(cfg.loss_agg, cfg.max_new_tokens)  # how the loss reduces its tokens, said once
         num_tokens = accelerator.reduce(mask.sum().float(), "mean")  # per process, as DDP averages
         size = cfg.micro_batch_size or B  # rows of a forward/backward pass (0: the whole batch)
         batches = [slice(start, start + size) for start in range(0, B, size)]
@@ -153,9 +154,9 @@ def main():
                     with_entropy=True, top_k=cfg.top_k, top_p=cfg.top_p)
                 old = logp.detach() if old_logp is None else old_logp[rows]  # mu = 1: pi_theta
                 # its part of the batch's loss: the weighted losses sum to the batch's
-                weight = common.micro_batch_weight(mask[rows], cfg.loss_agg, num_tokens, B)
-                agg = common.Aggregation(cfg.loss_agg, cfg.max_new_tokens, weight)
-                loss, stats = reinforce_pp_loss(logp, old, adv[rows], mask[rows], cfg.clip, agg)
+                weight = common.micro_batch_weight(mask[rows], agg.mode, num_tokens, B)
+                mb_agg = agg._replace(weight=weight)
+                loss, stats = reinforce_pp_loss(logp, old, adv[rows], mask[rows], cfg.clip, mb_agg)
                 last = rows == batches[-1]  # DDP averages the gradients after the last one only
                 accelerator.sync_gradients = last  # (and DeepSpeed steps there)
                 with nullcontext() if last else accelerator.no_sync(policy):
@@ -188,11 +189,10 @@ def main():
         due = step % cfg.eval_every == 0 or step == cfg.num_steps
         evaluation = helpers.evaluate(policy, tokenizer, eval_data, cfg, accelerator) if due else {}
         helpers.log_step(logger, step, metrics, rollout, rewards, started, evaluation)
-        helpers.show_rollouts(viewer, step, rollout, rewards, adv)
         helpers.save_checkpoint(cfg, accelerator, step, policy, tokenizer, prompts)
 
     helpers.finish(cfg, accelerator, logger, policy, tokenizer, prompts)
 
 
 if __name__ == "__main__":
-    main()
+    helpers.launch(main)  # one thread per process, the process group closed at the end

@@ -26,7 +26,7 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 import common
-from lab import async_sampling, pass_at_k, priority, sampling, vllm_engine
+from lab import async_sampling, checkpointer, pass_at_k, priority, sampling, vllm_engine
 from support import checkpoint, environments, fast, helpers, models, routing, run, tasks, view
 from support.rollout import MicroBatch, micro_batches
 
@@ -106,7 +106,7 @@ class Trainer:
         self.rollout_sampler = sampling.rollout_sampler(self, policy, rollout_model, rollout_lag,
                                                         sampler.sample_with(self.sample))  # --sampler tree: trees
         set_seed(cfg.seed + accelerator.process_index)  # each rank samples different completions
-        self.ckpt = checkpoint.Checkpointer(cfg, accelerator, sampler, self.rollout_sampler.rewound)
+        self.ckpt = checkpointer.Checkpointer(cfg, accelerator, sampler, self.rollout_sampler.rewound)
         self.logger, self.viewer, self.start_step, self.at_step = None, None, 0, 1  # at_step: the step running
         self.timer, self.generated, self.update_loss, self.update_stats = run.StepTimer(), 0, 0.0, []  # this step's
         # sampling and scoring record no gradient: inference mode, cheaper than no_grad (the outputs are cloned before
@@ -297,7 +297,7 @@ class Trainer:
         return self.ckpt.step_end(step, self.policy.model, self.tokenizer, finite)
 
     def finish(self):
-        """Summary and curves, the final policy saved, the process group closed, several processes ended."""
+        """Summary and curves, the final policy saved, the trackers closed (the process: helpers.launch)."""
         cfg, accelerator = self.cfg, self.accelerator
         self.rollout_sampler.close()  # --sampler vllm's engine, --async_rollouts' process
         self.logger.finish(self.policy.model)
@@ -306,8 +306,8 @@ class Trainer:
         if cfg.save_model:
             models.save_model(accelerator, self.policy.model, self.tokenizer, f"{cfg.output_dir}/final", cfg.merge_lora)
         accelerator.wait_for_everyone()
-        accelerator.end_training()  # close the process group on every rank
-        helpers.leave_run(accelerator.num_processes)  # several processes: os._exit, see its docstring
+        for tracker in accelerator.trackers:  # --report_to's (accelerator.end_training would also close the group)
+            tracker.finish()
 
 
 def m2po_keep(trainer, rollout, old_logp, rollout_logp):

@@ -12,11 +12,10 @@ import time
 import types
 
 import torch
-from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 import common
-from support import checkpoint, config, models, run, tasks, view
+from support import checkpoint, config, models, run, tasks
 from support.config import (  # noqa: F401 (the lessons')
     DTYPES, AT_LEAST_ONE, DUAL_CLIP, EMBEDDED_TEACHER, FRACTION, NON_NEGATIVE, POSITIVE, PROBABILITY,
     BaseConfig as TrainConfig, arg, check, check_rules, one_of)
@@ -36,7 +35,6 @@ def make_accelerator(cfg):
     DeepSpeed's CPU accelerator, gloo between processes; its settings come from the flags (deepspeed_settings)."""
     from accelerate import Accelerator
 
-    one_thread_per_process()
     use_cpu = os.environ.get("ACCELERATE_USE_CPU", "false").lower() in ("1", "true")
     deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() in ("1", "true")
     if deepspeed and not torch.cuda.is_available():
@@ -50,19 +48,9 @@ def make_accelerator(cfg):
                               project_dir=cfg.output_dir)
     if accelerator.is_main_process:
         config.lock_output_dir(cfg.output_dir)  # a second run on this --output_dir stops with one line
-    atexit.register(close_process_group)
     if accelerator.state.deepspeed_plugin is not None:
         deepspeed_settings(accelerator.state.deepspeed_plugin.deepspeed_config, cfg, accelerator.num_processes)
     return accelerator
-
-
-def one_thread_per_process():
-    """One CPU thread for this process and those it starts, as `accelerate launch` and torchrun give every process
-    they start, unless OMP_NUM_THREADS says otherwise: `python remax.py` then runs as `accelerate launch remax.py`.
-    torch's own default, a thread per core, ran 12-30x slower on 2 cores busy with other work (docs/troubleshooting.md)."""
-    if not os.environ.get("OMP_NUM_THREADS"):
-        os.environ["OMP_NUM_THREADS"] = "1"  # read by the processes this one starts (the lab's sampler process)
-        torch.set_num_threads(1)
 
 
 def deepspeed_settings(ds_config, cfg, num_processes):
@@ -104,8 +92,8 @@ def load_data(cfg, accelerator):
 
 def load_models(cfg, accelerator, reference):
     """(policy, reference, optimizer): the policy (full or LoRA) and its AdamW, prepared (DDP or DeepSpeed), the same
-    weights on every rank; the frozen reference pi_ref (None unless `reference`), in the policy's precision."""
-    set_seed(cfg.seed)
+    weights on every rank once main() has set the seed (set_seed(cfg.seed): a LoRA adapter's initial weights are
+    drawn); the frozen reference pi_ref (None unless `reference`), in the policy's precision."""
     policy = models.load_model(cfg)
     ref_model = models.load_reference(cfg, policy) if reference else None
     optimizer, scheduler = models.make_optimizer(policy, cfg)  # a constant learning rate (lab: --warmup_steps)
@@ -275,21 +263,6 @@ def evaluate(policy, tokenizer, eval_data, cfg, accelerator):
     return tasks.evaluate(policy, tokenizer, eval_data, cfg, accelerator, generate=generate)
 
 
-def rollout_viewer(cfg, accelerator, tokenizer, start_step):
-    """The rollout page, output_dir/rollouts.html: four completions of step 1, of each evaluation step and of the
-    last, token by token, with their rewards and advantages (the lab's viewer also shows what each update computed
-    at each token: docs/viewer.md). Written by the main process."""
-    return view.Recorder(cfg.output_dir, tokenizer, 4, cfg.num_steps, cfg.eval_every, start_step,
-                         enabled=accelerator.is_main_process)
-
-
-def show_rollouts(viewer, step, rollout, rewards, adv):
-    """On the viewer's steps, record the first rows of the batch (whole groups) and rewrite the page."""
-    if viewer.due(step):
-        viewer.record(step, rollout, rewards, adv, {}, group_size=rollout.group_size)
-        viewer.write()
-
-
 def log_step(logger, step, metrics, rollout, rewards, started, evaluation=None):
     """Average the step's metrics over the processes, add the completions' length and the step's seconds, and log
     them (with the evaluation's when there is one) and two samples (none when rollout is None: a step skipped).
@@ -318,20 +291,43 @@ def check_weights(accelerator, step, policy, tokenizer, prompts):
 
 
 def finish(cfg, accelerator, logger, policy, tokenizer, prompts):
-    """summary.json and curves.png, the final policy saved (output_dir/final, from finite weights only), the process
-    group closed, several processes ended."""
+    """summary.json and curves.png, and the final policy saved (output_dir/final, from finite weights only)."""
     logger.finish(policy)
-    page = os.path.join(cfg.output_dir, "rollouts.html")
-    if accelerator.is_main_process and os.path.exists(page):
-        print(f"the rollouts, token by token: {page}", flush=True)
     check_weights(accelerator, cfg.num_steps, policy, tokenizer, prompts)
     models.save_model(accelerator, policy, tokenizer, f"{cfg.output_dir}/final")
     accelerator.wait_for_everyone()
-    accelerator.end_training()  # close the process group on every rank
-    leave_run(accelerator.num_processes)  # several processes: os._exit, see its docstring
 
 
-def leave_run(num_processes, code=0):
+# ---- the process ----
+def launch(main):
+    """Run main() as one process of a run: the only code that controls the process, called by each script's
+    `if __name__ == "__main__"` (importing a script, or calling its main() from a test, does none of it).
+
+    - One CPU thread for this process and those it starts, as `accelerate launch` and torchrun give every process
+      they start, unless OMP_NUM_THREADS says otherwise: the process starts again (os.execv, the same command) with
+      OMP_NUM_THREADS=1, so `python remax.py` runs as `accelerate launch remax.py` does. The variable is read when
+      torch starts its thread pools, at import: torch.set_num_threads(1) after that ran slower
+      (docs/troubleshooting.md). torch's own default, a thread per core, ran 12-30x slower on 2 busy cores.
+    - The process group closed on every rank at the end, after an error too (close_process_group, registered with
+      atexit so that it runs after the interpreter has printed the error); several processes then leave at once
+      (leave_run, os._exit: its docstring says why), with exit code 0 after main() returned, 1 after an error."""
+    if not os.environ.get("OMP_NUM_THREADS"):
+        os.environ["OMP_NUM_THREADS"] = "1"
+        os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+    atexit.register(close_process_group, code=1)  # main() did not return: an error, already printed
+    main()
+    close_process_group(code=0)
+
+
+def close_process_group(code):
+    """Close the process group, if there is one, and with several processes leave (leave_run) with `code`."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        num_processes = torch.distributed.get_world_size()
+        torch.distributed.destroy_process_group()
+        leave_run(num_processes, code)
+
+
+def leave_run(num_processes, code):
     """The last call of a run on every rank, after the process group is closed. One process returns. Several
     leave at once (os._exit(code), after flushing what they printed) rather than tear the interpreter down: a
     gloo worker thread can still be releasing the tensors of a finished collective (DeepSpeed's all-gathers
@@ -343,13 +339,3 @@ def leave_run(num_processes, code=0):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
-
-
-def close_process_group():
-    """Run at exit on every rank. A run that reached its end has closed its group and left (leave_run); one
-    that did not (an error: SystemExit "error: ..." or a traceback, already printed) closes it here, where the
-    interpreter is still whole, and with several processes leaves with exit code 1 for leave_run's reason."""
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        num_processes = torch.distributed.get_world_size()
-        torch.distributed.destroy_process_group()
-        leave_run(num_processes, code=1)

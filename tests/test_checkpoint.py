@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from lab import config as lab_config
+from lab.checkpointer import MAX_SKIPPED_STEPS, Checkpointer
 from support import checkpoint, config, models, run, tasks
 from conftest import ROOT, free_port
 
@@ -135,7 +136,7 @@ def parts():
 
 def checkpointer(parts, out_dir, **flags):
     accelerator, policy, tokenizer, sampler = parts
-    return checkpoint.Checkpointer(lab_config.TrainConfig(output_dir=str(out_dir), **flags), accelerator, sampler)
+    return Checkpointer(lab_config.TrainConfig(output_dir=str(out_dir), **flags), accelerator, sampler)
 
 
 def test_retention_keeps_the_newest_complete_checkpoints_and_latest_skips_partial_ones(parts, tmp_path, capsys,
@@ -243,7 +244,7 @@ def test_fp16_overflow_skips_steps_and_stops_after_max_skipped_steps(parts, tmp_
     accelerator, policy, tokenizer, _ = parts
     monkeypatch.setattr(accelerator, "scaler", torch.amp.GradScaler("cpu"))
     ckpt = checkpointer(parts, tmp_path)
-    loss, inf, limit = torch.tensor(0.5), torch.tensor(float("inf")), checkpoint.MAX_SKIPPED_STEPS
+    loss, inf, limit = torch.tensor(0.5), torch.tensor(float("inf")), MAX_SKIPPED_STEPS
     for step in range(1, limit):
         ckpt.check_finite(step, loss, inf, policy, tokenizer)
     ckpt.check_finite(limit, loss, torch.tensor(1.0), policy, tokenizer)

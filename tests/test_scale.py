@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import common
 from lab import config as lab_config
 from support import config, fast, models, tasks
-from support.checkpoint import Checkpointer
+from lab.checkpointer import Checkpointer
 from support.reward_model import RewardModel
 from support.run import read_metrics
 from conftest import ROOT, run_together
