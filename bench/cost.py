@@ -16,7 +16,7 @@ runs its main() and records, per algorithm:
   reported next to it. On a GPU: torch.cuda.max_memory_allocated().
 - wall time per step, split into generation / scoring (with the reward) / forward_backward / optimizer (with the
   finiteness checks), from
-  the time/*_s columns that support.run.StepTimer writes to metrics.jsonl, averaged over the steps
+  the time/*_s columns that lab.step_metrics.StepTimer writes to metrics.jsonl, averaged over the steps
   after --warmup. CPU/wall (process CPU time over wall time of the whole run) shows contention:
   with --threads 1 it is ~1.0 on an idle machine and drops when other processes compete.
 
@@ -42,7 +42,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 ALGORITHMS = ("remax", "grpo", "rloo", "dapo", "ppo")
 PHASES = ("generation", "scoring", "gae", "forward_backward", "optimizer")
-# the columns that hold more than one of the scripts' timer phases (support/run.py's StepTimer)
+# the columns that hold more than one of the scripts' timer phases (lab/step_metrics.py StepTimer)
 FOLDED = {"scoring": ("reward", "scoring"), "optimizer": ("optimizer", "checks")}
 # a Qwen2 of ~75M parameters with the embedded tokenizer (vocab 18), randomly initialised
 LARGE_CONFIG = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=8, num_attention_heads=12,

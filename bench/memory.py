@@ -110,6 +110,7 @@ def run_child(script, result_path, script_args):
     import torch
 
     import common
+    from lab import step_metrics
     from support import run, tasks
 
     loaded, optimizers = record_models_and_optimizers()
@@ -127,7 +128,7 @@ def run_child(script, result_path, script_args):
             reset_peak()
         return next_batch(sampler)
 
-    timed_phase = run.StepTimer.__call__
+    timed_phase = step_metrics.StepTimer.__call__
 
     def record_between_phases():
         phase_peaks["between phases"] = max(phase_peaks.get("between phases", 0), peak())
@@ -155,7 +156,7 @@ def run_child(script, result_path, script_args):
         return gen
 
     tasks.PromptSampler.next = next_batch_measured
-    run.StepTimer.__call__ = timed_phase_measured
+    step_metrics.StepTimer.__call__ = timed_phase_measured
     run.MetricLogger.finish = finish_measured
     common.generation_config = generation_config_full_length
     tasks.evaluate = lambda *args, **kwargs: {"eval/accuracy": float("nan")}

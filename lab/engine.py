@@ -26,7 +26,7 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 import common
-from lab import async_sampling, checkpointer, pass_at_k, priority, sampling, vllm_engine
+from lab import async_sampling, checkpointer, pass_at_k, priority, sampling, step_metrics, vllm_engine
 from support import checkpoint, environments, fast, helpers, models, routing, run, tasks, view
 from support.rollout import MicroBatch, micro_batches
 
@@ -108,7 +108,7 @@ class Trainer:
         set_seed(cfg.seed + accelerator.process_index)  # each rank samples different completions
         self.ckpt = checkpointer.Checkpointer(cfg, accelerator, sampler, self.rollout_sampler.rewound)
         self.logger, self.viewer, self.start_step, self.at_step = None, None, 0, 1  # at_step: the step running
-        self.timer, self.generated, self.update_loss, self.update_stats = run.StepTimer(), 0, 0.0, []  # this step's
+        self.timer, self.generated, self.update_loss, self.update_stats = step_metrics.StepTimer(), 0, 0.0, []  # this step's
         # sampling and scoring record no gradient: inference mode, cheaper than no_grad (the outputs are cloned before
         # a loss reads them); not under DeepSpeed, whose ZeRO-3 gathers weights that must not become inference tensors
         self.inference = torch.no_grad if accelerator.state.deepspeed_plugin is not None else torch.inference_mode
@@ -287,7 +287,7 @@ class Trainer:
                    **self.rollout_sampler.end_step(step)}  # --rollout_lag, --async_rollouts: the staleness
         self.generated, samples = 0, []
         if rollout is not None:
-            metrics.update(run.rollout_metrics(rollout, metrics["time/step_s"]))
+            metrics.update(step_metrics.rollout_metrics(rollout, metrics["time/step_s"]))
             samples = zip(rollout.prompts, rollout.completions, rewards.tolist())
         metrics = run.reduce_metrics(accelerator, metrics)
         if step % cfg.eval_every == 0 or step == cfg.num_steps:

@@ -1,64 +1,15 @@
-"""The run around the loop: phase timer, metric reduction and logging, summary and plots. Checkpoints and
-resume are in support/checkpoint.py."""
+"""The run around the loop: metric reduction and logging, summary and plots. Checkpoints and resume are in
+support/checkpoint.py; the lab's phase timer and rollout metrics in lab/step_metrics.py."""
 import json
 import math
 import os
 import time
-from contextlib import contextmanager
 from dataclasses import asdict
 
 import torch
 from tqdm.auto import tqdm
 
-from support import config, environments, models, routing
-
-
-class StepTimer:
-    """Wall time of each phase of a step: `with timer("generation"): ...`; metrics() gives
-    time/<phase>_s and resets. On a GPU it synchronises so the time is the GPU's too."""
-
-    def __init__(self):
-        self.times, self.spans = {}, None  # spans: a list to record (phase, start, end) in wall-clock seconds
-
-    @contextmanager
-    def __call__(self, phase):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        start, wall = time.perf_counter(), time.time()
-        yield
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        self.times[phase] = self.times.get(phase, 0.0) + time.perf_counter() - start
-        if self.spans is not None:
-            self.spans.append((phase, wall, time.time()))
-
-    def metrics(self):
-        out, self.times = {f"time/{k}_s": v for k, v in self.times.items()}, {}
-        out["time/step_s"] = sum(out.values())
-        return out
-
-
-def rollout_metrics(rollout, step_s):
-    """The engine's metrics of a step's rollout: completion length, tokens per second and, on a mixture of experts,
-    train/routing_mismatch over the positions that predict a completion token."""
-    lengths = rollout.mask.sum(1).float()  # the model's tokens
-    metrics = {"train/completion_len": lengths.mean(), "time/tokens_per_s": lengths.sum() / step_s}
-    if rollout.episodes is not None:  # an environment's episodes (agents.py): per episode, over the batch
-        episodes = rollout.episodes
-        metrics.update({"train/turns": sum(e.num_turns for e in episodes) / len(episodes),
-                        "train/tool_calls": sum(len(e.tool_calls) for e in episodes) / len(episodes),
-                        "train/tool_errors": sum(e.tool_errors for e in episodes) / len(episodes),
-                        "train/truncated_frac": sum(e.truncated for e in episodes) / len(episodes),
-                        "train/env_token_frac": 1 - rollout.mask.sum() / rollout.token_mask.sum().clamp(min=1)})
-        if metrics["train/truncated_frac"] > 0.5:  # a run whose episodes are mostly cut says so once
-            environments.warn_once("episodes cut", f"{metrics['train/truncated_frac']:.0%} of this step's episodes "
-                                   "were cut before they ended (by --max_new_tokens, the episode's budget of turns "
-                                   "and replies, or by --max_turns): raise them if the model needs the room (said "
-                                   "once).")
-    if rollout.live_routing is not None:
-        predicting = torch.nn.functional.pad(rollout.mask, (rollout.prompt_ids.shape[1] - 1, 1))
-        metrics["train/routing_mismatch"] = routing.mismatch(rollout.routing[0], rollout.live_routing, predicting)
-    return metrics
+from support import config, models
 
 
 def reduce_metrics(accelerator, metrics):

@@ -540,14 +540,14 @@ def test_the_default_budget_of_episodes_holds_a_reply_or_one_line_says_why_not(t
 def test_a_run_whose_episodes_are_mostly_cut_says_so_once(capsys):
     import torch
 
-    from support import run
+    from lab import step_metrics
 
     environments.WARNED.discard("episodes cut")
     mask = torch.ones(4, 3)
     rollout = SimpleNamespace(mask=mask, token_mask=mask, live_routing=None, episodes=[
         SimpleNamespace(num_turns=1, tool_calls=[], tool_errors=0, truncated=cut) for cut in (True, True, True, False)])
     for _ in range(2):
-        assert run.rollout_metrics(rollout, 1.0)["train/truncated_frac"] == 0.75
+        assert step_metrics.rollout_metrics(rollout, 1.0)["train/truncated_frac"] == 0.75
     assert capsys.readouterr().out.count("warning: 75% of this step's episodes were cut before they ended") == 1
 
 
