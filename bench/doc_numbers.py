@@ -30,7 +30,7 @@ def window(path, first, last, keys):
 
 
 def tokens(path, name, steps=None):
-    """{group: [values]} of quantity `name` in a rollouts.jsonl (support/view.py) over the recorded tokens in the loss
+    """{group: [values]} of quantity `name` in a rollouts.jsonl (lab/view.py) over the recorded tokens in the loss
     of `steps` (default: every recorded step), grouped by position in the completion, the special tokens (EOS) apart:
     "position 0", "position 1", ..., "EOS". A per-sequence quantity gives each token its sequence's value."""
     groups = {}

@@ -26,8 +26,8 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 import common
-from lab import async_sampling, checkpointer, pass_at_k, priority, sampling, step_metrics, vllm_engine
-from support import checkpoint, environments, fast, helpers, models, routing, run, tasks, view
+from lab import async_sampling, checkpointer, pass_at_k, priority, sampling, step_metrics, view, vllm_engine
+from support import checkpoint, environments, fast, helpers, models, routing, run, tasks
 from support.rollout import MicroBatch, micro_batches
 
 
@@ -92,7 +92,7 @@ class Trainer:
     """The run around one algorithm's loop: sampling (lab/sampling.py), scoring, the update's pieces (micro-batches,
     backward, step), timing, logging, evaluation, checkpoints. `rollout_model`, `rollout_lag`: the sampler's copy of
     `policy` (a Trainable) and its staleness; `others`: Trainables stepped with the policy (PPO's critic); `viewer`
-    (support/view.py) watches what the step computed; `environment`: the episodes' (agents.py), or None."""
+    (lab/view.py) watches what the step computed; `environment`: the episodes' (agents.py), or None."""
 
     def __init__(self, cfg, accelerator, tokenizer, sampler, eval_data, policy, rollout_model=None,
                  rollout_lag=None, others=()):

@@ -1,4 +1,4 @@
-"""The rollout viewer (support/view.py): what is recorded equals what was passed, masked positions are marked,
+"""The rollout viewer (lab/view.py): what is recorded equals what was passed, masked positions are marked,
 the due steps, the page in a real browser (headless Chromium): it renders, holds every token, recolours when
 the quantity changes, and raises no JavaScript error; and in real GRPO and ReMax runs every recorded value equals
 its definition recomputed from copies of the models."""
@@ -17,7 +17,8 @@ from transformers import AutoTokenizer
 
 import agents
 import common
-from support import config, helpers, view
+from lab import view
+from support import config, helpers
 
 ROUNDING = 0.5 * 10 ** (1 - view.SIGNIFICANT_DIGITS)  # relative error of a value kept to 4 significant digits
 

@@ -1,4 +1,4 @@
-"""The rollout viewer's page, which support/view.py fills in: {title}, and in the script tag "data" the recorded
+"""The rollout viewer's page, which lab/view.py fills in: {title}, and in the script tag "data" the recorded
 steps as JSON. The script builds the rows and colours the tokens by the quantity named in the URL's hash
 (#q=kl_k3) or the selector, else by the one view.opening_quantity chose ("opening"). Errors are shown in #errors
 (the browser test reads it). Inline CSS and JavaScript: no server, no network."""

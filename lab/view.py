@@ -3,7 +3,7 @@
 output_dir/rollouts.html (inline CSS and JavaScript: no server, no network). How to read it: docs/viewer.md.
 The trainer tells a `Watcher` what it computed (lab/engine.py): on the steps `Recorder.due` names, the main
 process keeps the first rows of what the step computed, and `derived` turns log-probs into the page's values.
-`python -m support.view RUN_DIR` rebuilds RUN_DIR/rollouts.html from RUN_DIR/rollouts.jsonl; `--screenshot PNG`
+`python -m lab.view RUN_DIR` rebuilds RUN_DIR/rollouts.html from RUN_DIR/rollouts.jsonl; `--screenshot PNG`
 also renders it to an image with headless Chromium.
 """
 import argparse
@@ -22,7 +22,7 @@ import torch
 
 import common
 from support import checkpoint
-from support.view_page import PAGE
+from lab.view_page import PAGE
 
 
 class Quantity(NamedTuple):
