@@ -1,4 +1,4 @@
-"""The lab's checkpoints: the shared ones (support/checkpoint.py: complete or absent, verified on resume), and a
+"""The lab's checkpoints: the shared ones (support/run.py: complete or absent, verified on resume), and a
 run that saves and stops on Ctrl-C or SIGTERM, stops on a non-finite loss or gradient norm naming its last good
 state, and rides out fp16 loss-scale overflows."""
 import os
@@ -7,7 +7,7 @@ import signal
 import torch
 from tqdm.auto import tqdm
 
-from support import checkpoint
+from support import run
 
 # Under fp16 mixed precision a GradScaler multiplies the loss by a scale (2**16 at first) and halves it at
 # every overflow, skipping that step: a few skips are routine, this many in a row is a diverging run.
@@ -55,13 +55,13 @@ class Checkpointer:
         print(f"\nsignal {signum}: saving a checkpoint at the end of this step (Ctrl-C again to quit now)", flush=True)
 
     def resume(self):
-        """checkpoint.load_checkpoint's step (0: none) for this run's prompt sampler."""
-        return checkpoint.load_checkpoint(self.cfg, self.accelerator, self.sampler)
+        """run.load_checkpoint's step (0: none) for this run's prompt sampler."""
+        return run.load_checkpoint(self.cfg, self.accelerator, self.sampler)
 
     def save(self, step, policy, tokenizer):
-        """checkpoint.save_checkpoint, with the prompt sampler's state (or its state before the batches drawn ahead)."""
+        """run.save_checkpoint, with the prompt sampler's state (or its state before the batches drawn ahead)."""
         state = (self.rewound and self.rewound()) or self.sampler.state_dict()
-        path = checkpoint.save_checkpoint(self.cfg, self.accelerator, step, policy, tokenizer, state)
+        path = run.save_checkpoint(self.cfg, self.accelerator, step, policy, tokenizer, state)
         self.last_saved = step
         return path
 
@@ -81,7 +81,7 @@ class Checkpointer:
         if not (bad_loss or bad_norm):
             self.skipped_steps = 0
             return
-        if not bad_loss and checkpoint.loss_scaling(self.accelerator):
+        if not bad_loss and run.loss_scaling(self.accelerator):
             self.skipped_steps += 1
             if self.skipped_steps < MAX_SKIPPED_STEPS:
                 return
@@ -100,7 +100,7 @@ class Checkpointer:
 
     def _last_good(self, step):
         """checkpoint-N if this run has just saved it: the same weights, with the exact RNG states."""
-        path = os.path.join(self.cfg.output_dir, f"{checkpoint.CHECKPOINT_PREFIX}{step}")
+        path = os.path.join(self.cfg.output_dir, f"{run.CHECKPOINT_PREFIX}{step}")
         return path if self.last_saved == step and os.path.isdir(path) else None
 
     def stop(self, message, agreed=True):
@@ -111,7 +111,7 @@ class Checkpointer:
     def stop_broken(self, step, agreed=True):
         """Stop the run: the update of `step` left the policy's weights or logits non-finite, although its loss
         and gradient norm were finite. Names the newest checkpoint written before it."""
-        earlier = [p for p in checkpoint.list_checkpoints(self.cfg.output_dir)[0] if checkpoint.checkpoint_step(p) < step]
+        earlier = [p for p in run.list_checkpoints(self.cfg.output_dir)[0] if run.checkpoint_step(p) < step]
         good = earlier[-1] if earlier else self.cfg.resume_from
         where = (f"the last good state is in {good}" if good else
                  "no checkpoint was saved before it (--save_steps N keeps one every N steps)")
@@ -150,5 +150,5 @@ class Checkpointer:
     def stop_if_broken(self, step, policy, tokenizer, finite=None):
         """stop_broken(step) on every rank when the weights or logits are not finite on one of them
         (`finite`: this rank's finite_weights_and_logits verdict, computed here if not given)."""
-        if not checkpoint.all_finite(self.accelerator, policy, tokenizer, self.probe_prompts, finite):
+        if not run.all_finite(self.accelerator, policy, tokenizer, self.probe_prompts, finite):
             self.stop_broken(step)

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 import common
 from lab import async_sampling, checkpointer, pass_at_k, priority, sampling, step_metrics, view, vllm_engine
-from support import checkpoint, environments, fast, helpers, models, routing, run, tasks
+from support import environments, fast, helpers, models, routing, run, tasks
 from support.rollout import MicroBatch, micro_batches
 
 
@@ -281,7 +281,7 @@ class Trainer:
         finite = None  # no save follows: broken weights stop the next sampling, or the next loss
         if self.ckpt.saves_after(step):  # the same on every rank: under ZeRO-3 the probe's forward is a collective
             with self.timer("checks"):  # the update left finite weights, and finite logits on a training prompt
-                finite = checkpoint.finite_weights_and_logits(accelerator.unwrap_model(self.policy.model),
+                finite = run.finite_weights_and_logits(accelerator.unwrap_model(self.policy.model),
                                                               self.tokenizer, self.ckpt.probe_prompts)
         metrics = {**metrics, "train/generated": self.generated, **self.timer.metrics(),
                    **self.rollout_sampler.end_step(step)}  # --rollout_lag, --async_rollouts: the staleness

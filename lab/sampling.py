@@ -114,7 +114,7 @@ class RolloutSampler:
                 error = e  # that raised (its one line): every rank stops, not the one alone
             if any_process(accelerator, error is not None):
                 # the weights are checked between saves only, so an update may have broken them: then every rank
-                # stops with one message (checkpoint.finite_weights_and_logits); else the error stands
+                # stops with one message (run.finite_weights_and_logits); else the error stands
                 trainer.ckpt.stop_if_broken(trainer.at_step - 1, model, tokenizer)
                 raise error if error is not None else SystemExit(1)
             k = len(completion_ids) // len(examples)

@@ -21,7 +21,7 @@ from typing import NamedTuple
 import torch
 
 import common
-from support import checkpoint
+from support import run
 from lab.view_page import PAGE
 
 
@@ -245,7 +245,7 @@ class Watcher:
         scale; None where it overflowed (the scaler skips that step) and under DeepSpeed's fp16, whose scale lives
         in its optimizer."""
         grad, scaler = mb.logp.grad, self.accelerator.scaler
-        if grad is None or (scaler is None and checkpoint.loss_scaling(self.accelerator)):  # DeepSpeed's fp16
+        if grad is None or (scaler is None and run.loss_scaling(self.accelerator)):  # DeepSpeed's fp16
             return None
         if scaler is not None:
             grad = grad / scaler.get_scale()  # accelerator.backward differentiated scale * loss

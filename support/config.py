@@ -133,7 +133,7 @@ def script_name():
 
 def parse_config(config_class, args=None):
     """Parse the command line into `config_class`; a bad value exits with one clear line. (What needs a
-    checkpoint's files, --resume_from latest among them, is checked by support/checkpoint.py load_checkpoint.)"""
+    checkpoint's files, --resume_from latest among them, is checked by support/run.py load_checkpoint.)"""
     script = script_name()
     parser = command_line(config_class)
     args = negative_values_joined(sys.argv[1:] if args is None else list(args))

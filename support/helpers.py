@@ -15,7 +15,7 @@ import torch
 from tqdm.auto import tqdm
 
 import common
-from support import checkpoint, config, models, run, tasks
+from support import config, models, run, tasks
 from support.config import (  # noqa: F401 (the lessons')
     DTYPES, AT_LEAST_ONE, DUAL_CLIP, EMBEDDED_TEACHER, FRACTION, NON_NEGATIVE, POSITIVE, PROBABILITY,
     BaseConfig as TrainConfig, arg, check, check_rules, one_of)
@@ -233,7 +233,7 @@ def check_finite(accelerator, loss, grad_norm, step):
     """Stop every rank, before the optimizer step, when the loss or the gradient norm is not finite on one of them
     (under fp16 loss scaling an inf norm is an overflow the optimizer step skips: not an error)."""
     norm = torch.as_tensor(0.0 if grad_norm is None else grad_norm, device=accelerator.device)
-    bad = ~torch.isfinite(loss.detach()).all() | (~torch.isfinite(norm).all() & ~checkpoint.loss_scaling(accelerator))
+    bad = ~torch.isfinite(loss.detach()).all() | (~torch.isfinite(norm).all() & ~run.loss_scaling(accelerator))
     if accelerator.reduce(bad.float(), reduction="sum") > 0:
         raise SystemExit(f"error: non-finite loss ({loss.item()}) or gradient norm ({norm.tolist()}) at step {step}; "
                          "the update was not applied. Lower --learning_rate, keep --max_grad_norm on, or check the "
@@ -244,7 +244,7 @@ def check_finite(accelerator, loss, grad_norm, step):
 def resume(cfg, accelerator, prompts):
     """The step to start after: 0, or that of the checkpoint --resume_from names (its weights, optimizer, every
     rank's random state and prompt order loaded)."""
-    return checkpoint.load_checkpoint(cfg, accelerator, prompts)
+    return run.load_checkpoint(cfg, accelerator, prompts)
 
 
 def open_log(cfg, accelerator, start_step):
@@ -280,12 +280,12 @@ def save_checkpoint(cfg, accelerator, step, policy, tokenizer, prompts):
     """Every --save_steps: output_dir/checkpoint-N, complete or absent, from finite weights only."""
     if cfg.save_steps and step % cfg.save_steps == 0:
         check_weights(accelerator, step, policy, tokenizer, prompts)
-        checkpoint.save_checkpoint(cfg, accelerator, step, policy, tokenizer, prompts.state_dict())
+        run.save_checkpoint(cfg, accelerator, step, policy, tokenizer, prompts.state_dict())
 
 
 def check_weights(accelerator, step, policy, tokenizer, prompts):
     """Stop every rank when the policy's weights, or its logits on a training prompt, are not finite on one."""
-    if not checkpoint.all_finite(accelerator, policy, tokenizer, [ex["prompt"] for ex in prompts.examples[:1]]):
+    if not run.all_finite(accelerator, policy, tokenizer, [ex["prompt"] for ex in prompts.examples[:1]]):
         raise SystemExit(f"error: the update of step {step} made the policy's weights or logits non-finite; nothing "
                          "was saved from them. Lower --learning_rate.")
 

@@ -14,9 +14,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SAVE_PAUSE_S = 0.5
 
 sys.path.insert(0, str(ROOT))
-from support import checkpoint  # noqa: E402
+from support import run  # noqa: E402
 
-save_model = checkpoint.save_model
+save_model = run.save_model
 
 
 def paused_save_model(*args, **kwargs):
@@ -25,6 +25,6 @@ def paused_save_model(*args, **kwargs):
 
 
 if __name__ == "__main__":
-    checkpoint.save_model = paused_save_model
+    run.save_model = paused_save_model
     sys.argv = sys.argv[1:]  # the script sees its own name and flags, as if launched directly
     runpy.run_path(str(ROOT / sys.argv[0]), run_name="__main__")

@@ -18,7 +18,7 @@ import torch
 
 from lab import config as lab_config
 from lab.checkpointer import MAX_SKIPPED_STEPS, Checkpointer
-from support import checkpoint, config, models, run, tasks
+from support import config, models, run, tasks
 from conftest import ROOT, free_port
 
 CHAOS_ARGS = ["--num_steps", "6", "--batch_size", "2", "--max_new_tokens", "4", "--eval_every", "100000",
@@ -63,14 +63,14 @@ def chaos(cmd, out_dir, kills, seed):
     the run has logged a step of its own. Returns how many partial folders each kill left."""
     rng, partial_left = random.Random(seed), []
     for kill in range(kills):
-        latest = checkpoint.list_checkpoints(out_dir)[0]
-        resumed_at = checkpoint.checkpoint_step(latest[-1]) if latest else -1
+        latest = run.list_checkpoints(out_dir)[0]
+        resumed_at = run.checkpoint_step(latest[-1]) if latest else -1
         err_file = open(out_dir.parent / "killed.err", "w+")  # a file, not a pipe nobody reads while it runs
         proc = subprocess.Popen(cmd + ["--resume_from", "latest"], cwd=ROOT, env=ENV, start_new_session=True,
                                 stdout=subprocess.DEVNULL, stderr=err_file)
         started, deadline = time.time(), time.time() + 120
         while proc.poll() is None and time.time() < deadline:
-            if checkpoint.list_checkpoints(out_dir)[1] if kill == 0 else progressed(out_dir / "metrics.jsonl", started,
+            if run.list_checkpoints(out_dir)[1] if kill == 0 else progressed(out_dir / "metrics.jsonl", started,
                                                                              resumed_at):
                 break
             time.sleep(0.01)
@@ -82,7 +82,7 @@ def chaos(cmd, out_dir, kills, seed):
         err = err_file.read()
         err_file.close()
         assert "Traceback" not in err, err[-3000:]
-        partial_left.append(len(checkpoint.list_checkpoints(out_dir)[1]))
+        partial_left.append(len(run.list_checkpoints(out_dir)[1]))
     last = subprocess.run(cmd + ["--resume_from", "latest"], cwd=ROOT, env=ENV, capture_output=True, text=True)
     assert last.returncode == 0, last.stderr[-3000:]
     return partial_left
@@ -150,7 +150,7 @@ def test_retention_keeps_the_newest_complete_checkpoints_and_latest_skips_partia
     (tmp_path / "tmp-checkpoint-4").mkdir()  # killed while writing step 4
     (tmp_path / "checkpoint-5").mkdir()  # killed while replacing checkpoint-5: no trainer_state.json
     cfg = config.parse_config(config_class("remax"), ["--output_dir", str(tmp_path), "--resume_from", "latest"])
-    assert checkpoint.find_checkpoint(cfg, world_size=1) == (str(tmp_path / "checkpoint-3"), None)
+    assert run.find_checkpoint(cfg, world_size=1) == (str(tmp_path / "checkpoint-3"), None)
     err = capsys.readouterr().err
     assert "warning: ignoring partial checkpoints" in err and "tmp-checkpoint-4" in err and "checkpoint-5" in err
     ckpt.save(4, policy, tokenizer)  # deletes the partial folders and checkpoint-2
@@ -158,12 +158,12 @@ def test_retention_keeps_the_newest_complete_checkpoints_and_latest_skips_partia
     keep_all = checkpointer(parts, tmp_path, save_total_limit=0)
     keep_all.save(5, policy, tokenizer)
     keep_all.save(6, policy, tokenizer)
-    assert len(checkpoint.list_checkpoints(tmp_path)[0]) == 4
+    assert len(run.list_checkpoints(tmp_path)[0]) == 4
 
 
 def test_resume_latest_without_a_checkpoint_starts_at_step_zero(tmp_path, capsys):
     cfg = config.parse_config(config_class("remax"), ["--output_dir", str(tmp_path), "--resume_from", "latest"])
-    assert checkpoint.find_checkpoint(cfg, world_size=1, script="remax.py") == ("", None)
+    assert run.find_checkpoint(cfg, world_size=1, script="remax.py") == ("", None)
     assert "starting at step 0" in capsys.readouterr().err
 
 
@@ -172,7 +172,7 @@ def write_checkpoint(out_dir, script, cfg, world_size=1, step=3):
     other file): enough for the checks of find_checkpoint."""
     path = out_dir / f"checkpoint-{step}"
     path.mkdir(parents=True)
-    (path / "trainer_state.json").write_text(json.dumps(checkpoint.trainer_state(cfg, step, world_size, script)))
+    (path / "trainer_state.json").write_text(json.dumps(run.trainer_state(cfg, step, world_size, script)))
     return path
 
 
@@ -181,7 +181,7 @@ def test_resume_refuses_another_scripts_checkpoint(tmp_path, monkeypatch):
     path = write_checkpoint(tmp_path / "g", "grpo.py", grpo_cfg)
     monkeypatch.setattr(sys, "argv", ["ppo.py"])
     cfg = config.parse_config(config_class("ppo"), ["--output_dir", str(tmp_path / "p"), "--resume_from", str(path)])
-    _, error = checkpoint.find_checkpoint(cfg, world_size=1)
+    _, error = run.find_checkpoint(cfg, world_size=1)
     assert error.startswith("error: --resume_from") and "written by grpo.py, not ppo.py" in error
 
 
@@ -191,12 +191,12 @@ def test_resume_refuses_step_changing_flags_and_notes_harmless_ones(tmp_path, mo
     path = write_checkpoint(tmp_path, "grpo.py", config.parse_config(Config, ["--output_dir", str(tmp_path)]))
     cfg = config.parse_config(Config, ["--output_dir", str(tmp_path / "new"), "--resume_from", str(path),
                                        "--num_generations", "4", "--learning_rate", "1e-5"])
-    _, error = checkpoint.find_checkpoint(cfg, world_size=1)
+    _, error = run.find_checkpoint(cfg, world_size=1)
     assert "--num_generations (8 there, 4 here)" in error and "--learning_rate" in error
     assert "--num_steps" not in error
     cfg = config.parse_config(Config, ["--output_dir", str(tmp_path), "--resume_from", "latest", "--num_steps", "900",
                                        "--save_steps", "10"])
-    assert checkpoint.find_checkpoint(cfg, world_size=1) == (str(path), None)
+    assert run.find_checkpoint(cfg, world_size=1) == (str(path), None)
     assert "note: resuming" in capsys.readouterr().err
 
 
@@ -206,7 +206,7 @@ def test_resume_with_another_world_size_is_refused(tmp_path, monkeypatch):
     path = write_checkpoint(tmp_path, "remax.py", config.parse_config(Config, ["--output_dir", str(tmp_path)]),
                             world_size=2)
     cfg = config.parse_config(Config, ["--output_dir", str(tmp_path), "--resume_from", str(path)])
-    _, error = checkpoint.find_checkpoint(cfg, world_size=1)
+    _, error = run.find_checkpoint(cfg, world_size=1)
     assert "written by 2 processes and this run has 1: launch it with --num_processes 2" in error
 
 
@@ -214,12 +214,12 @@ def test_output_dir_with_checkpoints_or_another_scripts_run_is_refused(tmp_path,
     monkeypatch.setattr(sys, "argv", ["remax.py"])
     Config = config_class("remax")
     write_checkpoint(tmp_path, "remax.py", config.parse_config(Config, ["--output_dir", str(tmp_path)]))
-    _, error = checkpoint.find_checkpoint(config.parse_config(Config, ["--output_dir", str(tmp_path)]), world_size=1)
+    _, error = run.find_checkpoint(config.parse_config(Config, ["--output_dir", str(tmp_path)]), world_size=1)
     assert error.startswith("error: --output_dir")
     assert "holds checkpoints of an earlier run (newest checkpoint-3)" in error
     monkeypatch.setattr(sys, "argv", ["rloo.py"])
     cfg = config.parse_config(config_class("rloo"), ["--output_dir", str(tmp_path), "--resume_from", "latest"])
-    assert "written by remax.py, not rloo.py" in checkpoint.find_checkpoint(cfg, world_size=1)[1]
+    assert "written by remax.py, not rloo.py" in run.find_checkpoint(cfg, world_size=1)[1]
 
 
 def test_a_run_without_checkpoints_is_written_over_by_its_script_only(parts, tmp_path, monkeypatch):
@@ -352,11 +352,11 @@ def test_a_non_finite_weight_is_found_even_where_the_probe_logits_stay_finite(pa
     weight = model.model.layers[1].mlp.up_proj.weight
     saved = weight.detach().clone()
     monkeypatch.setattr(model, "forward", lambda **kwargs: SimpleNamespace(logits=torch.zeros(1, 1, 3)))
-    assert checkpoint.finite_weights_and_logits(model, tokenizer, ["12+3="])
+    assert run.finite_weights_and_logits(model, tokenizer, ["12+3="])
     with torch.no_grad():
         weight[5, 7] = bad
     try:
-        assert not checkpoint.finite_weights_and_logits(model, tokenizer, ["12+3="])
+        assert not run.finite_weights_and_logits(model, tokenizer, ["12+3="])
     finally:
         with torch.no_grad():
             weight.copy_(saved)
@@ -371,8 +371,8 @@ def test_a_checkpoint_records_the_size_and_checksum_of_every_file(parts, tmp_pat
     assert {"model.safetensors", "model/model.safetensors", "sampler_rank0.json"} <= set(files)
     record = files["model/model.safetensors"]
     assert record["bytes"] == os.path.getsize(os.path.join(path, "model", "model.safetensors"))
-    assert record["sha256"] == checkpoint.sha256(os.path.join(path, "model", "model.safetensors"))
-    assert checkpoint.verify_checkpoint(path) is None
+    assert record["sha256"] == run.sha256(os.path.join(path, "model", "model.safetensors"))
+    assert run.verify_checkpoint(path) is None
 
 
 @pytest.mark.parametrize("damage, message", [
@@ -387,9 +387,9 @@ def test_a_damaged_file_is_named(parts, tmp_path, monkeypatch, damage, message):
     file = tmp_path / "checkpoint-1" / "model" / "model.safetensors"
     size = file.stat().st_size
     damage(file)
-    assert checkpoint.verify_checkpoint(path) == f"{file} {message.format(size=size)}"
+    assert run.verify_checkpoint(path) == f"{file} {message.format(size=size)}"
     cfg = config.parse_config(config_class("remax"), ["--output_dir", str(tmp_path), "--resume_from", path])
-    _, error = checkpoint.find_checkpoint(cfg, world_size=1)
+    _, error = run.find_checkpoint(cfg, world_size=1)
     assert error == f"error: --resume_from {path!r} is damaged: {file} {message.format(size=size)}. Give another " \
                     "checkpoint (--resume_from latest skips damaged ones)."
 
@@ -417,7 +417,7 @@ def test_damaged_checkpoints_are_an_error_by_path_and_skipped_by_latest(tmp_path
     assert f"warning: --resume_from latest: skipping the damaged checkpoint-2: {weights} has 4 bytes" in out.stderr
     assert f"resumed from {out_dir / 'checkpoint-1'} at step 1" in out.stdout
     assert [r["step"] for r in run.read_metrics(out_dir / "metrics.jsonl")] == [0, 1, 2, 3]
-    assert checkpoint.verify_checkpoint(newest) is None  # written again by the resumed run
+    assert run.verify_checkpoint(newest) is None  # written again by the resumed run
 
 
 # A pickle that, once loaded, writes a file: what a crafted checkpoint's custom_checkpoint_0.pkl held.
@@ -453,7 +453,7 @@ def test_ppos_kl_controller_is_saved_as_json_and_a_resume_runs_no_pickle(tmp_pat
     crafted = last / "custom_checkpoint_0.pkl"
     subprocess.run([sys.executable, "-c", PAYLOAD.format(sentinel=sentinel, file=str(crafted))], check=True)
     state = json.loads((last / "trainer_state.json").read_text())
-    (last / "trainer_state.json").write_text(json.dumps({**state, "files": checkpoint.file_records(last)}))
+    (last / "trainer_state.json").write_text(json.dumps({**state, "files": run.file_records(last)}))
     refused = subprocess.run(cmd + ["--resume_from", str(last)], cwd=ROOT, env=ENV, capture_output=True, text=True,
                              timeout=600)
     assert not sentinel.exists()
@@ -463,7 +463,7 @@ def test_ppos_kl_controller_is_saved_as_json_and_a_resume_runs_no_pickle(tmp_pat
         return
     crafted.unlink()
     (last / "custom_state_0.json").write_text('{"value": "0.1"}')
-    (last / "trainer_state.json").write_text(json.dumps({**state, "files": checkpoint.file_records(last)}))
+    (last / "trainer_state.json").write_text(json.dumps({**state, "files": run.file_records(last)}))
     refused = subprocess.run(cmd + ["--resume_from", str(last)], cwd=ROOT, env=ENV, capture_output=True, text=True,
                              timeout=600)
     assert refused.stderr.strip().splitlines()[-1].startswith(f"error: --resume_from {str(last)!r}: ") and \

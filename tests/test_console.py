@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import torch
 
-from support import checkpoint, config, helpers, run
+from support import config, helpers, run
 
 
 def lesson_config(script, tmp_path, *flags, monkeypatch):
@@ -38,9 +38,9 @@ def test_without_a_reference_the_console_prints_no_kl(tmp_path, monkeypatch, cap
 
 def test_a_run_into_a_finished_runs_folder_says_it_replaces_it(tmp_path, monkeypatch, capsys):
     cfg = lesson_config("remax", tmp_path, monkeypatch=monkeypatch)
-    assert checkpoint.find_checkpoint(cfg, world_size=1) == ("", None) and capsys.readouterr().err == ""
+    assert run.find_checkpoint(cfg, world_size=1) == ("", None) and capsys.readouterr().err == ""
     (tmp_path / "summary.json").write_text("{}")  # what a finished run writes last
-    assert checkpoint.find_checkpoint(cfg, world_size=1) == ("", None)
+    assert run.find_checkpoint(cfg, world_size=1) == ("", None)
     assert capsys.readouterr().err == (f"note: --output_dir {str(tmp_path)!r} holds a finished run of remax.py: this "
                                        "run replaces it (give another --output_dir to keep it).\n")
 
