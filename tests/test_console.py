@@ -2,12 +2,12 @@
 and the threads a plain `python X.py` runs with (those `accelerate launch` gives)."""
 import importlib
 import os
+import subprocess
 import sys
 from types import SimpleNamespace
 
-import torch
-
-from support import config, helpers, run
+from conftest import ROOT
+from support import config, run
 
 
 def lesson_config(script, tmp_path, *flags, monkeypatch):
@@ -45,16 +45,15 @@ def test_a_run_into_a_finished_runs_folder_says_it_replaces_it(tmp_path, monkeyp
                                        "run replaces it (give another --output_dir to keep it).\n")
 
 
-def test_a_plain_python_run_takes_one_thread_per_process_as_accelerate_launch_gives(tmp_path, monkeypatch):
-    cfg = SimpleNamespace(report_to="none", output_dir=str(tmp_path))
-    threads = torch.get_num_threads()
-    try:
-        monkeypatch.setenv("OMP_NUM_THREADS", "2")  # a choice made outside is kept
-        torch.set_num_threads(2)
-        helpers.make_accelerator(cfg)
-        assert torch.get_num_threads() == 2
-        monkeypatch.delenv("OMP_NUM_THREADS")  # `python remax.py`: none made
-        helpers.make_accelerator(cfg)
-        assert torch.get_num_threads() == 1 and os.environ["OMP_NUM_THREADS"] == "1"  # and the processes it starts
-    finally:
-        torch.set_num_threads(threads)
+def test_a_plain_python_run_takes_one_thread_per_process_as_accelerate_launch_gives(tmp_path):
+    """helpers.launch starts the process again with OMP_NUM_THREADS=1 when nothing set it (torch then starts its
+    pools with one thread, as under `accelerate launch`), with the same command; a choice made outside is kept."""
+    script = tmp_path / "script.py"
+    script.write_text(f"import os, sys\nsys.path.insert(0, {str(ROOT)!r})\nimport torch\nfrom support import helpers\n"
+                      "helpers.launch(lambda: print(torch.get_num_threads(), os.environ['OMP_NUM_THREADS'], "
+                      "sys.argv[1:]))\n")
+    env = {key: value for key, value in os.environ.items() if key != "OMP_NUM_THREADS"}
+    for given, expected in ((None, "1 1 ['--a', 'b']"), ("2", "2 2 ['--a', 'b']")):
+        out = subprocess.run([sys.executable, str(script), "--a", "b"], capture_output=True, text=True,
+                             env=env if given is None else {**env, "OMP_NUM_THREADS": given})
+        assert out.returncode == 0 and out.stdout.strip() == expected, out.stderr
