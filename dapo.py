@@ -210,6 +210,7 @@ def main():
             "train/reward_std": rewards.std(),
             "train/correct": correct.mean(),
             "train/frac_zero_std_groups": (grouped == grouped[:, :1]).all(1).float().mean(),
+            "train/overlong_penalty": penalty.mean(),
             "train/adv_mean": adv.mean(),
             "train/adv_std": adv.std(),
             "train/adv_abs_max": adv.abs().max(),

@@ -264,7 +264,7 @@ def agent_main(args):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(1)
-    cfg = lab_config.TrainConfig(seed=args.seed, dataset="tool_arithmetic")
+    cfg = lab_config.LabConfig(seed=args.seed, dataset="tool_arithmetic")
     train, held_out = tasks.load_task(cfg)
     if args.check:
         model, tokenizer = AutoModelForCausalLM.from_pretrained(args.out), AutoTokenizer.from_pretrained(args.out)
@@ -336,7 +336,7 @@ def main():
     moe = {"output_router_logits": True} if args.moe else {}  # adds the load-balancing loss to .loss
     n_params = sum(p.numel() for p in model.parameters())
     print(f"{n_params / 1e6:.2f}M parameters")
-    cfg = lab_config.TrainConfig(seed=args.seed)
+    cfg = lab_config.LabConfig(seed=args.seed)
     train, held_out = tasks.load_task(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     rng, start, log = random.Random(args.seed), time.time(), []

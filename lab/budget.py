@@ -21,7 +21,7 @@ class ExplorationConfig:
     G is the mean group size, each prompt's between --min_n and --max_n, and a success rate needs answers.
     --sampler tree (TreePO: the G completions are the leaves of a tree whose branches share their segments): G
     leaves, each fork before the completion's end."""
-    SAMPLERS = ("independent", "vllm", "tree")  # lab/config.py's TrainConfig's --sampler, and the trees
+    SAMPLERS = ("independent", "vllm", "tree")  # lab/config.py's LabConfig's --sampler, and the trees
     budget: str = arg("uniform", "Completions per prompt: uniform (G each) | knapsack (Knapsack RL: by each prompt's "
                       "success rate over its latest answers, batch_size in all).")
     min_n: int = arg(None, "--budget knapsack: the fewest completions of a prompt (default 2).")

@@ -1,16 +1,16 @@
-"""The lab's flags: TrainConfig (every lab loop's, after the lesson's support/config.BaseConfig), CorrectionConfig
+"""The lab's flags: LabConfig (every lab loop's, after the lesson's support/config.TrainConfig), CorrectionConfig
 (the corrections of a sampler that is not the trainer) and GroupConfig (the group methods' shared fields and
 defaults). Each lab/<script>.py subclasses one of them with what its algorithm adds."""
 import importlib.util
 from dataclasses import dataclass, field
 
-from support.config import (DTYPES, FRACTION, NON_NEGATIVE, POSITIVE, BaseConfig, Rule, arg, check, check_rules,
+from support.config import (DTYPES, FRACTION, NON_NEGATIVE, POSITIVE, Rule, TrainConfig, arg, check, check_rules,
                             one_of, say)
 
 
 @dataclass
-class TrainConfig(BaseConfig):
-    """The lab's flags (lab/*.py), after BaseConfig's."""
+class LabConfig(TrainConfig):
+    """The lab's flags (lab/*.py), after TrainConfig's (the lesson's)."""
     prompt_column: str = arg("question", "Prompt column of --dataset gsm8k or a local file.")
     answer_column: str = arg("answer", "Answer column ('' for prompts without answers, scored by --reward_fn or "
                              "--reward_model).")
@@ -113,7 +113,7 @@ class TrainConfig(BaseConfig):
 
 
 @dataclass
-class CorrectionConfig(TrainConfig):
+class CorrectionConfig(LabConfig):
     """The corrections of a sampler with other weights than the trainer's (docs/stability.md; docs/async.md)."""
     tis_cap: float = arg(0.0, "Truncated importance sampling: weigh each token by min(pi_train / pi_rollout, C) "
                          "(0 = off; 2 is common).")

@@ -73,7 +73,7 @@ class Config(environments.AgentConfig, lab_config.CorrectionConfig):
     num_generations: Optional[int] = arg(None, "VAPO's group sampling: batch_size / G prompts a step, each sampled G "
                                          "times, its rows adjacent (VAPO: 16; default 1: one sample per prompt).")
     vapo: bool = arg(False, "VAPO's recipe: each VAPO flag left unset takes VAPO's value (docs/algorithms.md#vapo).")
-    reuses_batch = True  # num_epochs x num_mini_batches updates on each batch (lab_config.TrainConfig)
+    reuses_batch = True  # num_epochs x num_mini_batches updates on each batch (lab_config.LabConfig)
 
     def __post_init__(self):
         super().__post_init__()

@@ -100,6 +100,7 @@ def main():
             "train/reward_with_kl": rewards_kl.mean(),
             "train/adv_mean": adv.mean(),
             "train/adv_std": adv.std(),
+            "train/adv_abs_max": adv.abs().max(),
             "train/kl_seq": kl_seq,
             **{f"train/{key}": value for key, value in update.items()},
             **reward_stats,

@@ -1,6 +1,5 @@
-"""Configuration every script shares: TrainConfig (each algorithm file subclasses it with
-what it adds), GroupConfig (the group methods' shared fields and defaults), parsing and the
-Accelerator."""
+"""The flags every script shares: TrainConfig (each lesson file subclasses it with what its algorithm adds; the lab's
+LabConfig, lab/config.py, adds the lab's), their checks, and the command line's parsing."""
 import fcntl
 import functools
 import json
@@ -51,9 +50,9 @@ DUAL_CLIP = Rule(lambda v: v == 0 or v > 1, "0 (off) or > 1")
 
 
 @dataclass
-class BaseConfig:
+class TrainConfig:
     """The flags every training script has: the lesson files' (helpers.TrainConfig) and the lab's (lab/config.py's
-    TrainConfig adds the rest). A lesson file keeps each lab flag at its default: the class attributes after the fields."""
+    LabConfig adds the rest). A lesson file keeps each lab flag at its default: the class attributes after the fields."""
     model_name_or_path: str = arg(EMBEDDED_MODEL, "Causal LM: Hub name or local folder (default: the embedded model).")
     dataset: str = arg("arithmetic", "'arithmetic' (built-in), 'gsm8k' (Hub) or a local .json/.jsonl/.parquet file.")
     # action "extend": the flag can be repeated, each time with one or more values
@@ -81,7 +80,7 @@ class BaseConfig:
     resume_from: str = arg("", "A checkpoint folder (output_dir/checkpoint-N) to continue from, or 'latest': "
                            "the newest checkpoint in --output_dir whose files verify (none: start at step 0).")
 
-    # the lab's flags (TrainConfig's fields), at their defaults
+    # the lab's flags (LabConfig's fields), at their defaults
     prompt_column, answer_column, answer_check, system_prompt = "question", "answer", "number", ""
     prompt_template, format_reward_weight, eval_samples = "chat", 0.0, 0
     eval_size, train_size, use_chat_template, max_prompt_length = 200, 0, True, 512
@@ -238,7 +237,7 @@ def lab_script(flag):
             return set(re.findall(r"^    (\w+): .*= arg\(", f.read(), re.M))
     script = script_name()
     if script.startswith("lab" + os.sep) or not os.path.isfile(os.path.join(ROOT, "lab", script)) or \
-            flag in {f.name for f in fields(BaseConfig)} | flags(script):  # the lesson's own
+            flag in {f.name for f in fields(TrainConfig)} | flags(script):  # the lesson's own
         return None
     lab = flags("lab", "config.py") | flags("lab", script) | flags("support", "environments.py")
     return f"lab/{script}" if flag in lab else None

@@ -41,7 +41,7 @@ SECONDS = Rule(lambda v: 0 < v <= 86400, "> 0 and at most 86400 (a day)")
 
 @dataclass
 class AgentConfig:
-    """The flags of multi-turn episodes, before lab/config.py's TrainConfig (or GroupConfig) in a Config's bases: its checks
+    """The flags of multi-turn episodes, before lab/config.py's LabConfig (or GroupConfig) in a Config's bases: its checks
     run after theirs. --environment calculator on the default model and task switches both to the agent ones; with
     an environment or tools the default --max_new_tokens (8, a single answer's) becomes AGENT_BUDGET, an episode's."""
     environment: str = arg("", "The environment of each episode: 'calculator' (built-in) or FILE.py:Class, TRL's "

@@ -18,7 +18,7 @@ import common
 from support import config, models, run, tasks
 from support.config import (  # noqa: F401 (the lessons')
     DTYPES, AT_LEAST_ONE, DUAL_CLIP, EMBEDDED_TEACHER, FRACTION, NON_NEGATIVE, POSITIVE, PROBABILITY,
-    BaseConfig as TrainConfig, arg, check, check_rules, one_of)
+    TrainConfig, arg, check, check_rules, one_of)
 from support.fast import generate, token_logprobs
 from support.rollout import Rollout, micro_batches
 from support.tasks import make_reward_fn  # noqa: F401 (the lessons')
@@ -202,6 +202,7 @@ def fill_batch(rounds, cfg, accelerator, tokenizer, step):
     reward_stats = {key: sum(s[key] for s in stats) / len(stats) for key in stats[0]}
     metrics = {"train/skipped_step": float(n == 0), "train/sampling_rounds": len(rounds),
                "train/groups_dropped": (len(sampled) - held) // cfg.num_generations,
+               "train/groups_kept": n // cfg.num_generations,
                "train/reward_sampled": sampled.mean()}
     if n == 0:
         return None, None, None, reward_stats, metrics

@@ -127,7 +127,7 @@ def parts():
     """A CPU accelerator with the embedded policy prepared, its tokenizer and a prompt sampler."""
     from accelerate import Accelerator
 
-    cfg = lab_config.TrainConfig()
+    cfg = lab_config.LabConfig()
     accelerator = Accelerator(cpu=True)
     policy = accelerator.prepare(models.load_model(cfg))
     sampler = tasks.PromptSampler([{"prompt": "12+3="}, {"prompt": "7*8="}], 1, 0)
@@ -136,7 +136,7 @@ def parts():
 
 def checkpointer(parts, out_dir, **flags):
     accelerator, policy, tokenizer, sampler = parts
-    return Checkpointer(lab_config.TrainConfig(output_dir=str(out_dir), **flags), accelerator, sampler)
+    return Checkpointer(lab_config.LabConfig(output_dir=str(out_dir), **flags), accelerator, sampler)
 
 
 def test_retention_keeps_the_newest_complete_checkpoints_and_latest_skips_partial_ones(parts, tmp_path, capsys,

@@ -110,7 +110,7 @@ def test_sampling_logprobs_match_training_logprobs_with_left_padding():
     processed scores are captured from inside common.generate."""
     tok = AutoTokenizer.from_pretrained(config.EMBEDDED_MODEL, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(config.EMBEDDED_MODEL).eval()
-    cfg = lab_config.TrainConfig(max_new_tokens=5, temperature=0.7, top_k=8, top_p=0.9)
+    cfg = lab_config.LabConfig(max_new_tokens=5, temperature=0.7, top_k=8, top_p=0.9)
     prompt_ids, prompt_mask = tasks.tokenize_prompts(tok, ["1+2=", "123+456=", "99*9="], "cpu")
     scores, generate = [], model.generate
 
@@ -139,7 +139,7 @@ def test_generate_returns_k_adjacent_samples_per_prompt_and_greedy_is_determinis
     interleaved. The two prompts' answers differ, so the order is visible."""
     tok = AutoTokenizer.from_pretrained(config.EMBEDDED_MODEL, padding_side="left")
     model = AutoModelForCausalLM.from_pretrained(config.EMBEDDED_MODEL)
-    cfg = lab_config.TrainConfig(max_new_tokens=6, temperature=1e-4)
+    cfg = lab_config.LabConfig(max_new_tokens=6, temperature=1e-4)
     prompt_ids, prompt_mask = tasks.tokenize_prompts(tok, ["12+3=", "45+67="], "cpu")
     samples = common.generate(model, tok, prompt_ids, prompt_mask, cfg, num_samples=4)
     assert samples.shape[0] == 8 and samples.shape[1] <= 6
@@ -155,7 +155,7 @@ def test_generate_returns_k_adjacent_samples_per_prompt_and_greedy_is_determinis
 
 
 def test_held_out_split_is_disjoint_from_training_prompts():
-    train, held_out = tasks.load_task(lab_config.TrainConfig())
+    train, held_out = tasks.load_task(lab_config.LabConfig())
     assert {ex["prompt"] for ex in train}.isdisjoint({ex["prompt"] for ex in held_out})
     assert {ex["family"] for ex in held_out} == set(tasks.FAMILIES)
     for ex in held_out[:50]:
@@ -197,7 +197,7 @@ def test_evaluate_counts_greedy_answers_per_family(monkeypatch):
     answers = ["3", "4", "6", "7"]  # add: 2 of 3 right, mul: 0 of 1
     greedy = torch.tensor([tok(a + "<eos>", add_special_tokens=False)["input_ids"] for a in answers])
     monkeypatch.setattr(fast, "generate", lambda *args, **kwargs: greedy)
-    metrics = tasks.evaluate(None, tok, examples, lab_config.TrainConfig(), OneProcess())
+    metrics = tasks.evaluate(None, tok, examples, lab_config.LabConfig(), OneProcess())
     assert metrics == {"eval/accuracy": 0.5, "eval/acc_add": 2 / 3, "eval/acc_mul": 0.0}
 
 

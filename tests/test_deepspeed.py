@@ -26,11 +26,11 @@ def test_deepspeed_settings_come_from_the_flags():
     from lab import config
     from support import helpers
 
-    cfg = config.TrainConfig(batch_size=16, max_grad_norm=0.5)
+    cfg = config.LabConfig(batch_size=16, max_grad_norm=0.5)
     ds = helpers.deepspeed_settings({"gradient_accumulation_steps": "auto", "gradient_clipping": 1.0}, cfg, 4)
     assert ds == {"gradient_accumulation_steps": 1, "train_micro_batch_size_per_gpu": 16, "train_batch_size": 64,
                   "gradient_clipping": 0.5}
-    cfg = config.TrainConfig(batch_size=16, micro_batch_size=3, max_grad_norm=0)
+    cfg = config.LabConfig(batch_size=16, micro_batch_size=3, max_grad_norm=0)
     ds = helpers.deepspeed_settings({}, cfg, 2)
     assert (ds["train_micro_batch_size_per_gpu"], ds["train_batch_size"], ds["gradient_clipping"]) == (3, 6, 0)
     with pytest.raises(SystemExit, match="gradient_accumulation_steps is 4"):

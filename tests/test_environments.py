@@ -256,7 +256,7 @@ def test_each_bad_flag_is_one_error_line_naming_it(tools_file, flag, value, said
 
 
 @dataclass
-class AgentTrainConfig(environments.AgentConfig, lab_config.TrainConfig):
+class AgentTrainConfig(environments.AgentConfig, lab_config.LabConfig):
     pass
 
 

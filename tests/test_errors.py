@@ -225,7 +225,7 @@ def test_an_empty_jsonl_file_is_one_error_before_any_model_loads(tmp_path):
     for text in ("", "\n  \n"):
         path.write_text(text)
         with pytest.raises(SystemExit) as stopped:
-            tasks.load_task(lab_config.TrainConfig(dataset=str(path)))  # no model yet: the data are loaded first
+            tasks.load_task(lab_config.LabConfig(dataset=str(path)))  # no model yet: the data are loaded first
         assert stopped.value.code == f"error: --dataset {str(path)!r} holds no rows: each line of a .jsonl file is " \
                                      "one JSON object."
 

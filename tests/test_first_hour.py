@@ -51,11 +51,11 @@ def test_a_flag_neither_tier_has_is_still_unknown_with_its_closest_flag():
 
 
 def embedded_tokenizer():
-    return models.load_tokenizer(config.BaseConfig())
+    return models.load_tokenizer(config.TrainConfig())
 
 
 def test_a_prompt_that_encodes_to_no_token_is_an_error_line():
-    cfg = config.BaseConfig()
+    cfg = config.TrainConfig()
     with pytest.raises(SystemExit, match=r"^error: --model_name_or_path .*encodes the prompt 'abc' to no token"):
         models.check_prompts_tokenize(embedded_tokenizer(), [{"prompt": "12+7="}, {"prompt": "abc"}], cfg)
 
@@ -63,14 +63,14 @@ def test_a_prompt_that_encodes_to_no_token_is_an_error_line():
 def test_a_model_folder_without_the_tokenizer_s_files_is_an_error_line_not_a_crash_at_eval(tmp_path):
     for name in ("config.json", "model.safetensors"):
         shutil.copy(os.path.join(config.EMBEDDED_MODEL, name), tmp_path / name)
-    cfg = config.BaseConfig(model_name_or_path=str(tmp_path))
+    cfg = config.TrainConfig(model_name_or_path=str(tmp_path))
     tokenizer = models.load_tokenizer(cfg)  # transformers builds an empty one
     with pytest.raises(SystemExit, match="Does the folder hold the tokenizer's files"):
         models.check_prompts_tokenize(tokenizer, [{"prompt": "12+7="}], cfg)
 
 
 def test_prompts_that_lose_characters_to_the_tokenizer_give_one_warning(capsys):
-    cfg, tokenizer = config.BaseConfig(), embedded_tokenizer()
+    cfg, tokenizer = config.TrainConfig(), embedded_tokenizer()
     models.check_prompts_tokenize(tokenizer, [{"prompt": "12+7="}, {"prompt": "3*4="}], cfg)
     assert capsys.readouterr().err == ""  # the arithmetic task reads whole
     models.check_prompts_tokenize(tokenizer, [{"prompt": "Tom has 16 eggs and gets 35 more."}, {"prompt": "1+1="}],

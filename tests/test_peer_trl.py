@@ -37,7 +37,7 @@ def test_ratio_is_ours_over_trl_median_per_seed_and_pooled():
 
 
 def test_trl_reward_is_the_project_reward_in_trl_signature():
-    reward = peer_trl.trl_reward(lab_config.TrainConfig(reward_scales="hetero"))
+    reward = peer_trl.trl_reward(lab_config.LabConfig(reward_scales="hetero"))
     got = reward(prompts=["12+3=", "12+3=", "9*9="], completions=["15", "16", "81"], answer=["15", "15", "81"],
                  family=["add_2x1", "add_2x1", "mul_2x1"], completion_ids=None)
     assert got == [5.0, 4.0, -2.0]  # HETERO_SCALES: add_2x1 (4, 5), mul_2x1 (-3, -2)

@@ -325,7 +325,7 @@ def test_lora_critic_trains_only_its_adapter_and_head_and_starts_as_the_full_cri
     torch.manual_seed(0)
     full = ValueModel(config.EMBEDDED_MODEL).eval()
     torch.manual_seed(0)  # the same random head: the adapter is added after it
-    lora = ValueModel(config.EMBEDDED_MODEL, lora=models.lora_config(lab_config.TrainConfig(lora_r=4), "SEQ_CLS")).eval()
+    lora = ValueModel(config.EMBEDDED_MODEL, lora=models.lora_config(lab_config.LabConfig(lora_r=4), "SEQ_CLS")).eval()
     trainable = [name for name, p in lora.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in name or "score" in name for name in trainable)
     assert any("score" in name for name in trainable) and any("lora_B" in name for name in trainable)

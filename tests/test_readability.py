@@ -3,6 +3,7 @@ algorithm files the idea that separates them (with the counts the README prints)
 common.py apart from the machinery, every shared module short, every file self-contained, one definition per
 constant."""
 import ast
+import json
 import re
 import subprocess
 import sys
@@ -112,6 +113,37 @@ ENGINE = ("engine", "sampling", "async_sampling", "budget", "tree", "priority")
 def test_each_shared_module_is_within_its_line_budget(path):
     lines = len((ROOT / path).read_text().splitlines())
     assert lines <= MODULE_BUDGET, f"{path} has {lines} lines, over {MODULE_BUDGET}: split it by topic"
+
+
+# A lesson file's whole import closure: the math, and the plumbing both tiers share (support/); no lab feature
+LESSON_CLOSURE = {"common", "support", "support.config", "support.helpers", "support.fast", "support.models",
+                  "support.tasks", "support.run"}
+CLOSURE_BUDGET = (8, 2500)  # project modules (package files included) and their lines, the lesson file apart
+
+
+def lesson_closure(name):
+    """{module: lines} of every project module that importing the lesson file `name` loads, the file apart."""
+    code = ("import json, os, sys; sys.path.insert(0, os.getcwd()); import " + name + "; root = os.getcwd() + os.sep; "
+            "print(json.dumps({m: f for m, f in ((m, getattr(mod, '__file__', None)) for m, mod in "
+            "list(sys.modules.items())) if f and os.path.abspath(f).startswith(root) and '.venv' not in f}))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    files = json.loads(out.stdout)
+    return {m: len(Path(f).read_text().splitlines()) for m, f in files.items() if m != name}
+
+
+@pytest.mark.parametrize("name", ALGORITHMS)
+def test_a_lesson_file_loads_only_the_lessons_machinery(name):
+    closure = lesson_closure(name)
+    assert set(closure) <= LESSON_CLOSURE, f"not the lesson's: {sorted(set(closure) - LESSON_CLOSURE)}"
+    modules, lines = CLOSURE_BUDGET
+    assert len(closure) <= modules and sum(closure.values()) <= lines, closure
+
+
+def test_support_holds_only_what_the_lesson_loads():
+    """Everything in support/ is the lessons' machinery, which the lab builds on; what only the lab uses is in lab/."""
+    support = {f"support.{p.stem}" if p.stem != "__init__" else "support" for p in (ROOT / "support").glob("*.py")}
+    assert support <= LESSON_CLOSURE, sorted(support - LESSON_CLOSURE)
 
 
 def test_support_has_no_import_cycle_and_imports_nothing_of_the_lab():

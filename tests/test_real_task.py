@@ -68,7 +68,7 @@ def tokenizer():
 def test_the_published_shapes_load_from_local_files_with_their_gold_answers(tmp_path, tokenizer, shape, rows, flags,
                                                                             golds):
     pytest.importorskip("math_verify")
-    cfg = lab_config.TrainConfig(dataset=write(tmp_path / shape, rows), eval_size=1, answer_check="math", **flags)
+    cfg = lab_config.LabConfig(dataset=write(tmp_path / shape, rows), eval_size=1, answer_check="math", **flags)
     train, held_out = tasks.load_task(cfg, tokenizer)
     assert [ex["answer"] for ex in train + held_out] == golds
     assert train[0]["raw_prompt"] == rows[0][cfg.prompt_column] and train[0]["check"] == "math"
@@ -78,7 +78,7 @@ def test_the_published_shapes_load_from_local_files_with_their_gold_answers(tmp_
 def test_rows_whose_gold_math_verify_cannot_parse_are_counted_and_reported_once(tmp_path, tokenizer, capsys):
     pytest.importorskip("math_verify")
     rows = [MATH[0], {**MATH[1], "solution": "no box here: \\boxed{"}, {**MATH[1], "solution": ""}, MATH[1], MATH[0]]
-    cfg = lab_config.TrainConfig(dataset=write(tmp_path / "math.jsonl", rows), eval_size=1, answer_check="math",
+    cfg = lab_config.LabConfig(dataset=write(tmp_path / "math.jsonl", rows), eval_size=1, answer_check="math",
                              prompt_column="problem", answer_column="solution")
     train, held_out = tasks.load_task(cfg, tokenizer)
     assert len(train) == 2 and len(held_out) == 1
@@ -87,7 +87,7 @@ def test_rows_whose_gold_math_verify_cannot_parse_are_counted_and_reported_once(
 
 
 def test_r1_zero_template_wraps_the_question_without_the_chat_template(tmp_path, tokenizer):
-    cfg = lab_config.TrainConfig(dataset=write(tmp_path / "g.jsonl", GSM8K), eval_size=1, prompt_template="r1_zero")
+    cfg = lab_config.LabConfig(dataset=write(tmp_path / "g.jsonl", GSM8K), eval_size=1, prompt_template="r1_zero")
     train, _ = tasks.load_task(cfg, tokenizer)
     assert train[0]["prompt"].startswith("A conversation between User and Assistant.")
     assert train[0]["prompt"].endswith(f"User: {GSM8K[0]['question']}. Assistant:")
@@ -96,21 +96,21 @@ def test_r1_zero_template_wraps_the_question_without_the_chat_template(tmp_path,
 
 def test_flags_of_the_real_task_are_checked_before_any_model_loads():
     with pytest.raises(ValueError, match="--prompt_template r1_zero is for --dataset gsm8k or a file"):
-        lab_config.TrainConfig(prompt_template="r1_zero")
+        lab_config.LabConfig(prompt_template="r1_zero")
     if importlib.util.find_spec("math_verify"):
         with pytest.raises(ValueError, match="--answer_check math is for --dataset gsm8k or a file"):
-            lab_config.TrainConfig(answer_check="math", dataset="tool_arithmetic")
+            lab_config.LabConfig(answer_check="math", dataset="tool_arithmetic")
     with pytest.raises(ValueError, match="--prompt_template must be chat or r1_zero"):
-        lab_config.TrainConfig(prompt_template="r1")
+        lab_config.LabConfig(prompt_template="r1")
     with pytest.raises(ValueError, match="--eval_samples must be >= 0"):
-        lab_config.TrainConfig(eval_samples=-1)
+        lab_config.LabConfig(eval_samples=-1)
 
 
 def test_the_reward_adds_r1s_format_term_and_logs_each_share(tmp_path):
     """reward = rule_reward_weight x verified accuracy + format_reward_weight x format, with
     train/reward/accuracy and train/reward/format their unweighted means."""
     pytest.importorskip("math_verify")
-    cfg = lab_config.TrainConfig(dataset=write(tmp_path / "g.jsonl", GSM8K), answer_check="math",
+    cfg = lab_config.LabConfig(dataset=write(tmp_path / "g.jsonl", GSM8K), answer_check="math",
                              format_reward_weight=0.5)
     score = tasks.reward_scorer(cfg, "cpu")
     examples = [{"prompt": "p", "answer": "\\frac{3}{4}", "check": "math"}] * 4
@@ -122,7 +122,7 @@ def test_the_reward_adds_r1s_format_term_and_logs_each_share(tmp_path):
 
 
 def test_the_arithmetic_task_keeps_its_exact_integer_reward():
-    cfg = lab_config.TrainConfig()
+    cfg = lab_config.LabConfig()
     examples = [{"prompt": "12+3=", "answer": "15", "family": "add_2x1"}] * 3
     rewards, correct, stats, error = tasks.reward_scorer(cfg, "cpu")(examples, ["15", "15.0", "3/4"])
     assert rewards.tolist() == [1.0, 0.0, 0.0] and stats == {} and error is None
@@ -208,7 +208,7 @@ def test_without_math_verify_the_flag_is_one_error_line_naming_the_install_step(
     data = write(tmp_path / "g.jsonl", GSM8K)
     with pytest.raises(SystemExit, match=r"^error: --answer_check math checks answers with math-verify, which is not "
                                          r"installed: pip install -r requirements-math.txt$"):
-        config.parse_config(lab_config.TrainConfig, ["--dataset", data, "--answer_check", "math", "--output_dir",
+        config.parse_config(lab_config.LabConfig, ["--dataset", data, "--answer_check", "math", "--output_dir",
                                                  str(tmp_path / "run")])
 
 

@@ -34,7 +34,7 @@ def reward_file(tmp_path, body, name="my_rewards.py"):
 
 
 def reward_fn(*specs, **flags):
-    return tasks.make_reward_fn(lab_config.TrainConfig(reward_fn=list(specs), **flags), CPU)
+    return tasks.make_reward_fn(lab_config.LabConfig(reward_fn=list(specs), **flags), CPU)
 
 
 def test_format_reward_is_one_for_think_then_answer_only():
@@ -154,7 +154,7 @@ def write_jsonl(path, rows):
 
 
 def load(tmp_path, rows, **flags):
-    cfg = lab_config.TrainConfig(dataset=write_jsonl(tmp_path / "d.jsonl", rows), eval_size=1, **flags)
+    cfg = lab_config.LabConfig(dataset=write_jsonl(tmp_path / "d.jsonl", rows), eval_size=1, **flags)
     return tasks.load_task(cfg, AutoTokenizer.from_pretrained(config.EMBEDDED_MODEL))
 
 
@@ -191,7 +191,7 @@ def test_system_prompt_is_the_chat_templates_system_turn_or_text_before_the_prom
     rows = [{"question": "1+1=", "answer": "2"}, {"question": "2+2=", "answer": "4"}]
     tok = AutoTokenizer.from_pretrained(config.EMBEDDED_MODEL)
     assert not tok.chat_template
-    cfg = lab_config.TrainConfig(dataset=write_jsonl(tmp_path / "d.jsonl", rows), eval_size=1, system_prompt="Be brief.")
+    cfg = lab_config.LabConfig(dataset=write_jsonl(tmp_path / "d.jsonl", rows), eval_size=1, system_prompt="Be brief.")
     train, _ = tasks.load_task(cfg, tok)
     assert train[0]["prompt"] == "Be brief.\n\n1+1=" and train[0]["raw_prompt"] == "1+1="
     tok.chat_template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant>"

@@ -53,7 +53,7 @@ def moved(model, scale=1.0, seed=1):
 def sample(model, generate=fast.generate, greedy=False, seed=3):
     """K completions of each prompt, in generate calls of 2 prompts (two blocks of rows), recorded. Returns the
     trainer's (input_ids, attention_mask, C) and the recorded (indices, token_ids)."""
-    cfg = lab_config.TrainConfig(max_new_tokens=6, generation_batch_size=2 * K)
+    cfg = lab_config.LabConfig(max_new_tokens=6, generation_batch_size=2 * K)
     torch.manual_seed(seed)
     with routing.record(model) as rec:
         completion_ids = generate(model, Tokenizer, PROMPTS, (PROMPTS != PAD).long(), cfg, num_samples=K, greedy=greedy)
@@ -211,7 +211,7 @@ def test_mismatch_counts_the_token_layer_pairs_whose_sets_differ():
 
 def test_the_embedded_moe_model_loads_from_the_repository_root(monkeypatch):
     monkeypatch.chdir(config.ROOT)
-    cfg = lab_config.TrainConfig(model_name_or_path="embedded_model/moe")
+    cfg = lab_config.LabConfig(model_name_or_path="embedded_model/moe")
     model, tokenizer = models.load_model(cfg), models.load_tokenizer(cfg)
     assert routing.is_moe(model) and len(routing.routers(model)) == model.config.num_hidden_layers
     assert model.config.num_experts_per_tok == 2 and tokenizer.pad_token_id == PAD

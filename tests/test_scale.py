@@ -77,7 +77,7 @@ def test_math_reward_compares_final_numbers_exactly():
 
 def test_local_gsm8k_file_loads_with_answers_and_held_out_rows(tmp_path):
     path = write_jsonl(tmp_path / "gsm8k.jsonl", GSM8K_ROWS)
-    cfg = lab_config.TrainConfig(dataset=path, eval_size=1)
+    cfg = lab_config.LabConfig(dataset=path, eval_size=1)
     tok = AutoTokenizer.from_pretrained(config.EMBEDDED_MODEL)
     train, held_out = tasks.load_task(cfg, tok)
     assert [ex["answer"] for ex in train] == ["7", "24", "999"] and [ex["answer"] for ex in held_out] == ["7"]
@@ -102,13 +102,13 @@ def test_remax_trains_on_a_local_gsm8k_file(tmp_path):
 
 def test_prompts_longer_than_max_prompt_length_are_dropped_with_a_warning(tmp_path, capsys):
     rows = [{"question": "1+2=", "answer": "3"}, {"question": "1+2+3+4+5=", "answer": "15"}, {"question": "2+2=", "answer": "4"}]
-    cfg = lab_config.TrainConfig(dataset=write_jsonl(tmp_path / "d.jsonl", rows), eval_size=1, max_prompt_length=4)
+    cfg = lab_config.LabConfig(dataset=write_jsonl(tmp_path / "d.jsonl", rows), eval_size=1, max_prompt_length=4)
     tok = AutoTokenizer.from_pretrained(config.EMBEDDED_MODEL)  # one token per character
     train, held_out = tasks.load_task(cfg, tok)
     assert [ex["answer"] for ex in train] == ["3"] and [ex["answer"] for ex in held_out] == ["4"]
     assert "dropped 1 train prompts longer than --max_prompt_length 4" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="--max_prompt_length"):
-        tasks.load_task(lab_config.TrainConfig(dataset=cfg.dataset, eval_size=1, max_prompt_length=2), tok)
+        tasks.load_task(lab_config.LabConfig(dataset=cfg.dataset, eval_size=1, max_prompt_length=2), tok)
 
 
 def make_reward_model(path):
@@ -125,7 +125,7 @@ def make_reward_model(path):
 
 def test_reward_model_score_is_combined_with_the_rule_reward(tmp_path):
     rm_path = make_reward_model(tmp_path / "rm")
-    cfg = lab_config.TrainConfig(reward_model=rm_path, rule_reward_weight=0.5, reward_model_weight=2.0)
+    cfg = lab_config.LabConfig(reward_model=rm_path, rule_reward_weight=0.5, reward_model_weight=2.0)
     reward_fn = tasks.make_reward_fn(cfg, CPU)
     examples = [{"prompt": "12+3=", "answer": "15", "family": "add_2x1"}] * 2
     rewards, correct, _ = reward_fn(examples, ["15", "16"])
@@ -151,14 +151,14 @@ def test_remax_runs_with_a_reward_model(tmp_path):
 
 
 def test_non_finite_reward_is_reported_with_prompt_and_completion():
-    cfg = lab_config.TrainConfig(rule_reward_weight=float("nan"))
+    cfg = lab_config.LabConfig(rule_reward_weight=float("nan"))
     reward_fn = tasks.make_reward_fn(cfg, CPU)
     with pytest.raises(SystemExit, match="12\\+3="):
         reward_fn([{"prompt": "12+3=", "answer": "15", "family": "add_2x1"}], ["15"])
 
 
 def test_lora_reference_is_the_base_model_with_adapter_disabled():
-    cfg = lab_config.TrainConfig(lora_r=4)
+    cfg = lab_config.LabConfig(lora_r=4)
     policy = models.load_model(cfg)
     for name, p in policy.named_parameters():  # make the adapter non-trivial
         if "lora_B" in name:
@@ -259,7 +259,7 @@ def test_sigterm_saves_a_checkpoint_before_exiting(tmp_path):
 def test_non_finite_loss_saves_last_good_state_and_stops(tmp_path):
     from accelerate import Accelerator
 
-    cfg = lab_config.TrainConfig(output_dir=str(tmp_path))
+    cfg = lab_config.LabConfig(output_dir=str(tmp_path))
     accelerator = Accelerator(cpu=True)
     policy = accelerator.prepare(models.load_model(cfg))
     tokenizer = models.load_tokenizer(cfg)
@@ -293,7 +293,7 @@ def test_a_reward_that_raises_is_reported_and_nothing_is_applied(monkeypatch):
         raise KeyError("answer")
 
     monkeypatch.setattr(tasks, "compute_rewards", broken)
-    reward_fn = tasks.make_reward_fn(lab_config.TrainConfig(), CPU)
+    reward_fn = tasks.make_reward_fn(lab_config.LabConfig(), CPU)
     with pytest.raises(SystemExit, match="reward raised KeyError.*12\\+3="):
         reward_fn([{"prompt": "12+3=", "answer": "15", "family": "add_2x1"}], ["15"])
 
@@ -325,7 +325,7 @@ def test_low_precision_weights_without_lora_warn_that_small_updates_round_away(c
     weight by about lr, far below half the bfloat16 spacing near it (0.2-0.4% of the weight)."""
     assert fraction_changed_by_ten_small_steps(torch.float32) > 0.5
     assert fraction_changed_by_ten_small_steps(torch.bfloat16) < 0.05
-    lab_config.TrainConfig(torch_dtype="bfloat16")
+    lab_config.LabConfig(torch_dtype="bfloat16")
     assert "--torch_dtype bfloat16 without --lora_r" in capsys.readouterr().err
-    lab_config.TrainConfig(torch_dtype="bfloat16", lora_r=8)
+    lab_config.LabConfig(torch_dtype="bfloat16", lora_r=8)
     assert capsys.readouterr().err == ""

@@ -18,7 +18,7 @@ spec.loader.exec_module(build)
 
 
 def load(dataset, seed=0):
-    return tasks.load_task(lab_config.TrainConfig(dataset=dataset, seed=seed))
+    return tasks.load_task(lab_config.LabConfig(dataset=dataset, seed=seed))
 
 
 def test_tool_arithmetic_has_its_families_in_turn_with_right_answers():
@@ -55,9 +55,9 @@ def test_arithmetic_is_unchanged():
 
 
 def test_config_accepts_tool_arithmetic_and_names_it_for_an_unknown_dataset():
-    lab_config.TrainConfig(dataset="tool_arithmetic")
+    lab_config.LabConfig(dataset="tool_arithmetic")
     with pytest.raises(ValueError, match="'tool_arithmetic'"):
-        lab_config.TrainConfig(dataset="tool_arith")
+        lab_config.LabConfig(dataset="tool_arith")
 
 
 @pytest.mark.parametrize("episode, answer, right", [

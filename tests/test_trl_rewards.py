@@ -100,7 +100,7 @@ def examples_file(tmp_path):
 
 
 def reward_fn(examples_file, names, **flags):
-    cfg = lab_config.TrainConfig(reward_fn=[f"{examples_file}:{name}" for name in names], rule_reward_weight=0.0,
+    cfg = lab_config.LabConfig(reward_fn=[f"{examples_file}:{name}" for name in names], rule_reward_weight=0.0,
                              **flags)
     return tasks.make_reward_fn(cfg, CPU)
 
@@ -119,7 +119,7 @@ def test_trls_examples_get_trls_keywords_and_give_their_documented_values(exampl
 
 
 def test_a_conversation_gets_its_messages_and_completions_as_assistant_messages():
-    cfg = lab_config.TrainConfig()
+    cfg = lab_config.LabConfig()
     prompt = [{"role": "user", "content": "12+3="}]
     examples = [{"prompt": "12+3=", "raw_prompt": prompt, "answer": None, "family": "all",
                  "row": {"prompt": prompt, "task": "math"}}]
@@ -190,6 +190,6 @@ def test_a_function_that_fails_on_the_first_rows_stops_before_any_model_loads(tm
     path.write_text("def half(completions, **kwargs):\n    return [1.0] * (len(completions) // 2)\n")
     with pytest.raises(SystemExit, match=r"^error: --reward_fn half returned 2 values for 4 completions: .* tried "
                                          "before any model loads on the first 4 train rows"):
-        tasks.load_task(lab_config.TrainConfig(reward_fn=[f"{path}:half"]))
-    cfg = lab_config.TrainConfig(reward_fn=["examples/rewards.py:format_reward"])  # ours pass: the check is silent
+        tasks.load_task(lab_config.LabConfig(reward_fn=[f"{path}:half"]))
+    cfg = lab_config.LabConfig(reward_fn=["examples/rewards.py:format_reward"])  # ours pass: the check is silent
     assert len(tasks.load_task(cfg)[0]) == 20_000

@@ -26,7 +26,7 @@ def test_the_example_rows_load_in_each_format(tmp_path):
     subprocess.run([sys.executable, "-c", parquet], cwd=tmp_path, check=True)
     tokenizer = AutoTokenizer.from_pretrained(config.EMBEDDED_MODEL)
     for name in ("my_data.jsonl", "my_data.json", "my_data.parquet"):
-        train, held_out = tasks.load_task(lab_config.TrainConfig(dataset=str(tmp_path / name), eval_size=1), tokenizer)
+        train, held_out = tasks.load_task(lab_config.LabConfig(dataset=str(tmp_path / name), eval_size=1), tokenizer)
         assert [ex["answer"] for ex in train + held_out] == ["7", "24"], name
         assert train[0]["raw_prompt"].startswith("Tom has 3 apples"), name
 
@@ -36,7 +36,7 @@ def test_the_pages_reward_function_runs_as_a_flag_would_call_it(tmp_path):
 
     code = next(code for lang, code in BLOCKS if lang == "python" and "def my_reward" in code)
     (tmp_path / "mine.py").write_text(code)
-    cfg = lab_config.TrainConfig(reward_fn=[f"{tmp_path / 'mine.py'}:my_reward"], rule_reward_weight=0.0)
+    cfg = lab_config.LabConfig(reward_fn=[f"{tmp_path / 'mine.py'}:my_reward"], rule_reward_weight=0.0)
     reward_fn = tasks.make_reward_fn(cfg, Accelerator(cpu=True))
     examples = [{"prompt": "1+1=", "answer": "2", "family": "add_2x1"}] * 2
     rewards, _, stats = reward_fn(examples, ["2 because 1+1", "2"])
