@@ -46,7 +46,9 @@ def assert_same_run(lesson, lab):
         assert keys == lab_keys, (row["step"], keys ^ lab_keys)
         assert len(keys) >= 8 and "train/loss" in keys or row["step"] == 0
         assert {k: row[k] for k in keys} == {k: lab_row[k] for k in keys}, row["step"]
-    weights, lab_weights = (load_file(os.path.join(d, "final", "model.safetensors")) for d in (lesson, lab))
+    name = "adapter_model.safetensors" if os.path.exists(os.path.join(lesson, "final", "adapter_config.json")) else \
+        "model.safetensors"  # under --lora_r, the adapter
+    weights, lab_weights = (load_file(os.path.join(d, "final", name)) for d in (lesson, lab))
     assert weights.keys() == lab_weights.keys()
     assert all(weights[k].equal(lab_weights[k]) for k in weights)
 
