@@ -99,31 +99,11 @@ def gae(rewards, values, mask, gamma, lam):
     # END SOLUTION
 
 
-def decoupled_gae(rewards, values, mask, gamma, lam_policy, lam_critic):
-    """Decoupled GAE (VC-PPO, Yuan et al., 2025; VAPO): the policy's advantages with lam_policy, the
-    critic's targets R_t = A_t + V_t with lam_critic (1: the Monte Carlo return, which an untrained
-    V cannot bias). (B, T) in; returns (advantages, returns)."""
-    # BEGIN SOLUTION
-    advantages, _ = gae(rewards, values, mask, gamma, lam_policy)
-    _, returns = gae(rewards, values, mask, gamma, lam_critic)
-    return advantages, returns
-    # END SOLUTION
-
-
 def last_action(mask):
     """(B,) the position of each row's last 1 in the (B, T) mask: its last action (0 when it has
     none)."""
     positions = torch.arange(mask.shape[1], device=mask.device)
     return torch.where(mask.bool(), positions, 0).max(dim=1).values
-
-
-def length_adaptive_lam(lengths, alpha):
-    """VAPO's length-adaptive GAE (Yue et al., 2025): lam = 1 - 1/(alpha |y|) per sequence, so the
-    total weight of the TD errors, 1/(1 - lam) = alpha |y|, grows with the length. Clamped at 0
-    (one-step TD) for |y| <= 1/alpha. (B,) lengths in, (B,) lambdas out."""
-    # BEGIN SOLUTION
-    return (1 - 1 / (alpha * lengths.float())).clamp(min=0.0)
-    # END SOLUTION
 
 
 def ppo_policy_loss(logp, old_logp, adv, mask, epsilon, dual_clip_c=0.0, loss_agg="token-mean",

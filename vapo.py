@@ -1,7 +1,7 @@
 """VAPO (Yue et al., 2025, arXiv 2504.05118): PPO with a critic made reliable for long reasoning. Its pieces are
-flags of the lab's PPO (`python lab/ppo.py --vapo True`); this file holds the one that is a new formula, the
-positive-example LM loss, a pure function that lab/ppo.py adds to the policy loss in one line. The others are
-ppo.py's (decoupled and length-adaptive GAE, clip-higher) or lab/ppo.py's loop (value pretraining).
+flags of the lab's PPO (`python lab/ppo.py --vapo True`); this file holds its formulas, pure functions that
+lab/ppo.py calls: decoupled GAE (VC-PPO), the length-adaptive lambda, and the positive-example LM loss it adds to
+the policy loss in one line. Clip-higher is ppo_policy_loss's epsilon_high; value pretraining is lab/ppo.py's loop.
 Equations: docs/algorithms.md, "VAPO".
 
     L_NLL = -(1 / N) sum_{i correct} sum_t logp_{i,t},   N = the number of the correct samples' tokens
@@ -10,6 +10,7 @@ Equations: docs/algorithms.md, "VAPO".
 import torch
 
 import common
+from ppo import gae  # the lesson's GAE
 
 
 def positive_example_nll(logp, mask, correct, num_tokens=None):
@@ -23,4 +24,24 @@ def positive_example_nll(logp, mask, correct, num_tokens=None):
     positive = mask * correct[:, None]  # (b, T)
     n = positive.sum() if num_tokens is None else torch.as_tensor(num_tokens, dtype=logp.dtype)
     return -common.masked_sum(logp, positive) / torch.where(n > 0, n, 1.0)  # only N = 0 is not divided by
+    # END SOLUTION
+
+
+def decoupled_gae(rewards, values, mask, gamma, lam_policy, lam_critic):
+    """Decoupled GAE (VC-PPO, Yuan et al., 2025; VAPO): the policy's advantages with lam_policy, the
+    critic's targets R_t = A_t + V_t with lam_critic (1: the Monte Carlo return, which an untrained
+    V cannot bias). (B, T) in; returns (advantages, returns)."""
+    # BEGIN SOLUTION
+    advantages, _ = gae(rewards, values, mask, gamma, lam_policy)
+    _, returns = gae(rewards, values, mask, gamma, lam_critic)
+    return advantages, returns
+    # END SOLUTION
+
+
+def length_adaptive_lam(lengths, alpha):
+    """VAPO's length-adaptive GAE (Yue et al., 2025): lam = 1 - 1/(alpha |y|) per sequence, so the
+    total weight of the TD errors, 1/(1 - lam) = alpha |y|, grows with the length. Clamped at 0
+    (one-step TD) for |y| <= 1/alpha. (B,) lengths in, (B,) lambdas out."""
+    # BEGIN SOLUTION
+    return (1 - 1 / (alpha * lengths.float())).clamp(min=0.0)
     # END SOLUTION

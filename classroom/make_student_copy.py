@@ -132,7 +132,7 @@ VISIBLE_TESTS = {
         "test_gae_with_lambda_zero_is_the_one_step_td_error",
         "test_gae_padding_does_not_change_valid_advantages_and_gets_zero",
         "test_gae_last_valid_token_bootstraps_from_zero", "test_gae_takes_one_lambda_per_sequence"]),
-    "ppo.py::decoupled_gae": ("tests/test_ppo.py", [
+    "vapo.py::decoupled_gae": ("tests/test_ppo.py", [
         "test_decoupled_gae_takes_advantages_with_the_policy_lambda_and_targets_with_the_critics"]),
     "reinforce_pp.py::reinforce_pp_advantages": ("tests/test_reinforce_pp.py", [
         "test_return_is_the_reward_to_go_with_k1_in_each_tokens_reward_whitened_over_the_batch",
@@ -143,7 +143,7 @@ VISIBLE_TESTS = {
         "test_length_reward_ranges_from_half_for_the_shortest_to_minus_half_for_the_longest_right_answer"]),
     "kimi.py::priority_weights": ("tests/test_kimi.py", [
         "test_priority_weights_are_proportional_to_one_minus_the_success_rate"]),
-    "ppo.py::length_adaptive_lam": ("tests/test_ppo.py", [
+    "vapo.py::length_adaptive_lam": ("tests/test_ppo.py", [
         "test_length_adaptive_lambda_is_one_minus_one_over_alpha_length_clamped_at_zero"]),
     "ppo.py::ppo_policy_loss": ("tests/test_ppo.py", [
         "test_policy_loss_on_policy_gradient_is_the_policy_gradient",

@@ -375,7 +375,7 @@ WRONG_ANSWERS = {
          "returns = advantages + torch.cat([values[:, 1:], torch.zeros_like(values[:, :1])], 1)",
          "test_gae_with_gamma_and_lambda_one_is_reward_to_go_minus_value"),
     ],
-    "ppo.py::decoupled_gae": [
+    "vapo.py::decoupled_gae": [
         ("the two lambdas swapped", "advantages, _ = gae(rewards, values, mask, gamma, lam_policy)",
          "advantages, _ = gae(rewards, values, mask, gamma, lam_critic)",
          "test_decoupled_gae_takes_advantages_with_the_policy_lambda_and_targets_with_the_critics"),
@@ -422,7 +422,7 @@ WRONG_ANSWERS = {
         ("every prompt solved: 0 / 0", "return weights / total if total > 0 else", "return weights / total if True else",
          "test_priority_weights_are_proportional_to_one_minus_the_success_rate"),
     ],
-    "ppo.py::length_adaptive_lam": [
+    "vapo.py::length_adaptive_lam": [
         ("not clamped at 0", ".clamp(min=0.0)", "",
          "test_length_adaptive_lambda_is_one_minus_one_over_alpha_length_clamped_at_zero"),
         ("1/(alpha |y|) without the 1 -", "(1 - 1 / (alpha * lengths.float()))", "(1 / (alpha * lengths.float()))",

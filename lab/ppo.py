@@ -32,8 +32,8 @@ import torch  # noqa: E402
 
 import common  # noqa: E402
 import vapo  # noqa: E402
-from ppo import (AdaptiveKLController, ValueModel, decoupled_gae, explained_variance, gae, last_action,  # noqa: E402
-                 length_adaptive_lam, ppo_policy_loss, ppo_value_loss)  # the lesson's math and models
+from ppo import (AdaptiveKLController, ValueModel, explained_variance, gae, last_action, ppo_policy_loss,  # noqa: E402
+                 ppo_value_loss)  # the lesson's math and models
 from lab import config as lab_config  # noqa: E402
 from lab import engine  # noqa: E402
 from support import config, environments, helpers, models, run, tasks  # noqa: E402
@@ -209,10 +209,10 @@ def main():
             last = last_action(mask)  # the EOS, or the last token when cut at max length: the reward's place
             token_rewards = -kl_ctl.value * kl
             token_rewards[torch.arange(len(rollout)), last] += rewards
-            lam = length_adaptive_lam(mask.sum(1), cfg.lam_alpha) if cfg.lam_alpha > 0 else cfg.lam
+            lam = vapo.length_adaptive_lam(mask.sum(1), cfg.lam_alpha) if cfg.lam_alpha > 0 else cfg.lam
             lam_critic = cfg.lam if cfg.lam_critic is None else cfg.lam_critic
-            adv, returns = decoupled_gae(token_rewards, old_values, mask, gamma=cfg.gamma, lam_policy=lam,
-                                         lam_critic=lam_critic)
+            adv, returns = vapo.decoupled_gae(token_rewards, old_values, mask, gamma=cfg.gamma, lam_policy=lam,
+                                              lam_critic=lam_critic)
             # whitened over the global batch: every process's tokens (completions padded to one length)
             all_adv, all_mask = (accelerator.gather(accelerator.pad_across_processes(x, dim=1)) for x in (adv, mask))
             adv = common.masked_whiten(all_adv, all_mask).chunk(accelerator.num_processes)[accelerator.process_index]

@@ -18,8 +18,9 @@ from support import config  # noqa: E402
 from support.run import read_metrics  # noqa: E402
 from conftest import run_together  # noqa: E402
 from lab.ppo import Config  # noqa: E402  (the lab's: --lam_critic, --lam_alpha, --dual_clip_c)
-from ppo import (AdaptiveKLController, ValueModel, decoupled_gae, explained_variance, gae,  # noqa: E402
-                 length_adaptive_lam, ppo_policy_loss, ppo_value_loss)
+from ppo import (AdaptiveKLController, ValueModel, explained_variance, gae, ppo_policy_loss,  # noqa: E402
+                 ppo_value_loss)
+from vapo import decoupled_gae, length_adaptive_lam  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

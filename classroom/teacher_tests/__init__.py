@@ -50,14 +50,14 @@ TEACHER_TESTS = {
         "test_dual_clip_bounds_a_negative_advantage_by_c_times_it_and_leaves_a_positive_one_hand_values"]),
     "ppo.py::gae": (ADVANTAGES, ["test_gae_of_a_padded_batch_with_one_lambda_per_row_treats_each_row_alone",
                                 "test_gae_of_an_episode_skips_the_environments_tokens"]),
-    "ppo.py::decoupled_gae": (ADVANTAGES, ["test_decoupled_gae_is_two_gaes_on_a_random_padded_batch"]),
+    "vapo.py::decoupled_gae": (ADVANTAGES, ["test_decoupled_gae_is_two_gaes_on_a_random_padded_batch"]),
     "reinforce_pp.py::reinforce_pp_advantages": (ADVANTAGES, [
         "test_reinforce_pp_advantages_of_a_padded_batch_are_the_whitened_reward_to_go_of_every_valid_token"]),
     "kimi.py::length_reward": (ADVANTAGES, [
         "test_length_reward_of_random_groups_rewards_the_shortest_right_answer_and_never_a_wrong_one"]),
     "kimi.py::priority_weights": (ADVANTAGES, [
         "test_priority_weights_of_random_rates_are_probabilities_in_the_ratio_of_the_failures"]),
-    "ppo.py::length_adaptive_lam": (ADVANTAGES, [
+    "vapo.py::length_adaptive_lam": (ADVANTAGES, [
         "test_length_adaptive_lambda_of_random_lengths_gives_td_weights_alpha_times_length"]),
     "ppo.py::ppo_policy_loss": (LOSSES, [
         "test_ppo_policy_loss_statistics_ignore_the_padding_and_weigh_every_valid_token",

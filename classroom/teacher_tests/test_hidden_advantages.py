@@ -7,6 +7,7 @@ import dapo
 import grpo
 import ppo
 import rloo
+import vapo
 from teacher_tests.batches import F64, GARBAGE, close, generator, lengths, padded, prefix_mask, widened
 
 
@@ -147,7 +148,7 @@ def test_decoupled_gae_is_two_gaes_on_a_random_padded_batch():
     mask = prefix_mask(lengths(B, T, g), T)
     rewards = padded(torch.randn(B, T, dtype=F64, generator=g), mask, float("nan"))
     values = padded(torch.randn(B, T, dtype=F64, generator=g), mask, float("nan"))
-    adv, ret = ppo.decoupled_gae(rewards, values, mask, 0.95, 0.6, 1.0)
+    adv, ret = vapo.decoupled_gae(rewards, values, mask, 0.95, 0.6, 1.0)
     close(adv, ppo.gae(rewards, values, mask, 0.95, 0.6)[0])
     close(ret, ppo.gae(rewards, values, mask, 0.95, 1.0)[1])
 
@@ -156,7 +157,7 @@ def test_length_adaptive_lambda_of_random_lengths_gives_td_weights_alpha_times_l
     g = generator(81)
     alpha = float(torch.rand(1, generator=g)) * 0.2 + 0.02
     L = torch.randint(1, 200, (50,), generator=g)
-    lam = ppo.length_adaptive_lam(L, alpha)
+    lam = vapo.length_adaptive_lam(L, alpha)
     assert lam.dtype.is_floating_point and ((lam >= 0) & (lam < 1)).all()
     long = alpha * L > 1
     close(1 / (1 - lam[long].double()), alpha * L[long].double(), 1e-4)  # docs: 1 / (1 - lam) = alpha |y|
