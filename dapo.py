@@ -152,7 +152,7 @@ def main():
         # ---- rollout: groups of G, in rounds until batch_size / G groups have mixed answers ----
         rounds = []  # each round's (rollout, rewards, correct, keep, reward_stats)
         while len(rounds) < cfg.max_sampling_rounds and helpers.any_process(  # as many everywhere
-                accelerator, sum(int(r[3].sum()) for r in rounds) < cfg.batch_size):
+                accelerator, sum(int(keep.sum()) for _, _, _, keep, _ in rounds) < cfg.batch_size):
             rollout = helpers.sample(policy, tokenizer, prompts.next(), cfg, accelerator, num_samples=G)
             rewards, correct, reward_stats = reward_fn(rollout.examples, rollout.completions)
             keep = dynamic_sampling_filter(correct, G).repeat_interleave(G)  # (B,) whole groups
@@ -176,7 +176,7 @@ def main():
         agg = common.Aggregation("token-mean")  # how the loss reduces its tokens, said once
         num_tokens = accelerator.reduce(mask.sum().float(), "mean")  # per process, as DDP averages
         size = cfg.micro_batch_size or B  # rows of a forward/backward pass (0: the whole batch)
-        batches = [slice(start, start + size) for start in range(0, B, size)]
+        batches = [slice(i, i + size) for i in range(0, B, size)]
         for epoch in range(cfg.num_epochs):  # the stats are the last (most off-policy) update's
             update_loss, update_stats = 0.0, []
             for rows in batches:

@@ -283,7 +283,7 @@ def main():
             for minibatch in order.chunk(cfg.num_mini_batches):
                 num_tokens = accelerator.reduce(mask[minibatch].sum().float(), "mean")  # as DDP
                 size = cfg.micro_batch_size or len(minibatch)  # rows of a forward/backward pass
-                batches = [slice(start, start + size) for start in range(0, len(minibatch), size)]
+                batches = [slice(i, i + size) for i in range(0, len(minibatch), size)]
                 update_loss, update_stats = 0.0, []
                 for part in batches:
                     rows = minibatch[part]

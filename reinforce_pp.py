@@ -145,7 +145,7 @@ def main():
         agg = common.Aggregation(cfg.loss_agg, cfg.max_new_tokens)  # how the loss reduces its tokens, said once
         num_tokens = accelerator.reduce(mask.sum().float(), "mean")  # per process, as DDP averages
         size = cfg.micro_batch_size or B  # rows of a forward/backward pass (0: the whole batch)
-        batches = [slice(start, start + size) for start in range(0, B, size)]
+        batches = [slice(i, i + size) for i in range(0, B, size)]
         for epoch in range(cfg.num_epochs):  # the stats are the last (most off-policy) update's
             update_loss, update_stats = 0.0, []
             for rows in batches:
