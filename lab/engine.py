@@ -26,7 +26,7 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 import common
-from lab import async_sampling, pass_at_k, priority, sampling, vllm_engine
+from lab import async_sampling, corrections, pass_at_k, priority, sampling, vllm_engine
 from support import checkpoint, environments, fast, helpers, models, routing, run, tasks, view
 from support.rollout import MicroBatch, micro_batches
 
@@ -311,8 +311,8 @@ class Trainer:
 
 
 def m2po_keep(trainer, rollout, old_logp, rollout_logp):
-    """M2PO's (B, T) keep mask of this process's rows of the global batch (common.m2po_mask at --m2po_tau over every
-    process's tokens, as AReaL masks the whole batch), computed once before the update: of log(pi_old / mu), the
+    """M2PO's (B, T) keep mask of this process's rows of the global batch (corrections.m2po_mask at --m2po_tau over
+    every process's tokens, as AReaL masks the whole batch), computed once before the update: of log(pi_old / mu), the
     trainer's log-probs at the update's start (old_logp, or scored now when the loop has none) over the sampler's.
     The same for every micro-batch size, every process count, every epoch and every PPO minibatch. None when
     --m2po_tau is 0 or the policy samples itself."""
@@ -324,7 +324,7 @@ def m2po_keep(trainer, rollout, old_logp, rollout_logp):
     if accelerator.num_processes > 1:  # every process's rows, padded (mask 0) to the widest batch and completion
         log_ratio, mask = (accelerator.gather(accelerator.pad_across_processes(
             accelerator.pad_across_processes(x, dim=0), dim=1)) for x in (log_ratio, mask))
-    keep = common.m2po_mask(log_ratio, mask, trainer.cfg.m2po_tau)
+    keep = corrections.m2po_mask(log_ratio, mask, trainer.cfg.m2po_tau)
     start = accelerator.process_index * len(keep) // accelerator.num_processes  # this process's rows
     return keep[start:start + B, :T]
 
