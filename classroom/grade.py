@@ -70,9 +70,12 @@ class Result:
 # ---------------------------------------------------------------------------------------- the student's files
 
 def student_files(root=ROOT):
-    """The files the exercises' modules are imported from: the project's top-level Python files and support/."""
-    return [rel for rel in msc.project_files(root) if rel.endswith(".py") and rel.count("/") <= 1
-            and ("/" not in rel or rel.startswith("support/"))]
+    """The files the exercises' modules are imported from: the project's top-level Python files, support/, and
+    each exercise's own file in a folder (lab/corrections.py) with its folder's __init__.py."""
+    nested = {file for file in (key.split("::")[0] for key in msc.EXERCISES) if "/" in file}
+    nested |= {f"{Path(file).parent}/__init__.py" for file in nested}
+    return [rel for rel in msc.project_files(root) if rel.endswith(".py") and (rel in nested or (
+        rel.count("/") <= 1 and ("/" not in rel or rel.startswith("support/"))))]
 
 
 def read_regular(dir_fd, name, limit=FILE_LIMIT):
@@ -250,7 +253,7 @@ def runner_command(inside, key, timeout, sandbox, uid):
     """The command line of classroom/runner.py (in the folder `inside`) on the exercise `key`, or (None) the
     probe's, which locks down and stops."""
     file, name = key.split("::") if key else ("", "")
-    exercise = [f"{inside}/cases.json", f"{inside}/student", Path(file).stem, name] if key else ["", "", "", ""]
+    exercise = [f"{inside}/cases.json", f"{inside}/student", msc.module_name(file), name] if key else ["", "", "", ""]
     return [sys.executable, "-I", "-B", f"{inside}/runner.py", *exercise, str(math.ceil(timeout)),
             *(["--tmp"] if sandbox else []), *(["--uid", str(uid)] if uid is not None else []),
             *(["--probe"] if key is None else [])]

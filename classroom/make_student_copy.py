@@ -70,9 +70,9 @@ VISIBLE_TESTS = {
     "common.py::aggregate_loss": ("tests/test_common.py", [
         "test_aggregate_loss_modes_hand_computed", "test_aggregate_loss_rejects_unknown_mode"]),
     "common.py::reward_to_go": ("tests/test_common.py", ["test_reward_to_go_sums_future_masked_values"]),
-    "common.py::truncated_is_weight": ("tests/test_stability.py", [
+    "lab/corrections.py::truncated_is_weight": ("tests/test_stability.py", [
         "test_truncated_is_weight_is_the_capped_detached_ratio"]),
-    "common.py::geometric_sequence_mask": ("tests/test_stability.py", [
+    "lab/corrections.py::geometric_sequence_mask": ("tests/test_stability.py", [
         "test_geometric_sequence_mask_uses_the_mean_log_ratio_over_valid_tokens_and_spares_a_positive_advantage",
         "test_geometric_mask_in_rollout_correction_plays_pi_old_with_the_samplers_log_probs"]),
     "remax.py::remax_advantages": ("tests/test_remax.py", [
@@ -221,6 +221,11 @@ def exercise_name(key):
     file, name = key.split("::")
     first = next(k for k in EXERCISES if k.split("::")[1] == name)
     return name if first == key else f"{Path(file).stem}.{name}"
+
+
+def module_name(file):
+    """The module an exercise's file is imported as: grpo for grpo.py, lab.corrections for lab/corrections.py."""
+    return file.removesuffix(".py").replace("/", ".")
 
 
 def teacher_only(rel):

@@ -40,7 +40,7 @@ import grade  # noqa: E402
 
 
 def test_the_grade_passes():
-    function = getattr(importlib.import_module({stem!r}), {name!r})
+    function = getattr(importlib.import_module({module!r}), {name!r})
     for seed in {seeds!r}:
         passed, status = grade.check_function({key!r}, function, seed, root=Path({reference!r}))
         assert passed, status
@@ -97,7 +97,7 @@ def mutate_one(key, base, work, timeout):
     target = sandbox / file
     target.write_text(only_this_function(target.read_text(encoding="utf-8"), name), encoding="utf-8")
     (sandbox / "test_grade_exercise.py").write_text(GRADE_TEST.format(
-        stem=Path(file).stem, name=name, seeds=SEEDS, key=key, reference=str(base)), encoding="utf-8")
+        module=msc.module_name(file), name=name, seeds=SEEDS, key=key, reference=str(base)), encoding="utf-8")
     tests = ["test_grade_exercise.py"]
     also_copy = sorted({p.split("/")[0] for p in msc.project_files(base)} - {file, "tests"}) + tests
     (sandbox / "pyproject.toml").write_text(

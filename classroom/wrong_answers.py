@@ -162,7 +162,7 @@ WRONG_ANSWERS = {
          "torch.flip(torch.cumsum(torch.flip(x.flatten(), [0]), 0), [0]).view_as(x)",
          "test_reward_to_go_of_a_padded_batch_runs_along_each_row_alone"),
     ],
-    "common.py::truncated_is_weight": [
+    "lab/corrections.py::truncated_is_weight": [
         ("not detached", ".clamp(max=cap).detach()", ".clamp(max=cap)",
          "test_truncated_is_weight_is_the_capped_detached_ratio"),
         ("ratio upside down", "torch.exp(logp - rollout_logp)", "torch.exp(rollout_logp - logp)",
@@ -170,7 +170,7 @@ WRONG_ANSWERS = {
         ("clipped on both sides, to [1/cap, cap]", ".clamp(max=cap)", ".clamp(min=1 / cap, max=cap)",
          "test_truncated_is_weight_is_the_capped_detached_ratio"),
     ],
-    "common.py::geometric_sequence_mask": [
+    "lab/corrections.py::geometric_sequence_mask": [
         ("the sum of the log-ratios, not their mean", "drift = masked_mean(", "drift = masked_sum(",
          "test_geometric_sequence_mask_uses_the_mean_log_ratio_over_valid_tokens_and_spares_a_positive_advantage"),
         ("mean over padding too", "masked_mean((old_logp - logp).detach(), mask, dim=1)",
@@ -649,14 +649,14 @@ def wrong_source(root, key, old, new):
 
 def wrong_code(root, key, old, new):
     """The code object of the wrong version, compiled in the namespace of the (imported) module."""
-    namespace = dict(sys.modules[Path(key.split("::")[0]).stem].__dict__)
+    namespace = dict(sys.modules[msc.module_name(key.split("::")[0])].__dict__)
     exec(compile(wrong_source(root, key, old, new), f"<wrong {key}>", "exec"), namespace)
     return namespace[key.split("::")[1]].__code__
 
 
 @contextmanager
 def swapped(key, code):
-    function = getattr(sys.modules[Path(key.split("::")[0]).stem], key.split("::")[1])
+    function = getattr(sys.modules[msc.module_name(key.split("::")[0])], key.split("::")[1])
     saved, function.__code__ = function.__code__, code
     try:
         yield
@@ -702,7 +702,7 @@ def check(root=ROOT):
                         *(str(root / node) for node in all_grading_tests())], plugins=[runner])
     rows = []
     for key, wrong in WRONG_ANSWERS.items():
-        function = getattr(sys.modules[Path(key.split("::")[0]).stem], key.split("::")[1])
+        function = getattr(sys.modules[msc.module_name(key.split("::")[0])], key.split("::")[1])
         for i, (description, old, new, catcher) in enumerate(wrong):
             caught = sorted(runner.caught[key, i])
             with swapped(key, runner.codes.get((key, i)) or wrong_code(root, key, old, new)):

@@ -29,7 +29,7 @@ import common  # noqa: E402
 import exploration  # noqa: E402
 from dapo import dapo_loss, dynamic_sampling_filter, grpo_advantages, overlong_penalty  # noqa: E402 (the lesson's)
 from lab import config as lab_config  # noqa: E402
-from lab import budget, engine  # noqa: E402
+from lab import budget, corrections, engine  # noqa: E402
 from support import config, environments, helpers, tasks  # noqa: E402
 from support.config import arg  # noqa: E402
 
@@ -115,7 +115,7 @@ def main():
                 old = logp.detach() if old_logp is None else mb.of(old_logp)  # mu = 1: pi_old = pi_theta in value
                 pg_weight, correction, per_row = None, {}, {}
                 if rollout_logp is not None or cfg.geo_mask_delta > 0:  # a sampler that is not this policy: TIS, mask
-                    pg_weight, correction, per_row = common.rollout_correction(
+                    pg_weight, correction, per_row = corrections.rollout_correction(
                         logp, old, mb.of(rollout_logp), mb.of(adv), mb.mask, cfg.tis_cap, cfg.geo_mask_delta,
                         cfg.tis_level, cfg.tis_veto, mb.of(m2po_keep))
                 loss, stats = dapo_loss(logp, old, mb.of(adv), mb.mask, cfg.clip, pg_weight, mb.agg)

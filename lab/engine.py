@@ -26,7 +26,8 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 import common
-from lab import async_sampling, checkpointer, pass_at_k, priority, sampling, step_metrics, view, vllm_engine
+from lab import (async_sampling, checkpointer, corrections, pass_at_k, priority, sampling, step_metrics, view,
+                 vllm_engine)
 from support import environments, fast, helpers, models, routing, run, tasks
 from support.rollout import MicroBatch, micro_batches
 
@@ -108,7 +109,8 @@ class Trainer:
         set_seed(cfg.seed + accelerator.process_index)  # each rank samples different completions
         self.ckpt = checkpointer.Checkpointer(cfg, accelerator, sampler, self.rollout_sampler.rewound)
         self.logger, self.viewer, self.start_step, self.at_step = None, None, 0, 1  # at_step: the step running
-        self.timer, self.generated, self.update_loss, self.update_stats = step_metrics.StepTimer(), 0, 0.0, []  # this step's
+        # this step's phase timer, completions generated, loss and statistics
+        self.timer, self.generated, self.update_loss, self.update_stats = step_metrics.StepTimer(), 0, 0.0, []
         # sampling and scoring record no gradient: inference mode, cheaper than no_grad (the outputs are cloned before
         # a loss reads them); not under DeepSpeed, whose ZeRO-3 gathers weights that must not become inference tensors
         self.inference = torch.no_grad if accelerator.state.deepspeed_plugin is not None else torch.inference_mode
@@ -311,8 +313,8 @@ class Trainer:
 
 
 def m2po_keep(trainer, rollout, old_logp, rollout_logp):
-    """M2PO's (B, T) keep mask of this process's rows of the global batch (common.m2po_mask at --m2po_tau over every
-    process's tokens, as AReaL masks the whole batch), computed once before the update: of log(pi_old / mu), the
+    """M2PO's (B, T) keep mask of this process's rows of the global batch (corrections.m2po_mask at --m2po_tau over
+    every process's tokens, as AReaL masks the whole batch), computed once before the update: of log(pi_old / mu), the
     trainer's log-probs at the update's start (old_logp, or scored now when the loop has none) over the sampler's.
     The same for every micro-batch size, every process count, every epoch and every PPO minibatch. None when
     --m2po_tau is 0 or the policy samples itself."""
@@ -324,7 +326,7 @@ def m2po_keep(trainer, rollout, old_logp, rollout_logp):
     if accelerator.num_processes > 1:  # every process's rows, padded (mask 0) to the widest batch and completion
         log_ratio, mask = (accelerator.gather(accelerator.pad_across_processes(
             accelerator.pad_across_processes(x, dim=0), dim=1)) for x in (log_ratio, mask))
-    keep = common.m2po_mask(log_ratio, mask, trainer.cfg.m2po_tau)
+    keep = corrections.m2po_mask(log_ratio, mask, trainer.cfg.m2po_tau)
     start = accelerator.process_index * len(keep) // accelerator.num_processes  # this process's rows
     return keep[start:start + B, :T]
 

@@ -33,7 +33,7 @@ import kimi  # noqa: E402
 import objectives  # noqa: E402
 from grpo import grpo_advantages, grpo_loss  # noqa: E402  (the lesson's math)
 from lab import config as lab_config  # noqa: E402
-from lab import budget, engine  # noqa: E402
+from lab import budget, corrections, engine  # noqa: E402
 from support import config, environments, helpers, tasks  # noqa: E402
 from support.config import arg  # noqa: E402
 
@@ -153,7 +153,7 @@ def main():
                 old = logp.detach() if old_logp is None else mb.of(old_logp)  # mu = 1: pi_old = pi_theta in value
                 pg_weight, correction, per_row = None, {}, {}
                 if rollout_logp is not None or cfg.geo_mask_delta > 0:  # a sampler that is not this policy: TIS, mask
-                    pg_weight, correction, per_row = common.rollout_correction(
+                    pg_weight, correction, per_row = corrections.rollout_correction(
                         logp, old, mb.of(rollout_logp), mb.of(adv), mb.mask, cfg.tis_cap, cfg.geo_mask_delta,
                         cfg.tis_level, cfg.tis_veto, mb.of(m2po_keep))
                 if cfg.policy_loss == "ppo":

@@ -35,7 +35,7 @@ import vapo  # noqa: E402
 from ppo import (AdaptiveKLController, ValueModel, explained_variance, gae, last_action, ppo_policy_loss,  # noqa: E402
                  ppo_value_loss)  # the lesson's math and models
 from lab import config as lab_config  # noqa: E402
-from lab import engine  # noqa: E402
+from lab import corrections, engine  # noqa: E402
 from support import config, environments, helpers, models, run, tasks  # noqa: E402
 from support.config import arg  # noqa: E402
 
@@ -230,7 +230,7 @@ def main():
                     logp, entropy = trainer.policy_logprobs(rollout, mb)  # (b, T), with gradient; mb.mask: the actions
                     pg_weight, correction, per_row = None, {}, {}
                     if rollout_logp is not None:  # a stale sampler: pi_old is the proximal policy, mu the sampler
-                        pg_weight, correction, per_row = common.rollout_correction(
+                        pg_weight, correction, per_row = corrections.rollout_correction(
                             logp, mb.of(old_logp), mb.of(rollout_logp), mb.of(adv), mb.mask, cfg.tis_cap, 0.0,
                             cfg.tis_level, cfg.tis_veto, mb.of(m2po_keep))
                     pg_loss, pg_stats = ppo_policy_loss(logp, mb.of(old_logp), mb.of(adv), mb.mask,

@@ -25,7 +25,7 @@ import torch  # noqa: E402
 import common  # noqa: E402
 from remax import remax_advantages, remax_loss  # noqa: E402  (the lesson's math)
 from lab import config as lab_config  # noqa: E402
-from lab import engine  # noqa: E402
+from lab import corrections, engine  # noqa: E402
 from support import config, environments, helpers, tasks  # noqa: E402
 from support.config import arg  # noqa: E402
 
@@ -86,7 +86,7 @@ def main():
             kl = common.kl_k1(logp.detach(), mb.of(ref_logp)) if ref_logp is not None else torch.zeros_like(logp)
             pg_weight, correction, per_row = None, {}, {}
             if rollout_logp is not None or cfg.geo_mask_delta > 0:  # a sampler that is not this policy: TIS, mask
-                pg_weight, correction, per_row = common.rollout_correction(
+                pg_weight, correction, per_row = corrections.rollout_correction(
                     logp, logp.detach(), mb.of(rollout_logp), mb.of(adv), mb.mask, cfg.tis_cap, cfg.geo_mask_delta,
                     cfg.tis_level, cfg.tis_veto, mb.of(m2po_keep))
             loss, stats = remax_loss(logp, mb.of(adv), kl, mb.mask, cfg.beta, mb.agg, pg_weight)

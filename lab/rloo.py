@@ -27,7 +27,7 @@ import common  # noqa: E402
 import exploration  # noqa: E402
 from rloo import rloo_advantages, rloo_loss  # noqa: E402  (the lesson's math)
 from lab import config as lab_config  # noqa: E402
-from lab import budget, engine  # noqa: E402
+from lab import budget, corrections, engine  # noqa: E402
 from support import config, environments, helpers, tasks  # noqa: E402
 from support.config import arg  # noqa: E402
 
@@ -80,7 +80,7 @@ def main():
                        exploration.rloo_advantages_by_group(rewards_kl[-1], mb.of(ids)))
             pg_weight, correction, per_row = None, {}, {}
             if rollout_logp is not None or cfg.geo_mask_delta > 0:  # a sampler that is not this policy: TIS, mask
-                pg_weight, correction, per_row = common.rollout_correction(
+                pg_weight, correction, per_row = corrections.rollout_correction(
                     logp, logp.detach(), mb.of(rollout_logp), adv[-1], mb.mask, cfg.tis_cap, cfg.geo_mask_delta,
                     cfg.tis_level, cfg.tis_veto, mb.of(m2po_keep))
             loss, stats = rloo_loss(logp, adv[-1], mb.mask, pg_weight, mb.agg)

@@ -235,7 +235,7 @@ class Watcher:
                   kept_set=torch.cat(kept_sizes) if kept_sizes is not None else None)
 
     def backward(self, mb, per_row=None):
-        """After the micro-batch's backward: the push, and the loop's per-row values (common.Correction.per_row)."""
+        """After the micro-batch's backward: the push, and the loop's per-row values (rollout_correction's per_row)."""
         self.keep(None, "push", self.push(mb), mb.rows, **(per_row or {}))
 
     def push(self, mb):

@@ -240,11 +240,13 @@ SIBLINGS = {"masked_mean": "masked_sum", "kl_penalty": "kl_k", "remax_loss": "re
 
 
 def write_copy(out, bodies):
-    """The reference's top-level modules and support/ (what grade.py copies of a student's), with the bodies given
-    (by exercise name)."""
+    """The reference's top-level modules, support/ and lab/corrections.py (what grade.py copies of a student's),
+    with the bodies given (by exercise name)."""
     out.mkdir()
-    for rel in sorted(p for p in msc.project_files(ROOT) if p.endswith(".py") and ("/" not in p or
-                                                                                   p.startswith("support/"))):
+    nested = {key.split("::")[0] for key in msc.EXERCISES if "/" in key.split("::")[0]}
+    nested |= {f"{pathlib.Path(file).parent}/__init__.py" for file in nested}
+    for rel in sorted(p for p in msc.project_files(ROOT)
+                      if p.endswith(".py") and ("/" not in p or p.startswith("support/") or p in nested)):
         text = (ROOT / rel).read_text(encoding="utf-8")
         for key in msc.EXERCISES:
             file, name = key.split("::")

@@ -6,8 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import common
-from lab import engine, grpo  # the lab's loop: --m2po_tau is its
+from lab import corrections, engine, grpo  # the lab's loop: --m2po_tau is its
 from support.helpers import combine
 from support.run import read_metrics
 
@@ -27,15 +26,15 @@ MASK = torch.tensor([[1, 1, 0], [1, 1, 1]])
     (0.0, [[0, 0, 0], [0, 1, 0]]),            # only the token whose ratio is 1 survives
 ])
 def test_m2po_masks_the_largest_squared_log_ratios_until_the_mean_of_the_rest_is_at_most_tau(tau, kept):
-    keep = common.m2po_mask(LOG_RATIO, MASK, tau)
+    keep = corrections.m2po_mask(LOG_RATIO, MASK, tau)
     assert keep.tolist() == kept  # padding is never kept, and never counted
 
 
 def test_m2po_ignores_what_the_padding_holds():
     padded = LOG_RATIO.clone()
     padded[0, 2] = float("nan")
-    assert torch.equal(common.m2po_mask(padded, MASK, 0.04), common.m2po_mask(LOG_RATIO, MASK, 0.04))
-    assert common.m2po_mask(LOG_RATIO, torch.zeros_like(MASK), 0.04).sum() == 0  # no valid token: nothing kept
+    assert torch.equal(corrections.m2po_mask(padded, MASK, 0.04), corrections.m2po_mask(LOG_RATIO, MASK, 0.04))
+    assert corrections.m2po_mask(LOG_RATIO, torch.zeros_like(MASK), 0.04).sum() == 0  # no valid token: nothing kept
 
 
 def test_m2po_masks_the_whole_batch_whatever_its_micro_batches_and_is_ess_counts_the_mask():
@@ -46,20 +45,20 @@ def test_m2po_masks_the_whole_batch_whatever_its_micro_batches_and_is_ess_counts
     mask[0], mask[1, :10] = 1, 1
     log_ratio = torch.zeros(2, 30, dtype=torch.float64)
     log_ratio[0, 0], log_ratio[1, :10] = 1.0, 0.2 ** 0.5
-    keep = common.m2po_mask(log_ratio, mask, 0.04)
+    keep = corrections.m2po_mask(log_ratio, mask, 0.04)
     assert ((keep == 0) & mask.bool()).sum() == 4 and keep[0, 0] == 0 and keep[0, 1:].all()
-    rowwise = sum(int(((common.m2po_mask(log_ratio[i:i + 1], mask[i:i + 1], 0.04) == 0) & mask[i:i + 1].bool()).sum())
-                  for i in range(2))
+    rowwise = sum(int(((corrections.m2po_mask(log_ratio[i:i + 1], mask[i:i + 1], 0.04) == 0)
+                       & mask[i:i + 1].bool()).sum()) for i in range(2))
     assert rowwise == 10  # what a mask computed per micro-batch of one row gave
     logp = torch.zeros_like(log_ratio)  # the loss takes the batch's mask, one micro-batch or two
-    whole = common.rollout_correction(logp, logp, -log_ratio, torch.ones(2, dtype=torch.float64), mask,
-                                      m2po_keep=keep)
+    whole = corrections.rollout_correction(logp, logp, -log_ratio, torch.ones(2, dtype=torch.float64), mask,
+                                           m2po_keep=keep)
     assert (whole.weight * mask).equal(keep.double())
     assert whole.stats["m2po_masked_frac"].value() == 4 / 40
     # is_ess of the weights in use: 36 ones and 4 zeros over the 40 valid tokens, 36^2 / (40 x 36)
     assert whole.stats["is_ess"].value().item() == pytest.approx(0.9, rel=1e-12)
-    rows = [common.rollout_correction(logp[i:i + 1], logp[i:i + 1], -log_ratio[i:i + 1], torch.ones(1), mask[i:i + 1],
-                                      m2po_keep=keep[i:i + 1]).stats for i in range(2)]
+    rows = [corrections.rollout_correction(logp[i:i + 1], logp[i:i + 1], -log_ratio[i:i + 1], torch.ones(1),
+                                           mask[i:i + 1], m2po_keep=keep[i:i + 1]).stats for i in range(2)]
     split = combine([(mask[i].sum() / mask.sum(), rows[i]) for i in range(2)])
     assert split["m2po_masked_frac"].item() == pytest.approx(0.1, rel=1e-7)
     assert split["is_ess"].item() == pytest.approx(0.9, rel=1e-7)
@@ -72,7 +71,7 @@ def test_m2po_s_mask_is_computed_once_from_pi_old_over_the_sampler():
     old_logp, rollout_logp = LOG_RATIO - 2.0, torch.full_like(LOG_RATIO, -2.0)
     trainer = SimpleNamespace(cfg=SimpleNamespace(m2po_tau=0.04), old_logprobs=lambda r: old_logp,
                               accelerator=SimpleNamespace(num_processes=1, process_index=0))
-    expected = common.m2po_mask(LOG_RATIO, MASK, 0.04)
+    expected = corrections.m2po_mask(LOG_RATIO, MASK, 0.04)
     assert engine.m2po_keep(trainer, rollout, old_logp, rollout_logp).equal(expected)
     assert engine.m2po_keep(trainer, rollout, None, rollout_logp).equal(expected)  # scored now
     assert engine.m2po_keep(trainer, rollout, old_logp, None) is None

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-import common
+from lab import corrections
 
 F64 = torch.float64
 LN = math.log
@@ -45,13 +45,13 @@ def test_sequence_weight_is_unbiased_for_a_sequence_objective_and_the_token_weig
     objective = (logp.sum(1).exp() * F).sum()  # J = E_pi[f(y)]
     exact = flat_grad(objective, params)
 
-    w_seq = common.sequence_is_weight(logp, rollout_logp, MASK, cap=1e9)  # (9,)
+    w_seq = corrections.sequence_is_weight(logp, rollout_logp, MASK, cap=1e9)  # (9,)
     assert not w_seq.requires_grad
     assert (mu * w_seq * F).sum().item() == pytest.approx(objective.item(), rel=1e-14)  # E_mu[w f] = E_pi[f]
     seq_grad = flat_grad((mu * w_seq * F * logp.sum(1)).sum(), params)  # E_mu[w f grad log pi(y)]
     seq_bias = ((seq_grad - exact).norm() / exact.norm()).item()
 
-    w_tok = common.truncated_is_weight(logp, rollout_logp, cap=1e9)  # (9, 2) pi_t / mu_t
+    w_tok = corrections.truncated_is_weight(logp, rollout_logp, cap=1e9)  # (9, 2) pi_t / mu_t
     tok_grad = flat_grad((mu * F * (w_tok * logp).sum(1)).sum(), params)  # E_mu[f sum_t w_t grad log pi_t]
     tok_bias = ((tok_grad - exact).norm() / exact.norm()).item()
     print(f"relative bias of the policy gradient: sequence weight {seq_bias:.1e}, token weight {tok_bias:.3f}")
@@ -65,7 +65,7 @@ def test_the_cap_biases_the_sequence_weight_by_the_mass_above_it():
     mu = rollout_logp.sum(1).exp()
     w = (logp - rollout_logp).sum(1).exp().detach()  # the uncapped weights, 0.16 .. 3.2 here
     cap = 1.5
-    capped = common.sequence_is_weight(logp, rollout_logp, MASK, cap=cap)
+    capped = corrections.sequence_is_weight(logp, rollout_logp, MASK, cap=cap)
     torch.testing.assert_close(capped, w.clamp(max=cap))
     objective = (logp.sum(1).exp() * F).sum().item()
     # E_mu[min(w, C) f] = E_pi[f] - E_mu[(w - C)^+ f]: only the sequences the trainer favours most lose weight
@@ -78,7 +78,7 @@ def test_sequence_weight_counts_only_valid_tokens_and_does_not_overflow():
     logp = torch.tensor([[LN(0.5), LN(0.2), LN(0.9)], [0.0, 0.0, 0.0]], dtype=F64)
     rollout_logp = torch.tensor([[LN(0.25), LN(0.4), LN(1e-9)], [-400.0, -400.0, 0.0]], dtype=F64)
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
-    w = common.sequence_is_weight(logp, rollout_logp, mask, cap=10.0)
+    w = corrections.sequence_is_weight(logp, rollout_logp, mask, cap=10.0)
     # row 0: 2 * 0.5 = 1 (the padding's ratio 9e8 ignored); row 1: exp(800) capped at 10, finite
     torch.testing.assert_close(w, torch.tensor([1.0, 10.0], dtype=F64))
 
@@ -90,16 +90,16 @@ def test_tis_veto_drops_a_sequence_with_one_valid_token_below_the_threshold():
                          [LN(0.01), LN(0.01)]], dtype=F64)  # ratios 0.01: kept (the sequence ratio 1e-4 is not a veto)
     rollout_logp = torch.tensor([[0.0, LN(0.5)], [LN(0.9), 0.0], [0.0, LN(0.1)], [0.0, 0.0]], dtype=F64)
     mask = torch.tensor([[1, 1], [1, 0], [1, 1], [1, 1]])
-    keep = common.tis_veto_mask(logp.requires_grad_(), rollout_logp, mask, threshold=1e-4)
+    keep = corrections.tis_veto_mask(logp.requires_grad_(), rollout_logp, mask, threshold=1e-4)
     assert keep.tolist() == [0.0, 1.0, 1.0, 1.0]
     assert not keep.requires_grad
 
 
 def test_effective_sample_size_is_one_for_equal_weights_and_one_over_n_for_one_weight():
-    assert common.effective_sample_size(torch.tensor([0.7, 0.7, 0.7, 0.7])).value().item() == pytest.approx(1.0)
-    assert common.effective_sample_size(torch.tensor([3.0, 0.0, 0.0, 0.0])).value().item() == pytest.approx(0.25)
-    assert common.effective_sample_size(torch.tensor([2.0, 1.0, 1.0])).value().item() == pytest.approx(16 / 18)
+    assert corrections.effective_sample_size(torch.tensor([0.7, 0.7, 0.7, 0.7])).value().item() == pytest.approx(1.0)
+    assert corrections.effective_sample_size(torch.tensor([3.0, 0.0, 0.0, 0.0])).value().item() == pytest.approx(0.25)
+    assert corrections.effective_sample_size(torch.tensor([2.0, 1.0, 1.0])).value().item() == pytest.approx(16 / 18)
     # token-level weights: the masked entries do not count; (2 + 1 + 1)^2 / (3 * (4 + 1 + 1))
     weights = torch.tensor([[2.0, 1.0, 50.0], [1.0, 0.0, 0.0]])
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
-    assert common.effective_sample_size(weights, mask).value().item() == pytest.approx(16 / 18)
+    assert corrections.effective_sample_size(weights, mask).value().item() == pytest.approx(16 / 18)

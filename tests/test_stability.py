@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 import common
-from lab import dapo, grpo, rloo  # the lab's loops: --rollout_lag, --rollout_dtype and the corrections
+from lab import corrections, dapo, grpo, rloo  # the lab's loops: --rollout_lag, --rollout_dtype and the corrections
 from support import config, fast, models, tasks
 from support.run import read_metrics
 
@@ -21,7 +21,7 @@ LN = math.log
 def test_truncated_is_weight_is_the_capped_detached_ratio():
     logp = torch.tensor([[LN(0.5), LN(0.1), LN(0.9)]], dtype=F64, requires_grad=True)
     rollout_logp = torch.tensor([[LN(0.25), LN(0.4), LN(0.1)]], dtype=F64)
-    w = common.truncated_is_weight(logp, rollout_logp, cap=2.0)
+    w = corrections.truncated_is_weight(logp, rollout_logp, cap=2.0)
     # ratios 2, 0.25, 9: capped above at 2 and never below (0.25 < 1 / cap stays)
     torch.testing.assert_close(w, torch.tensor([[2.0, 0.25, 2.0]], dtype=F64))
     assert not w.requires_grad
@@ -37,7 +37,7 @@ def test_geometric_sequence_mask_uses_the_mean_log_ratio_over_valid_tokens_and_s
     mask = torch.tensor([[1, 1, 0], [1, 1, 0], [1, 1, 1], [1, 1, 0], [1, 0, 0]])
     adv = torch.tensor([-1.0, 1.0, -1.0, -1.0, -0.5], dtype=F64)
     logp = torch.full_like(drift, -1.0, requires_grad=True)
-    keep = common.geometric_sequence_mask(logp, logp.detach() + drift, adv, mask, delta=0.15)
+    keep = corrections.geometric_sequence_mask(logp, logp.detach() + drift, adv, mask, delta=0.15)
     assert keep.tolist() == [0.0, 1.0, 1.0, 1.0, 0.0]
     assert not keep.requires_grad
 
@@ -48,8 +48,8 @@ def test_rollout_correction_weighs_by_tis_times_the_mask_and_reports_the_mismatc
     mask = torch.tensor([[1, 1], [1, 0]])
     adv = torch.tensor([1.0, -1.0], dtype=F64)
     logp = old_logp.clone().requires_grad_()  # one update per batch: pi_theta = pi_old
-    weight, stats, per_row = common.rollout_correction(logp, old_logp, rollout_logp, adv, mask, tis_cap=1.5,
-                                                       geo_mask_delta=0.1)
+    weight, stats, per_row = corrections.rollout_correction(logp, old_logp, rollout_logp, adv, mask, tis_cap=1.5,
+                                                            geo_mask_delta=0.1)
     # row 0: TIS min(2, 1.5), min(0.5, 1.5); row 1: mean log(rollout / theta) = 0 on its one valid token: kept
     torch.testing.assert_close(weight, torch.tensor([[1.5, 0.5], [1.0, 1.0 / 3]], dtype=F64))
     # k3 of the trainer under the sampler: r - 1 - log r for r = 2, 0.5, 1 (valid tokens only)
@@ -62,7 +62,7 @@ def test_rollout_correction_weighs_by_tis_times_the_mask_and_reports_the_mismatc
     torch.testing.assert_close(per_row["tis_weight"][0], torch.tensor([1.5, 0.5], dtype=F64))
     assert per_row["geo_mask"].tolist() == [1.0, 1.0] and per_row["veto"] is None
     # the trainer sampled: every weight is 1 and there is no mismatch
-    weight, stats, per_row = common.rollout_correction(logp, old_logp, None, adv, mask)
+    weight, stats, per_row = corrections.rollout_correction(logp, old_logp, None, adv, mask)
     assert torch.equal(weight, torch.ones_like(weight)) and stats["mismatch_k3"].item() == 0.0
     assert all(value is None for value in per_row.values())
 
@@ -73,7 +73,7 @@ def test_rollout_correction_per_sequence_with_a_veto_and_the_effective_sample_si
     mask, adv = torch.tensor([[1, 1], [1, 0]]), torch.tensor([1.0, -1.0], dtype=F64)
 
     def correct(**kw):
-        return common.rollout_correction(old_logp.clone(), old_logp, rollout_logp, adv, mask, tis_cap=2.5, **kw)
+        return corrections.rollout_correction(old_logp.clone(), old_logp, rollout_logp, adv, mask, tis_cap=2.5, **kw)
     weight, stats, _ = correct()  # per token: min(r, 2.5) on 2, 1.5, 1; ESS = (sum w)^2 / (n sum w^2)
     assert weight[0].tolist() == pytest.approx([2.0, 1.5]) and weight[1, 0].item() == pytest.approx(1.0)
     assert stats["is_ess"].value().item() == pytest.approx(4.5 ** 2 / (3 * (4 + 2.25 + 1)), rel=1e-12)
@@ -92,8 +92,8 @@ def test_geometric_mask_in_rollout_correction_plays_pi_old_with_the_samplers_log
     only the sampler's log-probs reveal the drift."""
     old_logp = torch.full((2, 3), -1.0, dtype=F64)
     rollout_logp = old_logp + 0.5
-    weight, stats, _ = common.rollout_correction(old_logp.clone(), old_logp, rollout_logp, torch.tensor([-1.0, 1.0]),
-                                                 torch.ones(2, 3), geo_mask_delta=0.4)
+    weight, stats, _ = corrections.rollout_correction(old_logp.clone(), old_logp, rollout_logp,
+                                                      torch.tensor([-1.0, 1.0]), torch.ones(2, 3), geo_mask_delta=0.4)
     assert weight[:, 0].tolist() == [0.0, 1.0] and stats["geo_masked_frac"].value() == 0.5
 
 
@@ -104,8 +104,8 @@ def split_stats(old_logp, rollout_logp, mask, rows_per_micro_batch, **kw):
 
     def stats(rows):
         adv = torch.ones(len(old_logp[rows]), dtype=F64)
-        return common.rollout_correction(old_logp[rows].clone(), old_logp[rows], rollout_logp[rows], adv, mask[rows],
-                                         **kw).stats
+        return corrections.rollout_correction(old_logp[rows].clone(), old_logp[rows], rollout_logp[rows], adv,
+                                              mask[rows], **kw).stats
     parts = [slice(i, i + rows_per_micro_batch) for i in range(0, len(mask), rows_per_micro_batch)]
     whole = combine([(torch.tensor(1.0), stats(slice(None)))])
     split = combine([(mask[p].sum() / mask.sum(), stats(p)) for p in parts])
@@ -142,8 +142,8 @@ def test_ppos_updates_log_the_batchs_extremes_and_effective_sample_size():
     rollout_logp[5, 3] = -1.0
     updates, micro_batches = [], []
     for rows in torch.arange(8).chunk(4):  # each minibatch one update, of one micro-batch
-        stats = common.rollout_correction(old_logp[rows].clone(), old_logp[rows], rollout_logp[rows],
-                                          torch.ones(2, dtype=F64), mask[rows], tis_cap=3.0).stats
+        stats = corrections.rollout_correction(old_logp[rows].clone(), old_logp[rows], rollout_logp[rows],
+                                               torch.ones(2, dtype=F64), mask[rows], tis_cap=3.0).stats
         micro_batches.append((mask[rows].sum(), stats))  # (its token count, its statistics)
         updates.append({"loss": torch.tensor(float(len(updates))), **combine([micro_batches[-1]])})
     step = engine.over_updates(updates, micro_batches)
@@ -167,8 +167,8 @@ def test_ppos_step_logs_the_mismatch_as_the_whole_batchs_token_mean():
         for _ in range(epochs):
             for row in (0, 1):
                 rows = slice(row, row + 1)
-                stats = common.rollout_correction(old_logp[rows].clone(), old_logp[rows], rollout_logp[rows],
-                                                  torch.ones(1, dtype=F64), mask[rows]).stats
+                stats = corrections.rollout_correction(old_logp[rows].clone(), old_logp[rows], rollout_logp[rows],
+                                                       torch.ones(1, dtype=F64), mask[rows]).stats
                 micro_batches.append((mask[rows].sum(), stats))
                 updates.append({"loss": torch.tensor(0.0), **combine([(1.0, stats)])})
         step = engine.over_updates(updates, micro_batches)
@@ -180,8 +180,8 @@ def test_tis_clip_frac_counts_at_the_level_the_weight_is_applied():
     old_logp = torch.zeros(1, 2, dtype=F64)
     rollout_logp = old_logp - math.log(1.5)
     for level, capped in (("token", 0.0), ("sequence", 1.0)):
-        stats = common.rollout_correction(old_logp.clone(), old_logp, rollout_logp, torch.ones(1, dtype=F64),
-                                          torch.ones(1, 2), tis_cap=2.0, tis_level=level).stats
+        stats = corrections.rollout_correction(old_logp.clone(), old_logp, rollout_logp, torch.ones(1, dtype=F64),
+                                               torch.ones(1, 2), tis_cap=2.0, tis_level=level).stats
         assert stats["tis_clip_frac"].value() == capped
 
 

@@ -4,6 +4,7 @@ COMMON = "classroom/teacher_tests/test_hidden_common.py"
 LOSSES = "classroom/teacher_tests/test_hidden_losses.py"
 ADVANTAGES = "classroom/teacher_tests/test_hidden_advantages.py"
 AGENTS = "classroom/teacher_tests/test_hidden_agents.py"
+CORRECTIONS = "classroom/teacher_tests/test_hidden_corrections.py"
 
 TEACHER_TESTS = {
     "common.py::kl_penalty": (COMMON, [
@@ -20,7 +21,7 @@ TEACHER_TESTS = {
         "test_aggregate_loss_of_a_padded_batch_ignores_the_padding_and_weighs_tokens_or_rows",
         "test_seq_mean_token_sum_norm_divides_by_the_batch_width_even_when_every_row_is_shorter"]),
     "common.py::reward_to_go": (COMMON, ["test_reward_to_go_of_a_padded_batch_runs_along_each_row_alone"]),
-    "common.py::geometric_sequence_mask": (COMMON, [
+    "lab/corrections.py::geometric_sequence_mask": (CORRECTIONS, [
         "test_geometric_mask_sees_drifts_of_both_signs_through_the_mean_over_valid_tokens",
         "test_geometric_mask_keeps_a_drift_of_exactly_delta"]),
     "remax.py::remax_loss": (LOSSES, [

@@ -181,6 +181,8 @@ def reward_to_go(seed):
     return cases
 
 
+# ---------------------------------------------------------------------------------------------- lab/corrections.py
+
 def truncated_is_weight(seed):
     g = generator(seed, 10)
     logp = -torch.rand(4, 6, dtype=F64, generator=g) * 3
@@ -691,8 +693,8 @@ CASES = {
     "common.py::completion_mask": completion_mask,
     "common.py::aggregate_loss": aggregate_loss,
     "common.py::reward_to_go": reward_to_go,
-    "common.py::truncated_is_weight": truncated_is_weight,
-    "common.py::geometric_sequence_mask": geometric_sequence_mask,
+    "lab/corrections.py::truncated_is_weight": truncated_is_weight,
+    "lab/corrections.py::geometric_sequence_mask": geometric_sequence_mask,
     "remax.py::remax_advantages": remax_advantages,
     "remax.py::remax_loss": remax_loss,
     "rloo.py::rloo_advantages": rloo_advantages,
