@@ -26,9 +26,9 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 import common
-from lab import (async_sampling, checkpointer, corrections, pass_at_k, priority, sampling, step_metrics, view,
-                 vllm_engine)
+from lab import async_sampling, checkpointer, corrections, pass_at_k, priority, sampling, view, vllm_engine
 from support import environments, fast, helpers, models, routing, run, tasks
+from lab.step_metrics import StepTimer, rollout_metrics
 from support.rollout import MicroBatch, micro_batches
 
 
@@ -109,8 +109,7 @@ class Trainer:
         set_seed(cfg.seed + accelerator.process_index)  # each rank samples different completions
         self.ckpt = checkpointer.Checkpointer(cfg, accelerator, sampler, self.rollout_sampler.rewound)
         self.logger, self.viewer, self.start_step, self.at_step = None, None, 0, 1  # at_step: the step running
-        # this step's phase timer, completions generated, loss and statistics
-        self.timer, self.generated, self.update_loss, self.update_stats = step_metrics.StepTimer(), 0, 0.0, []
+        self.timer, self.generated, self.update_loss, self.update_stats = StepTimer(), 0, 0.0, []  # this step's
         # sampling and scoring record no gradient: inference mode, cheaper than no_grad (the outputs are cloned before
         # a loss reads them); not under DeepSpeed, whose ZeRO-3 gathers weights that must not become inference tensors
         self.inference = torch.no_grad if accelerator.state.deepspeed_plugin is not None else torch.inference_mode
@@ -289,7 +288,7 @@ class Trainer:
                    **self.rollout_sampler.end_step(step)}  # --rollout_lag, --async_rollouts: the staleness
         self.generated, samples = 0, []
         if rollout is not None:
-            metrics.update(step_metrics.rollout_metrics(rollout, metrics["time/step_s"]))
+            metrics.update(rollout_metrics(rollout, metrics["time/step_s"]))
             samples = zip(rollout.prompts, rollout.completions, rewards.tolist())
         metrics = run.reduce_metrics(accelerator, metrics)
         if step % cfg.eval_every == 0 or step == cfg.num_steps:
