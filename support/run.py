@@ -10,7 +10,7 @@ from dataclasses import asdict
 import torch
 from tqdm.auto import tqdm
 
-from support import config, environments, models, routing
+from support import config, environments, models
 
 
 class StepTimer:
@@ -39,8 +39,8 @@ class StepTimer:
 
 
 def rollout_metrics(rollout, step_s):
-    """The engine's metrics of a step's rollout: completion length, tokens per second and, on a mixture of experts,
-    train/routing_mismatch over the positions that predict a completion token."""
+    """The engine's metrics of a step's rollout: completion length, tokens per second and, of episodes, their turns,
+    tool calls and cuts (a mixture of experts' train/routing_mismatch: lab/routing.py)."""
     lengths = rollout.mask.sum(1).float()  # the model's tokens
     metrics = {"train/completion_len": lengths.mean(), "time/tokens_per_s": lengths.sum() / step_s}
     if rollout.episodes is not None:  # an environment's episodes (agents.py): per episode, over the batch
@@ -55,9 +55,6 @@ def rollout_metrics(rollout, step_s):
                                    "were cut before they ended (by --max_new_tokens, the episode's budget of turns "
                                    "and replies, or by --max_turns): raise them if the model needs the room (said "
                                    "once).")
-    if rollout.live_routing is not None:
-        predicting = torch.nn.functional.pad(rollout.mask, (rollout.prompt_ids.shape[1] - 1, 1))
-        metrics["train/routing_mismatch"] = routing.mismatch(rollout.routing[0], rollout.live_routing, predicting)
     return metrics
 
 

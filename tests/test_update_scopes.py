@@ -10,8 +10,8 @@ import torch
 
 import common
 from lab import grpo, remax  # the lab's loops (engine.Trainer)
-from lab import engine
-from support import config, routing, view
+from lab import engine, routing
+from support import config, view
 from support.run import read_metrics
 
 MOE = os.path.join(config.ROOT, "embedded_model", "moe")
