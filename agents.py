@@ -20,16 +20,18 @@ The ids are kept exactly as sampled and as inserted, never re-tokenised from dec
 round trip can merge or split tokens, and the loss would then score tokens the model never sampled.
 
 `play_episodes` is the definition: turn-synchronous over the batch, every live episode sampling its turn
-together, each turn's history encoded again. support/fast.py's `CachedTurns` keeps the keys and values across
-turns instead (an observation is appended, not the history re-encoded) and is tested equal to it, the same draws
-and the same tokens (tests/test_agents.py). How tools and environments are loaded and called, in TRL's
-conventions: support/environments.py. Pure functions and the loop: no accelerator inside.
+together, each turn's history encoded again. `CachedTurns`, what the lab's loops sample turns with, keeps the keys
+and values across turns instead (an observation is appended, not the history re-encoded) and is tested equal to
+it, the same draws and the same tokens (tests/test_agents.py). How tools and environments are loaded and called,
+in TRL's conventions: support/environments.py. Pure functions and the loops: no accelerator inside.
 """
+import collections
 from dataclasses import dataclass, field
 
 import torch
 
 import common
+from support.fast import drawn_logprob
 
 
 @dataclass
@@ -164,3 +166,88 @@ def until_stop(ids, stop_ids):
         if token in stop_ids:
             return ids[:t + 1]
     return ids
+
+
+class CachedTurns:
+    """play_episodes' sample_turn, equal to sample_turn_plain (the same draws, the same tokens;
+    tests/test_agents.py), with each episode's keys and values kept from one turn to the next: a turn feeds only
+    what the row has not fed yet (its prompt at the first turn; then the last token it sampled and the environment's
+    reply), right-padded into one block, and samples from there. A row whose turn has ended goes on running until
+    every row's has, on a padding token its attention mask hides (a hole in the cache, which the positions skip),
+    so the rows stay one batch across turns; a row whose episode has ended leaves the cache. With logprobs,
+    `drawn[row]` keeps the log-prob of each token the row drew, in order, under the processed scores it was drawn
+    from (the behaviour policy mu of its actions: `drawn_logprobs`)."""
+
+    def __init__(self, model, tokenizer, cfg, stop_ids, greedy=False, logprobs=False):
+        self.model, self.gen = model, common.generation_config(tokenizer, cfg, greedy)
+        self.stop = torch.tensor([tokenizer.eos_token_id, *stop_ids])
+        self.rows, self.cache, self.attention, self.positions, self.unfed = [], None, None, None, []
+        self.drawn = collections.defaultdict(list) if logprobs else None
+
+    @torch.no_grad()
+    def __call__(self, rows, histories, appended, max_new_tokens):
+        gen, model = self.gen, self.model
+        device = next(model.parameters()).device
+        if self.cache is not None:  # the episodes that go on keep their keys and values
+            keep = torch.tensor([self.rows.index(r) for r in rows], device=device)
+            self.cache.reorder_cache(keep)
+            self.attention, self.positions = self.attention[keep], self.positions[keep]
+            self.unfed = [self.unfed[j] for j in keep.tolist()]
+        else:
+            self.attention = torch.zeros(len(rows), 0, dtype=torch.long, device=device)
+            self.positions = torch.zeros(len(rows), dtype=torch.long, device=device)
+            self.unfed = [[] for _ in rows]
+        self.rows = list(rows)
+        blocks = [unfed + new for unfed, new in zip(self.unfed, appended)]
+        lengths = torch.tensor([len(b) for b in blocks], device=device)
+        width = int(lengths.max())
+        block = torch.tensor([b + [gen.pad_token_id] * (width - len(b)) for b in blocks], device=device)
+        block_mask = (torch.arange(width, device=device)[None, :] < lengths[:, None]).long()
+        self.attention = torch.cat([self.attention, block_mask], dim=1)
+        out = model(input_ids=block, attention_mask=self.attention, cache=self.cache, use_cache=True,
+                    position_ids=self.positions[:, None] + torch.arange(width, device=device)[None, :])
+        self.cache, self.positions = out.cache, self.positions + lengths
+        logits = out.logits[torch.arange(len(rows), device=device), lengths - 1].float()  # each row's last token's
+        tokens = torch.full((len(rows), max_new_tokens), gen.pad_token_id, dtype=torch.long, device=device)
+        going = torch.ones(len(rows), dtype=torch.bool, device=device)  # the rows whose turn goes on
+        drawn = torch.zeros(tokens.shape, device=device)  # with logprobs: each row's tokens', as they are drawn
+        for t in range(max_new_tokens):
+            token, logp = self._draw(logits, self.drawn is not None)
+            tokens[going, t] = token[going]
+            if logp is not None:
+                drawn[:, t] = logp
+            fed = going  # this step's token goes into the cache at the next forward (the stop token included)
+            going = going & ~torch.isin(token, self.stop.to(device))
+            if not going.any() or t + 1 == max_new_tokens:
+                break
+            self.attention = torch.cat([self.attention, fed.long()[:, None]], dim=1)
+            out = model(input_ids=torch.where(fed, token, gen.pad_token_id)[:, None], attention_mask=self.attention,
+                        position_ids=self.positions[:, None], cache=self.cache, use_cache=True)
+            self.cache, logits = out.cache, out.logits[:, -1].float()
+            self.positions = self.positions + fed.long()
+        turns = [until_stop(row, self.stop.tolist()) for row in tokens[:, :t + 1].tolist()]
+        self.unfed = [turn[-1:] if f else [] for turn, f in zip(turns, fed.tolist())]  # fed with the next block
+        if self.drawn is not None:
+            for row, turn, logp in zip(rows, turns, drawn.tolist()):
+                self.drawn[row] += logp[:len(turn)]
+        return turns
+
+    def _draw(self, logits, with_logp=False):
+        """One token per row, as transformers' generate draws it (greedy: argmax), and with_logp its log-prob under
+        the processed scores it was drawn from (greedy: 0), else None."""
+        gen = self.gen
+        if not gen.do_sample:
+            return logits.argmax(dim=-1), torch.zeros(len(logits), device=logits.device) if with_logp else None
+        scores = common.sampling_mask(logits / gen.temperature, gen.top_k or 0, gen.top_p)
+        token = torch.multinomial(torch.softmax(scores, dim=-1), num_samples=1).squeeze(1)
+        if not with_logp:
+            return token, None
+        return token, drawn_logprob(scores, token)
+
+    def drawn_logprobs(self, mask):
+        """(B, T) the rows' drawn log-probs at the actions of their episodes (mask: play_episodes' action mask, whose
+        ones are each row's drawn tokens in order, the last turn cut to the token budget), 0 elsewhere."""
+        logp = torch.zeros(mask.shape)
+        kept = mask.sum(1).tolist()
+        logp[mask.bool().cpu()] = torch.tensor([x for row, n in enumerate(kept) for x in self.drawn[row][:n]])
+        return logp

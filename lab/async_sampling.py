@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 
 import common
 from lab import tree, vllm_engine
-from support import environments, fast, models, reward_functions, routing, tasks, tool_process
+from support import environments, fast, models, reward_functions, tasks, tool_process
 from support.rollout import Rollout, micro_batches
 
 POLL_S = 0.05  # how often a waiting process checks the other one
@@ -43,7 +43,7 @@ def check(cfg):
               (getattr(cfg, "budget", "uniform") != "uniform", "--budget knapsack: it allocates from fresh outcomes"),
               (getattr(cfg, "sampler", "independent") == "tree", "--sampler tree: the process samples each "
                "completion on its own")]
-    refuse.append((routing.names_moe(cfg.model_name_or_path),
+    refuse.append((models.names_moe(cfg.model_name_or_path),
                    "a mixture-of-experts policy: its routing is not replayed across processes"))
     for refused, what in refuse:
         if refused:
@@ -290,7 +290,7 @@ def draw_batch(model, tokenizer, environment, play, examples, num_samples, cfg, 
     """num_samples completions of each example's prompt (greedy: one greedy completion), or with an environment its
     episodes (play: sampling.play), each example's rows adjacent: a dict of per-row prompt_ids, prompt_mask,
     completion_ids, mask (the actions), token_mask, episodes (None without an environment) and logp, the log-probs
-    of the draws taken as they were drawn (fast.generate(logprobs=True), fast.CachedTurns, a vLLM engine's: mu at no
+    of the draws taken as they were drawn (fast.generate(logprobs=True), agents.CachedTurns, a vLLM engine's: mu at no
     extra pass), else None (--fast False: scored after; greedy: not needed). engine: --sampler vllm's, or None."""
     if environment is not None:  # logp: the actions' log-probs as drawn (None under --fast False; greedy: none)
         played = play(model, tokenizer, environment, examples, cfg, num_samples, greedy, logprobs=not greedy)

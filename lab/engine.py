@@ -12,8 +12,9 @@ The aggregation is said once, in the micro_batches call: each micro-batch carrie
 to its gradient (tests/test_micro_batches.py). Around the update: loading, sampling (`generate`), scoring (one
 method per role: `reference_logprobs`, `old_logprobs`, `sampler_logprobs`), and
 the end of a step (`end_step`: metrics, evaluation, learning-rate schedules, checkpoints). --fast picks the
-sampler and the scorer: support/fast.py's (the default), or the plain definitions in common.py, which
-fast.py is tested equal to (tests/test_fast.py).
+sampler and the scorer: support/fast.py's (the default; on a mixture of experts lab/routed.py's, the same ones
+telling the routing their rows), or the plain definitions in common.py, which fast.py is tested equal to
+(tests/test_fast.py).
 """
 import os
 import sys
@@ -26,9 +27,10 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 import common
-from lab import async_sampling, checkpointer, corrections, pass_at_k, priority, sampling, view, vllm_engine
-from support import environments, fast, helpers, models, routing, run, tasks
+from lab import async_sampling, checkpointer, corrections, pass_at_k, priority, routed, routing, sampling, view
+from lab import vllm_engine
 from lab.step_metrics import StepTimer, rollout_metrics
+from support import environments, fast, helpers, models, run, tasks
 from support.rollout import MicroBatch, micro_batches
 
 
@@ -63,7 +65,7 @@ class Models(NamedTuple):
 def load_models(cfg, accelerator, reference, rollout_copy=False):
     """The policy with its optimizer and schedule, prepared (DDP or DeepSpeed); the frozen reference when asked
     for (a KL term to it), else None; with rollout_copy, the sampler's own copy of the policy when
-    --rollout_dtype or --rollout_lag asks for one (models.load_rollout_model), else None. Every rank starts
+    --rollout_dtype or --rollout_lag asks for one (sampling.load_rollout_model), else None. Every rank starts
     from the same weights."""
     if cfg.async_rollouts:  # what the sampler process does not support, refused before any model loads
         async_sampling.check(cfg)
@@ -75,7 +77,7 @@ def load_models(cfg, accelerator, reference, rollout_copy=False):
     # async_sampling.holds_reference: beta > 0, when every loop asks for one)
     ref_model = models.load_reference(cfg, policy) if reference and not cfg.async_rollouts else None
     # --sampler vllm: the engine holds the sampler's copy (in --rollout_dtype), in its own process
-    rollout_model = models.load_rollout_model(cfg, policy) if rollout_copy and cfg.sampler != "vllm" else None
+    rollout_model = sampling.load_rollout_model(cfg, policy) if rollout_copy and cfg.sampler != "vllm" else None
     optimizer, scheduler = models.make_optimizer(policy, cfg)
     policy, optimizer, scheduler = accelerator.prepare(policy, optimizer, scheduler)
     ref_model = models.prepare_frozen(accelerator, ref_model)
@@ -100,9 +102,9 @@ class Trainer:
         self.cfg, self.accelerator, self.tokenizer, self.eval_data = cfg, accelerator, tokenizer, eval_data
         self.policy, self.rollout_model, self.trainables = policy, rollout_model, (policy, *others)
         self.moe = routing.is_moe(policy.model)  # keep routing: docs/stability.md
-        # --fast False: the plain definitions, to read or step through in a debugger; same draws, same values
-        self.sample, self.score = (fast.generate, fast.token_logprobs) if cfg.fast else \
-            (common.generate, common.token_logprobs)
+        # --fast False: the plain definitions (same draws, same values); a mixture of experts: lab/routed.py's
+        path = (routed if self.moe else fast) if cfg.fast else common
+        self.sample, self.score = path.generate, path.token_logprobs
         self.environment = environments.load(cfg, tokenizer)  # --environment, --tools
         self.rollout_sampler = sampling.rollout_sampler(self, policy, rollout_model, rollout_lag,
                                                         sampler.sample_with(self.sample))  # --sampler tree: trees
@@ -276,7 +278,7 @@ class Trainer:
         (with the engine's) are averaged over processes and logged with two samples, an evaluation and a checkpoint
         run when due. Returns True when the run must stop (a signal arrived; the checkpoint is written)."""
         cfg, accelerator = self.cfg, self.accelerator
-        self.viewer.end_step(step, rollout, rewards, adv, tokens or {})
+        self.viewer.end_step(step, rollout, rewards, adv, {**(tokens or {}), **routing.viewed(rollout)})
         for trainable in self.trainables:
             trainable.scheduler.step()
         finite = None  # no save follows: broken weights stop the next sampling, or the next loss
@@ -288,7 +290,7 @@ class Trainer:
                    **self.rollout_sampler.end_step(step)}  # --rollout_lag, --async_rollouts: the staleness
         self.generated, samples = 0, []
         if rollout is not None:
-            metrics.update(rollout_metrics(rollout, metrics["time/step_s"]))
+            metrics.update({**rollout_metrics(rollout, metrics["time/step_s"]), **routing.rollout_metrics(rollout)})
             samples = zip(rollout.prompts, rollout.completions, rewards.tolist())
         metrics = run.reduce_metrics(accelerator, metrics)
         if step % cfg.eval_every == 0 or step == cfg.num_steps:

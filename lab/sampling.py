@@ -1,8 +1,10 @@
-"""Sampling a rollout: the policy, or the sampler's copy of it (a lower precision, or the weights of k steps ago),
-generates completions of a batch of prompts with support/fast.py's decode loop or the plain common.generate, and a
-mixture of experts' routing is recorded as it samples. The trainer (lab/engine.py) asks for a rollout once per
-step (DAPO: once per round of dynamic sampling; ReMax: with the greedy completions) and trains on it."""
+"""Sampling a rollout: the policy, or the sampler's copy of it (a lower precision, or the weights of k steps ago:
+`load_rollout_model`, `sync_rollout_model`), generates completions of a batch of prompts with support/fast.py's
+decode loop or the plain common.generate, and a mixture of experts' routing is recorded as it samples
+(lab/routing.py). The trainer (lab/engine.py) asks for a rollout once per step (DAPO: once per round of dynamic
+sampling; ReMax: with the greedy completions) and trains on it."""
 import collections
+import copy
 import functools
 from contextlib import ExitStack
 
@@ -10,8 +12,9 @@ import torch
 
 import agents
 import common
-from lab import async_sampling, tree, vllm_engine
-from support import fast, models, reward_functions, routing, tasks
+from lab import async_sampling, routing, tree, vllm_engine
+from support import models, reward_functions, tasks
+from support.config import DTYPES
 from support.helpers import any_process
 from support.rollout import Rollout
 
@@ -30,8 +33,8 @@ def rollout_sampler(trainer, policy, rollout_model, rollout_lag, sample):
 class RolloutSampler:
     """Samples with `policy` (a Trainable), unless `rollout_model` (its low-precision or stale copy) does, synced to
     it before each rollout: to this step's weights, or with `rollout_lag` k to those of k steps ago, or `engine`
-    (--sampler vllm's vllm_engine.Engine) does, with the policy's weights of the step. `sample` is fast.generate or
-    common.generate; `trainer` gives the timer, the step running, the context the passes run in (`inference`) and,
+    (--sampler vllm's vllm_engine.Engine) does, with the policy's weights of the step. `sample` is fast.generate
+    (routed.generate on a mixture of experts) or common.generate; `trainer` gives the timer, the step running, the context the passes run in (`inference`) and,
     when sampling fails, the check that stops a run whose weights broke. evaluation_sample: the held-out
     evaluation's sample function (the engine's, or the trainer's)."""
 
@@ -52,9 +55,9 @@ class RolloutSampler:
         weights = None
         if self.rollout_lag:  # the weights of k steps ago; saved once per step (DAPO samples in rounds)
             if not self.past_weights or self.past_weights[-1][0] != step:
-                self.past_weights.append((step, models.trainable_weights(model, self.rollout_model.dtype)))
+                self.past_weights.append((step, trainable_weights(model, self.rollout_model.dtype)))
             weights = self.past_weights[0][1]
-        return models.sync_rollout_model(self.rollout_model, model, weights)
+        return sync_rollout_model(self.rollout_model, model, weights)
 
     def staleness(self, step):
         """The optimizer steps between the weights that sampled at `step` and the trainer's (--rollout_lag)."""
@@ -132,8 +135,8 @@ class RolloutSampler:
 
 def play(model, tokenizer, environment, examples, cfg, num_samples=1, greedy=False, logprobs=False):
     """agents.play_episodes of num_samples episodes of each example (one greedy episode each), each example's
-    adjacent, in calls of at most --generation_batch_size episodes, each turn sampled by support/fast.py's
-    CachedTurns or (--fast False) the plain agents.sample_turn_plain; under ZeRO-3 the weights gathered once.
+    adjacent, in calls of at most --generation_batch_size episodes, each turn sampled by agents.CachedTurns or
+    (--fast False) the plain agents.sample_turn_plain; under ZeRO-3 the weights gathered once.
     Returns (prompt_ids, prompt_mask, completion_ids, mask, token_mask, episodes), on the model's device, the
     calls' padded as if played together; with logprobs also the (B, T) log-probs of the actions as they were drawn
     (CachedTurns.drawn_logprobs; None under --fast False)."""
@@ -142,7 +145,7 @@ def play(model, tokenizer, environment, examples, cfg, num_samples=1, greedy=Fal
     device, played, drawn = next(model.parameters()).device, [], []
     with common.sampling_mode(model), models.gathered_parameters(model):
         for i in range(0, len(examples), n):
-            sample_turn = fast.CachedTurns(model, tokenizer, cfg, environment.stop_ids, greedy, logprobs) \
+            sample_turn = agents.CachedTurns(model, tokenizer, cfg, environment.stop_ids, greedy, logprobs) \
                 if cfg.fast else agents.sample_turn_plain(model, tokenizer, cfg, environment.stop_ids, greedy)
             played.append(agents.play_episodes(sample_turn, environment, tokenizer,
                                                [ex for ex in examples[i:i + n] for _ in range(k)], cfg.max_new_tokens,
@@ -164,3 +167,37 @@ def play(model, tokenizer, environment, examples, cfg, num_samples=1, greedy=Fal
 def greedy_play(environment, cfg):
     """tasks.evaluate's `play`: one greedy episode of each example (None without an environment)."""
     return None if environment is None else functools.partial(play, environment=environment, cfg=cfg, greedy=True)
+
+
+def load_rollout_model(cfg, policy):
+    """With --rollout_dtype other than --torch_dtype, or --rollout_lag > 0, a frozen copy of the policy in
+    --rollout_dtype that does the sampling, as an inference engine beside the trainer would; else None.
+    Call before accelerator.prepare(policy) and sync it before each rollout."""
+    if cfg.rollout_dtype == cfg.torch_dtype and cfg.rollout_lag == 0:
+        return None
+    if any(hasattr(p, "ds_id") for p in policy.parameters()):
+        raise SystemExit(ZERO3_ERROR)
+    return copy.deepcopy(policy).to(DTYPES[cfg.rollout_dtype]).eval().requires_grad_(False)
+
+
+ZERO3_ERROR = ("error: --rollout_dtype and --rollout_lag copy the whole policy, which ZeRO-3 shards: use ZeRO-2 "
+               "or DDP.")
+
+
+@torch.no_grad()
+def trainable_weights(model, dtype):
+    """A copy of the model's trainable weights (all, or the LoRA adapter's) in `dtype`: the state a
+    --rollout_lag sampler is synced to k steps later."""
+    return [p.detach().to(dtype, copy=True) for p in model.parameters() if p.requires_grad]
+
+
+@torch.no_grad()
+def sync_rollout_model(rollout_model, policy, weights=None):
+    """Copy the trainer's current weights into the sampler, cast to its dtype; with `weights` (the
+    trainable_weights of an earlier step, --rollout_lag) the trainable ones come from there. Returns it."""
+    saved = None if weights is None else iter(weights)
+    for target, source in zip(rollout_model.parameters(), policy.parameters(), strict=True):
+        if hasattr(source, "ds_id"):
+            raise SystemExit(ZERO3_ERROR)
+        target.copy_(next(saved) if saved is not None and source.requires_grad else source)
+    return rollout_model

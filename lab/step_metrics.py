@@ -1,12 +1,12 @@
 """The lab's measures of a step: the wall time of each of its phases (StepTimer), and what its rollout held
-(rollout_metrics: lengths, tokens per second, an environment's turns and tool calls, a mixture of experts' routing
-mismatch). The lesson files log the step's time and completion length alone (support/helpers.log_step)."""
+(rollout_metrics: lengths, tokens per second, an environment's turns and tool calls). The lesson files log the
+step's time and completion length alone (support/helpers.log_step)."""
 import time
 from contextlib import contextmanager
 
 import torch
 
-from support import environments, routing
+from support import environments
 
 
 class StepTimer:
@@ -35,8 +35,8 @@ class StepTimer:
 
 
 def rollout_metrics(rollout, step_s):
-    """The engine's metrics of a step's rollout: completion length, tokens per second and, on a mixture of experts,
-    train/routing_mismatch over the positions that predict a completion token."""
+    """The engine's metrics of a step's rollout: completion length, tokens per second and, of episodes, their turns,
+    tool calls and cuts (a mixture of experts' train/routing_mismatch: lab/routing.py)."""
     lengths = rollout.mask.sum(1).float()  # the model's tokens
     metrics = {"train/completion_len": lengths.mean(), "time/tokens_per_s": lengths.sum() / step_s}
     if rollout.episodes is not None:  # an environment's episodes (agents.py): per episode, over the batch
@@ -51,7 +51,4 @@ def rollout_metrics(rollout, step_s):
                                    "were cut before they ended (by --max_new_tokens, the episode's budget of turns "
                                    "and replies, or by --max_turns): raise them if the model needs the room (said "
                                    "once).")
-    if rollout.live_routing is not None:
-        predicting = torch.nn.functional.pad(rollout.mask, (rollout.prompt_ids.shape[1] - 1, 1))
-        metrics["train/routing_mismatch"] = routing.mismatch(rollout.routing[0], rollout.live_routing, predicting)
     return metrics

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import torch
 
 import common
-from support import fast, models
+from lab import routed
+from support import models
 
 
 class Sampling:
@@ -75,7 +76,7 @@ def grow(model, prompt_ids, prompt_mask, quotas, gen, forks, branching):
     device = prompt_ids.device
     branches = [Branch(p, (), q) for p, q in enumerate(quotas) if q > 0]
     index = torch.tensor([b.prompt for b in branches], device=device)
-    cache = fast.shared_prompt_cache(model, prompt_ids, prompt_mask, index)  # each prompt once
+    cache = routed.shared_prompt_cache(model, prompt_ids, prompt_mask, index)  # each prompt once (its routing told)
     attention_mask, tokens = prompt_mask[index], torch.zeros(len(index), 0, dtype=prompt_ids.dtype, device=device)
     inputs, positions = prompt_ids[index, -1:], common.position_ids_from_mask(prompt_mask)[index, -1:]
     found, missing, decoded = [[] for _ in quotas], [0] * len(quotas), 0

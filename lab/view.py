@@ -272,8 +272,6 @@ class Watcher:
         """Give the recorded rows to the Recorder and rewrite its page (a step it records), then forget them."""
         if self.due(step) and rollout is not None:
             values = {**derived(self.kept, adv, self.clip, tokens, rollout.mask), **tokens}
-            if rollout.routing_disagree is not None:
-                values["routing_disagree"] = rollout.routing_disagree
             self.recorder.record(step, rollout, rewards, adv, {k: v for k, v in values.items() if v.dim() == 2},
                                  {k: v for k, v in values.items() if v.dim() == 1}, rollout.group_size)
             self.recorder.write()

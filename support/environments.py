@@ -28,7 +28,7 @@ import types
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from support import config, routing, tool_process, user_files
+from support import config, models, tool_process, user_files
 from support.calculator import Calculator
 from support.config import AT_LEAST_ONE, Rule, arg, check, check_rules
 
@@ -427,7 +427,7 @@ def load(cfg, tokenizer, examples=None):
 
 def refuse(cfg):
     """What episodes do not run with yet, one line each."""
-    moe = routing.names_moe(cfg.model_name_or_path)
+    moe = models.names_moe(cfg.model_name_or_path)
     for refused, what in ((cfg.async_rollouts > 0 and cfg.reward_model, "--async_rollouts and --reward_model: the "
                            "learner would reward episodes whose environments live in the sampler process"),
                           (getattr(cfg, "sampler", "independent") != "independent",

@@ -1,5 +1,6 @@
-"""Models: the tokenizer, the policy (full or LoRA), the frozen reference, the sampler's copy (low-precision
-or stale), the optimizer, saving with save_pretrained, and the ZeRO-3 weights gathered for generation."""
+"""Models: the tokenizer, the policy (full or LoRA), the frozen reference, the optimizer, saving with
+save_pretrained, and the ZeRO-3 weights gathered for generation. (The sampler's copy of the policy, in a lower
+precision or stale, is the lab's: lab/sampling.py.)"""
 import copy
 import os
 import sys
@@ -8,7 +9,6 @@ from contextlib import contextmanager
 
 import torch
 
-from support import routing
 from support.config import DTYPES
 
 
@@ -82,7 +82,7 @@ def zero3_moe_leaves(model):
     group of tokens, and ZeRO-3's per-weight hooks would reduce a gradient twice.)"""
     from transformers.integrations import is_deepspeed_zero3_enabled
 
-    routers = {id(r) for r in routing.routers(model)}
+    routers = {id(m) for m in model.modules() if type(m).__name__.endswith("TopKRouter")}  # as lab/routing.py's
     blocks = {type(m) for m in model.modules() if any(id(c) in routers for c in m.children())}
     if blocks and is_deepspeed_zero3_enabled():
         from deepspeed.utils import set_z3_leaf_modules
@@ -128,21 +128,6 @@ def load_reference(cfg, policy):
     return AdapterDisabled(policy).eval() if cfg.lora_r > 0 else load_model(cfg, trainable=False)
 
 
-def load_rollout_model(cfg, policy):
-    """With --rollout_dtype other than --torch_dtype, or --rollout_lag > 0, a frozen copy of the policy in
-    --rollout_dtype that does the sampling, as an inference engine beside the trainer would; else None.
-    Call before accelerator.prepare(policy) and sync it before each rollout."""
-    if cfg.rollout_dtype == cfg.torch_dtype and cfg.rollout_lag == 0:
-        return None
-    if any(hasattr(p, "ds_id") for p in policy.parameters()):
-        raise SystemExit(ZERO3_ERROR)
-    return copy.deepcopy(policy).to(DTYPES[cfg.rollout_dtype]).eval().requires_grad_(False)
-
-
-ZERO3_ERROR = ("error: --rollout_dtype and --rollout_lag copy the whole policy, which ZeRO-3 shards: use ZeRO-2 "
-               "or DDP.")
-
-
 def prepare_frozen(accelerator, model):
     """A frozen model (the reference, the reward model) on the device, run in the policy's precision:
     with the same weights both compute the same log-probs, so the KL to the reference starts at
@@ -167,25 +152,6 @@ def prepare_frozen(accelerator, model):
     engine, *_ = deepspeed.initialize(model=model, config=ds_config)
     engine.eval()  # DeepSpeedEngine.eval() returns None, not the engine
     return engine
-
-
-@torch.no_grad()
-def trainable_weights(model, dtype):
-    """A copy of the model's trainable weights (all, or the LoRA adapter's) in `dtype`: the state a
-    --rollout_lag sampler is synced to k steps later."""
-    return [p.detach().to(dtype, copy=True) for p in model.parameters() if p.requires_grad]
-
-
-@torch.no_grad()
-def sync_rollout_model(rollout_model, policy, weights=None):
-    """Copy the trainer's current weights into the sampler, cast to its dtype; with `weights` (the
-    trainable_weights of an earlier step, --rollout_lag) the trainable ones come from there. Returns it."""
-    saved = None if weights is None else iter(weights)
-    for target, source in zip(rollout_model.parameters(), policy.parameters(), strict=True):
-        if hasattr(source, "ds_id"):
-            raise SystemExit(ZERO3_ERROR)
-        target.copy_(next(saved) if saved is not None and source.requires_grad else source)
-    return rollout_model
 
 
 def check_model_path(name, flag="--model_name_or_path"):
@@ -218,6 +184,14 @@ def check_model_path(name, flag="--model_name_or_path"):
             if "RepositoryNotFoundError" in kinds:
                 raise SystemExit(f"error: {flag} {name!r}: no such model on the Hub (or a private one: log in with "
                                  "hf auth login), and not a local folder.") from None
+
+
+def names_moe(model_name_or_path):
+    """Whether the checkpoint's config is a mixture of experts: read before any model loads."""
+    from transformers import AutoConfig
+
+    model_config = AutoConfig.from_pretrained(model_name_or_path)
+    return any(getattr(model_config, name, 0) for name in ("num_experts", "num_local_experts"))
 
 
 def make_optimizer(model, cfg, learning_rate=None):

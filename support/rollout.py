@@ -5,7 +5,6 @@ from dataclasses import dataclass
 import torch
 
 from common import Aggregation
-from support.routing import layers_differing
 
 
 @dataclass
@@ -18,7 +17,7 @@ class Rollout:
     completion_ids: torch.Tensor  # (B, T)
     mask: torch.Tensor            # (B, T), 1 up to and including the first EOS (common.completion_mask); an
     completions: list             # episode's: its action mask, 1 on the model's tokens only (agents.py)
-    # a mixture-of-experts policy's routing (support/routing.py), (B, P + T, L, k) in the layout of input_ids:
+    # a mixture-of-experts policy's routing (lab/routing.py), (B, P + T, L, k) in the layout of input_ids:
     routing: tuple = None               # the sampler's experts and the token ids it saw
     old_routing: tuple = None           # those of the trainer's pi_old pass
     live_routing: torch.Tensor = None   # the trainer's routers' own choice, in its first pass over each row
@@ -55,15 +54,6 @@ class Rollout:
     @property
     def prompts(self):
         return [ex["prompt"] for ex in self.examples]
-
-    @property
-    def routing_disagree(self):
-        """(B, T): how many MoE layers routed the position that predicts each completion token to other experts in
-        the trainer than in the sampler (None before both are known)."""
-        if self.routing is None or self.live_routing is None:
-            return None
-        P, T = self.prompt_ids.shape[1], self.mask.shape[1]
-        return layers_differing(self.routing[0], self.live_routing)[:, P - 1:P - 1 + T]
 
     def select(self, keep):
         """The rows where keep (a (B,) bool tensor) is True."""

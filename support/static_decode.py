@@ -34,17 +34,10 @@ import weakref
 import torch
 
 import common
-from support import routing
 
 CACHE_MULTIPLE = 64  # static cache lengths are rounded up to this: fewer distinct shapes, so fewer compilations
 END_CHECK_EVERY = 8  # steps between two checks for the end (a host synchronisation each)
 _CACHES = weakref.WeakKeyDictionary()  # model -> {(rows, positions, dtype, device): StaticCache}
-
-
-def chosen(model, input_ids):
-    """Whether fast.generate takes this path by default: on CUDA, unless a routing record is open (it counts the
-    columns of a growing attention mask, support/routing.py)."""
-    return input_ids.is_cuda and not routing.is_open(model)
 
 
 def multinomial_draw(probs):
@@ -115,9 +108,6 @@ def decode(model, input_ids, attention_mask, cache, gen, scores=None, logprobs=F
     transformers' compiled forward."""
     from transformers.masking_utils import create_masks_for_generate
 
-    if routing.is_open(model):
-        raise ValueError("a routing record counts the columns of a growing attention mask: sample with "
-                         "fast.generate(fixed_shape=False) inside routing.record")
     if compiled is None:
         compiled = input_ids.is_cuda and not any(hasattr(p, "ds_id") for p in model.parameters())
     b, c, device = len(input_ids), gen.max_new_tokens, input_ids.device

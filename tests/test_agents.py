@@ -1,4 +1,4 @@
-"""Episodes (agents.py): the action mask, the plain episode loop and support/fast.py's CachedTurns (equal: the same
+"""Episodes (agents.py): the action mask, the plain episode loop and its cached one, CachedTurns (equal: the same
 draws, the same tokens), the single turn as the special case of an episode, the loss's gradient on the model's
 tokens only, and PPO's GAE over actions with the environment's tokens between them.
 
@@ -89,7 +89,7 @@ def prompts(tokenizer, names=PROMPTS):
 
 def play(model, tokenizer, spec, cfg, plain, max_turns=4, seed=5, greedy=False):
     """(completion_ids, mask, token_mask, episodes) of one episode per prompt."""
-    sample_turn = (agents.sample_turn_plain if plain else fast.CachedTurns)(model, tokenizer, cfg, spec.stop_ids,
+    sample_turn = (agents.sample_turn_plain if plain else agents.CachedTurns)(model, tokenizer, cfg, spec.stop_ids,
                                                                              greedy)
     torch.manual_seed(seed)
     prompt_ids, _, *played = agents.play_episodes(sample_turn, spec, tokenizer, prompts(tokenizer)[0],
@@ -126,7 +126,7 @@ def test_cached_turns_keep_the_log_probs_of_the_actions_as_drawn(tokenizer, rand
     without, and at every action the log-prob that scoring the whole episode gives it (the environment's tokens in
     the context, the same temperature, top-k, top-p), to 1e-5; 0 at the environment's tokens and the padding."""
     spec = ToySpec(tokenizer)
-    sample_turn = fast.CachedTurns(random_model, tokenizer, sampling, spec.stop_ids, logprobs=True)
+    sample_turn = agents.CachedTurns(random_model, tokenizer, sampling, spec.stop_ids, logprobs=True)
     torch.manual_seed(5)
     prompt_ids, prompt_mask, ids, mask, token_mask, episodes = agents.play_episodes(
         sample_turn, spec, tokenizer, prompts(tokenizer)[0], sampling.max_new_tokens, 4)

@@ -1,4 +1,4 @@
-"""--keep_routing in the training loops, on the embedded mixture-of-experts policy (support/routing.py holds
+"""--keep_routing in the training loops, on the embedded mixture-of-experts policy (lab/routing.py holds
 the record and replay themselves, tests/test_routing.py their tests): which experts each pass of the trainer
 uses, train/routing_mismatch, and the sampler's routing carried through DAPO's rounds of sampling."""
 import json
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from lab import dapo, grpo  # the lab's loops: --keep_routing is theirs
-from lab import engine
-from support import config, routing
+from lab import engine, routing
+from support import config
 from support.run import read_metrics
 
 MOE = os.path.join(config.ROOT, "embedded_model", "moe")
@@ -72,7 +72,7 @@ def test_routing_mismatch_is_the_mean_of_the_layers_that_disagree_per_completion
     assert len(printed) == 1 and f"routing_mismatch {rows[0]['train/routing_mismatch']:.4g} |" in printed[0]
     rollout = passes[0][0]
     layers = rollout.routing[0].shape[2]
-    disagree = rollout.routing_disagree  # (B, T): what the rollout viewer shows per token
+    disagree = routing.disagreement(rollout)  # (B, T): what the rollout viewer shows per token
     assert disagree.shape == rollout.mask.shape and disagree.max() <= layers
     expected = (disagree * rollout.mask).sum() / (rollout.mask.sum() * layers)
     assert rows[0]["train/routing_mismatch"] == pytest.approx(expected.item(), rel=1e-6)

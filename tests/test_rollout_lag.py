@@ -8,8 +8,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from lab import dapo, grpo, rloo  # the lab's loops: --rollout_lag, --rollout_dtype and the corrections
-from lab import engine
-from support import config, models
+from lab import engine, sampling
+from support import config
 from support.run import read_metrics
 
 # 8 prompts x 4 samples at a high learning rate: the policy moves at every step from the first
@@ -135,4 +135,4 @@ def test_a_lag_under_zero3_is_refused():
     policy = AutoModelForCausalLM.from_pretrained(config.EMBEDDED_MODEL)
     next(policy.parameters()).ds_id = 0
     with pytest.raises(SystemExit, match="--rollout_lag"):
-        models.load_rollout_model(grpo.Config(rollout_lag=1), policy)
+        sampling.load_rollout_model(grpo.Config(rollout_lag=1), policy)

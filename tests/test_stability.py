@@ -11,7 +11,8 @@ from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsW
 
 import common
 from lab import corrections, dapo, grpo, rloo  # the lab's loops: --rollout_lag, --rollout_dtype and the corrections
-from support import config, fast, models, tasks
+from lab import sampling
+from support import config, fast, tasks
 from support.run import read_metrics
 
 F64 = torch.float64
@@ -226,15 +227,15 @@ def test_token_logprobs_with_top_k_and_top_p_are_the_samplers_processed_scores(p
 def test_rollout_model_is_a_low_precision_copy_that_follows_the_trainer():
     cfg = grpo.Config(rollout_dtype="bfloat16")
     policy = AutoModelForCausalLM.from_pretrained(config.EMBEDDED_MODEL)
-    rollout_model = models.load_rollout_model(cfg, policy)
+    rollout_model = sampling.load_rollout_model(cfg, policy)
     assert all(p.dtype == torch.bfloat16 and not p.requires_grad for p in rollout_model.parameters())
     with torch.no_grad():
         for p in policy.parameters():
             p.add_(0.01)
-    models.sync_rollout_model(rollout_model, policy)
+    sampling.sync_rollout_model(rollout_model, policy)
     for target, source in zip(rollout_model.parameters(), policy.parameters()):
         assert torch.equal(target, source.detach().to(torch.bfloat16))
-    assert models.load_rollout_model(grpo.Config(), policy) is None  # float32 = the trainer samples
+    assert sampling.load_rollout_model(grpo.Config(), policy) is None  # float32 = the trainer samples
 
 
 @pytest.mark.parametrize("kwargs, flag", [

@@ -10,9 +10,8 @@ import torch
 
 import common
 from lab import grpo, remax  # the lab's loops (engine.Trainer)
-from lab import engine
-from lab import view
-from support import config, routing
+from lab import engine, routing, view
+from support import config
 from support.run import read_metrics
 
 MOE = os.path.join(config.ROOT, "embedded_model", "moe")

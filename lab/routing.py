@@ -7,10 +7,10 @@ al. 2025, arXiv 2510.11370; docs/stability.md) makes the trainer use the experts
 R3 replays the sampler's, R2 those of the trainer's own pi_old pass.
 
     with routing.record(sampler) as rec:                  # around any forwards: a generation, a scoring pass
-        completion_ids = fast.generate(sampler, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=K)
+        completion_ids = routed.generate(sampler, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=K)
     indices, token_ids = rec.layout(attention_mask)       # (B, S, L, k), (B, S) in the trainer's layout
     with routing.replay(policy, indices, token_ids):      # around the forward AND the backward
-        logp = fast.token_logprobs(policy, input_ids, attention_mask, C)
+        logp = routed.token_logprobs(policy, input_ids, attention_mask, C)
         loss.backward()
     routing.mismatch(indices, other_indices, mask)        # fraction of (token, layer) pairs whose sets differ
 
@@ -26,9 +26,11 @@ Rows and columns. A forward of w tokens with an attention mask of width m runs c
 without a cache (a full pass, a group's prompt pass, a generate call's prefill) starts the next block of rows,
 after those of the previous block in the same context, so generate calls in chunks and micro-batches line up;
 a forward that continues a cache runs the same block. Code whose forward runs other rows than the block's says
-which with `routing.rows`: support/fast.py does for a group's shared prompt pass and for the rows still going
-in its decode loop. In a replay the blocks wrap around to row 0 after the last of the B rows: one context can
-hold the whole batch's indices around epochs of micro-batches taken in order, or a micro-batch's, indices[mb].
+which with `routing.rows`: lab/routed.py, support/fast.py's scoring and sampling as the lab runs them on a mixture
+of experts, does for a group's shared prompt pass and for the rows still going in its decode loop (support/fast.py
+itself knows nothing of the routing). In a replay the blocks wrap around to row 0 after the last of the B rows:
+one context can hold the whole batch's indices around epochs of micro-batches taken in order, or a micro-batch's,
+indices[mb].
 Every forward through the model's weights inside a context counts, a LoRA reference (the policy, adapter off)
 included: run the reference outside.
 
@@ -63,14 +65,6 @@ def is_moe(model):
     return len(routers(model)) > 0
 
 
-def names_moe(model_name_or_path):
-    """Whether the checkpoint's config is a mixture of experts: read before any model loads."""
-    from transformers import AutoConfig
-
-    model_config = AutoConfig.from_pretrained(model_name_or_path)
-    return any(getattr(model_config, name, 0) for name in ("num_experts", "num_local_experts"))
-
-
 def check_moe(model, flag="--keep_routing"):
     """One clear error line for a dense model."""
     if not is_moe(model):
@@ -102,6 +96,30 @@ def layers_differing(indices_a, indices_b):
     """(B, S): at each position recorded in both, how many MoE layers chose another set of experts (else 0)."""
     both = (indices_a[..., 0, 0] >= 0) & (indices_b[..., 0, 0] >= 0)
     return ((indices_a != indices_b).any(-1).sum(-1) * both).long()
+
+
+def rollout_metrics(rollout):
+    """A step's train/routing_mismatch, over the positions that predict a completion token, once the trainer's
+    routers have chosen (rollout.live_routing; else {})."""
+    if rollout.live_routing is None:
+        return {}
+    predicting = torch.nn.functional.pad(rollout.mask, (rollout.prompt_ids.shape[1] - 1, 1))
+    return {"train/routing_mismatch": mismatch(rollout.routing[0], rollout.live_routing, predicting)}
+
+
+def disagreement(rollout):
+    """(B, T): how many MoE layers routed the position that predicts each completion token to other experts in the
+    trainer than in the sampler (None before both are known)."""
+    if rollout is None or rollout.routing is None or rollout.live_routing is None:
+        return None
+    P, T = rollout.prompt_ids.shape[1], rollout.mask.shape[1]
+    return layers_differing(rollout.routing[0], rollout.live_routing)[:, P - 1:P - 1 + T]
+
+
+def viewed(rollout):
+    """The rollout viewer's per-token values of the routing: {"routing_disagree": disagreement} once known, else {}."""
+    disagree = disagreement(rollout)
+    return {} if disagree is None else {"routing_disagree": disagree}
 
 
 @contextmanager
