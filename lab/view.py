@@ -34,7 +34,8 @@ class Quantity(NamedTuple):
 QUANTITIES = {
     "adv": Quantity("advantage", "signed", "The advantage the loss weighed this token's log-prob gradient with: "
                     "blue was pushed up, red pushed down, white not at all (a reward equal to its baseline: the "
-                    "greedy answer's in ReMax, its group's in GRPO, RLOO and DAPO)."),
+                    "greedy answer's in ReMax, its group's in GRPO, RLOO and DAPO; in REINFORCE++ a return equal to "
+                    "the batch's mean)."),
     "return": Quantity("return", "signed", "PPO's return R_t = A_t + V_t from GAE, the critic's target."),
     "value": Quantity("value", "signed", "PPO's critic: the return it expected before this token."),
     "push": Quantity("push -∂L/∂log π", "signed", "The weight the update gave the token's log-prob (the gradient, "

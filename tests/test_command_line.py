@@ -13,7 +13,7 @@ import pytest
 from support import config
 from conftest import ROOT
 
-SCRIPTS = ["lab/remax", "lab/grpo", "lab/rloo", "lab/dapo", "lab/ppo"]  # the lab's: --fast and the rest
+SCRIPTS = ["lab/remax", "lab/grpo", "lab/rloo", "lab/dapo", "lab/ppo", "lab/reinforce_pp"]  # the lab's: --fast and the rest
 MISTAKES = {  # arguments: the one line they must print
     # argparse took an abbreviation as the flag it starts: --num_step 4 ran as --num_steps 4, silently
     "abbreviation": (["--num_step", "4"], "error: unknown flag --num_step; did you mean --num_steps?"),

@@ -14,11 +14,13 @@ from safetensors.torch import load_file
 
 from conftest import ROOT, launch_two_processes, run_together
 
-ALGORITHMS = ("remax", "rloo", "grpo", "dapo", "ppo")
+ALGORITHMS = ("remax", "rloo", "grpo", "dapo", "ppo", "reinforce_pp")
 # five steps of a small batch each (PPO's step is num_epochs x num_mini_batches = 4 optimizer steps)
 ARGS = {"ppo": ["--num_steps", "5", "--batch_size", "16", "--num_mini_batches", "2", "--num_epochs", "2"]}
 SMALL = ["--num_steps", "5", "--batch_size", "16"]
-MICRO = {"remax": "4", "ppo": "4"}  # rows per micro-batch: two or more per update (the group methods': whole groups)
+# rows per micro-batch: two or more per update (the group methods': whole groups; REINFORCE++ needs none, its
+# advantages are the whole batch's before the update)
+MICRO = {"remax": "4", "ppo": "4", "reinforce_pp": "4"}
 
 
 def metrics(out):

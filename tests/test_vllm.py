@@ -220,7 +220,7 @@ def test_grpo_learns_with_the_engine_as_with_our_sampler(tmp_path):
 
 
 @needs_engine
-@pytest.mark.parametrize("script", ["lab/remax.py", "lab/rloo.py", "lab/dapo.py", "lab/ppo.py"])
+@pytest.mark.parametrize("script", ["lab/remax.py", "lab/rloo.py", "lab/dapo.py", "lab/ppo.py", "lab/reinforce_pp.py"])
 def test_every_lab_loop_trains_with_the_engine(tmp_path, script):
     """Two steps of each other lab loop with --sampler vllm (ReMax: its greedy baseline from the engine too), with
     the engine's log-probs as the behaviour policy of the mismatch metrics."""
