@@ -31,7 +31,7 @@ from lab import async_sampling, checkpointer, corrections, pass_at_k, priority, 
 from lab import vllm_engine
 from lab.step_metrics import StepTimer, rollout_metrics
 from support import environments, fast, helpers, models, run, tasks
-from support.rollout import MicroBatch, micro_batches
+from support.rollout import micro_batches
 
 
 def load_data(cfg, accelerator):
@@ -89,6 +89,53 @@ def load_models(cfg, accelerator, reference, rollout_copy=False):
 def mean_over_processes(accelerator, value):
     """The mean of a scalar over the processes."""
     return accelerator.reduce(torch.as_tensor(value, dtype=torch.float32, device=accelerator.device), "mean").item()
+
+
+@dataclass
+class MicroBatch:
+    """The rows of one forward/backward pass of an update, what the update needs of them, and what their forward
+    keeps for their backward: trainer.policy_logprobs scores them once, trainer.backward ends them."""
+    rows: torch.Tensor    # (b,) indices into the rollout
+    mask: torch.Tensor    # (b, T) their completion mask
+    agg: common.Aggregation      # the update's loss aggregation; its weight: their loss's part of the update's loss
+    share: torch.Tensor   # their share of the update's tokens (the weight of their statistics)
+    last: bool            # the last micro-batch of the update: gradients are synchronised after it
+    stage: str = "new"    # "new" -> "scored" (policy_logprobs) -> "done" (backward)
+    routing: object = None         # a mixture-of-experts policy's routing.Pass, open until the backward
+    logp: torch.Tensor = None      # the log-probs scored with gradient, kept for the rollout viewer's push
+
+    def __len__(self):
+        return len(self.rows)
+
+    def of(self, x):
+        """These rows of a per-row tensor of the batch ((B,) or (B, T)); None stays None."""
+        return None if x is None else x[self.rows]
+
+
+def clip_grad_norms(accelerator, trainables, max_norm):
+    """Clip each trainable's gradient norm to max_norm; returns the norms before clipping. Under fp16 loss
+    scaling accelerate's clip_grad_norm_ unscales the gradients of every optimizer at each call, so a second
+    trainable would be unscaled twice (torch refuses): with several, they are unscaled once, then clipped."""
+    if accelerator.scaler is None or len(trainables) == 1:
+        return [accelerator.clip_grad_norm_(t.model.parameters(), max_norm) for t in trainables]
+    accelerator.unscale_gradients()
+    return [torch.nn.utils.clip_grad_norm_(t.model.parameters(), max_norm) for t in trainables]
+
+
+def step_optimizers(accelerator, trainables):
+    """Each trainable's optimizer steps, then its gradients are zeroed. One fp16 loss scaler serves every
+    optimizer, as torch's recipe for several: each steps (skipped when its gradients overflowed), then the scale
+    is updated once. accelerate's optimizer step updates the scale after its own step, so the others step first,
+    through the scaler, and the policy's step (accelerate's) updates it."""
+    if accelerator.scaler is not None:
+        for t in trainables[1:]:
+            accelerator.scaler.step(t.optimizer.optimizer)  # the optimizer inside accelerate's wrapper
+        trainables[0].optimizer.step()
+    else:
+        for t in trainables:
+            t.optimizer.step()
+    for t in trainables:
+        t.optimizer.zero_grad()
 
 
 class Trainer:
@@ -261,10 +308,10 @@ class Trainer:
         cfg, accelerator = self.cfg, self.accelerator
         with self.timer("optimizer"):
             max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-            norms = models.clip_grad_norms(accelerator, trainables, max_norm)
+            norms = clip_grad_norms(accelerator, trainables, max_norm)
             self.ckpt.check_finite(self.at_step, self.update_loss, norms[0] if len(norms) == 1 else torch.stack(norms),
                                    self.policy.model, self.tokenizer)
-            models.step_optimizers(accelerator, trainables)
+            step_optimizers(accelerator, trainables)
         stats = {"loss": self.update_loss,
                  **{"grad_norm" if t is self.policy else f"{t.name}_grad_norm": n for t, n in zip(trainables, norms)}}
         stats.update(helpers.combine(self.update_stats))

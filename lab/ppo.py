@@ -151,8 +151,8 @@ def pretrain_value(cfg, accelerator, trainer, critic, sampler, reward_fn, ref_mo
                 values = critic.model(rollout.input_ids[rows], rollout.attention_mask[rows], T)  # with gradient
                 sse = common.masked_sum((values - returns[rows]) ** 2, mask[rows])
                 accelerator.backward(0.5 * sse / torch.where(num_tokens > 0, num_tokens, 1.0))
-                models.clip_grad_norms(accelerator, [critic], cfg.max_grad_norm or float("inf"))
-                models.step_optimizers(accelerator, [critic])
+                engine.clip_grad_norms(accelerator, [critic], cfg.max_grad_norm or float("inf"))
+                engine.step_optimizers(accelerator, [critic])
     return {**{f"{k}_first": v for k, v in first.items()}, **{f"{k}_last": v for k, v in last.items()}}
 
 
@@ -221,7 +221,7 @@ def main():
         # ---- update: num_epochs passes over num_mini_batches minibatches, one optimizer step of each model per
         # minibatch, its gradient summed over its micro-batches; the loss: the clipped policy loss plus vf_coef
         # times the clipped value loss ----
-        updates, corrections = [], []  # corrections: every micro-batch's (token count, sampler statistics)
+        updates, sampler_stats = [], []  # sampler_stats: every micro-batch's (token count, sampler statistics)
         for epoch in range(cfg.num_epochs):
             for rows in torch.randperm(cfg.batch_size, device=accelerator.device).chunk(cfg.num_mini_batches):
                 if cfg.pos_lm_coef > 0:  # VAPO's NLL divides by the minibatch's correct tokens (mean over processes)
@@ -248,9 +248,9 @@ def main():
                         "value_loss": common.Sums((vf_loss.detach(),), float), "value_clip_frac": vf_stats["clip_frac"],
                         **pg_stats, **correction,
                         "entropy": common.masked_mean(entropy, mb.mask)}, per_row)
-                    corrections.append((mb.mask.sum(), correction))
+                    sampler_stats.append((mb.mask.sum(), correction))
                 updates.append(trainer.step(policy, critic))  # clip each, check finite, both optimizers step
-        stats = engine.over_updates(updates, corrections)  # means over the updates; the sampler's: the batch's
+        stats = engine.over_updates(updates, sampler_stats)  # means over the updates; the sampler's: the batch's
 
         # ---- log (PLUMBING: docs/metrics.md says what each metric means) ----
         metrics = {

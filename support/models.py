@@ -206,32 +206,6 @@ def make_optimizer(model, cfg, learning_rate=None):
     return optimizer, get_constant_schedule_with_warmup(optimizer, cfg.warmup_steps)
 
 
-def clip_grad_norms(accelerator, trainables, max_norm):
-    """Clip each trainable's gradient norm to max_norm; returns the norms before clipping. Under fp16 loss
-    scaling accelerate's clip_grad_norm_ unscales the gradients of every optimizer at each call, so a second
-    trainable would be unscaled twice (torch refuses): with several, they are unscaled once, then clipped."""
-    if accelerator.scaler is None or len(trainables) == 1:
-        return [accelerator.clip_grad_norm_(t.model.parameters(), max_norm) for t in trainables]
-    accelerator.unscale_gradients()
-    return [torch.nn.utils.clip_grad_norm_(t.model.parameters(), max_norm) for t in trainables]
-
-
-def step_optimizers(accelerator, trainables):
-    """Each trainable's optimizer steps, then its gradients are zeroed. One fp16 loss scaler serves every
-    optimizer, as torch's recipe for several: each steps (skipped when its gradients overflowed), then the scale
-    is updated once. accelerate's optimizer step updates the scale after its own step, so the others step first,
-    through the scaler, and the policy's step (accelerate's) updates it."""
-    if accelerator.scaler is not None:
-        for t in trainables[1:]:
-            accelerator.scaler.step(t.optimizer.optimizer)  # the optimizer inside accelerate's wrapper
-        trainables[0].optimizer.step()
-    else:
-        for t in trainables:
-            t.optimizer.step()
-    for t in trainables:
-        t.optimizer.zero_grad()
-
-
 def sharding(model):
     """What this process holds of the prepared model, in elements: the weights (all of them, or
     its ZeRO-3 shard) and the optimizer's fp32 master weights (its ZeRO-1/2/3 partition), beside

@@ -1,10 +1,9 @@
-"""The batch a training step works on: the sampled rollout (`Rollout`, one row per completion) and the rows of
-one forward/backward pass of its update (`MicroBatch`)."""
+"""The batch a training step works on: the sampled rollout (`Rollout`, one row per completion), and the rows of each
+forward/backward pass of its update (`micro_batches`; the lab's engine keeps more of each: lab/engine.MicroBatch)."""
 from dataclasses import dataclass
 
 import torch
 
-from common import Aggregation
 
 
 @dataclass
@@ -114,24 +113,3 @@ def micro_batches(batch_size, micro_batch_size):
     smaller); 0 gives one slice, the whole batch."""
     size = micro_batch_size or batch_size
     return [slice(start, min(start + size, batch_size)) for start in range(0, batch_size, size)]
-
-
-@dataclass
-class MicroBatch:
-    """The rows of one forward/backward pass of an update, what the update needs of them, and what their forward
-    keeps for their backward: trainer.policy_logprobs scores them once, trainer.backward ends them."""
-    rows: torch.Tensor    # (b,) indices into the rollout
-    mask: torch.Tensor    # (b, T) their completion mask
-    agg: Aggregation      # the update's loss aggregation; its weight: their loss's part of the update's loss
-    share: torch.Tensor   # their share of the update's tokens (the weight of their statistics)
-    last: bool            # the last micro-batch of the update: gradients are synchronised after it
-    stage: str = "new"    # "new" -> "scored" (policy_logprobs) -> "done" (backward)
-    routing: object = None         # a mixture-of-experts policy's routing.Pass, open until the backward
-    logp: torch.Tensor = None      # the log-probs scored with gradient, kept for the rollout viewer's push
-
-    def __len__(self):
-        return len(self.rows)
-
-    def of(self, x):
-        """These rows of a per-row tensor of the batch ((B,) or (B, T)); None stays None."""
-        return None if x is None else x[self.rows]

@@ -200,7 +200,6 @@ def test_two_optimizers_under_fp16_loss_scaling_step_once_each_on_gradients_unsc
     clipped and stepped on the true gradients, and the scale is updated once: as without a scaler."""
     from accelerate import Accelerator
 
-    from support import models
     from lab import engine
 
     accelerator = Accelerator(cpu=True)
@@ -226,8 +225,8 @@ def test_two_optimizers_under_fp16_loss_scaling_step_once_each_on_gradients_unsc
     trainables = [engine.Trainable(prepared[0], prepared[2], None), engine.Trainable(prepared[1], prepared[3], None,
                                                                                      "critic")]
     accelerator.backward(prepared[0](x).square().sum() + prepared[1](x).sum())  # scaled by 1024
-    norms_s = models.clip_grad_norms(accelerator, trainables, 0.5)
-    models.step_optimizers(accelerator, trainables)
+    norms_s = engine.clip_grad_norms(accelerator, trainables, 0.5)
+    engine.step_optimizers(accelerator, trainables)
     torch.testing.assert_close(torch.stack(norms_s), torch.stack(norms))
     for m, m_s in zip(nets, prepared[:2]):
         for p, p_s in zip(m.parameters(), m_s.parameters()):
