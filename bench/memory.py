@@ -110,7 +110,8 @@ def run_child(script, result_path, script_args):
     import torch
 
     import common
-    from support import run, tasks
+    from lab import tasks
+    from support import run
 
     loaded, optimizers = record_models_and_optimizers()
     first_step, phase_peaks = {}, {}

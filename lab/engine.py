@@ -26,15 +26,18 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 import common
-from lab import async_sampling, pass_at_k, priority, sampling, vllm_engine
-from support import checkpoint, environments, fast, helpers, models, routing, run, tasks, view
+from lab import async_sampling, environments, pass_at_k, priority, sampling, tasks, vllm_engine
+from support import checkpoint, fast, helpers, models, routing, run, view
 from support.rollout import MicroBatch, micro_batches
 
 
 def load_data(cfg, accelerator):
-    """The tokenizer and the (train, eval) examples; the main process downloads first, the others read its
-    cache. Data errors surface here, before any model loads."""
-    tokenizer, train_data, eval_data = helpers.load_data(cfg, accelerator)
+    """The tokenizer and the (train, eval) examples (the lab's: lab/tasks.py); the main process downloads first, the
+    others read its cache. Data errors surface here, before any model loads."""
+    with accelerator.main_process_first():
+        tokenizer = models.load_tokenizer(cfg)
+        train_data, eval_data = tasks.load_task(cfg, tokenizer)
+    models.check_prompts_tokenize(tokenizer, train_data + eval_data, cfg, accelerator.is_main_process)
     priority.check_difficulty(cfg, train_data)  # --prompt_sampling curriculum: a number in --difficulty_column
     if cfg.sampler == "vllm":  # what the engine cannot do, and prompts it could not hold
         vllm_engine.check(cfg)

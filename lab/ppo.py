@@ -35,8 +35,8 @@ import vapo  # noqa: E402
 from ppo import (AdaptiveKLController, ValueModel, decoupled_gae, explained_variance, gae, last_action,  # noqa: E402
                  length_adaptive_lam, ppo_policy_loss, ppo_value_loss)  # the lesson's math and models
 from lab import config as lab_config  # noqa: E402
-from lab import engine  # noqa: E402
-from support import config, environments, helpers, models, run, tasks  # noqa: E402
+from lab import engine, environments, tasks  # noqa: E402
+from support import config, helpers, models, run  # noqa: E402
 from support.config import arg  # noqa: E402
 
 

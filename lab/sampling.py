@@ -10,8 +10,8 @@ import torch
 
 import agents
 import common
-from lab import async_sampling, tree, vllm_engine
-from support import fast, models, reward_functions, routing, tasks
+from lab import async_sampling, tasks, tree, vllm_engine
+from support import fast, models, reward_functions, routing
 from support.helpers import any_process
 from support.rollout import Rollout
 

@@ -10,7 +10,16 @@ from dataclasses import asdict
 import torch
 from tqdm.auto import tqdm
 
-from support import config, environments, models, routing
+from support import config, models, routing
+
+WARNED = set()  # the keys of the warnings this process has printed (warn_once)
+
+
+def warn_once(key, line):
+    """Print a warning line once per process."""
+    if key not in WARNED:
+        WARNED.add(key)
+        print(f"warning: {line}", flush=True)
 
 
 class StepTimer:
@@ -51,10 +60,9 @@ def rollout_metrics(rollout, step_s):
                         "train/truncated_frac": sum(e.truncated for e in episodes) / len(episodes),
                         "train/env_token_frac": 1 - rollout.mask.sum() / rollout.token_mask.sum().clamp(min=1)})
         if metrics["train/truncated_frac"] > 0.5:  # a run whose episodes are mostly cut says so once
-            environments.warn_once("episodes cut", f"{metrics['train/truncated_frac']:.0%} of this step's episodes "
-                                   "were cut before they ended (by --max_new_tokens, the episode's budget of turns "
-                                   "and replies, or by --max_turns): raise them if the model needs the room (said "
-                                   "once).")
+            warn_once("episodes cut", f"{metrics['train/truncated_frac']:.0%} of this step's episodes were cut "
+                      "before they ended (by --max_new_tokens, the episode's budget of turns and replies, or by "
+                      "--max_turns): raise them if the model needs the room (said once).")
     if rollout.live_routing is not None:
         predicting = torch.nn.functional.pad(rollout.mask, (rollout.prompt_ids.shape[1] - 1, 1))
         metrics["train/routing_mismatch"] = routing.mismatch(rollout.routing[0], rollout.live_routing, predicting)
