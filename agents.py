@@ -23,7 +23,7 @@ round trip can merge or split tokens, and the loss would then score tokens the m
 together, each turn's history encoded again. `CachedTurns`, what the lab's loops sample turns with, keeps the keys
 and values across turns instead (an observation is appended, not the history re-encoded) and is tested equal to
 it, the same draws and the same tokens (tests/test_agents.py). How tools and environments are loaded and called,
-in TRL's conventions: support/environments.py. Pure functions and the loops: no accelerator inside.
+in TRL's conventions: lab/environments.py. Pure functions and the loops: no accelerator inside.
 """
 import collections
 from dataclasses import dataclass, field
@@ -81,7 +81,7 @@ def play_episodes(sample_turn, spec, tokenizer, examples, max_new_tokens, max_tu
     batch, increasing): histories[j] is row j's token ids so far (prompt and episode), appended[j] those added since
     its last turn (its prompt at the first); it returns each row's new token ids, up to and including the first EOS
     or turn-ending token (`spec.stop_ids`), else max_new_tokens of them. One call samples every row together, one
-    draw per row and step, as one generate call (`sample_turn_plain`). `spec`: support/environments.py's."""
+    draw per row and step, as one generate call (`sample_turn_plain`). `spec`: lab/environments.py's."""
     B, eos = len(examples), tokenizer.eos_token_id
     episodes = [Episode(env, truncated=env.cut) for env in map(spec.episode, examples)]  # cut: reset's observation
     prompt = tokenizer([spec.prompt_text(ex, e.env) for ex, e in zip(examples, episodes)], return_tensors="pt",

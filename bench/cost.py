@@ -112,10 +112,11 @@ def run_child(script, result_path, script_args):
     import torch
 
     sys.path.insert(0, str(ROOT))
+    from lab import tasks as lab_tasks
     from support import tasks
 
     loaded, optimizers = record_models_and_optimizers()
-    tasks.evaluate = lambda *args, **kwargs: {"eval/accuracy": float("nan")}
+    tasks.evaluate = lab_tasks.evaluate = lambda *args, **kwargs: {"eval/accuracy": float("nan")}  # lesson's, lab's
 
     spec = importlib.util.spec_from_file_location(module_name(script), script)
     module = importlib.util.module_from_spec(spec)

@@ -81,11 +81,12 @@ def run_child(script, result_path, script_args):
     import torch
 
     from bench.cost import run_child as run_cost_child
+    from lab import tasks as lab_tasks
     from support import tasks
 
     if torch.cuda.is_available():  # this process's GPU before run_child touches one: else every rank opens GPU 0
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    tasks.reward_scorer = random_reward_scorer
+    tasks.reward_scorer = lab_tasks.reward_scorer = random_reward_scorer  # the lesson's and the lab's
     run_cost_child(script, f"{result_path}.rank{os.environ.get('RANK', '0')}", script_args)
 
 

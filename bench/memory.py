@@ -110,8 +110,8 @@ def run_child(script, result_path, script_args):
     import torch
 
     import common
-    from lab import step_metrics
-    from support import run, tasks
+    from lab import step_metrics, tasks
+    from support import run
 
     loaded, optimizers = record_models_and_optimizers()
     first_step, phase_peaks = {}, {}

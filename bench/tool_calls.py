@@ -1,5 +1,5 @@
 """What a reset and a tool call cost from the training process (docs/agents.md): --environment FILE.py:Class runs
-each in a child of the tool process (support/tool_process.py); the built-in calculator runs in the training process.
+each in a child of the tool process (lab/tool_process.py); the built-in calculator runs in the training process.
 The median wall time of each, over --calls episodes, one reset and one call each, in a process that has torch loaded
 as a run's has; and, for comparison, of a fork of this process per call (the child sends back a pickled result).
 
@@ -18,8 +18,8 @@ import types
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402,F401  (the training process's size: what a fork of it would copy)
 
-from support import environments  # noqa: E402
-from support.environments import ToolCall  # noqa: E402
+from lab import environments  # noqa: E402
+from lab.environments import ToolCall  # noqa: E402
 
 
 def measure(environment, tool, arguments, calls):

@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
 from lab import config as lab_config  # noqa: E402
-from support import tasks  # noqa: E402
+from lab import tasks  # noqa: E402
 
 SPECIAL = ["<pad>", "<eos>", "<unk>"]
 CHARS = list("0123456789+-*= ")

@@ -29,8 +29,8 @@ import torch
 import torch.multiprocessing as mp
 
 import common
-from lab import tree, vllm_engine
-from support import environments, fast, models, reward_functions, tasks, tool_process
+from lab import environments, tasks, tool_process, tree, vllm_engine
+from support import fast, models, reward_functions
 from support.rollout import Rollout, micro_batches
 
 POLL_S = 0.05  # how often a waiting process checks the other one

@@ -9,8 +9,7 @@ from dataclasses import dataclass
 import torch
 
 import exploration
-from lab import priority, tree
-from support import tasks
+from lab import priority, tasks, tree
 from support.config import arg, check, check_rules, one_of
 
 

@@ -29,8 +29,8 @@ import common  # noqa: E402
 import exploration  # noqa: E402
 from dapo import dapo_loss, dynamic_sampling_filter, grpo_advantages, overlong_penalty  # noqa: E402 (the lesson's)
 from lab import config as lab_config  # noqa: E402
-from lab import budget, corrections, engine  # noqa: E402
-from support import config, environments, helpers, tasks  # noqa: E402
+from lab import budget, corrections, engine, environments, tasks  # noqa: E402
+from support import config, helpers  # noqa: E402
 from support.config import arg  # noqa: E402
 
 

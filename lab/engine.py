@@ -27,17 +27,20 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 import common
-from lab import async_sampling, checkpointer, corrections, pass_at_k, priority, routed, routing, sampling, view
-from lab import vllm_engine
+from lab import async_sampling, checkpointer, corrections, environments, pass_at_k, priority, routed, routing
+from lab import sampling, tasks, view, vllm_engine
 from lab.step_metrics import StepTimer, rollout_metrics
-from support import environments, fast, helpers, models, run, tasks
+from support import fast, helpers, models, run
 from support.rollout import micro_batches
 
 
 def load_data(cfg, accelerator):
-    """The tokenizer and the (train, eval) examples; the main process downloads first, the others read its
-    cache. Data errors surface here, before any model loads."""
-    tokenizer, train_data, eval_data = helpers.load_data(cfg, accelerator)
+    """The tokenizer and the (train, eval) examples (the lab's: lab/tasks.py); the main process downloads first, the
+    others read its cache. Data errors surface here, before any model loads."""
+    with accelerator.main_process_first():
+        tokenizer = models.load_tokenizer(cfg)
+        train_data, eval_data = tasks.load_task(cfg, tokenizer)
+    models.check_prompts_tokenize(tokenizer, train_data + eval_data, cfg, accelerator.is_main_process)
     priority.check_difficulty(cfg, train_data)  # --prompt_sampling curriculum: a number in --difficulty_column
     if cfg.sampler == "vllm":  # what the engine cannot do, and prompts it could not hold
         vllm_engine.check(cfg)

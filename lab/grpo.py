@@ -33,8 +33,8 @@ import kimi  # noqa: E402
 import objectives  # noqa: E402
 from grpo import grpo_advantages, grpo_loss  # noqa: E402  (the lesson's math)
 from lab import config as lab_config  # noqa: E402
-from lab import budget, corrections, engine  # noqa: E402
-from support import config, environments, helpers, tasks  # noqa: E402
+from lab import budget, corrections, engine, environments, tasks  # noqa: E402
+from support import config, helpers  # noqa: E402
 from support.config import arg  # noqa: E402
 
 

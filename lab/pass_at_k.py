@@ -12,7 +12,7 @@ import math
 import torch
 
 import common
-from support import tasks
+from lab import tasks
 
 
 def pass_at_k(n, c, k):

@@ -35,8 +35,8 @@ import vapo  # noqa: E402
 from ppo import (AdaptiveKLController, ValueModel, explained_variance, gae, last_action, ppo_policy_loss,  # noqa: E402
                  ppo_value_loss)  # the lesson's math and models
 from lab import config as lab_config  # noqa: E402
-from lab import corrections, engine  # noqa: E402
-from support import config, environments, helpers, models, run, tasks  # noqa: E402
+from lab import corrections, engine, environments, tasks  # noqa: E402
+from support import config, helpers, models, run  # noqa: E402
 from support.config import arg  # noqa: E402
 
 

@@ -25,8 +25,8 @@ import torch  # noqa: E402
 import common  # noqa: E402
 from remax import remax_advantages, remax_loss  # noqa: E402  (the lesson's math)
 from lab import config as lab_config  # noqa: E402
-from lab import corrections, engine  # noqa: E402
-from support import config, environments, helpers, tasks  # noqa: E402
+from lab import corrections, engine, environments, tasks  # noqa: E402
+from support import config, helpers  # noqa: E402
 from support.config import arg  # noqa: E402
 
 

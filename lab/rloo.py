@@ -27,8 +27,8 @@ import common  # noqa: E402
 import exploration  # noqa: E402
 from rloo import rloo_advantages, rloo_loss  # noqa: E402  (the lesson's math)
 from lab import config as lab_config  # noqa: E402
-from lab import budget, corrections, engine  # noqa: E402
-from support import config, environments, helpers, tasks  # noqa: E402
+from lab import budget, corrections, engine, environments, tasks  # noqa: E402
+from support import config, helpers  # noqa: E402
 from support.config import arg  # noqa: E402
 
 

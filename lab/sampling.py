@@ -12,8 +12,8 @@ import torch
 
 import agents
 import common
-from lab import async_sampling, routing, tree, vllm_engine
-from support import models, reward_functions, tasks
+from lab import async_sampling, routing, tasks, tree, vllm_engine
+from support import models, reward_functions
 from support.config import DTYPES
 from support.helpers import any_process
 from support.rollout import Rollout

@@ -6,7 +6,7 @@ from contextlib import contextmanager
 
 import torch
 
-from support import environments
+from lab import environments
 
 
 class StepTimer:

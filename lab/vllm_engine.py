@@ -23,7 +23,8 @@ import time
 
 import torch
 
-from support import config, models, tool_process
+from lab import tool_process
+from support import config, models
 
 ENGINE_PYTHON = os.path.join(config.ROOT, ".venv-vllm", "bin", "python")
 INSTALL = "bash lab/install_vllm.sh"

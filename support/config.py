@@ -239,7 +239,7 @@ def lab_script(flag):
     if script.startswith("lab" + os.sep) or not os.path.isfile(os.path.join(ROOT, "lab", script)) or \
             flag in {f.name for f in fields(TrainConfig)} | flags(script):  # the lesson's own
         return None
-    lab = flags("lab", "config.py") | flags("lab", script) | flags("support", "environments.py")
+    lab = flags("lab", "config.py") | flags("lab", script) | flags("lab", "environments.py")
     return f"lab/{script}" if flag in lab else None
 
 

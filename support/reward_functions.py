@@ -1,13 +1,13 @@
 """Reward functions (--reward_fn) called as TRL's GRPOTrainer calls them: the keyword arguments they receive, the
 checks on what they return (the error names the function and the batch rows), and a trial call on a few train rows
-before any model loads."""
+before any model loads. (With episodes, the lab's reward functions also receive them: lab/tasks.py.)"""
 import asyncio
 import inspect
 import math
 import numbers
 
 import torch
-from support import config, environments
+from support import config
 
 _TRAINER_STATE = []
 
@@ -28,34 +28,27 @@ CHECK_ROWS = 4  # the train rows each --reward_fn is tried on before any model l
 
 class Completion(str):
     """A completion's text that also holds its token ids (the sampled ones, up to and including the first EOS),
-    which a reward function receives as completion_ids, and, in an episode (agents.py), its agents.Episode."""
+    which a reward function receives as completion_ids."""
 
-    def __new__(cls, text, token_ids=None, episode=None):
+    def __new__(cls, text, token_ids=None):
         completion = super().__new__(cls, text)
-        completion.token_ids, completion.episode = token_ids, episode
+        completion.token_ids = token_ids
         return completion
 
 
-def reward_kwargs(cfg, examples, completions, episodes=None):
+def reward_kwargs(cfg, examples, completions):
     """The keyword arguments of a reward function, as TRL's GRPOTrainer passes them, one list entry per completion:
     prompts (the dataset's prompt: text, or a conversation's messages), completions (text, or for a conversation
     [{"role": "assistant", "content": text}]), completion_ids (the sampled token ids, up to and including EOS),
-    trainer_state, and every column of the dataset but the prompt's, by its name. With multi-turn episodes
-    (agents.Episode, one per completion) also episodes and, with --environment and --reward_fn, environments: each
-    episode's environment instance, as TRL passes them (unpickled in this process: Environment.instance)."""
+    trainer_state, and every column of the dataset but the prompt's, by its name."""
     rows = [ex.get("row", ex) for ex in examples]
     prompt_column = "prompt" if cfg.dataset in ("arithmetic", "tool_arithmetic") else cfg.prompt_column
     columns = {key: [row[key] for row in rows] for key in rows[0] if key != prompt_column}
     prompts = [ex.get("raw_prompt", ex["prompt"]) for ex in examples]
-    kwargs = {**columns, "prompts": prompts,
-              "completions": [[{"role": "assistant", "content": c}] if isinstance(p, list) else c
-                              for p, c in zip(prompts, completions)],
-              "completion_ids": [getattr(c, "token_ids", None) for c in completions], "trainer_state": trainer_state()}
-    if episodes is not None:
-        kwargs["episodes"] = episodes
-        if getattr(cfg, "environment", "") and cfg.reward_fn:
-            kwargs["environments"] = [episode.env.instance for episode in episodes]
-    return kwargs
+    return {**columns, "prompts": prompts,
+            "completions": [[{"role": "assistant", "content": c}] if isinstance(p, list) else c
+                            for p, c in zip(prompts, completions)],
+            "completion_ids": [getattr(c, "token_ids", None) for c in completions], "trainer_state": trainer_state()}
 
 
 def call_reward_function(name, function, kwargs, when="step not applied"):
@@ -121,19 +114,26 @@ def show(rows, completions):
 
 def check_reward_functions(cfg, examples, tokenizer):
     """Each --reward_fn called once as a step calls it, on the first CHECK_ROWS train rows with placeholder
-    completions (each row's answer, else ''), before any model loads: a function whose parameters do not take
-    the keywords it is given, or that fails on them (raises, or returns other than one number or None per
-    completion), stops the run here with one line."""
-    if not cfg.reward_fn:
-        return
-    examples, trainer_state().max_steps = examples[:CHECK_ROWS], cfg.num_steps
-    completions = [Completion(ex["answer"] or "", tokenizer(ex["answer"] or "", add_special_tokens=False)["input_ids"]
-                              + [tokenizer.eos_token_id]) if tokenizer is not None else ex["answer"] or ""
-                   for ex in examples]
-    kwargs = reward_kwargs(cfg, examples, completions, environments.trial_episodes(cfg, examples))
+    completions (each row's answer, else ''), before any model loads (try_reward_functions)."""
+    if cfg.reward_fn:
+        examples, trainer_state().max_steps = examples[:CHECK_ROWS], cfg.num_steps
+        try_reward_functions(cfg, examples, reward_kwargs(cfg, examples, trial_completions(examples, tokenizer)))
+
+
+def trial_completions(examples, tokenizer):
+    """The placeholder completions of the trial call: each row's answer, else ''."""
+    return [Completion(ex["answer"] or "", tokenizer(ex["answer"] or "", add_special_tokens=False)["input_ids"]
+                       + [tokenizer.eos_token_id]) if tokenizer is not None else ex["answer"] or ""
+            for ex in examples]
+
+
+def try_reward_functions(cfg, examples, kwargs):
+    """The trial call of each --reward_fn on kwargs: a function whose parameters do not take the keywords it is
+    given, or that fails on them (raises, or returns other than one number or None per completion), stops the run
+    here with one line."""
     taken = [key for key in ("prompts", "completions", "completion_ids", "trainer_state", "episodes", "environments")
              if key in examples[0].get("row", {}) and key in kwargs]
-    if cfg.reward_fn and taken:
+    if taken:
         raise SystemExit(f"error: --dataset {cfg.dataset!r} has a column {taken[0]!r}, the name of an argument every "
                          "--reward_fn receives: rename the column.")
     for spec in cfg.reward_fn:

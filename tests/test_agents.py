@@ -34,7 +34,7 @@ class Result:
 
 
 class Toy:
-    """The per-episode handle of a toy environment: evaluates the expression before "=" (support/environments.py's
+    """The per-episode handle of a toy environment: evaluates the expression before "=" (lab/environments.py's
     interface)."""
     instance, cut = None, False
 
@@ -330,7 +330,7 @@ def test_a_chat_models_episode_is_the_template_rendering_of_its_conversation(tmp
     region, are the tokens of apply_chat_template over the whole conversation; the action mask marks the two turns."""
     from test_environments import QWEN_LIKE, char_tokenizer
 
-    from support import environments
+    from lab import environments
 
     tools = tmp_path / "tools.py"
     tools.write_text('def add(a: int, b: int) -> int:\n    """Add.\n\n    Args:\n        a: One.\n        b: Two.\n    '

@@ -11,7 +11,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from support import config, tasks  # noqa: E402
+from lab import tasks  # noqa: E402
+from support import config  # noqa: E402
 from support.run import read_metrics  # noqa: E402
 import grpo  # noqa: E402
 from dapo import dapo_loss, dynamic_sampling_filter, grpo_advantages, overlong_penalty  # noqa: E402

@@ -1,4 +1,4 @@
-"""Tools and environments of multi-turn episodes (support/environments.py): the schemas of typed tools, one error line
+"""Tools and environments of multi-turn episodes (lab/environments.py): the schemas of typed tools, one error line
 for every bad --environment / --tools, tool calls that never raise, the text and chat formats (calls parsed,
 observation tokens as the policy reads them), one environment instance per episode, the built-in calculator, and
 reward functions that read the episodes."""
@@ -13,8 +13,9 @@ import pytest
 from accelerate import Accelerator
 
 from lab import config as lab_config
-from support import config, environments, reward_functions, tasks
-from support.environments import ToolCall, ToolResult
+from lab import environments, tasks
+from lab.environments import ToolCall, ToolResult
+from support import config
 
 TOOLS = '''
 import os
@@ -378,7 +379,7 @@ def test_reward_functions_receive_the_episodes_and_their_environments(tools_file
     cfg = AgentTrainConfig(environment=f"{tools_file}:Counter", reward_fn=[f"{tmp_path}/count_reward.py:counted"])
     examples = [{"prompt": "count", "answer": "1", "family": "add_2x1", "start": 2},
                 {"prompt": "count", "answer": "2", "family": "add_2x1", "start": 7}]
-    reward_functions.check_reward_functions(cfg, examples, tokenizer=None)  # trial episodes: it can be called
+    tasks.check_reward_functions(cfg, examples, tokenizer=None)  # trial episodes: it can be called
     spec = environments.load(cfg, TEXT_TOKENIZER)
     episodes = [SimpleNamespace(env=spec.episode(ex), turns=["t"] * 3, tool_calls=[]) for ex in examples]
     episodes[1].env.call(ToolCall("increment", {"by": 1}))
@@ -386,7 +387,7 @@ def test_reward_functions_receive_the_episodes_and_their_environments(tools_file
     assert rewards.tolist() == [1.0 + 5.0, 0.0 + 11.0]  # the rule reward plus count + turns
     assert stats["train/reward/counted"] == 8.0
     # without episodes the keywords are as before
-    kwargs = reward_functions.reward_kwargs(cfg, examples, ["1", "x"])
+    kwargs = tasks.reward_kwargs(cfg, examples, ["1", "x"])
     assert "episodes" not in kwargs and "environments" not in kwargs
 
 
@@ -560,7 +561,7 @@ def test_the_sampler_process_dies_with_the_learner_even_while_it_plays():
 
     from conftest import ROOT
 
-    child = ("from support import tool_process; tool_process.die_with_parent(); print('ready', flush=True); "
+    child = ("from lab import tool_process; tool_process.die_with_parent(); print('ready', flush=True); "
              "import time; time.sleep(60)")
     parent = (f"import subprocess, sys; p = subprocess.Popen([sys.executable, '-c', {child!r}]); "
               "print(p.pid, flush=True); p.wait()")
@@ -672,7 +673,7 @@ HOOK_CASE = """
 import json, sys, time
 sys.path[:0] = [{root!r}, {root!r} + "/tests"]
 from test_environments import load
-from support.environments import ToolCall
+from lab.environments import ToolCall
 mode, started = sys.argv[2], time.monotonic()
 try:
     env = load(environment=sys.argv[1], tool_timeout=2.0, examples=({{"prompt": "1+2=", "mode": mode}},))
@@ -752,7 +753,7 @@ def test_an_instance_is_capped_and_the_load_of_the_tool_process_has_a_time_limit
     locked.write_text("import fcntl\n_lock = open(__file__ + '.lock', 'w')\nfcntl.flock(_lock, fcntl.LOCK_EX)\n"
                       + MISBEHAVING)
     script = (f"import os, sys, time\nsys.path[:0] = [{str(ROOT)!r}, {str(ROOT)!r} + '/tests']\n"
-              "from test_environments import load, children_of\nfrom support import tool_process\n"
+              "from test_environments import load, children_of\nfrom lab import tool_process\n"
               "tool_process.LOAD_SECONDS = 1.0\nstarted = time.monotonic()\ntry:\n"
               f"    load(environment={str(locked)!r} + ':Hooked', tool_timeout=0.5)\nexcept SystemExit as e:\n"
               "    print(e.code)\nprint(round(time.monotonic() - started), children_of(os.getpid()))\n")

@@ -1,4 +1,4 @@
-"""support/math_answers.py: math answers checked with math-verify. A table of hand-picked (completion, gold, expected)
+"""lab/math_answers.py: math answers checked with math-verify. A table of hand-picked (completion, gold, expected)
 cases, each with the reason for its expected value; gold answers read from the datasets' published shapes; the time
 limit per answer; R1's format; the reward functions called as TRL calls them; math-verify loaded only when asked for."""
 import importlib.util
@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from conftest import ROOT
-from support import math_answers
+from lab import math_answers
 
 # requirements-math.txt (.ci/run installs it); the tests of what happens without it run either way
 needs_math_verify = pytest.mark.skipif(importlib.util.find_spec("math_verify") is None, reason="math-verify")
@@ -137,7 +137,7 @@ def test_a_gold_answer_parse_cut_short_is_not_remembered_as_unparsable():
 def test_importing_math_verify_is_outside_the_first_answers_time_limit():
     """A fresh process's first check imports math-verify and builds its parser (seconds on a loaded machine) before
     its timer starts: its answer gets the whole limit, and no import is cut half-way."""
-    code = ("from support import math_answers\n"
+    code = ("from lab import math_answers\n"
             "print(math_answers.gold_answer('#### 3/4'), math_answers.check('0.75', '3/4', time_limit_s=0.5))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert proc.stdout.strip() == "3/4 (True, False)", proc.stderr[-2000:]
@@ -181,7 +181,7 @@ def test_the_r1_zero_template_holds_the_question():
 
 def test_without_math_verify_asking_for_it_is_one_error_line_naming_the_install_step():
     code = ("import sys; sys.modules['math_verify'] = None\n"
-            "from support import math_answers\n"
+            "from lab import math_answers\n"
             "math_answers.check('1', '1')")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 1 and proc.stdout == ""
@@ -194,8 +194,8 @@ def test_the_lessons_load_neither_this_module_nor_math_verify():
     """Their import closure stays the lesson's machinery: the math check, the reward model and pass@k load only when
     a (lab) flag asks for them."""
     code = ("import sys, grpo, remax, rloo, dapo, ppo, reinforce_pp\n"
-            "print(sorted(m for m in sys.modules if m.startswith(('math_verify', 'sympy', 'support.math_answers', "
-            "'support.reward_model', 'lab'))))")
+            "print(sorted(m for m in sys.modules if m.startswith(('math_verify', 'sympy', 'lab.math_answers', "
+            "'lab.reward_model', 'lab'))))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "[]"

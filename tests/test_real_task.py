@@ -17,7 +17,8 @@ from transformers import AutoTokenizer
 from conftest import ROOT
 from lab.pass_at_k import pass_at_k, reported
 from lab import config as lab_config
-from support import config, tasks
+from lab import tasks
+from support import config
 from support.run import read_metrics
 
 # the published columns, with rows of the same kind
@@ -190,8 +191,8 @@ def test_a_lesson_file_takes_the_verified_reward_as_a_reward_function(tmp_path):
     each logged under its name."""
     pytest.importorskip("math_verify")
     cmd = [sys.executable, "grpo.py", "--dataset", write(tmp_path / "gsm8k.jsonl", GSM8K * 3),
-           "--reward_fn", "support/math_answers.py:accuracy_reward",
-           "--reward_fn", "support/math_answers.py:format_reward",
+           "--reward_fn", "lab/math_answers.py:accuracy_reward",
+           "--reward_fn", "lab/math_answers.py:format_reward",
            "--num_steps", "2", "--batch_size", "4", "--num_generations", "2", "--max_new_tokens", "4",
            "--eval_every", "100", "--output_dir", str(tmp_path / "run")]
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -15,7 +15,8 @@ from accelerate import Accelerator
 from transformers import AutoTokenizer
 
 from lab import config as lab_config
-from support import config, tasks
+from lab import tasks
+from support import config
 from support.run import read_metrics
 from conftest import ROOT
 

@@ -14,9 +14,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import common
 from lab import config as lab_config
-from support import config, fast, models, tasks
+from lab import tasks
 from lab.checkpointer import Checkpointer
-from support.reward_model import RewardModel
+from lab.reward_model import RewardModel
+from support import config, fast, models
 from support.run import read_metrics
 from conftest import ROOT, run_together
 

@@ -9,7 +9,7 @@ import torch
 
 from conftest import ROOT
 from lab import config as lab_config
-from support import tasks
+from lab import tasks
 
 AGENT_DIR = ROOT / "embedded_model" / "agent"
 spec = importlib.util.spec_from_file_location("build", ROOT / "embedded_model" / "build.py")

@@ -14,7 +14,8 @@ from accelerate import Accelerator
 from transformers import AutoTokenizer
 
 from lab import config as lab_config
-from support import config, tasks
+from lab import tasks
+from support import config
 from support.reward_functions import Completion, reward_kwargs, trainer_state
 from support.run import read_metrics
 from conftest import ROOT

@@ -399,8 +399,8 @@ def recorded_step(script, args, tmp_path, monkeypatch):
     """Run script's main() in-process for 2 steps (the second recorded) and return (the recorded rows of step 2,
     what a recomputation needs: the step's rollout, rewards and advantage, and copies of the policy as the
     update's first and last epoch scored it)."""
-    from support import run, tasks
-    from lab import engine
+    from lab import engine, tasks
+    from support import run
 
     seen, end_step, policy_logprobs = {}, engine.Trainer.end_step, engine.Trainer.policy_logprobs
 

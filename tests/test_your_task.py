@@ -11,7 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from lab import config as lab_config
-from support import config, tasks
+from lab import tasks
+from support import config
 from conftest import ROOT
 
 PAGE = (ROOT / "docs" / "your_task.md").read_text()

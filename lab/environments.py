@@ -14,10 +14,10 @@ An environment class has TRL's GRPOTrainer(environment_factory=...) shape, which
   - every public method (its name not starting with '_') of the class other than reset and get_reward is a tool,
     with type hints and a docstring whose Args section describes each parameter (get_json_schema reads them);
   - a tool that raises is not the end of the episode: its message is what the model reads (`error: ...`).
-Reward functions receive the episodes' instances as `environments`, as TRL passes them (reward_functions.py).
+Reward functions receive the episodes' instances as `environments`, as TRL passes them (lab/tasks.py).
 --tools functions are stateless (TRL's GRPOTrainer(tools=...)): the same checks, without reset.
 The user's reset, tool calls and get_reward run in a process of their own, under --tool_timeout
-(support/tool_process.py); the training process loads the user's files once (their top level runs there, without a
+(lab/tool_process.py); the training process loads the user's files once (their top level runs there, without a
 limit) to read the tools' signatures and docstrings."""
 import functools
 import inspect
@@ -28,8 +28,9 @@ import types
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from support import config, models, tool_process, user_files
-from support.calculator import Calculator
+from lab import tool_process
+from lab.calculator import Calculator
+from support import config, models, user_files
 from support.config import AT_LEAST_ONE, Rule, arg, check, check_rules
 
 AGENT_MODEL = os.path.join(config.ROOT, "embedded_model", "agent")
@@ -181,7 +182,7 @@ class Environment:
     """The environment of one episode: a new instance of the environment class (None for --tools alone) whose
     reset was called with the example's row, and its tools. call() never raises. cfg: the run's flags (its
     --environment, --tools, --tool_timeout, the budgets that cap observations). The user's reset, calls and get_reward
-    run in the tool process (support/tool_process.py), each under --tool_timeout; `state` is the instance as the last
+    run in the tool process (lab/tool_process.py), each under --tool_timeout; `state` is the instance as the last
     of them left it, pickled there, which this process keeps without reading (`instance` reads it)."""
 
     def __init__(self, cfg, example):

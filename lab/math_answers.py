@@ -3,8 +3,8 @@ accuracy_reward uses): gold answers read from GSM8K's `#### N`, MATH's last `\\b
 completions parsed as math-verify parses them (LaTeX, fractions, radicals, intervals, sets, percent, units); each
 answer checked within a time limit. Also DeepSeek-R1's output format and its R1-Zero prompt.
 
-Loaded only when asked for: by --answer_check math (support/tasks.py imports it then), --format_reward_weight,
---prompt_template r1_zero, or as a reward function file (--reward_fn support/math_answers.py:accuracy_reward, or
+Loaded only when asked for: by --answer_check math (lab/tasks.py imports it then), --format_reward_weight,
+--prompt_template r1_zero, or as a reward function file (--reward_fn lab/math_answers.py:accuracy_reward, or
 from TRL: `GRPOTrainer(reward_funcs=[accuracy_reward, format_reward], ...)`). math-verify itself is imported on
 the first check: `pip install -r requirements-math.txt`.
 """
@@ -73,7 +73,7 @@ def last_boxed(text):
 def gold_answer(value):
     """A dataset's gold answer as text: after GSM8K's '####', else in MATH's last \\boxed{}, else the whole (a column
     of answers, as MATH-500's `answer`); '' when math-verify finds no answer in it (the row is counted and left out
-    by support/tasks.py). '18 eggs\\n#### 1,800' -> '1,800'."""
+    by lab/tasks.py). '18 eggs\\n#### 1,800' -> '1,800'."""
     text = str(value)
     gold = text.rpartition("####")[2] if "####" in text else last_boxed(text)
     gold = (text if gold is None else gold).strip()

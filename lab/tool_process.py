@@ -1,4 +1,4 @@
-"""Where the user's tools and environments run (support/environments.py): a small process of their own, started from
+"""Where the user's tools and environments run (lab/environments.py): a small process of their own, started from
 a fresh interpreter that loads only the user's files (`serve`), whose worker, a fork in a process group of its own,
 runs the calls (a tool call, an episode's reset, its get_reward) one after the other. What a call started is killed
 before it replies; a call that runs past --tool_timeout, ends its process or leaves a thread running ends the worker,
@@ -133,7 +133,7 @@ class ToolProcess:
 
         requests, self.requests = os.pipe()
         self.replies, replies = os.pipe()
-        code = f"import sys; sys.path.insert(0, {ROOT!r}); from support import tool_process; tool_process.serve()"
+        code = f"import sys; sys.path.insert(0, {ROOT!r}); from lab import tool_process; tool_process.serve()"
         argv = [sys.executable, "-c", code, str(requests), str(replies),
                 repr([(flag, value, path) for flag, value, path, _ in self.files])]
         self.process = subprocess.Popen(argv, pass_fds=(requests, replies), stdin=subprocess.DEVNULL)

@@ -1,4 +1,4 @@
-"""The built-in environment, --environment calculator (support/environments.py loads it): its calls are bounded and
+"""The built-in environment, --environment calculator (lab/environments.py loads it): its calls are bounded and
 run in the training process."""
 import re
 
