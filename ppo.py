@@ -186,7 +186,7 @@ class ValueModel(torch.nn.Module):
     def __init__(self, path, torch_dtype="float32", gradient_checkpointing=False, lora=None):
         super().__init__()
         self.model, loaded = AutoModelForSequenceClassification.from_pretrained(
-            path, num_labels=1, dtype=helpers.DTYPES[torch_dtype], output_loading_info=True)
+            path, num_labels=1, dtype=getattr(torch, torch_dtype), output_loading_info=True)
         if "score.weight" in loaded["missing_keys"]:  # what the load report above calls MISSING
             helpers.config.say("note: the critic's value head `score` is new, initialised at random: the load "
                                "report's MISSING score.weight is expected (docs/ppo.md)")

@@ -30,7 +30,7 @@ from typing import NamedTuple
 
 from lab import tool_process
 from lab.calculator import Calculator
-from support import config, models, user_files
+from support import config, models
 from support.config import AT_LEAST_ONE, Rule, arg, check, check_rules
 
 AGENT_MODEL = os.path.join(config.ROOT, "embedded_model", "agent")
@@ -128,7 +128,7 @@ def toolbox(environment, tools):
         path, _, name = environment.rpartition(":")
         check(path.endswith(".py") and name.isidentifier(), f"--environment {environment!r}: give 'calculator' or "
               "FILE.py:Class.")
-        module = user_files.load_file("--environment", environment, path)
+        module = config.load_file("--environment", environment, path)
         files.append(("--environment", environment, path, module))
         environment_class = vars(module).get(name)
         check(isinstance(environment_class, type), f"--environment {environment!r}: {path} defines no class {name!r}.")
@@ -145,7 +145,7 @@ def toolbox(environment, tools):
         names = names.split(",")
         check(path.endswith(".py") and all(n.isidentifier() for n in names), f"--tools {tools!r}: give "
               "FILE.py:fn1,fn2.")
-        module = user_files.load_file("--tools", tools, path)
+        module = config.load_file("--tools", tools, path)
         files.append(("--tools", tools, path, module))
         for name in names:
             function = vars(module).get(name)

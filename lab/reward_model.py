@@ -1,7 +1,6 @@
 """The reward model of --reward_model: a sequence classifier scoring each (prompt, completion), frozen."""
 import torch
 
-from support.config import DTYPES
 from support.models import check_model_path, prepare_frozen
 from support.rollout import micro_batches
 
@@ -18,7 +17,7 @@ class RewardModel:
         self.tokenizer = AutoTokenizer.from_pretrained(name)
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        model = AutoModelForSequenceClassification.from_pretrained(name, dtype=DTYPES[dtype])
+        model = AutoModelForSequenceClassification.from_pretrained(name, dtype=getattr(torch, dtype))
         model.config.pad_token_id = self.tokenizer.pad_token_id
         self.model = prepare_frozen(accelerator, model.eval().requires_grad_(False))
         self.device, self.micro_batch_size = accelerator.device, micro_batch_size

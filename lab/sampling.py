@@ -14,7 +14,6 @@ import agents
 import common
 from lab import async_sampling, routing, tasks, tree, vllm_engine
 from support import models, reward_functions
-from support.config import DTYPES
 from support.helpers import any_process
 from support.rollout import Rollout
 
@@ -177,7 +176,7 @@ def load_rollout_model(cfg, policy):
         return None
     if any(hasattr(p, "ds_id") for p in policy.parameters()):
         raise SystemExit(ZERO3_ERROR)
-    return copy.deepcopy(policy).to(DTYPES[cfg.rollout_dtype]).eval().requires_grad_(False)
+    return copy.deepcopy(policy).to(getattr(torch, cfg.rollout_dtype)).eval().requires_grad_(False)
 
 
 ZERO3_ERROR = ("error: --rollout_dtype and --rollout_lag copy the whole policy, which ZeRO-3 shards: use ZeRO-2 "

@@ -200,13 +200,13 @@ def serve():
     left among this process's children (a process made with CLONE_PARENT is one) is ended."""
     import ast
 
-    from support import user_files
+    from support import config
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the training process's to handle; this one follows it
     prctl(36, 1)  # PR_SET_CHILD_SUBREAPER: what escapes a worker that ended becomes this process's to end
     requests, replies = int(sys.argv[1]), int(sys.argv[2])
     try:
-        modules = {path: user_files.load_file(flag, value, path) for flag, value, path in ast.literal_eval(sys.argv[3])}
+        modules = {path: config.load_file(flag, value, path) for flag, value, path in ast.literal_eval(sys.argv[3])}
     except BaseException as e:
         write_frame(replies, f"Eraised {type(e).__name__}: {message_of(e)}".encode())
         return

@@ -77,7 +77,7 @@ class Engine:
 
     def __init__(self, cfg, device, rank):
         self.stale, self.cuda = True, device.type == "cuda"  # stale: the engine holds other weights than the policy
-        self.dtype = config.DTYPES[getattr(cfg, "rollout_dtype", cfg.torch_dtype)]
+        self.dtype = getattr(torch, getattr(cfg, "rollout_dtype", cfg.torch_dtype))
         settings = {"model": cfg.model_name_or_path, "dtype": str(self.dtype).removeprefix("torch."),
                     "max_model_len": model_len(cfg),
                     "memory": cfg.vllm_memory or (0.3 if self.cuda else 0.1), "seed": cfg.seed + rank,

@@ -1,7 +1,10 @@
 """The flags every script shares: TrainConfig (each lesson file subclasses it with what its algorithm adds; the lab's
-LabConfig, lab/config.py, adds the lab's), their checks, and the command line's parsing."""
+LabConfig, lab/config.py, adds the lab's), their checks, and the command line's parsing; and the user's own files
+the flags name: a FILE.py of --reward_fn (the lab's --tools, --environment) run once as a module, a --dataset .jsonl
+file's lines checked. No torch: the lab's tool process imports it."""
 import fcntl
 import functools
+import importlib.util
 import json
 import os
 import re
@@ -10,14 +13,10 @@ import types
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-import torch
-
-from support import user_files
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EMBEDDED_MODEL = os.path.join(ROOT, "embedded_model")
 EMBEDDED_TEACHER = os.path.join(EMBEDDED_MODEL, "teacher")  # opd.py's (embedded_model/build.py --teacher)
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = ("float32", "bfloat16", "float16")  # the precisions a flag may name: getattr(torch, name)
 # Flags a resumed run may change: they decide how long to run, what to write and how much memory a step
 # takes (the steps stay the same up to rounding), not the steps themselves. Any other difference from the
 # checkpoint's flags is refused (the optimizer state would also silently restore its --learning_rate).
@@ -300,7 +299,7 @@ def reward_function(spec):
     path, _, name = spec.rpartition(":")
     if not path.endswith(".py") or not name.isidentifier():
         raise ValueError(f"--reward_fn {spec!r}: give FILE.py:NAME, e.g. examples/rewards.py:format_reward.")
-    module = user_files.load_file("--reward_fn", spec, path)
+    module = load_file("--reward_fn", spec, path)
     function = vars(module).get(name)
     if not callable(function):
         defined = [k for k, v in vars(module).items()
@@ -331,3 +330,41 @@ def check(ok, message):
     ValueError, which parse_config prints as one line."""
     if not ok:
         raise ValueError(message)
+
+
+# ---- the user's files ----
+def load_file(flag, spec, path):
+    """The module of the FILE.py given to flag (spec, the flag's value); a missing file or one that fails to import is
+    a ValueError naming the flag."""
+    if not os.path.isfile(path):
+        raise ValueError(f"{flag} {spec!r}: no such file {path!r}.")
+    found = importlib.util.spec_from_file_location(os.path.splitext(os.path.basename(path))[0], path)
+    module = importlib.util.module_from_spec(found)
+    try:
+        found.loader.exec_module(module)
+    except Exception as e:
+        raise ValueError(f"{flag} {spec!r}: importing {path} raised {type(e).__name__}: {' '.join(str(e).split())}") \
+            from e
+    return module
+
+
+def check_json_lines(path):
+    """SystemExit with one line naming the file and the line for the first line of a JSON Lines file that is not
+    UTF-8 or not a JSON object, or for a file without one (the datasets library says neither, in a traceback)."""
+    rows = 0
+    with open(path, "rb") as f:
+        for number, line in enumerate(f, 1):
+            where = f"error: --dataset {path!r} line {number}"
+            try:
+                row = json.loads(line.decode("utf-8")) if line.strip() else None
+            except UnicodeDecodeError as e:
+                raise SystemExit(f"{where}: not UTF-8 (byte 0x{line[e.start]:02x} at byte {e.start + 1} of the line; "
+                                 "latin-1?): save the file as UTF-8.") from None
+            except (ValueError, RecursionError) as e:  # (an int of 5,000 digits, nesting past the stack)
+                why = f"{e.msg} at character {e.pos + 1}" if isinstance(e, json.JSONDecodeError) else e
+                raise SystemExit(f"{where}: not JSON ({why}).") from None
+            if row is not None and not isinstance(row, dict):
+                raise SystemExit(f"{where}: a JSON {type(row).__name__}, not an object of columns.")
+            rows += row is not None
+    if not rows:
+        raise SystemExit(f"error: --dataset {path!r} holds no rows: each line of a .jsonl file is one JSON object.")

@@ -9,7 +9,6 @@ from contextlib import contextmanager
 
 import torch
 
-from support.config import DTYPES
 
 
 def disable_dropout(model):
@@ -63,7 +62,7 @@ def load_model(cfg, trainable=True):
     --lora_r the trainable model gets a LoRA adapter; frozen (eval, no grad) if not trainable."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, dtype=DTYPES[cfg.torch_dtype])
+    model = AutoModelForCausalLM.from_pretrained(cfg.model_name_or_path, dtype=getattr(torch, cfg.torch_dtype))
     disable_dropout(model)
     zero3_moe_leaves(model)
     if not trainable:

@@ -11,7 +11,7 @@ import re
 import torch
 
 import common
-from support import config, fast, reward_functions, user_files
+from support import config, fast, reward_functions
 
 # ----------------------------------------------------------------------------------------
 # The built-in task: arithmetic in families of different difficulty
@@ -119,7 +119,7 @@ def dataset_splits(cfg):
         else:
             kind = "parquet" if cfg.dataset.endswith(".parquet") else "json"
             if cfg.dataset.endswith(".jsonl"):
-                user_files.check_json_lines(cfg.dataset)
+                config.check_json_lines(cfg.dataset)
             rows = datasets.load_dataset(kind, data_files=cfg.dataset, split="train")
             if len(rows) < 2:
                 raise SystemExit(f"error: --dataset {cfg.dataset!r} has {len(rows)} rows; "

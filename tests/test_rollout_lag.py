@@ -44,7 +44,7 @@ def test_the_sampler_at_step_t_holds_the_trainers_weights_of_step_t_minus_k(k, e
     is what lags; the frozen base is the trainer's."""
     record = []
     rows = run(grpo, tmp_path, "--rollout_lag", str(k), *extra, steps=5, record=record)
-    dtype = config.DTYPES["bfloat16" if extra[:1] == ["--rollout_dtype"] else "float32"]
+    dtype = torch.bfloat16 if extra[:1] == ["--rollout_dtype"] else torch.float32
     for (before, _), (after, _) in zip(record, record[1:]):  # every step moves the trainer: an off-by-one shows
         assert any(not torch.equal(a, b) for a, b in zip(before, after))
     for t in range(1, 6):
