@@ -253,6 +253,8 @@ def recipe(args, on_gpu):
         params, data = count_params(model_path), write_gsm8k_shaped(os.path.join(tmp, "gsm8k_shaped.jsonl"))
         runs = [("grpo", ROOT / "grpo.py", ["--dataset", data, *RECIPE_FLAGS])]
         why_not = vllm_missing()
+        if why_not is None and not on_gpu and precision != "no":  # the engine samples in the learner's precision
+            why_not = f"vLLM's CPU attention refuses {precision} at the tiny model's head size 8: --precisions no"
         if why_not is None:
             runs.append(("grpo_vllm", ROOT / "lab" / "grpo.py", ["--dataset", data, *RECIPE_FLAGS, "--sampler", "vllm",
                                                                 "--save_model", "False"]))

@@ -328,7 +328,7 @@ def close_process_group(code):
         leave_run(num_processes, code)
 
 
-def leave_run(num_processes, code):
+def leave_run(num_processes, code=0):
     """The last call of a run on every rank, after the process group is closed. One process returns. Several
     leave at once (os._exit(code), after flushing what they printed) rather than tear the interpreter down: a
     gloo worker thread can still be releasing the tensors of a finished collective (DeepSpeed's all-gathers

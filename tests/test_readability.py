@@ -125,7 +125,7 @@ def lesson_closure(name):
     """{module: lines} of every project module that importing the lesson file `name` loads, the file apart."""
     code = ("import json, os, sys; sys.path.insert(0, os.getcwd()); import " + name + "; root = os.getcwd() + os.sep; "
             "print(json.dumps({m: f for m, f in ((m, getattr(mod, '__file__', None)) for m, mod in "
-            "list(sys.modules.items())) if f and os.path.abspath(f).startswith(root) and '.venv' not in f}))")
+            "list(sys.modules.items())) if f and os.path.isabs(f) and f.startswith(root) and '.venv' not in f}))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     files = json.loads(out.stdout)

@@ -85,7 +85,7 @@ def test_the_routed_fast_path_draws_and_scores_what_support_fast_does(greedy):
     outside any context and inside a record, the draws, their log-probs, the scores and their gradients of the
     lesson's own, bit for bit."""
     model = tiny_moe()
-    cfg = lab_config.TrainConfig(max_new_tokens=6, generation_batch_size=2 * K, temperature=0.8, top_k=12)
+    cfg = lab_config.LabConfig(max_new_tokens=6, generation_batch_size=2 * K, temperature=0.8, top_k=12)
     prompt_mask = (PROMPTS != PAD).long()
 
     def drawn(generate, context):
