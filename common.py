@@ -19,11 +19,6 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "se
 # gives the gradient of the sequence KL(pi_theta || pi_ref). tests/test_kl.py proves both by enumerating every
 # sequence of a 2-token model.
 # ----------------------------------------------------------------------------------------
-class KLTerm(NamedTuple):  # a KL term in a loss: kl_penalty's estimator, and old_logp given (DeepSeek-V3.2)
-    estimator: str = "k3"
-    ratio_weight: bool = False
-
-
 def kl_k1(logp, ref_logp):
     """k1 = log q - log p, per token.
     Value: unbiased for KL(q||p), but can be negative and has high variance.
@@ -157,12 +152,35 @@ def aggregate_loss(per_token_loss, mask, mode, max_len=None):
 
 
 class Clip(NamedTuple):
-    """A surrogate's clip: the ratio in [1 - low, 1 + high]; dual_c > 1 bounds a token's loss with A < 0 at c |A|
-    (0 = off); level "sequence": one ratio per sequence (GSPO). cfg.clip: the loss and the viewer read it there."""
+    """A surrogate's clip: the ratio in [1 - low, 1 + high]; level "sequence": one ratio per sequence, the geometric
+    mean of its tokens' (GSPO). cfg.clip: the loss and the viewer read it there."""
     low: float
     high: float
-    dual_c: float = 0.0
     level: str = "token"
+
+
+def clipped_surrogate(ratio, adv, clip):
+    """PPO's clipped surrogate per token (Schulman et al., 2017, eq. 7): min(rho A, clip(rho, 1 - low, 1 + high) A),
+    the pessimistic bound of rho A. Once rho has moved past the clip in the direction A favours (above 1 + high with
+    A > 0, below 1 - low with A < 0) the clipped term wins and the gradient is 0. ratio, adv: broadcastable, e.g.
+    (B, T) and (B, 1); clip: a Clip. Minus it is the loss."""
+    # BEGIN SOLUTION
+    return torch.min(ratio * adv, torch.clamp(ratio, 1 - clip.low, 1 + clip.high) * adv)
+    # END SOLUTION
+
+
+def clip_stats(ratio, log_ratio, adv, mask, clip):
+    """A clipped surrogate's statistics, means over the mask's tokens: clip_frac_low (rho < 1 - low with A < 0) and
+    clip_frac_high (rho > 1 + high with A > 0), the tokens the clip silences; approx_kl, k3 of the token ratio,
+    exp(log_ratio) - 1 - log_ratio, an estimate of KL(pi_old || pi_theta). Shapes as clipped_surrogate's."""
+    # BEGIN SOLUTION
+    with torch.no_grad():
+        return {
+            "clip_frac_low": masked_mean(((ratio < 1 - clip.low) & (adv < 0)).float(), mask),
+            "clip_frac_high": masked_mean(((ratio > 1 + clip.high) & (adv > 0)).float(), mask),
+            "approx_kl": masked_mean(torch.exp(log_ratio) - 1 - log_ratio, mask),
+        }
+    # END SOLUTION
 
 
 def per_sequence(loss_agg):

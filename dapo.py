@@ -98,16 +98,15 @@ def overlong_penalty(lengths, max_len, cache_len):
     # END SOLUTION
 
 
-def dapo_loss(logp, old_logp, adv, mask, clip, pg_weight=None, loss_agg="token-mean"):
+def dapo_loss(logp, old_logp, adv, mask, clip, loss_agg="token-mean"):
     """Clipped surrogate with the decoupled clip range, token-mean over the batch (DAPO eq. 8).
 
     logp: (B, T) under the policy trained (with grad); old_logp: (B, T) detached, at sampling time;
-    adv: (B,). clip: a common.Clip, [1 - epsilon_low, 1 + epsilon_high] and its dual clip.
-    pg_weight: (B, T) detached weights of the surrogate (the lab's corrections); loss_agg:
-    token-mean or a micro-batch's Aggregation of it. Returns (loss, stats): clip_frac_low, clip_frac_high
-    (ratio < 1 - low with A < 0, > 1 + high with A > 0) and approx_kl (k3 of the ratio).
+    adv: (B,). clip: a common.Clip, [1 - epsilon_low, 1 + epsilon_high]. loss_agg: token-mean or a
+    micro-batch's Aggregation of it. Returns (loss, stats): common.clip_stats (clip_frac_low,
+    clip_frac_high, approx_kl).
     """
-    clip = common.Clip(*clip) if isinstance(clip, tuple) else common.Clip(clip, clip)
+    clip = common.Clip(*clip)  # a Clip, or its fields as a plain tuple
     # the padding may hold anything (NaN, a gap past exp's range): there the detached inputs take
     # logp's value, so the gradient at a padded position is 0, not 0 * inf = NaN from exp's backward
     old_logp = torch.where(mask.bool(), old_logp, logp.detach())
@@ -115,19 +114,9 @@ def dapo_loss(logp, old_logp, adv, mask, clip, pg_weight=None, loss_agg="token-m
     log_ratio = logp - old_logp  # (B, T)
     ratio = torch.exp(log_ratio)  # rho_t = pi_theta / pi_old
     adv = adv[:, None]
-    surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - clip.low, 1 + clip.high) * adv)
-    if clip.dual_c > 0:  # dual clip (Ye et al., 2020): with A < 0 the min above is unbounded in rho
-        surrogate = torch.where(adv < 0, torch.max(surrogate, clip.dual_c * adv), surrogate)
-    if pg_weight is not None:  # a padding weight may hold anything: keep it out of the gradient
-        surrogate = torch.where(mask.bool(), pg_weight, 0.0) * surrogate
+    surrogate = common.clipped_surrogate(ratio, adv, clip)  # min(rho A, clip(rho) A)
     loss = common.aggregate_loss(-surrogate, mask, loss_agg)
-    with torch.no_grad():
-        stats = {
-            "clip_frac_low": common.masked_mean(((ratio < 1 - clip.low) & (adv < 0)).float(), mask),
-            "clip_frac_high": common.masked_mean(((ratio > 1 + clip.high) & (adv > 0)).float(), mask),
-            "approx_kl": common.masked_mean(ratio - 1 - log_ratio, mask),
-        }
-    return loss, stats
+    return loss, common.clip_stats(ratio, log_ratio, adv, mask, clip)
     # END SOLUTION
 
 
@@ -187,7 +176,7 @@ def main():
                 # its part of the batch's loss: the weighted losses sum to the batch's
                 weight = common.micro_batch_weight(mask[rows], agg.mode, num_tokens, B)
                 mb_agg = agg._replace(weight=weight)
-                loss, stats = dapo_loss(logp, old, adv[rows], mask[rows], cfg.clip, loss_agg=mb_agg)
+                loss, stats = dapo_loss(logp, old, adv[rows], mask[rows], cfg.clip, mb_agg)
                 last = rows == batches[-1]  # DDP averages the gradients after the last one only
                 accelerator.sync_gradients = last  # (and DeepSpeed steps there)
                 with nullcontext() if last else accelerator.no_sync(policy):

@@ -60,7 +60,7 @@ class Config(helpers.TrainConfig):
         level = self.importance_sampling_level
         helpers.check(level == "token" or self.loss_agg != "token-mean", "GSPO: one term per "
                       "sequence, which --loss_agg token-mean would weigh by its length.")
-        self.clip = common.Clip(self.epsilon, self.epsilon_high or self.epsilon, 0.0, level)
+        self.clip = common.Clip(self.epsilon, self.epsilon_high or self.epsilon, level)
 
 
 def grpo_advantages(rewards, group_size, scale_rewards="group", eps=1e-6):
@@ -84,19 +84,17 @@ def grpo_advantages(rewards, group_size, scale_rewards="group", eps=1e-6):
 
 
 def grpo_loss(logp, old_logp, ref_logp, adv, mask, clip, beta, loss_agg="seq-mean-token-mean",
-              kl_term=common.KLTerm(), pg_weight=None):
+              kl_estimator="k3"):
     """Clipped surrogate plus beta * KL to the reference, per token (DeepSeekMath eq. 3).
 
     logp: (B, T) under the policy trained (with grad); old_logp, ref_logp: (B, T) detached, at
-    sampling time and under the reference (None when beta == 0); adv: (B,). clip: a common.Clip (its
-    range, dual clip and level: "sequence" is GSPO's s_i = exp(mean_t log rho_t)) or epsilon.
-    kl_term: the KL term's estimator and ratio weight (common.kl_penalty); pg_weight: (B, T) detached
-    weights of the surrogate (the lab's corrections); loss_agg: common.aggregate_loss's mode or a
-    micro-batch's Aggregation. Returns (loss, stats): clip_frac_low and clip_frac_high (ratio <
-    1 - low with A < 0; > 1 + high with A > 0), approx_kl (k3 of the ratio), kl_k3 and kl_term.
+    sampling time and under the reference (None when beta == 0); adv: (B,). clip: a common.Clip
+    (its range and level: "sequence" is GSPO's s_i = exp(mean_t log rho_t)); kl_estimator: the KL
+    term's, k1 | k2 | k3 (common.kl_penalty); loss_agg: common.aggregate_loss's mode or a
+    micro-batch's Aggregation. Returns (loss, stats): common.clip_stats (clip_frac_low,
+    clip_frac_high, approx_kl), kl_k3 and kl_term.
     """
-    clip = common.Clip(*clip) if isinstance(clip, tuple) else common.Clip(clip, clip)
-    kl_term = common.KLTerm(*kl_term)
+    clip = common.Clip(*clip)  # a Clip, or its fields as a plain tuple
     # the padding may hold anything (NaN, a gap past exp's range): there the detached inputs take
     # logp's value, so the gradient at a padded position is 0, not 0 * inf = NaN from exp's backward
     old_logp = torch.where(mask.bool(), old_logp, logp.detach())
@@ -108,13 +106,8 @@ def grpo_loss(logp, old_logp, ref_logp, adv, mask, clip, beta, loss_agg="seq-mea
     if sequence:  # s_i = exp(mean_t log rho_t) on every token of sequence i (eq. 7)
         ratio = torch.exp(common.masked_mean(log_ratio, mask, dim=1))[:, None].expand_as(logp)
     adv = adv[:, None]
-    surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - clip.low, 1 + clip.high) * adv)
-    if clip.dual_c > 0:  # dual clip (Ye et al., 2020): with A < 0 the min above is unbounded in rho
-        surrogate = torch.where(adv < 0, torch.max(surrogate, clip.dual_c * adv), surrogate)
-    if pg_weight is not None:  # a padding weight may hold anything: keep it out of the gradient
-        surrogate = torch.where(mask.bool(), pg_weight, 0.0) * surrogate
-    weight = old_logp if kl_term.ratio_weight else None  # DeepSeek-V3.2's ratio weight
-    kl = common.kl_penalty(logp, ref_logp, kl_term.estimator, weight) if ref_logp is not None else \
+    surrogate = common.clipped_surrogate(ratio, adv, clip)  # min(rho A, clip(rho) A)
+    kl = common.kl_penalty(logp, ref_logp, kl_estimator) if ref_logp is not None else \
         torch.zeros_like(logp)
     if sequence:  # GSPO: the surrogate once per sequence (its tokens' mean), the KL term per token
         loss = common.aggregate_loss(-surrogate, mask, common.per_sequence(loss_agg)) + \
@@ -123,9 +116,7 @@ def grpo_loss(logp, old_logp, ref_logp, adv, mask, clip, beta, loss_agg="seq-mea
         loss = common.aggregate_loss(-surrogate + beta * kl, mask, loss_agg)
     with torch.no_grad():
         stats = {
-            "clip_frac_low": common.masked_mean(((ratio < 1 - clip.low) & (adv < 0)).float(), mask),
-            "clip_frac_high": common.masked_mean(((ratio > 1 + clip.high) & (adv > 0)).float(), mask),
-            "approx_kl": common.masked_mean(torch.exp(log_ratio) - 1 - log_ratio, mask),
+            **common.clip_stats(ratio, log_ratio, adv, mask, clip),
             "kl_k3": common.masked_mean(common.kl_k3(logp, ref_logp) if ref_logp is not None else kl, mask),
             "kl_term": common.masked_mean(kl, mask),
         }
@@ -182,7 +173,7 @@ def main():
                 weight = common.micro_batch_weight(mask[rows], agg.mode, num_tokens, B)
                 mb_agg = agg._replace(weight=weight)
                 loss, stats = grpo_loss(logp, old, ref, adv[rows], mask[rows], cfg.clip, cfg.beta, mb_agg,
-                                        common.KLTerm(cfg.kl_estimator))
+                                        cfg.kl_estimator)
                 last = rows == batches[-1]  # DDP averages the gradients after the last one only
                 accelerator.sync_gradients = last  # (and DeepSpeed steps there)
                 with nullcontext() if last else accelerator.no_sync(policy):

@@ -69,6 +69,7 @@ class Config(helpers.TrainConfig):
         deepspeed = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() in ("1", "true")
         helpers.check(not deepspeed, "ppo.py trains two models and accelerate's DeepSpeed integration prepares "
                       "one per Accelerator: launch it with DDP.")
+        self.clip = common.Clip(self.epsilon, self.epsilon)
 
 
 def gae(rewards, values, mask, gamma, lam):
@@ -106,21 +107,19 @@ def last_action(mask):
     return torch.where(mask.bool(), positions, 0).max(dim=1).values
 
 
-def ppo_policy_loss(logp, old_logp, adv, mask, epsilon, dual_clip_c=0.0, loss_agg="token-mean",
-                    pg_weight=None):
+def ppo_policy_loss(logp, old_logp, adv, mask, clip, loss_agg="token-mean"):
     """Clipped surrogate (Schulman et al., 2017, eq. 7), token-mean over the minibatch (loss_agg:
     token-mean, or the micro-batch's common.Aggregation of it).
 
     logp: (B, T) with grad; old_logp, adv: (B, T) from rollout time. Per token -min(rho A, clip(rho,
-    1 - epsilon, 1 + epsilon) A), rho = exp(logp - old_logp): once the ratio has moved past the clip
-    in the direction A favours, the gradient is zero. With A < 0 it is unbounded as rho grows;
-    dual_clip_c > 1 caps that token's loss at c |A|. pg_weight (B, T), detached, multiplies the
-    surrogate (TIS, masks against a stale sampler: --async_rollouts). Returns (loss, stats):
-    clip_frac_low / clip_frac_high, the fraction of tokens clipped below (rho < 1 - epsilon with A <
-    0) and above (rho > 1 + epsilon with A > 0); approx_kl, the k3 estimate of KL(pi_old ||
-    pi_theta) from the ratio. epsilon may be a (low, high) pair: clip-higher (DAPO, VAPO; the lab).
+    1 - low, 1 + high) A), rho = exp(logp - old_logp) (common.clipped_surrogate): once the ratio has
+    moved past the clip in the direction A favours, the gradient is zero. clip: a common.Clip
+    (low = high = epsilon; the lab's clip-higher: DAPO, VAPO). Returns (loss, stats):
+    common.clip_stats, clip_frac_low / clip_frac_high, the fraction of tokens clipped below (rho <
+    1 - low with A < 0) and above (rho > 1 + high with A > 0); approx_kl, the k3 estimate of
+    KL(pi_old || pi_theta) from the ratio.
     """
-    low, high = epsilon if isinstance(epsilon, tuple) else (epsilon, epsilon)
+    clip = common.Clip(*clip)  # a Clip, or its fields as a plain tuple
     # the padding may hold anything (NaN, a gap past exp's range): there the detached inputs take
     # logp's value, so the gradient at a padded position is 0, not 0 * inf = NaN from exp's backward
     old_logp = torch.where(mask.bool(), old_logp, logp.detach())
@@ -128,19 +127,9 @@ def ppo_policy_loss(logp, old_logp, adv, mask, epsilon, dual_clip_c=0.0, loss_ag
     # BEGIN SOLUTION
     log_ratio = logp - old_logp
     ratio = torch.exp(log_ratio)
-    surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - low, 1 + high) * adv)
-    if dual_clip_c > 0:  # dual clip (Ye et al., 2020)
-        surrogate = torch.where(adv < 0, torch.max(surrogate, dual_clip_c * adv), surrogate)
-    if pg_weight is not None:  # a padding weight may hold anything: keep it out of the gradient
-        surrogate = torch.where(mask.bool(), pg_weight, 0.0) * surrogate
+    surrogate = common.clipped_surrogate(ratio, adv, clip)  # min(rho A, clip(rho) A)
     loss = common.aggregate_loss(-surrogate, mask, loss_agg)
-    with torch.no_grad():
-        stats = {
-            "clip_frac_low": common.masked_mean(((ratio < 1 - low) & (adv < 0)).float(), mask),
-            "clip_frac_high": common.masked_mean(((ratio > 1 + high) & (adv > 0)).float(), mask),
-            "approx_kl": common.masked_mean(ratio - 1 - log_ratio, mask),
-        }
-    return loss, stats
+    return loss, common.clip_stats(ratio, log_ratio, adv, mask, clip)
     # END SOLUTION
 
 
@@ -294,7 +283,7 @@ def main():
                     weight = common.micro_batch_weight(mask[rows], agg.mode, num_tokens, len(minibatch))
                     mb_agg = agg._replace(weight=weight)
                     pg_loss, pg_stats = ppo_policy_loss(logp, old_logp[rows], adv[rows], mask[rows],
-                                                        cfg.epsilon, loss_agg=mb_agg)
+                                                        cfg.clip, mb_agg)
                     values = critic(rollout.input_ids[rows], rollout.attention_mask[rows], T)
                     vf_loss, vf_stats = ppo_value_loss(values, old_values[rows], returns[rows], mask[rows],
                                                        cfg.epsilon_value, mb_agg)

@@ -76,33 +76,23 @@ def reinforce_pp_advantages(rewards, kl, mask, beta, group_size=None):
     # END SOLUTION
 
 
-def reinforce_pp_loss(logp, old_logp, adv, mask, clip, loss_agg="token-mean", pg_weight=None):
+def reinforce_pp_loss(logp, old_logp, adv, mask, clip, loss_agg="token-mean"):
     """PPO's clipped surrogate on per-token advantages; the KL is in the reward, not here.
 
     logp: (B, T) under the policy trained (with grad); old_logp, adv: (B, T) detached, at sampling
-    time. clip: a common.Clip (its range) or epsilon. pg_weight: (B, T) detached weights of the
-    surrogate. loss_agg: common.aggregate_loss's mode or a micro-batch's Aggregation. Returns (loss,
-    stats): clip_frac_low and clip_frac_high (ratio < 1 - low with A < 0; > 1 + high with A > 0) and
-    approx_kl (k3 of the ratio).
+    time. clip: a common.Clip (its range). loss_agg: common.aggregate_loss's mode or a micro-batch's
+    Aggregation. Returns (loss, stats): common.clip_stats (clip_frac_low, clip_frac_high, approx_kl).
     """
-    clip = common.Clip(*clip) if isinstance(clip, tuple) else common.Clip(clip, clip)
+    clip = common.Clip(*clip)  # a Clip, or its fields as a plain tuple
     # the padding may hold anything (NaN, a gap past exp's range): there the detached inputs take
     # logp's value, so the gradient at a padded position is 0, not 0 * inf = NaN from exp's backward
     old_logp = torch.where(mask.bool(), old_logp, logp.detach())
     adv = torch.where(mask.bool(), adv, 0.0)  # and the advantage 0: 0 * NaN would be NaN
     log_ratio = logp - old_logp  # (B, T)
     ratio = torch.exp(log_ratio)  # rho_t = pi_theta / pi_old
-    surrogate = torch.min(ratio * adv, torch.clamp(ratio, 1 - clip.low, 1 + clip.high) * adv)
-    if pg_weight is not None:  # a padding weight may hold anything: keep it out of the gradient
-        surrogate = torch.where(mask.bool(), pg_weight, 0.0) * surrogate
+    surrogate = common.clipped_surrogate(ratio, adv, clip)  # min(rho A, clip(rho) A)
     loss = common.aggregate_loss(-surrogate, mask, loss_agg)
-    with torch.no_grad():
-        stats = {
-            "clip_frac_low": common.masked_mean(((ratio < 1 - clip.low) & (adv < 0)).float(), mask),
-            "clip_frac_high": common.masked_mean(((ratio > 1 + clip.high) & (adv > 0)).float(), mask),
-            "approx_kl": common.masked_mean(torch.exp(log_ratio) - 1 - log_ratio, mask),
-        }
-    return loss, stats
+    return loss, common.clip_stats(ratio, log_ratio, adv, mask, clip)
 
 
 def main():

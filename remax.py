@@ -51,7 +51,7 @@ def remax_advantages(rewards, greedy_rewards):
     # END SOLUTION
 
 
-def remax_loss(logp, adv, kl, mask, beta, loss_agg="token-mean", pg_weight=None):
+def remax_loss(logp, adv, kl, mask, beta, loss_agg="token-mean"):
     """REINFORCE loss with the k1 penalty folded into the return.
 
     logp, kl: (B, T) per-token log-probs (with grad) and k1 = logp - ref_logp (detached); adv: (B,)
@@ -62,13 +62,10 @@ def remax_loss(logp, adv, kl, mask, beta, loss_agg="token-mean", pg_weight=None)
     expected gradient of the KL part that of beta * KL_seq(pi || ref) (divided by max_len);
     token-mean (the default, as the official code) divides by the batch's token count, a ratio
     estimator biased at small batches, and seq-mean-token-mean weighs each sequence by 1/|y|
-    (docs/algorithms.md). pg_weight (B, T), detached, multiplies each token's term (TIS, masks:
-    --async_rollouts). Returns (loss, stats) with stats: return_mean (mean G_t over tokens).
+    (docs/algorithms.md). Returns (loss, stats) with stats: return_mean (mean G_t over tokens).
     """
     # BEGIN SOLUTION
     returns = (adv[:, None] - beta * common.reward_to_go(kl, mask)).detach()
-    if pg_weight is not None:  # a padding weight may hold anything: keep it out of the gradient
-        logp = torch.where(mask.bool(), pg_weight, 0.0) * logp
     loss = common.aggregate_loss(-returns * logp, mask, loss_agg)
     return loss, {"return_mean": common.masked_mean(returns, mask)}
     # END SOLUTION

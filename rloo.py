@@ -58,17 +58,15 @@ def rloo_advantages(rewards, group_size):
     # END SOLUTION
 
 
-def rloo_loss(logp, adv, mask, pg_weight=None, loss_agg="seq-mean-token-sum"):
+def rloo_loss(logp, adv, mask, loss_agg="seq-mean-token-sum"):
     """REINFORCE with the whole completion as one action: mean_i of -A_i * sum_t logp_{i,t}.
 
-    logp: (B, T) per-token log-probs (with grad); adv: (B,) detached; mask: (B, T); pg_weight
-    (B, T), detached, multiplies each token's log-prob (TIS, masks). loss_agg: seq-mean-token-sum,
-    the mean over sequences of their sums, or the micro-batch's common.Aggregation of it.
-    Returns (loss, stats) with stats: seq_logp_mean, the mean sequence log-prob log pi(y_i|x)."""
+    logp: (B, T) per-token log-probs (with grad); adv: (B,) detached; mask: (B, T). loss_agg:
+    seq-mean-token-sum, the mean over sequences of their sums, or the micro-batch's
+    common.Aggregation of it. Returns (loss, stats) with stats: seq_logp_mean, the mean sequence
+    log-prob log pi(y_i|x)."""
     # BEGIN SOLUTION
     seq_logp = common.masked_sum(logp, mask, dim=1)  # log pi(y_i | x)
-    if pg_weight is not None:  # a padding weight may hold anything: keep it out of the gradient
-        logp = torch.where(mask.bool(), pg_weight, 0.0) * logp
     loss = common.aggregate_loss(-adv.detach()[:, None] * logp, mask, loss_agg)
     return loss, {"seq_logp_mean": seq_logp.detach().mean()}
     # END SOLUTION
@@ -120,7 +118,7 @@ def main():
                 # its part of the batch's loss: the weighted losses sum to the batch's
                 weight = common.micro_batch_weight(mask[rows], agg.mode, num_tokens, B)
                 mb_agg = agg._replace(weight=weight)
-                loss, stats = rloo_loss(logp, adv[-1], mask[rows], loss_agg=mb_agg)
+                loss, stats = rloo_loss(logp, adv[-1], mask[rows], mb_agg)
                 last = rows == batches[-1]  # DDP averages the gradients after the last one only
                 accelerator.sync_gradients = last  # (and DeepSpeed steps there)
                 with nullcontext() if last else accelerator.no_sync(policy):

@@ -27,9 +27,9 @@ if __name__ == "__main__":  # run as lab/dapo.py: the repository's root first, s
 
 import common  # noqa: E402
 import exploration  # noqa: E402
-from dapo import dapo_loss, dynamic_sampling_filter, grpo_advantages, overlong_penalty  # noqa: E402 (the lesson's)
+from dapo import dynamic_sampling_filter, grpo_advantages, overlong_penalty  # noqa: E402 (the lesson's)
 from lab import config as lab_config  # noqa: E402
-from lab import budget, corrections, engine, environments, tasks  # noqa: E402
+from lab import budget, corrections, engine, environments, losses, tasks  # noqa: E402
 from support import config, helpers  # noqa: E402
 from support.config import arg  # noqa: E402
 
@@ -57,7 +57,7 @@ class Config(environments.AgentConfig, budget.ExplorationConfig, lab_config.Grou
                      "--answer_column '' gives no correctness to filter on: use --dynamic_sampling_metric reward.")
         config.check(0 <= self.overlong_cache_len <= self.max_new_tokens,
                      f"--overlong_cache_len must be in [0, --max_new_tokens] (got {self.overlong_cache_len}).")
-        self.clip = common.Clip(self.epsilon_low, self.epsilon_high, self.dual_clip_c)
+        self.clip = common.Clip(self.epsilon_low, self.epsilon_high)
 
 
 def main():
@@ -118,7 +118,8 @@ def main():
                     pg_weight, correction, per_row = corrections.rollout_correction(
                         logp, old, mb.of(rollout_logp), mb.of(adv), mb.mask, cfg.tis_cap, cfg.geo_mask_delta,
                         cfg.tis_level, cfg.tis_veto, mb.of(m2po_keep))
-                loss, stats = dapo_loss(logp, old, mb.of(adv), mb.mask, cfg.clip, pg_weight, mb.agg)
+                loss, stats = losses.clipped_loss(logp, old, mb.of(adv), mb.mask, cfg.clip, mb.agg, cfg.dual_clip_c,
+                                                  pg_weight)
                 stats = {**stats, **correction, "entropy": common.masked_mean(entropy, mb.mask)}
                 trainer.backward(loss, mb, stats, per_row)
             update = trainer.step(policy)  # clip, check finite, optimizer step, zero_grad

@@ -31,9 +31,9 @@ import common  # noqa: E402
 import exploration  # noqa: E402
 import kimi  # noqa: E402
 import objectives  # noqa: E402
-from grpo import grpo_advantages, grpo_loss  # noqa: E402  (the lesson's math)
+from grpo import grpo_advantages  # noqa: E402  (the lesson's math)
 from lab import config as lab_config  # noqa: E402
-from lab import budget, corrections, engine, environments, tasks  # noqa: E402
+from lab import budget, corrections, engine, environments, losses, tasks  # noqa: E402
 from support import config, helpers  # noqa: E402
 from support.config import arg  # noqa: E402
 
@@ -87,8 +87,7 @@ class Config(environments.AgentConfig, budget.ExplorationConfig, lab_config.Grou
         config.check(self.length_penalty == 0 or (self.budget == "uniform" and self.sampler != "tree"),
                      "--length_penalty compares the lengths of each prompt's G samples: give --budget uniform and "
                      "a --sampler other than tree.")
-        self.clip = common.Clip(self.epsilon, self.epsilon_high or self.epsilon, self.dual_clip_c,
-                                self.importance_sampling_level)
+        self.clip = common.Clip(self.epsilon, self.epsilon_high or self.epsilon, self.importance_sampling_level)
 
 
 def objective_loss(cfg, logp, old_logp, ref_logp, adv, mask, agg, pg_weight):
@@ -157,8 +156,9 @@ def main():
                         logp, old, mb.of(rollout_logp), mb.of(adv), mb.mask, cfg.tis_cap, cfg.geo_mask_delta,
                         cfg.tis_level, cfg.tis_veto, mb.of(m2po_keep))
                 if cfg.policy_loss == "ppo":
-                    loss, stats = grpo_loss(logp, old, mb.of(ref_logp), mb.of(adv), mb.mask, cfg.clip, cfg.beta,
-                                            mb.agg, common.KLTerm(cfg.kl_estimator, cfg.kl_is_weight), pg_weight)
+                    loss, stats = losses.grpo_loss(logp, old, mb.of(ref_logp), mb.of(adv), mb.mask, cfg.clip,
+                                                   cfg.beta, mb.agg, cfg.kl_estimator, cfg.kl_is_weight,
+                                                   cfg.dual_clip_c, pg_weight)
                 else:  # CISPO, SAPO, GMPO: the objective, then the same KL term
                     loss, stats = objective_loss(cfg, logp, old, mb.of(ref_logp), mb.of(adv), mb.mask, mb.agg, pg_weight)
                 stats = {**stats, **correction, "entropy": common.masked_mean(entropy, mb.mask)}

@@ -32,10 +32,10 @@ import torch  # noqa: E402
 
 import common  # noqa: E402
 import vapo  # noqa: E402
-from ppo import (AdaptiveKLController, ValueModel, explained_variance, gae, last_action, ppo_policy_loss,  # noqa: E402
+from ppo import (AdaptiveKLController, ValueModel, explained_variance, gae, last_action,  # noqa: E402
                  ppo_value_loss)  # the lesson's math and models
 from lab import config as lab_config  # noqa: E402
-from lab import corrections, engine, environments, tasks  # noqa: E402
+from lab import corrections, engine, environments, losses, tasks  # noqa: E402
 from support import config, helpers, models, run  # noqa: E402
 from support.config import arg  # noqa: E402
 
@@ -100,7 +100,7 @@ class Config(environments.AgentConfig, lab_config.CorrectionConfig):
                      "per token: give --tis_cap or --tis_veto.")
         config.check(self.batch_size % self.num_mini_batches == 0,
                      f"--num_mini_batches ({self.num_mini_batches}) must divide --batch_size ({self.batch_size}).")
-        self.clip = common.Clip(self.epsilon, self.epsilon_high or self.epsilon, self.dual_clip_c)
+        self.clip = common.Clip(self.epsilon, self.epsilon_high or self.epsilon)
 
 
 # VAPO (Yue et al., 2025): decoupled GAE (critic lam 1), length-adaptive lam (alpha 0.05), clip-higher, the
@@ -233,9 +233,8 @@ def main():
                         pg_weight, correction, per_row = corrections.rollout_correction(
                             logp, mb.of(old_logp), mb.of(rollout_logp), mb.of(adv), mb.mask, cfg.tis_cap, 0.0,
                             cfg.tis_level, cfg.tis_veto, mb.of(m2po_keep))
-                    pg_loss, pg_stats = ppo_policy_loss(logp, mb.of(old_logp), mb.of(adv), mb.mask,
-                                                        (cfg.clip.low, cfg.clip.high), cfg.dual_clip_c, mb.agg,
-                                                        pg_weight)
+                    pg_loss, pg_stats = losses.clipped_loss(logp, mb.of(old_logp), mb.of(adv), mb.mask, cfg.clip,
+                                                            mb.agg, cfg.dual_clip_c, pg_weight)
                     if cfg.pos_lm_coef > 0:  # VAPO: imitate the correct samples, token-mean over the minibatch's
                         nll = vapo.positive_example_nll(logp, mb.mask, mb.of(correct), positive_tokens)
                         pg_loss, pg_stats = pg_loss + cfg.pos_lm_coef * nll, {**pg_stats, "pos_lm_loss": common.Sums(

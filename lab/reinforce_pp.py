@@ -30,9 +30,9 @@ import torch  # noqa: E402
 
 import common  # noqa: E402
 import exploration  # noqa: E402
-from reinforce_pp import reinforce_pp_advantages, reinforce_pp_loss  # noqa: E402  (the lesson's math)
+from reinforce_pp import reinforce_pp_advantages  # noqa: E402  (the lesson's math)
 from lab import config as lab_config  # noqa: E402
-from lab import budget, corrections, engine, environments, tasks  # noqa: E402
+from lab import budget, corrections, engine, environments, losses, tasks  # noqa: E402
 from support import config, helpers  # noqa: E402
 from support.config import arg  # noqa: E402
 
@@ -112,7 +112,7 @@ def main():
                     pg_weight, correction, per_row = corrections.rollout_correction(
                         logp, old, mb.of(rollout_logp), mb.of(row_adv), mb.mask, cfg.tis_cap, cfg.geo_mask_delta,
                         cfg.tis_level, cfg.tis_veto, mb.of(m2po_keep))
-                loss, stats = reinforce_pp_loss(logp, old, mb.of(adv), mb.mask, cfg.clip, mb.agg, pg_weight)
+                loss, stats = losses.clipped_loss(logp, old, mb.of(adv), mb.mask, cfg.clip, mb.agg, 0.0, pg_weight)
                 stats = {**stats, **correction, "entropy": common.masked_mean(entropy, mb.mask)}
                 trainer.backward(loss, mb, stats, per_row)
             update = trainer.step(policy)  # clip, check finite, optimizer step, zero_grad

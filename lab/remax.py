@@ -23,9 +23,9 @@ if __name__ == "__main__":  # run as lab/remax.py: the repository's root first, 
 import torch  # noqa: E402
 
 import common  # noqa: E402
-from remax import remax_advantages, remax_loss  # noqa: E402  (the lesson's math)
+from remax import remax_advantages  # noqa: E402  (the lesson's math)
 from lab import config as lab_config  # noqa: E402
-from lab import corrections, engine, environments, tasks  # noqa: E402
+from lab import corrections, engine, environments, losses, tasks  # noqa: E402
 from support import config, helpers  # noqa: E402
 from support.config import arg  # noqa: E402
 
@@ -89,7 +89,7 @@ def main():
                 pg_weight, correction, per_row = corrections.rollout_correction(
                     logp, logp.detach(), mb.of(rollout_logp), mb.of(adv), mb.mask, cfg.tis_cap, cfg.geo_mask_delta,
                     cfg.tis_level, cfg.tis_veto, mb.of(m2po_keep))
-            loss, stats = remax_loss(logp, mb.of(adv), kl, mb.mask, cfg.beta, mb.agg, pg_weight)
+            loss, stats = losses.remax_loss(logp, mb.of(adv), kl, mb.mask, cfg.beta, mb.agg, pg_weight)
             stats = {**stats, **correction, "entropy": common.masked_mean(entropy, mb.mask)}
             trainer.backward(loss, mb, stats, per_row)
             kl_seq += common.masked_sum(kl, mb.mask) / len(rollout)

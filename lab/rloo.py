@@ -25,9 +25,9 @@ import torch  # noqa: E402
 
 import common  # noqa: E402
 import exploration  # noqa: E402
-from rloo import rloo_advantages, rloo_loss  # noqa: E402  (the lesson's math)
+from rloo import rloo_advantages  # noqa: E402  (the lesson's math)
 from lab import config as lab_config  # noqa: E402
-from lab import budget, corrections, engine, environments, tasks  # noqa: E402
+from lab import budget, corrections, engine, environments, losses, tasks  # noqa: E402
 from support import config, helpers  # noqa: E402
 from support.config import arg  # noqa: E402
 
@@ -83,7 +83,7 @@ def main():
                 pg_weight, correction, per_row = corrections.rollout_correction(
                     logp, logp.detach(), mb.of(rollout_logp), adv[-1], mb.mask, cfg.tis_cap, cfg.geo_mask_delta,
                     cfg.tis_level, cfg.tis_veto, mb.of(m2po_keep))
-            loss, stats = rloo_loss(logp, adv[-1], mb.mask, pg_weight, mb.agg)
+            loss, stats = losses.rloo_loss(logp, adv[-1], mb.mask, mb.agg, pg_weight)
             stats = {**stats, **correction, "entropy": common.masked_mean(entropy, mb.mask),  # means over tokens
                      "seq_logp_mean": common.Sums((stats["seq_logp_mean"] * len(logp), len(logp)))}  # over rows
             trainer.backward(loss, mb, stats, per_row)

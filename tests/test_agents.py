@@ -182,7 +182,7 @@ def test_the_loss_has_gradient_at_every_model_token_and_at_no_environment_token(
     adv = torch.linspace(-1, 1, len(ids)) + 0.05
     for mode in common.LOSS_AGG_MODES:
         logp.grad = None
-        loss, _ = grpo.grpo_loss(logp, logp.detach() + 0.01, logp.detach() - 0.02, adv, mask, 0.2, 0.04,
+        loss, _ = grpo.grpo_loss(logp, logp.detach() + 0.01, logp.detach() - 0.02, adv, mask, common.Clip(0.2, 0.2), 0.04,
                                  common.Aggregation(mode))
         loss.backward()
         assert (logp.grad[mask == 0] == 0).all(), mode

@@ -72,6 +72,38 @@ def test_masked_whiten_has_zero_mean_unit_std_on_mask_and_zero_off_it():
                                rtol=0, atol=1e-7)
 
 
+@pytest.mark.parametrize("adv", [2.0, 0.0, -2.0])
+def test_clipped_surrogate_is_the_pessimistic_bound_with_its_gradient_zero_exactly_where_the_clip_binds(adv):
+    """clip (low 0.2, high 0.28), rho = e^logp from 0.5 to 1.5: with A > 0 the surrogate is A min(rho, 1.28) (the
+    clip binds above 1.28 only), with A < 0 it is A max(rho, 0.8) (below 0.8 only); d/dlogp is rho A where it does
+    not bind and 0 where it does. Never above rho A."""
+    ratio = torch.linspace(0.5, 1.5, 21, dtype=torch.float64)
+    logp = torch.log(ratio).requires_grad_()
+    surrogate = common.clipped_surrogate(torch.exp(logp), torch.tensor(adv, dtype=torch.float64),
+                                         common.Clip(0.2, 0.28))
+    (grad,) = torch.autograd.grad(surrogate.sum(), logp)
+    binds = ratio > 1.28 if adv > 0 else ratio < 0.8
+    expected = adv * (ratio.clamp(max=1.28) if adv > 0 else ratio.clamp(min=0.8))
+    torch.testing.assert_close(surrogate.detach(), expected, rtol=1e-12, atol=0)
+    torch.testing.assert_close(grad, torch.where(binds, 0.0, ratio * adv), rtol=1e-12, atol=0)
+    assert (surrogate <= ratio * adv + 1e-12).all()
+
+
+def test_clip_stats_count_the_clipped_valid_tokens_of_the_side_a_favours():
+    """Row 0 (4 valid tokens, A = 1): rho 1.3 (above 1 + high 1.28: clipped), 1.25 (between 1 + low and 1 + high:
+    not clipped), 0.5 (below 1 - low, but A > 0: not clipped), 1; row 1 (1 valid token, A = -1): rho 0.7 (clipped
+    below). The padding holds ratios past both clips. Fractions over the 5 valid tokens (not the mean of the rows'
+    means): 1/5 each; approx_kl the mean of rho - 1 - log rho over them."""
+    ratio = torch.tensor([[1.3, 1.25, 0.5, 1.0], [0.7, 9.0, 0.01, 9.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0]])
+    adv = torch.tensor([[1.0], [-1.0]], dtype=torch.float64)
+    stats = common.clip_stats(ratio, torch.log(ratio), adv, mask, common.Clip(0.2, 0.28))
+    assert stats["clip_frac_high"].item() == pytest.approx(1 / 5)
+    assert stats["clip_frac_low"].item() == pytest.approx(1 / 5)
+    valid = torch.tensor([1.3, 1.25, 0.5, 1.0, 0.7], dtype=torch.float64)
+    assert stats["approx_kl"].item() == pytest.approx((valid - 1 - torch.log(valid)).mean().item(), rel=1e-12)
+
+
 def test_reward_to_go_sums_future_masked_values():
     x = torch.tensor([[1.0, 2.0, 3.0, 100.0]])
     mask = torch.tensor([[1, 1, 1, 0]])

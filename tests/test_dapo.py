@@ -11,6 +11,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
+import common  # noqa: E402
+from lab import losses as lab_losses  # noqa: E402
 from lab import tasks  # noqa: E402
 from support import config  # noqa: E402
 from support.run import read_metrics  # noqa: E402
@@ -108,7 +110,7 @@ def test_advantage_is_grpos_group_advantage():
 def one_token_grad(ratio, adv, epsilon_low=0.2, epsilon_high=0.28):
     logp = torch.tensor([[math.log(ratio)]], dtype=F64, requires_grad=True)
     loss, stats = dapo_loss(logp, torch.zeros(1, 1, dtype=F64), torch.tensor([adv], dtype=F64), torch.ones(1, 1),
-                            (epsilon_low, epsilon_high))
+                            common.Clip(epsilon_low, epsilon_high))
     loss.backward()
     return logp.grad.item(), stats
 
@@ -140,7 +142,7 @@ def test_dapo_loss_is_a_token_mean_over_the_batch():
     response counts per token (GRPO's seq-mean-token-mean would give -A_i / (L_i * B))."""
     logp = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -50.0, -50.0]], dtype=F64, requires_grad=True)
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
-    loss, stats = dapo_loss(logp, logp.detach(), torch.tensor([2.0, -1.0], dtype=F64), mask, (0.2, 0.28))
+    loss, stats = dapo_loss(logp, logp.detach(), torch.tensor([2.0, -1.0], dtype=F64), mask, common.Clip(0.2, 0.28))
     loss.backward()
     assert loss.item() == pytest.approx(-(3 * 2.0 - 1.0) / 4, rel=1e-12)
     assert logp.grad.tolist() == [[-0.5, -0.5, -0.5], [0.25, 0.0, 0.0]]
@@ -148,11 +150,12 @@ def test_dapo_loss_is_a_token_mean_over_the_batch():
 
 
 def test_dual_clip_and_pg_weight():
-    """--dual_clip_c 3: a token with A < 0 and rho = 5 costs 3 |A| and gets no gradient; a
-    pg_weight (TIS, masks) scales each token's surrogate."""
+    """The lab's --dual_clip_c 3 (lab/losses.py on DAPO's clip): a token with A < 0 and rho = 5 costs 3 |A| and
+    gets no gradient; a pg_weight (TIS, masks) scales each token's surrogate."""
     logp = torch.tensor([[math.log(5.0), 0.0]], dtype=F64, requires_grad=True)
-    loss, _ = dapo_loss(logp, torch.zeros(1, 2, dtype=F64), torch.tensor([-1.0], dtype=F64), torch.ones(1, 2),
-                        (0.2, 0.28, 3.0), pg_weight=torch.tensor([[1.0, 0.5]], dtype=F64))
+    loss, _ = lab_losses.clipped_loss(logp, torch.zeros(1, 2, dtype=F64), torch.tensor([-1.0], dtype=F64),
+                                      torch.ones(1, 2), common.Clip(0.2, 0.28), dual_c=3.0,
+                                      pg_weight=torch.tensor([[1.0, 0.5]], dtype=F64))
     loss.backward()
     assert loss.item() == pytest.approx((3.0 + 0.5 * 1.0) / 2, rel=1e-12)
     assert logp.grad.tolist() == [[0.0, 0.25]]

@@ -85,7 +85,7 @@ ATTACKS = [
                     pass
         namespace = {{}}
         exec(open("{root}/ppo.py").read(), namespace)
-        return namespace["ppo_policy_loss"](logp, old_logp, adv, mask, epsilon, dual_clip_c)"""),
+        return namespace["ppo_policy_loss"](logp, old_logp, adv, mask, clip, loss_agg)"""),
     ("escape", "decoupled_gae", """
         # the network: a port on the grading machine, then anywhere
         import socket

@@ -16,11 +16,13 @@ from support.run import read_metrics  # noqa: E402
 from conftest import assert_params_changed  # noqa: E402
 from grpo import grpo_advantages, grpo_loss  # noqa: E402
 from lab import grpo as lab_grpo  # noqa: E402
+from lab import losses as lab_losses  # noqa: E402
 from lab.grpo import Config  # noqa: E402  (the lab's: --dual_clip_c and the rest)
 
 ROOT = Path(__file__).resolve().parents[1]
 EPS = 1e-6
 F64 = torch.float64
+CLIP = common.Clip(0.2, 0.2)
 
 
 # ---------------------------------------------------------------- advantages
@@ -78,7 +80,8 @@ def one_token_loss(ratio, adv, epsilon=0.2):
     """grpo_loss on a single token with pi_theta / pi_old = ratio; returns (loss, d loss / d logp, stats)."""
     logp = torch.tensor([[math.log(ratio)]], dtype=F64, requires_grad=True)
     old_logp = torch.zeros(1, 1, dtype=F64)
-    loss, stats = grpo_loss(logp, old_logp, None, torch.tensor([adv], dtype=F64), torch.ones(1, 1), epsilon, beta=0.0)
+    loss, stats = grpo_loss(logp, old_logp, None, torch.tensor([adv], dtype=F64), torch.ones(1, 1),
+                            common.Clip(epsilon, epsilon), beta=0.0)
     loss.backward()
     return loss.item(), logp.grad.item(), stats
 
@@ -131,7 +134,7 @@ def test_with_one_iteration_ratio_is_one_and_gradient_is_the_policy_gradient(los
     REINFORCE with the advantage, -A_i log pi(y_i,t), aggregated the same way."""
     logits, logp, mask = seqs()
     adv = torch.tensor([1.5, -0.5], dtype=F64)
-    loss, stats = grpo_loss(logp, logp.detach(), None, adv, mask, 0.2, 0.0, common.Aggregation(loss_agg, 8))
+    loss, stats = grpo_loss(logp, logp.detach(), None, adv, mask, CLIP, 0.0, common.Aggregation(loss_agg, 8))
     (grad,) = torch.autograd.grad(loss, logits, retain_graph=True)
     pg = {"seq-mean-token-mean": -(1.5 * logp[0].sum() / 3 - 0.5 * logp[1, 0]) / 2,
           "token-mean": -(1.5 * logp[0].sum() - 0.5 * logp[1, 0]) / 4,
@@ -150,7 +153,7 @@ def test_k3_term_value_and_gradient():
     logp = torch.log(torch.tensor([[0.5, 0.2]], dtype=F64)).requires_grad_()
     ref_logp = torch.log(torch.tensor([[0.25, 0.4]], dtype=F64))
     beta = 0.04
-    loss, stats = grpo_loss(logp, logp.detach(), ref_logp, torch.zeros(1, dtype=F64), torch.ones(1, 2), 0.2, beta)
+    loss, stats = grpo_loss(logp, logp.detach(), ref_logp, torch.zeros(1, dtype=F64), torch.ones(1, 2), CLIP, beta)
     loss.backward()
     # k3 = r - log r - 1 with r = pi_ref / pi: (0.5 + ln 2 - 1) and (2 - ln 2 - 1), mean 0.25
     assert stats["kl_k3"].item() == pytest.approx(0.25, rel=1e-12)
@@ -160,14 +163,15 @@ def test_k3_term_value_and_gradient():
 
 
 def test_kl_estimator_k2_and_k3_with_the_ratio_weight_give_the_k2_gradient():
-    """--kl_estimator k2, or k3 with --kl_is_weight at mu = 1: d/dlogp = beta * (logp - ref_logp);
-    the weighted k3 keeps k3's value (docs/algorithms.md, off-policy)."""
+    """--kl_estimator k2 (the lesson's grpo_loss), or k3 with the lab's --kl_is_weight (lab/losses.py) at mu = 1:
+    d/dlogp = beta * (logp - ref_logp); the weighted k3 keeps k3's value (docs/algorithms.md, off-policy)."""
     ref_logp = torch.log(torch.tensor([[0.25, 0.4]], dtype=F64))
     expected = 0.04 * (torch.log(torch.tensor([[0.5, 0.2]], dtype=F64)) - ref_logp) / 2  # the mean of 2 tokens
-    for kwargs in ({"kl_term": common.KLTerm("k2")}, {"kl_term": common.KLTerm("k3", ratio_weight=True)}):
+    for loss_fn, kwargs in ((grpo_loss, {"kl_estimator": "k2"}),
+                            (lab_losses.grpo_loss, {"kl_estimator": "k3", "ratio_weight": True})):
         logp = torch.log(torch.tensor([[0.5, 0.2]], dtype=F64)).requires_grad_()
-        loss, stats = grpo_loss(logp, logp.detach(), ref_logp, torch.zeros(1, dtype=F64), torch.ones(1, 2), 0.2, 0.04,
-                                **kwargs)
+        loss, stats = loss_fn(logp, logp.detach(), ref_logp, torch.zeros(1, dtype=F64), torch.ones(1, 2), CLIP, 0.04,
+                              **kwargs)
         loss.backward()
         torch.testing.assert_close(logp.grad, expected)
         assert stats["kl_k3"].item() == pytest.approx(0.25, rel=1e-12)  # the k3 value is logged either way
@@ -181,8 +185,8 @@ def test_kl_estimator_k2_and_k3_with_the_ratio_weight_give_the_k2_gradient():
 ])
 def test_dual_clip_bounds_the_loss_of_a_negative_advantage_token(ratio, adv, surrogate, grad):
     logp = torch.tensor([[math.log(ratio)]], dtype=F64, requires_grad=True)
-    loss, _ = grpo_loss(logp, torch.zeros(1, 1, dtype=F64), None, torch.tensor([adv], dtype=F64), torch.ones(1, 1),
-                        common.Clip(0.2, 0.2, dual_c=3.0), 0.0)
+    loss, _ = lab_losses.grpo_loss(logp, torch.zeros(1, 1, dtype=F64), None, torch.tensor([adv], dtype=F64),
+                                   torch.ones(1, 1), CLIP, 0.0, dual_c=3.0)
     loss.backward()
     assert loss.item() == pytest.approx(-surrogate, rel=1e-12) and logp.grad.item() == pytest.approx(grad, rel=1e-12)
 
@@ -191,8 +195,8 @@ def test_pg_weight_multiplies_the_surrogate_and_not_the_kl_term():
     logp = torch.tensor([[-1.0, -2.0]], dtype=F64, requires_grad=True)
     ref_logp = torch.tensor([[-1.5, -2.0]], dtype=F64)
     weight = torch.tensor([[2.0, 0.0]], dtype=F64)
-    loss, _ = grpo_loss(logp, logp.detach(), ref_logp, torch.tensor([1.0], dtype=F64), torch.ones(1, 2), 0.2, 0.1,
-                        pg_weight=weight)
+    loss, _ = lab_losses.grpo_loss(logp, logp.detach(), ref_logp, torch.tensor([1.0], dtype=F64), torch.ones(1, 2),
+                                   CLIP, 0.1, pg_weight=weight)
     loss.backward()
     # per token -w A + beta (1 - ref/pi), mean of 2: the weight 0 leaves the KL gradient on token 2
     k3_grad = 0.1 * (1 - torch.exp(ref_logp - logp.detach()))
@@ -201,7 +205,7 @@ def test_pg_weight_multiplies_the_surrogate_and_not_the_kl_term():
 
 def test_loss_ignores_tokens_after_the_mask():
     logp = torch.tensor([[-1.0, -2.0, -50.0]], dtype=F64, requires_grad=True)
-    loss, _ = grpo_loss(logp, logp.detach(), None, torch.tensor([1.0], dtype=F64), torch.tensor([[1, 1, 0]]), 0.2, 0.0)
+    loss, _ = grpo_loss(logp, logp.detach(), None, torch.tensor([1.0], dtype=F64), torch.tensor([[1, 1, 0]]), CLIP, 0.0)
     loss.backward()
     assert loss.item() == -1.0  # the padding token (log-prob -50) adds nothing
     assert logp.grad.tolist() == [[-0.5, -0.5, 0.0]]
@@ -254,13 +258,13 @@ def test_several_iterations_take_the_ratio_against_the_sampling_time_policy(tmp_
     logp. With the ratio taken against the previous update instead, the third update's old_logp
     would be the second update's logp (mu = 2 cannot tell the two apart: there the previous update
     is the sampling time)."""
-    calls, grpo_loss = [], lab_grpo.grpo_loss
+    calls, grpo_loss = [], lab_losses.grpo_loss
 
     def recording_loss(logp, old_logp, *args, **kwargs):
         calls.append((logp.detach().clone(), old_logp.detach().clone()))
         return grpo_loss(logp, old_logp, *args, **kwargs)
 
-    monkeypatch.setattr(lab_grpo, "grpo_loss", recording_loss)
+    monkeypatch.setattr(lab_losses, "grpo_loss", recording_loss)
     rows = run_in_process(["--num_steps", "1", "--num_epochs", "3", "--beta", "0"], tmp_path, monkeypatch)
     assert rows[1]["train/adv_std"] > 0 and len(calls) % 3 == 0
     per_update = len(calls) // 3  # loss calls per update (micro-batches)

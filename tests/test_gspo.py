@@ -8,17 +8,19 @@ import torch
 
 import common
 from grpo import grpo_loss
+from lab import losses as lab_losses
 from lab.grpo import Config  # the lab's: GSPO's clip defaults at sequence level
 
 F64 = torch.float64
 NAN = float("nan")
 
 
-def sequence_loss(log_ratio, adv, mask, epsilon=3e-4, epsilon_high=4e-4, dual_clip_c=0.0, **kwargs):
-    """grpo_loss at sequence level, beta 0, with logp - old_logp = log_ratio; returns (loss, d loss / d logp, stats)."""
+def sequence_loss(log_ratio, adv, mask, epsilon=3e-4, epsilon_high=4e-4, loss_fn=grpo_loss, **kwargs):
+    """grpo_loss (the lab's: loss_fn=lab_losses.grpo_loss, its dual_c and pg_weight in kwargs) at sequence level,
+    beta 0, with logp - old_logp = log_ratio; returns (loss, d loss / d logp, stats)."""
     logp = torch.tensor(log_ratio, dtype=F64, requires_grad=True)
-    loss, stats = grpo_loss(logp, torch.zeros_like(logp), None, torch.tensor(adv, dtype=F64), torch.tensor(mask),
-                            common.Clip(epsilon, epsilon_high, dual_clip_c, "sequence"), 0.0, **kwargs)
+    loss, stats = loss_fn(logp, torch.zeros_like(logp), None, torch.tensor(adv, dtype=F64), torch.tensor(mask),
+                          common.Clip(epsilon, epsilon_high, "sequence"), 0.0, **kwargs)
     loss.backward()
     return loss, logp.grad, stats
 
@@ -35,7 +37,8 @@ def test_sequence_ratio_is_the_geometric_mean_of_the_valid_token_ratios():
     torch.testing.assert_close(grad, expected, rtol=1e-12, atol=0)
     # token level, the contrast (unclipped): each token its own ratio, -A rho_t / (|y_i| B)
     logp = torch.tensor([[math.log(2), math.log(8)]], dtype=F64, requires_grad=True)
-    grpo_loss(logp, torch.zeros_like(logp), None, torch.ones(1, dtype=F64), torch.ones(1, 2), 10.0, 0.0)[0].backward()
+    grpo_loss(logp, torch.zeros_like(logp), None, torch.ones(1, dtype=F64), torch.ones(1, 2), common.Clip(10.0, 10.0),
+              0.0)[0].backward()
     torch.testing.assert_close(logp.grad, torch.tensor([[-1.0, -4.0]], dtype=F64))
 
 
@@ -102,7 +105,7 @@ def test_with_one_update_the_gradient_is_grpos_with_seq_mean_token_mean():
     kl = 0.04 * (common.masked_sum(common.kl_k3(logp, ref_logp), mask, dim=1) / lengths).mean()
     (expected,) = torch.autograd.grad(pg + kl, logits, retain_graph=True)
     torch.testing.assert_close(grad, expected, rtol=1e-12, atol=1e-15)
-    token_level, _ = grpo_loss(logp, logp.detach(), ref_logp, adv, mask, 0.2, 0.04)
+    token_level, _ = grpo_loss(logp, logp.detach(), ref_logp, adv, mask, common.Clip(0.2, 0.2), 0.04)
     (token_grad,) = torch.autograd.grad(token_level, logits)
     torch.testing.assert_close(grad, token_grad, rtol=1e-12, atol=1e-15)
     assert loss.item() == pytest.approx(-adv.mean().item() + kl.item(), rel=1e-12)
@@ -140,7 +143,7 @@ def test_pg_weight_enters_as_its_mean_over_the_sequences_valid_tokens():
     TIS weights (2, 1) on sequence 1 (NaN on its padding) multiply its term by 1.5."""
     weight = torch.tensor([[2.0, 1.0, NAN], [0.0, 0.0, NAN]], dtype=F64)
     loss, grad, _ = sequence_loss([[0.0, 0.0, NAN], [0.0, 0.0, NAN]], [1.0, -1.0], [[1, 1, 0], [1, 1, 0]],
-                                  pg_weight=weight)
+                                  loss_fn=lab_losses.grpo_loss, pg_weight=weight)
     assert loss.item() == pytest.approx(-1.5 / 2, rel=1e-12)
     torch.testing.assert_close(grad, torch.tensor([[-1.5 / 4, -1.5 / 4, 0], [0, 0, 0]], dtype=F64), rtol=1e-12, atol=0)
 
@@ -151,7 +154,7 @@ def test_pg_weight_enters_as_its_mean_over_the_sequences_valid_tokens():
     (1.0, 5.0, -1.0004, 0.0),       # A > 0: the ordinary clip at 1 + epsilon_high
 ])
 def test_dual_clip_bounds_a_negative_advantage_sequence(adv, s, loss_value, grad):
-    loss, g, _ = sequence_loss([[math.log(s), math.log(s)]], [adv], [[1, 1]], dual_clip_c=3.0)
+    loss, g, _ = sequence_loss([[math.log(s), math.log(s)]], [adv], [[1, 1]], loss_fn=lab_losses.grpo_loss, dual_c=3.0)
     assert loss.item() == pytest.approx(loss_value, rel=1e-12)
     torch.testing.assert_close(g, torch.full((1, 2), grad, dtype=F64), rtol=1e-12, atol=0)
 
@@ -167,9 +170,9 @@ def test_micro_batches_weighed_by_their_sequences_add_up_to_the_whole_batch(loss
     adv, weight = torch.tensor([1.5, -0.5, 0.7], dtype=F64), torch.tensor([[1.0, 2.0, 0.5]] * 3, dtype=F64)
 
     def loss(rows):
-        return grpo_loss(logp[rows], old_logp[rows], ref_logp[rows], adv[rows], mask[rows],
-                         common.Clip(3e-4, 4e-4, level="sequence"), 0.04, common.Aggregation(loss_agg, 4),
-                         pg_weight=weight[rows])[0]
+        return lab_losses.grpo_loss(logp[rows], old_logp[rows], ref_logp[rows], adv[rows], mask[rows],
+                                    common.Clip(3e-4, 4e-4, level="sequence"), 0.04, common.Aggregation(loss_agg, 4),
+                                    pg_weight=weight[rows])[0]
 
     (whole,) = torch.autograd.grad(loss(slice(0, 3)), logits, retain_graph=True)
     parts = [slice(0, 1), slice(1, 3)]

@@ -14,6 +14,7 @@ import ppo
 import remax
 import rloo
 from conftest import run_together
+from lab import losses
 from support.rollout import micro_batches
 from support.run import read_metrics
 
@@ -53,13 +54,13 @@ def loss_fn(name, loss_agg):
     def grpo_(b, rows, w, vw):
         logp = logprobs(b, rows, w)
         old = logp.detach() + b["old_shift"][rows]
-        return grpo.grpo_loss(logp, old, old + b["ref_shift"][rows], b["adv"][rows], b["mask"][rows],
-                              common.Clip(0.2, 0.2, dual_c=3.0), 0.04, common.Aggregation(loss_agg, T))[0]
+        return losses.grpo_loss(logp, old, old + b["ref_shift"][rows], b["adv"][rows], b["mask"][rows],
+                                common.Clip(0.2, 0.2), 0.04, common.Aggregation(loss_agg, T), dual_c=3.0)[0]
 
     def dapo_(b, rows, w, vw):
         logp = logprobs(b, rows, w)
         return dapo.dapo_loss(logp, logp.detach() + b["old_shift"][rows], b["adv"][rows], b["mask"][rows],
-                              (0.2, 0.28), loss_agg=common.Aggregation(loss_agg))[0]
+                              common.Clip(0.2, 0.28), common.Aggregation(loss_agg))[0]
 
     def rloo_(b, rows, w, vw):
         return rloo.rloo_loss(logprobs(b, rows, w), b["adv"][rows], b["mask"][rows])[0]
@@ -67,7 +68,7 @@ def loss_fn(name, loss_agg):
     def ppo_(b, rows, w, vw):
         logp = logprobs(b, rows, w)
         pg_loss, _ = ppo.ppo_policy_loss(logp, logp.detach() + b["old_shift"][rows], b["token_adv"][rows],
-                                         b["mask"][rows], 0.2)
+                                         b["mask"][rows], common.Clip(0.2, 0.2))
         values = b["features"][rows] @ vw
         vf_loss, _ = ppo.ppo_value_loss(values, values.detach() + b["old_shift"][rows], b["returns"][rows],
                                         b["mask"][rows], 0.2)

@@ -11,6 +11,7 @@ from grpo import grpo_loss
 from objectives import cispo_loss, gmpo_loss, sapo_gate, sapo_loss
 
 F64 = torch.float64
+CLIP = common.Clip(0.2, 0.2)
 NAN = float("nan")
 
 
@@ -76,7 +77,7 @@ def test_cispo_on_policy_is_the_plain_policy_gradient():
     logp, _, adv, mask = random_batch(3)
     a, b = logp.clone().requires_grad_(True), logp.clone().requires_grad_(True)
     cispo_loss(a, a.detach(), adv, mask, (0.2, 0.28))[0].backward()
-    grpo_loss(b, b.detach(), None, adv, mask, 0.2, 0.0, "token-mean")[0].backward()
+    grpo_loss(b, b.detach(), None, adv, mask, CLIP, 0.0, "token-mean")[0].backward()
     torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=0)
 
 
@@ -126,7 +127,7 @@ def test_sapo_on_policy_is_the_plain_policy_gradient():
     a, b = logp.clone().requires_grad_(True), logp.clone().requires_grad_(True)
     _, stats = sapo_loss(a, a.detach(), adv, mask)
     sapo_loss(a, a.detach(), adv, mask)[0].backward()
-    grpo_loss(b, b.detach(), None, adv, mask, 0.2, 0.0, "seq-mean-token-mean")[0].backward()
+    grpo_loss(b, b.detach(), None, adv, mask, CLIP, 0.0, "seq-mean-token-mean")[0].backward()
     torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=0)
     assert stats["gate_weight"].item() == pytest.approx(1.0, rel=1e-12)
 
@@ -177,7 +178,7 @@ def test_gmpo_on_policy_is_grpos_gradient_with_seq_mean_token_mean():
     logp, _, adv, mask = random_batch(5)
     a, b = logp.clone().requires_grad_(True), logp.clone().requires_grad_(True)
     gmpo_loss(a, a.detach(), adv, mask)[0].backward()
-    grpo_loss(b, b.detach(), None, adv, mask, 0.2, 0.0, "seq-mean-token-mean")[0].backward()
+    grpo_loss(b, b.detach(), None, adv, mask, CLIP, 0.0, "seq-mean-token-mean")[0].backward()
     torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=0)
 
 
@@ -266,7 +267,7 @@ def test_the_labs_composition_adds_grpos_kl_term(policy_loss, loss_agg):
     a, b = logp.clone().requires_grad_(True), logp.clone().requires_grad_(True)
     _, stats = objective_loss(cfg, a, a.detach(), ref, adv, mask, loss_agg, None)
     objective_loss(cfg, a, a.detach(), ref, adv, mask, loss_agg, None)[0].backward()
-    _, peer_stats = grpo_loss(b, b.detach(), ref, adv, mask, 0.2, 0.1, loss_agg)
-    grpo_loss(b, b.detach(), ref, adv, mask, 0.2, 0.1, loss_agg)[0].backward()
+    _, peer_stats = grpo_loss(b, b.detach(), ref, adv, mask, CLIP, 0.1, loss_agg)
+    grpo_loss(b, b.detach(), ref, adv, mask, CLIP, 0.1, loss_agg)[0].backward()
     torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-15)
     assert stats["kl_term"].item() == pytest.approx(peer_stats["kl_term"].item(), rel=1e-12)

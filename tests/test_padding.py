@@ -10,7 +10,7 @@ import grpo
 import ppo
 import reinforce_pp
 import remax
-import rloo
+from lab import losses
 
 MASK = torch.tensor([[1, 1, 0], [1, 0, 0]])
 CLEAN = {  # (B, T) inputs; their padded positions hold what a loop writes there
@@ -23,26 +23,35 @@ CLEAN = {  # (B, T) inputs; their padded positions hold what a loop writes there
     "returns": torch.tensor([[1.0, 0.5, 0.0], [-0.5, 0.0, 0.0]]),
 }
 ADV = torch.tensor([0.7, -1.2])  # (B,): a sequence's advantage has no padding
-GSPO_K3 = {"clip": common.Clip(0.2, 0.2, 3.0, "sequence"), "kl_term": common.KLTerm("k3", ratio_weight=True)}
-LOSSES = {  # name: (loss of (inputs, logp), its per-token inputs besides logp)
-    "grpo": (lambda x, lp: grpo.grpo_loss(lp, x["old_logp"], x["ref_logp"], ADV, MASK, common.Clip(0.2, 0.28, 3.0),
-                                          0.04, pg_weight=x["pg_weight"]), ("old_logp", "ref_logp", "pg_weight")),
-    "gspo, ratio-weighted k3": (
-        lambda x, lp: grpo.grpo_loss(lp, x["old_logp"], x["ref_logp"], ADV, MASK, GSPO_K3["clip"], 0.04,
-                                     kl_term=GSPO_K3["kl_term"], pg_weight=x["pg_weight"]),
-        ("old_logp", "ref_logp", "pg_weight")),
-    "dapo": (lambda x, lp: dapo.dapo_loss(lp, x["old_logp"], ADV, MASK, common.Clip(0.2, 0.28, 3.0), x["pg_weight"]),
-             ("old_logp", "pg_weight")),
-    "ppo policy": (lambda x, lp: ppo.ppo_policy_loss(lp, x["old_logp"], x["token_adv"], MASK, (0.2, 0.28), 3.0,
-                                                     pg_weight=x["pg_weight"]), ("old_logp", "token_adv", "pg_weight")),
+GSPO = common.Clip(0.2, 0.2, "sequence")
+LOSSES = {  # name: (loss of (inputs, logp), its per-token inputs besides logp); the lesson's, then the lab's
+    "grpo": (lambda x, lp: grpo.grpo_loss(lp, x["old_logp"], x["ref_logp"], ADV, MASK, common.Clip(0.2, 0.28), 0.04),
+             ("old_logp", "ref_logp")),
+    "gspo, k2": (lambda x, lp: grpo.grpo_loss(lp, x["old_logp"], x["ref_logp"], ADV, MASK, GSPO, 0.04,
+                                              kl_estimator="k2"), ("old_logp", "ref_logp")),
+    "dapo": (lambda x, lp: dapo.dapo_loss(lp, x["old_logp"], ADV, MASK, common.Clip(0.2, 0.28)), ("old_logp",)),
+    "ppo policy": (lambda x, lp: ppo.ppo_policy_loss(lp, x["old_logp"], x["token_adv"], MASK, common.Clip(0.2, 0.28)),
+                   ("old_logp", "token_adv")),
     "ppo value": (lambda x, lp: ppo.ppo_value_loss(lp, x["old_values"], x["returns"], MASK, 0.2),
                   ("old_values", "returns")),
     "reinforce++": (lambda x, lp: reinforce_pp.reinforce_pp_loss(lp, x["old_logp"], x["token_adv"], MASK,
-                                                                 common.Clip(0.2, 0.2), pg_weight=x["pg_weight"]),
-                    ("old_logp", "token_adv", "pg_weight")),
-    "remax": (lambda x, lp: remax.remax_loss(lp, ADV, x["kl"], MASK, 0.1, pg_weight=x["pg_weight"]),
-              ("kl", "pg_weight")),
-    "rloo": (lambda x, lp: rloo.rloo_loss(lp, ADV, MASK, x["pg_weight"]), ("pg_weight",)),
+                                                                 common.Clip(0.2, 0.2)), ("old_logp", "token_adv")),
+    "remax": (lambda x, lp: remax.remax_loss(lp, ADV, x["kl"], MASK, 0.1), ("kl",)),
+    "lab grpo, dual clip, pg_weight": (
+        lambda x, lp: losses.grpo_loss(lp, x["old_logp"], x["ref_logp"], ADV, MASK, common.Clip(0.2, 0.28), 0.04,
+                                       dual_c=3.0, pg_weight=x["pg_weight"]), ("old_logp", "ref_logp", "pg_weight")),
+    "lab gspo, ratio-weighted k3": (
+        lambda x, lp: losses.grpo_loss(lp, x["old_logp"], x["ref_logp"], ADV, MASK, GSPO, 0.04, kl_estimator="k3",
+                                       ratio_weight=True, dual_c=3.0, pg_weight=x["pg_weight"]),
+        ("old_logp", "ref_logp", "pg_weight")),
+    "lab dapo": (lambda x, lp: losses.clipped_loss(lp, x["old_logp"], ADV, MASK, common.Clip(0.2, 0.28), dual_c=3.0,
+                                                   pg_weight=x["pg_weight"]), ("old_logp", "pg_weight")),
+    "lab ppo policy": (lambda x, lp: losses.clipped_loss(lp, x["old_logp"], x["token_adv"], MASK,
+                                                         common.Clip(0.2, 0.28), dual_c=3.0, pg_weight=x["pg_weight"]),
+                       ("old_logp", "token_adv", "pg_weight")),
+    "lab remax": (lambda x, lp: losses.remax_loss(lp, ADV, x["kl"], MASK, 0.1, pg_weight=x["pg_weight"]),
+                  ("kl", "pg_weight")),
+    "lab rloo": (lambda x, lp: losses.rloo_loss(lp, ADV, MASK, pg_weight=x["pg_weight"]), ("pg_weight",)),
 }
 CASES = [(name, arg) for name, (_, args) in LOSSES.items() for arg in args]
 

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 import common  # noqa: E402
 from lab import config as lab_config  # noqa: E402
+from lab import losses as lab_losses  # noqa: E402
 from support import config  # noqa: E402
 from support.run import read_metrics  # noqa: E402
 from conftest import run_together  # noqa: E402
@@ -135,7 +136,8 @@ def test_gae_takes_one_lambda_per_sequence():
 def policy_loss_and_grad(ratio, adv, epsilon=0.2):
     old_logp = torch.zeros(1, len(ratio), dtype=torch.float64)
     logp = torch.log(torch.tensor([ratio], dtype=torch.float64)).requires_grad_()
-    loss, stats = ppo_policy_loss(logp, old_logp, torch.tensor([adv], dtype=torch.float64), torch.ones(1, len(ratio)), epsilon)
+    loss, stats = ppo_policy_loss(logp, old_logp, torch.tensor([adv], dtype=torch.float64), torch.ones(1, len(ratio)),
+                                  common.Clip(epsilon, epsilon))
     loss.backward()
     return loss.item(), logp.grad[0], stats
 
@@ -187,7 +189,7 @@ def test_policy_loss_masks_padding_and_reports_the_ratio_kl():
     old_logp = torch.zeros(1, 3, dtype=torch.float64)
     adv = torch.tensor([[1.0, 1.0, 7.0]], dtype=torch.float64)
     mask = torch.tensor([[1, 1, 0]])
-    loss, stats = ppo_policy_loss(logp, old_logp, adv, mask, 0.2)
+    loss, stats = ppo_policy_loss(logp, old_logp, adv, mask, common.Clip(0.2, 0.2))
     loss.backward()
     assert logp.grad[0, 2].item() == 0.0 and torch.isfinite(loss)
     # both kept ratios, e^0.1 and e^-0.2 (> 0.8), are inside the clip: loss = -mean(rho A) over 2 tokens
@@ -269,8 +271,8 @@ def test_adaptive_kl_controller_moves_beta_towards_the_target_at_most_20_percent
 def test_dual_clip_caps_the_loss_of_a_negative_advantage_token_with_a_large_ratio():
     old_logp = torch.zeros(1, 3, dtype=torch.float64)
     logp = torch.log(torch.tensor([[5.0, 2.0, 5.0]], dtype=torch.float64)).requires_grad_()
-    loss, _ = ppo_policy_loss(logp, old_logp, torch.tensor([[-1.0, -1.0, 1.0]], dtype=torch.float64), torch.ones(1, 3),
-                              0.2, dual_clip_c=3.0)
+    loss, _ = lab_losses.clipped_loss(logp, old_logp, torch.tensor([[-1.0, -1.0, 1.0]], dtype=torch.float64),
+                                      torch.ones(1, 3), common.Clip(0.2, 0.2), dual_c=3.0)
     loss.backward()
     # rho = 5 past c = 3: loss 3 |A|, no gradient; rho = 2: -rho A as without the dual clip;
     # A > 0 with rho = 5: only the ordinary clip, loss -1.2 A (the dual clip would make it -3 A)

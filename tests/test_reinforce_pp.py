@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+import common  # noqa: E402
 import reinforce_pp  # noqa: E402
 from reinforce_pp import reinforce_pp_advantages, reinforce_pp_loss  # noqa: E402
 from support.run import read_metrics  # noqa: E402
@@ -96,7 +97,7 @@ def test_loss_is_the_clipped_surrogate_on_per_token_advantages_with_clip_higher(
     old = torch.zeros(1, 3, dtype=F64)
     adv = torch.tensor([[1.0, -2.0, 3.0]], dtype=F64)
     mask = torch.tensor([[1.0, 1.0, 0.0]], dtype=F64)
-    loss, stats = reinforce_pp_loss(logp, old, adv, mask, clip=(0.2, 0.28), loss_agg="token-mean")
+    loss, stats = reinforce_pp_loss(logp, old, adv, mask, clip=common.Clip(0.2, 0.28), loss_agg="token-mean")
     # token 0: min(1.5, 1.28) * 1 = 1.28; token 1: min(0.5 * -2, 0.8 * -2) = -1.6; token 2 masked
     torch.testing.assert_close(loss, torch.tensor(-(1.28 - 1.6) / 2, dtype=F64))
     assert stats["clip_frac_high"] == 0.5 and stats["clip_frac_low"] == 0.5

@@ -11,6 +11,7 @@ import torch  # noqa: E402
 
 from support import run  # noqa: E402
 from conftest import assert_params_changed  # noqa: E402
+from lab import losses as lab_losses  # noqa: E402
 from rloo import Config, rloo_advantages, rloo_loss  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,7 +83,8 @@ def test_rloo_loss_does_not_backpropagate_into_the_advantage():
 
 def test_rloo_loss_pg_weight_scales_each_tokens_log_prob():
     logp = torch.tensor([[-1.0, -2.0, -9.0]], requires_grad=True)
-    loss, stats = rloo_loss(logp, torch.tensor([2.0]), torch.tensor([[1, 1, 0]]), torch.tensor([[0.5, 2.0, 7.0]]))
+    loss, stats = lab_losses.rloo_loss(logp, torch.tensor([2.0]), torch.tensor([[1, 1, 0]]),
+                                       pg_weight=torch.tensor([[0.5, 2.0, 7.0]]))
     loss.backward()
     assert loss.item() == pytest.approx(-2.0 * (0.5 * -1.0 + 2.0 * -2.0))
     assert logp.grad.tolist() == [[-1.0, -4.0, 0.0]]
@@ -100,7 +102,7 @@ def test_rloo_loss_keeps_a_junk_padding_weight_out_of_the_gradient():
     grads = []
     for padding in (float("nan"), 0.0):
         logp = (-torch.rand(4, 5, dtype=F64, generator=torch.Generator().manual_seed(1))).requires_grad_()
-        loss, _ = rloo_loss(logp, adv, mask, torch.where(mask.bool(), weight, padding))
+        loss, _ = lab_losses.rloo_loss(logp, adv, mask, pg_weight=torch.where(mask.bool(), weight, padding))
         loss.backward()
         grads.append((loss.detach(), logp.grad))
     (nan_loss, nan_grad), (zero_loss, zero_grad) = grads

@@ -10,7 +10,7 @@ import torch
 
 import common
 from lab import grpo, remax  # the lab's loops (engine.Trainer)
-from lab import engine, routing, view
+from lab import engine, losses, routing, view
 from support import config
 from support.run import read_metrics
 
@@ -32,7 +32,7 @@ def test_the_aggregation_the_loop_names_is_the_losss_the_weights_and_the_viewers
     batch's loss in that mode, and the viewer's push (the gradient at each log-prob over the aggregation's
     normaliser) is the advantage itself, A_i on every token: had the viewer divided by another normaliser than the
     loss's, it would not be."""
-    calls, micro_batches, loss_fn = [], engine.Trainer.micro_batches, grpo.grpo_loss
+    calls, micro_batches, loss_fn = [], engine.Trainer.micro_batches, losses.grpo_loss
 
     def named_here(trainer, rollout, loss_agg, rows=None):  # the loop's one statement, said otherwise
         out = micro_batches(trainer, rollout, common.Aggregation(mode, 8), rows)
@@ -52,7 +52,7 @@ def test_the_aggregation_the_loop_names_is_the_losss_the_weights_and_the_viewers
 
     end_step = engine.Trainer.end_step
     monkeypatch.setattr(engine.Trainer, "micro_batches", named_here)
-    monkeypatch.setattr(grpo, "grpo_loss", recording_loss)
+    monkeypatch.setattr(losses, "grpo_loss", recording_loss)
     monkeypatch.setattr(engine.Trainer, "end_step", keep_step)
     rows = run(grpo, ["--num_steps", "1", "--beta", "0", "--batch_size", "32", "--micro_batch_size", "16"], tmp_path,
                monkeypatch)

@@ -14,6 +14,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 
+import common  # noqa: E402
+
 from lab import ppo as lab_ppo  # noqa: E402
 from lab.engine import Trainable  # noqa: E402
 from ppo import ppo_policy_loss  # noqa: E402
@@ -55,7 +57,8 @@ def test_positive_example_nll_over_processes_averages_to_the_global_token_mean_e
 def test_clip_higher_clips_a_positive_advantage_at_one_plus_epsilon_high_and_a_negative_at_one_minus_epsilon():
     logp = torch.log(torch.tensor([[1.25, 1.3, 0.75]], dtype=F64)).requires_grad_()
     adv = torch.tensor([[1.0, 1.0, -1.0]], dtype=F64)
-    loss, stats = ppo_policy_loss(logp, torch.zeros(1, 3, dtype=F64), adv, torch.ones(1, 3, dtype=F64), (0.2, 0.28))
+    loss, stats = ppo_policy_loss(logp, torch.zeros(1, 3, dtype=F64), adv, torch.ones(1, 3, dtype=F64),
+                                  common.Clip(0.2, 0.28))
     # 1.25 inside [0.8, 1.28] (the symmetric 0.2 would clip it); 1.3 clipped to 1.28; 0.75 clipped to 0.8 with A < 0
     torch.testing.assert_close(loss, torch.tensor(-(1.25 + 1.28 - 0.8) / 3, dtype=F64))
     loss.backward()
