@@ -164,6 +164,7 @@ def clipped_surrogate(ratio, adv, clip):
     the pessimistic bound of rho A. Once rho has moved past the clip in the direction A favours (above 1 + high with
     A > 0, below 1 - low with A < 0) the clipped term wins and the gradient is 0. ratio, adv: broadcastable, e.g.
     (B, T) and (B, 1); clip: a Clip. Minus it is the loss."""
+    clip = Clip(*clip)  # a Clip, or its fields as a plain tuple
     # BEGIN SOLUTION
     return torch.min(ratio * adv, torch.clamp(ratio, 1 - clip.low, 1 + clip.high) * adv)
     # END SOLUTION
@@ -173,6 +174,7 @@ def clip_stats(ratio, log_ratio, adv, mask, clip):
     """A clipped surrogate's statistics, means over the mask's tokens: clip_frac_low (rho < 1 - low with A < 0) and
     clip_frac_high (rho > 1 + high with A > 0), the tokens the clip silences; approx_kl, k3 of the token ratio,
     exp(log_ratio) - 1 - log_ratio, an estimate of KL(pi_old || pi_theta). Shapes as clipped_surrogate's."""
+    clip = Clip(*clip)  # a Clip, or its fields as a plain tuple
     # BEGIN SOLUTION
     with torch.no_grad():
         return {

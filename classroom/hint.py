@@ -121,6 +121,25 @@ HINTS = {
                "the token itself is included"],
         steps=["Zero x where mask is 0 with torch.where.",
                "A suffix sum along dim 1: flip the rows, cumulative sum, flip back."]),
+    "clipped_surrogate": Hint(
+        "PPO's clipped surrogate of each token: the smaller of the ratio times the advantage and the clipped ratio "
+        "times the advantage", "docs/algorithms.md, PPO (the clipped surrogate), and the docstring",
+        "ratio and adv broadcastable, e.g. (B, T) and (B, 1); a clip with low and high; out, their broadcast shape",
+        traps=["the pessimistic bound is a min, not a max, and it takes the unclipped term too",
+               "the range is [1 - clip.low, 1 + clip.high]: two epsilons, the low one below"],
+        steps=["clipped = clamp(ratio, 1 - clip.low, 1 + clip.high).",
+               "Return min(ratio * adv, clipped * adv), elementwise."]),
+    "clip_stats": Hint(
+        "how often the clip binds on each side, and k3 of the token ratio, over the valid tokens",
+        "docs/metrics.md (clip_frac_low, clip_frac_high, approx_kl), and the docstring",
+        "ratio, log_ratio, mask (B, T), adv (B, 1) or (B, T); a dict of three scalars",
+        traps=["a side counts only where the clip binds for that sign of A: below with A < 0, above with A > 0",
+               STATS_TRAP],
+        steps=["Without gradient (torch.no_grad).",
+               "clip_frac_low: masked mean of (ratio < 1 - clip.low and adv < 0) as a float.",
+               "clip_frac_high: masked mean of (ratio > 1 + clip.high and adv > 0) as a float.",
+               "approx_kl: masked mean of exp(log_ratio) - 1 - log_ratio (the token ratio's, even at GSPO's "
+               "sequence level)."]),
     "truncated_is_weight": Hint(
         "the truncated importance weight pi_train / pi_rollout of each token",
         "docs/algorithms.md, Off-policy corrections", "(B, T) in, (B, T) out",
@@ -162,10 +181,9 @@ HINTS = {
         traps=["a sequence's log-prob is a sum over its valid tokens (padding may hold -inf or NaN)",
                "the advantage is a constant of the loss"],
         steps=["seq_logp = masked sum of logp along dim 1 (for the statistic).",
-               "With pg_weight: logp = pg_weight * logp, the weight set to 0 on the padding first (it may hold NaN).",
                "loss = aggregate_loss(-adv.detach()[:, None] * logp, mask, loss_agg): seq-mean-token-sum, the mean "
                "over rows of each row's sum.",
-               "stats: seq_logp_mean = mean of the unweighted seq_logp."]),
+               "stats: seq_logp_mean = mean of seq_logp, detached."]),
     "grpo_advantages": Hint(
         "GRPO's group-normalised advantage, with three ways to scale it",
         "docs/algorithms.md, GRPO, and the docstring", "(B,) rewards with each group's G samples adjacent in, (B,) out",
@@ -180,26 +198,20 @@ HINTS = {
         "the clipped surrogate plus beta times the KL term per token, aggregated, and five statistics",
         "docs/algorithms.md, GRPO (the loss), KL estimators (the KL term), and the docstring",
         "logp, old_logp, ref_logp, mask (B, T), adv (B,); a scalar loss and a dict of scalars",
-        traps=["the pessimistic bound is a min, and the ratio is pi_theta / pi_old",
-               "dual clip only touches tokens with a negative advantage",
-               "pg_weight multiplies the surrogate, not the KL term",
+        traps=["the ratio is pi_theta / pi_old",
                "at importance_sampling_level='sequence' (GSPO) each sequence has one ratio, the geometric mean of "
-               "its tokens' ratios, and its surrogate counts once",
+               "its tokens' ratios, and its surrogate counts once while the KL term stays per token",
                STATS_TRAP],
-        work="two levels of ratio and five statistics, each with its own condition (clip below needs A < 0)",
-        steps=["ratio = exp(logp - old_logp); A = adv[:, None] (one advantage per row).",
-               "At clip.level 'sequence': ratio = exp(masked mean over the row of logp - old_logp), the same on "
+        work="two levels of ratio, and at the sequence level two aggregations: the surrogate's and the KL term's",
+        steps=["log_ratio = logp - old_logp; ratio = exp(log_ratio); A = adv[:, None] (one advantage per row).",
+               "At clip.level 'sequence': ratio = exp(masked mean over the row of log_ratio), the same on "
                "every token of the row.",
-               "surrogate = min(ratio * A, clamp(ratio, 1 - clip.low, 1 + clip.high) * A).",
-               "dual clip (clip.dual_c > 0): where A < 0, surrogate = max(surrogate, clip.dual_c * A).",
-               "pg_weight: surrogate = pg_weight * surrogate.",
-               "kl = kl_penalty(logp, ref_logp, kl_term.estimator, old_logp if kl_term.ratio_weight else None), "
-               "0 without ref.",
+               "surrogate = clipped_surrogate(ratio, A, clip) (common.py).",
+               "kl = kl_penalty(logp, ref_logp, kl_estimator), 0 without ref.",
                "loss = aggregate_loss(-surrogate + beta * kl, mask, loss_agg); at sequence level the "
                "surrogate's part with per_sequence(loss_agg) (once per sequence) and the KL's with loss_agg.",
-               "stats, each a masked mean over the valid tokens, without gradient: clip_frac_low "
-               "(ratio < 1 - clip.low and A < 0), clip_frac_high (ratio > 1 + clip.high and A > 0), approx_kl "
-               "(ratio - 1 - log ratio of the token ratio), kl_k3 (kl_k3(logp, ref_logp)), kl_term (kl)."]),
+               "stats, without gradient: clip_stats(ratio, log_ratio, A, mask, clip) (clip_frac_low, "
+               "clip_frac_high, approx_kl), and the masked means kl_k3 (kl_k3(logp, ref_logp)) and kl_term (kl)."]),
     "dynamic_sampling_filter": Hint(
         "which groups DAPO keeps: those whose correctness is mixed", "docs/algorithms.md, DAPO",
         "(B,) 0/1 correctness with each group's G samples adjacent in, (B / G,) bool out",
@@ -218,12 +230,10 @@ HINTS = {
         "logp, old_logp, mask (B, T), adv (B,); a scalar loss and a dict of scalars",
         traps=["the range is [1 - clip.low, 1 + clip.high]: epsilon_low and epsilon_high",
                "the mean is over every valid token of the batch", STATS_TRAP],
-        steps=["ratio = exp(logp - old_logp); A = adv[:, None].",
-               "surrogate = min(ratio * A, clamp(ratio, 1 - clip.low, 1 + clip.high) * A);",
-               "dual clip and pg_weight as in grpo_loss.",
+        steps=["log_ratio = logp - old_logp; ratio = exp(log_ratio); A = adv[:, None].",
+               "surrogate = clipped_surrogate(ratio, A, clip) (common.py).",
                "loss = aggregate_loss(-surrogate, mask, loss_agg) (token-mean, or a micro-batch's Aggregation).",
-               "stats (masked means, no gradient): clip_frac_low (ratio < 1 - clip.low and A < 0), "
-               "clip_frac_high (ratio > 1 + clip.high and A > 0), approx_kl (ratio - 1 - log ratio)."]),
+               "stats: clip_stats(ratio, log_ratio, A, mask, clip) (clip_frac_low, clip_frac_high, approx_kl)."]),
     "gae": Hint(
         "generalized advantage estimates and the critic's targets, per token", "docs/algorithms.md, PPO (GAE)",
         "rewards, values, mask (B, T), lam a number or (B,); two (B, T) tensors out",
@@ -271,12 +281,11 @@ HINTS = {
     "ppo_policy_loss": Hint(
         "PPO's clipped surrogate, token-mean over the valid tokens, and three statistics",
         "docs/algorithms.md, PPO, and the docstring", "logp, old_logp, adv, mask all (B, T); a scalar and a dict",
-        traps=["the pessimistic bound is a min, the ratio pi_theta / pi_old",
-               "dual clip only touches negative advantages", STATS_TRAP],
-        steps=["ratio = exp(logp - old_logp).",
-               "surrogate = min(ratio * adv, clamp(ratio, 1 - low, 1 + high) * adv); dual clip as in grpo_loss.",
-               "loss = masked mean of -surrogate.",
-               "stats (masked means, no gradient): clip_frac_low, clip_frac_high, approx_kl as in grpo_loss."]),
+        traps=["the ratio is pi_theta / pi_old, one per token, each with its own advantage", STATS_TRAP],
+        steps=["log_ratio = logp - old_logp; ratio = exp(log_ratio).",
+               "surrogate = clipped_surrogate(ratio, adv, clip) (common.py).",
+               "loss = aggregate_loss(-surrogate, mask, loss_agg) (token-mean, or a micro-batch's Aggregation).",
+               "stats: clip_stats(ratio, log_ratio, adv, mask, clip), as in grpo_loss."]),
     "ppo_value_loss": Hint(
         "the clipped value loss, token-mean, and the fraction of tokens where the clip wins",
         "the docstring and docs/algorithms.md, PPO", "values, old_values, returns, mask (B, T); a scalar and a dict",

@@ -91,16 +91,16 @@ def test_clipped_surrogate_is_the_pessimistic_bound_with_its_gradient_zero_exact
 
 def test_clip_stats_count_the_clipped_valid_tokens_of_the_side_a_favours():
     """Row 0 (4 valid tokens, A = 1): rho 1.3 (above 1 + high 1.28: clipped), 1.25 (between 1 + low and 1 + high:
-    not clipped), 0.5 (below 1 - low, but A > 0: not clipped), 1; row 1 (1 valid token, A = -1): rho 0.7 (clipped
-    below). The padding holds ratios past both clips. Fractions over the 5 valid tokens (not the mean of the rows'
-    means): 1/5 each; approx_kl the mean of rho - 1 - log rho over them."""
-    ratio = torch.tensor([[1.3, 1.25, 0.5, 1.0], [0.7, 9.0, 0.01, 9.0]], dtype=torch.float64)
-    mask = torch.tensor([[1, 1, 1, 1], [1, 0, 0, 0]])
+    not clipped), 0.5 (below 1 - low, but A > 0: not clipped), 1; row 1 (2 valid tokens, A = -1): rho 0.7 (clipped
+    below), 1.5 (above, but A < 0: not clipped). The padding holds ratios past both clips. Fractions over the 6
+    valid tokens (not the mean of the rows' means): 1/6 each; approx_kl the mean of rho - 1 - log rho over them."""
+    ratio = torch.tensor([[1.3, 1.25, 0.5, 1.0], [0.7, 1.5, 0.01, 9.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
     adv = torch.tensor([[1.0], [-1.0]], dtype=torch.float64)
     stats = common.clip_stats(ratio, torch.log(ratio), adv, mask, common.Clip(0.2, 0.28))
-    assert stats["clip_frac_high"].item() == pytest.approx(1 / 5)
-    assert stats["clip_frac_low"].item() == pytest.approx(1 / 5)
-    valid = torch.tensor([1.3, 1.25, 0.5, 1.0, 0.7], dtype=torch.float64)
+    assert stats["clip_frac_high"].item() == pytest.approx(1 / 6)
+    assert stats["clip_frac_low"].item() == pytest.approx(1 / 6)
+    valid = torch.tensor([1.3, 1.25, 0.5, 1.0, 0.7, 1.5], dtype=torch.float64)
     assert stats["approx_kl"].item() == pytest.approx((valid - 1 - torch.log(valid)).mean().item(), rel=1e-12)
 
 

@@ -157,3 +157,41 @@ def test_lab_remax_loss_weight_multiplies_each_tokens_return_times_log_prob():
     assert loss.item() == pytest.approx(-(2 * 0.7 * -1.0 + 0.5 * 0.8 * -2.0) / 2, rel=1e-12)
     torch.testing.assert_close(logp.grad, torch.tensor([[-0.7, -0.2]], dtype=F64), rtol=1e-12, atol=0)
     assert stats["return_mean"].item() == pytest.approx(0.75, rel=1e-12)
+
+
+# Dual clip c = 3: A = -0.5 at rho = 10 has surrogate min(-5, -0.6) = -5, bounded to 3 * -0.5 = -1.5; A = 0.5 at
+# rho = 0.1 has min(0.05, 0.4) = 0.05 and no bound: the token-mean loss is (1.5 - 0.05) / 2 = 0.725.
+DUAL_ADV = torch.tensor([-0.5, 0.5], dtype=F64)
+DUAL_LOG_RATIO = torch.log(torch.tensor([10.0, 0.1], dtype=F64))[:, None]
+DUAL_CALLS = {  # the lab's loss of each lesson loop, as it calls it: adv (B,) or PPO's per-token (B, T)
+    "grpo": lambda lr, adv, c: losses.grpo_loss(lr, torch.zeros_like(lr), None, adv, torch.ones_like(lr),
+                                                common.Clip(0.2, 0.2), 0.0, "token-mean", dual_c=c),
+    "dapo": lambda lr, adv, c: losses.clipped_loss(lr, torch.zeros_like(lr), adv, torch.ones_like(lr),
+                                                   common.Clip(0.2, 0.28), dual_c=c),
+    "ppo": lambda lr, adv, c: losses.clipped_loss(lr, torch.zeros_like(lr), adv[:, None].expand_as(lr),
+                                                  torch.ones_like(lr), common.Clip(0.2, 0.2), dual_c=c),
+}
+
+
+@pytest.mark.parametrize("name", DUAL_CALLS)
+def test_dual_clip_bounds_a_negative_advantage_by_c_times_it_and_leaves_a_positive_one_hand_values(name):
+    loss, _ = DUAL_CALLS[name](DUAL_LOG_RATIO.clone(), DUAL_ADV, 3.0)
+    assert loss.item() == pytest.approx(0.725, rel=1e-12)
+    loss, _ = DUAL_CALLS[name](DUAL_LOG_RATIO.clone(), DUAL_ADV, 0.0)  # off: the lesson's -(-5 + 0.05) / 2
+    assert loss.item() == pytest.approx(2.475, rel=1e-12)
+
+
+def test_lab_rloo_loss_with_a_per_token_weight_is_the_mean_of_its_rows_and_weight_one_changes_nothing():
+    g = torch.Generator().manual_seed(19)
+    n = torch.tensor([5, 3, 1, 4])
+    mask = (torch.arange(T)[None] < n[:, None]).long()
+    logp = -torch.rand(B, T, dtype=F64, generator=g) * 3
+    adv = torch.randn(B, dtype=F64, generator=g)
+    weight = torch.where(mask.bool(), torch.rand(B, T, dtype=F64, generator=g) * 2, float("nan"))
+    loss, stats = losses.rloo_loss(torch.where(mask.bool(), logp, float("nan")), adv, mask, pg_weight=weight)
+    rows = [losses.rloo_loss(logp[b:b + 1, :int(n[b])], adv[b:b + 1], mask[b:b + 1, :int(n[b])],
+                             pg_weight=weight[b:b + 1, :int(n[b])])[0] for b in range(B)]
+    torch.testing.assert_close(loss, torch.stack(rows).mean(), rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(losses.rloo_loss(logp, adv, mask, pg_weight=torch.ones_like(logp))[0],
+                               rloo.rloo_loss(logp, adv, mask)[0], rtol=1e-12, atol=0)
+    torch.testing.assert_close(stats["seq_logp_mean"], rloo.rloo_loss(logp, adv, mask)[1]["seq_logp_mean"])

@@ -274,12 +274,10 @@ def rloo_advantages(seed):
 
 def rloo_loss(seed):
     logp, _, _, adv, mask = rollout(seed, 18)
-    weight = torch.rand(B, T, dtype=F64, generator=generator(seed, 20)) * 2
     cases = [Case(f"padding {fill_name(fill)}", [padded(logp, mask, fill), adv, mask]) for fill in GARBAGE]
     cases += [Case("with gradient", [padded(logp, mask, None), adv, mask], grad=(0, 1)),
-              Case("pg_weight, with gradient", [logp, adv, mask, weight], grad=(0, 1)),
-              Case("pg_weight, padding nan", [padded(logp, mask, float("nan")), adv, mask,
-                                              padded(weight, mask, float("nan"))], grad=(0,)),
+              Case("a micro-batch's aggregation, weight 0.5", [logp, adv, mask, ("seq-mean-token-sum", None, 0.5)],
+                   grad=(0,)),
               Case("three padding columns", [widened(logp, 3, float("nan")), adv, widened(mask, 3)], grad=())]
     return cases
 
@@ -302,8 +300,8 @@ def grpo_advantages(seed):
     return cases
 
 
-# A common.Aggregation (mode, max_len, weight), Clip (low, high, dual_c, level) or KLTerm (estimator, ratio_weight)
-# travels to the student's process as the plain tuple of its fields, which the losses take as well.
+# A common.Aggregation (mode, max_len, weight) or Clip (low, high, level) travels to the student's process as the
+# plain tuple of its fields, which the losses take as well.
 def loss_cases(seed, salt, loss, configs, grid, defaults=None):
     """Cases of a clipped loss: `configs` (label, kwargs, over the keyword arguments `defaults`) on a rollout with
     NaN and inf padding and with random padding and a gradient; `grid`, cases of hand values. loss(logp, old_logp,
@@ -324,45 +322,84 @@ def loss_cases(seed, salt, loss, configs, grid, defaults=None):
 
 
 # Hand values: advantages -0.5, 0, 0.5 by ratios 0.5, 1, 4 with epsilon 0.2: clipped below only A = -0.5 at 0.5,
-# above only A = 0.5 at 4. Dual clip c = 3: A = -0.5 at ratio 10 is bounded to -1.5, A = 0.5 at 0.1 is not.
+# above only A = 0.5 at 4.
 GRID_ADV = torch.tensor([-0.5, 0.0, 0.5], dtype=F64)
 GRID_LOG_RATIO = torch.log(torch.tensor([0.5, 1.0, 4.0], dtype=F64)).expand(3, 3).clone()
-DUAL_ADV = torch.tensor([-0.5, 0.5], dtype=F64)
-DUAL_LOG_RATIO = torch.log(torch.tensor([10.0, 0.1], dtype=F64))[:, None].clone()
+
+
+def clipped_surrogate(seed):
+    g = generator(seed, 9)
+    ratio = torch.exp(torch.randn(B, T, dtype=F64, generator=g) * 0.5)
+    adv = torch.randn(B, 1, dtype=F64, generator=g)
+    adv[0], adv[1] = 0.7, -0.7
+    token_adv = torch.randn(B, T, dtype=F64, generator=g)
+    grid = torch.exp(GRID_LOG_RATIO).expand(3, 3).clone()
+    return [Case("hand values: the clip grid, clip 0.2 / 0.28", [grid, GRID_ADV[:, None].clone(), (0.2, 0.28)],
+                 grad=(0, 1)),
+            Case("(B, T) ratios, (B, 1) advantages, clip 0.2", [ratio, adv, (0.2, 0.2)], grad=(0, 1)),
+            Case("per-token advantages, clip 0.1 / 0.3 at token level", [ratio, token_adv, (0.1, 0.3, "token")],
+                 grad=(0, 1)),
+            Case("clip 0", [ratio, token_adv, (0.0, 0.0)], grad=(0, 1)),
+            Case("float32, a ratio on each bound", [torch.tensor([[0.8, 1.28, 1.0, 0.5, 3.0]]),
+                                                    torch.tensor([[1.0], [-1.0]]), (0.2, 0.28)], grad=(0,))]
+
+
+def clip_stats(seed):
+    logp, old_logp, _, adv, mask = rollout(seed, 10)
+    token_adv = adv[:, None] * torch.rand(B, T, dtype=F64, generator=generator(seed, 8))
+    cases = []
+    for fill in GARBAGE[::2]:
+        log_ratio = padded(logp - old_logp, mask, fill)
+        ratio = padded(torch.exp(logp - old_logp), mask, fill)
+        cases.append(Case(f"padding {fill_name(fill)}", [ratio, log_ratio, adv[:, None], mask, (0.2, 0.2)]))
+        cases.append(Case(f"per-token advantages, clip 0.2 / 0.28, padding {fill_name(fill)}",
+                          [ratio, log_ratio, padded(token_adv, mask, fill), mask, (0.2, 0.28)]))
+    sequence = torch.exp(masked_mean_rows(logp - old_logp, mask))[:, None].expand(B, T).clone()
+    cases.append(Case("GSPO: the sequence's ratio, the tokens' log-ratios",
+                      [sequence, logp - old_logp, adv[:, None], mask, (3e-4, 4e-4, "sequence")]))
+    grid = torch.exp(GRID_LOG_RATIO).expand(3, 3).clone()
+    cases.append(Case("hand values: the clip grid", [grid, torch.log(grid), GRID_ADV[:, None].clone(),
+                                                     torch.ones(3, 3, dtype=torch.long), (0.2, 0.28)]))
+    between = torch.tensor([[1.25, 1.1, 1.3], [0.78, 0.85, 1.25]], dtype=F64)  # between the two clips, and past
+    sides = torch.tensor([[0.5], [-0.5]], dtype=F64)
+    cases.append(Case("ratios between the two clips, clip 0.2 / 0.28",
+                      [between, torch.log(between), sides, torch.ones(2, 3, dtype=torch.long), (0.2, 0.28)]))
+    cases.append(Case("no valid token", [grid, torch.log(grid), GRID_ADV[:, None].clone(),
+                                         torch.zeros(3, 3, dtype=torch.long), (0.2, 0.2)]))
+    return cases
+
+
+def masked_mean_rows(x, mask):
+    return torch.where(mask.bool(), x, 0.0).sum(1) / mask.sum(1).clamp(min=1)
 
 
 def grpo_loss(seed):
     norm8 = ("seq-mean-token-sum-norm", 8)  # as the loop passes it, with --max_new_tokens 8
-    gspo = (0.2, 0.2, 0.0, "sequence")
+    gspo = (0.2, 0.2, "sequence")
     configs = [("token-mean", {"loss_agg": "token-mean"}),
                ("the defaults", {}),
                ("seq-mean-token-sum-norm, max_len 8", {"loss_agg": norm8}),
                ("seq-mean-token-sum-norm", {"loss_agg": "seq-mean-token-sum-norm"}),
                ("a micro-batch: seq-mean-token-mean, weight 0.5",
                 {"loss_agg": ("seq-mean-token-mean", None, 0.5)}),
-               ("k2 with the ratio weight", {"kl_term": ("k2", True)}),
-               ("k3 with the ratio weight", {"kl_term": ("k3", True), "loss_agg": "token-mean"}),
-               ("k1", {"kl_term": ("k1",)}),
-               ("dual clip 3, pg_weight", {"clip": (0.2, 0.2, 3.0), "pg_weight": "weight"}),
+               ("k2", {"kl_estimator": "k2"}),
+               ("k2, token-mean", {"kl_estimator": "k2", "loss_agg": "token-mean"}),
+               ("k1", {"kl_estimator": "k1"}),
                ("epsilon_high 0.28", {"clip": (0.2, 0.28), "loss_agg": "token-mean"}),
                ("GSPO", {"clip": gspo}),
                ("GSPO, seq-mean-token-sum-norm, max_len 8", {"clip": gspo, "loss_agg": norm8}),
                ("GSPO, a micro-batch's seq-mean-token-sum-norm, weight 0.5",
                 {"clip": gspo, "loss_agg": ("seq-mean-token-sum-norm", 8, 0.5)}),
-               ("GSPO, dual clip 3, pg_weight, token-mean", {"clip": (0.2, 0.2, 3.0, "sequence"),
-                                                            "pg_weight": "weight", "loss_agg": "token-mean"})]
+               ("GSPO, k1, token-mean", {"clip": gspo, "kl_estimator": "k1", "loss_agg": "token-mean"})]
     ones = torch.ones(3, 3, dtype=torch.long)
     grid = [Case("hand values: the clip grid", [GRID_LOG_RATIO, torch.zeros(3, 3, dtype=F64), None, GRID_ADV, ones,
-                                                0.2, 0.0, "token-mean"], grad=(0,)),
+                                                (0.2, 0.2), 0.0, "token-mean"], grad=(0,)),
             Case("on-policy, epsilon 0", [torch.zeros(3, 3, dtype=F64), torch.zeros(3, 3, dtype=F64), None, GRID_ADV,
-                                          ones, 0.0, 0.0, "token-mean"], grad=(0,)),
-            Case("hand values: the dual clip", [DUAL_LOG_RATIO, torch.zeros(2, 1, dtype=F64), None, DUAL_ADV,
-                                                torch.ones(2, 1, dtype=torch.long), (0.2, 0.2, 3.0), 0.0,
-                                                "token-mean"], grad=(0,))]
+                                          ones, (0.0, 0.0), 0.0, "token-mean"], grad=(0,))]
     cases = loss_cases(seed, 11, lambda logp, old, ref, adv, token_adv, mask: [logp, old, ref, adv, mask],
-                       configs, grid, defaults={"clip": 0.2, "beta": 0.05})
+                       configs, grid, defaults={"clip": (0.2, 0.2), "beta": 0.05})
     logp, old_logp, _, adv, mask = rollout(seed, 12)
-    cases.append(Case("no reference (beta 0)", [logp, old_logp, None, adv, mask, 0.2, 0.0], grad=(0,)))
+    cases.append(Case("no reference (beta 0)", [logp, old_logp, None, adv, mask, (0.2, 0.2), 0.0], grad=(0,)))
     cases.append(Case("a Clip's fields as a plain tuple", [logp, old_logp, None, adv, mask, (0.1, 0.3), 0.0],
                       grad=(0,)))
     return cases
@@ -397,8 +434,7 @@ def overlong_penalty(seed):
 
 
 def dapo_loss(seed):
-    configs = [("epsilons 0.2 and 0.28", {}), ("dual clip 3", {"clip": (0.2, 0.28, 3.0)}),
-               ("pg_weight", {"pg_weight": "weight"}),
+    configs = [("epsilons 0.2 and 0.28", {}), ("epsilons 0.1 and 0.3", {"clip": (0.1, 0.3)}),
                ("a micro-batch's token-mean, weight 0.5", {"loss_agg": ("token-mean", None, 0.5)})]
     ones = torch.ones(3, 3, dtype=torch.long)
     grid = [Case("hand values: the clip grid", [GRID_LOG_RATIO, torch.zeros(3, 3, dtype=F64), GRID_ADV, ones,
@@ -407,8 +443,6 @@ def dapo_loss(seed):
                  grad=(0,)),
             Case("on-policy, epsilons 0", [torch.zeros(3, 3, dtype=F64), torch.zeros(3, 3, dtype=F64), GRID_ADV, ones,
                                            (0.0, 0.0)], grad=(0,)),
-            Case("hand values: the dual clip", [DUAL_LOG_RATIO, torch.zeros(2, 1, dtype=F64), DUAL_ADV,
-                                                torch.ones(2, 1, dtype=torch.long), (0.2, 0.28, 3.0)], grad=(0,)),
             Case("ratios between the two clips", [torch.log(torch.tensor([[1.25], [0.78], [1.1]], dtype=F64)),
                                                   torch.zeros(3, 1, dtype=F64), torch.tensor([0.5, -0.5, 0.5],
                                                                                              dtype=F64),
@@ -494,17 +528,16 @@ def length_adaptive_lam(seed):
 
 
 def ppo_policy_loss(seed):
-    configs = [("epsilon 0.2", {}), ("dual clip 3", {"dual_clip_c": 3.0})]
+    configs = [("epsilon 0.2", {}), ("clip-higher 0.2 / 0.28", {"clip": (0.2, 0.28)}),
+               ("a micro-batch's token-mean, weight 0.5", {"loss_agg": ("token-mean", None, 0.5)})]
     ones = torch.ones(3, 3, dtype=torch.long)
     grid_adv = GRID_ADV[:, None].expand(3, 3).clone()
-    grid = [Case("hand values: the clip grid", [GRID_LOG_RATIO, torch.zeros(3, 3, dtype=F64), grid_adv, ones, 0.2],
-                 grad=(0,)),
-            Case("on-policy, epsilon 0", [torch.zeros(3, 3, dtype=F64), torch.zeros(3, 3, dtype=F64), grid_adv, ones,
-                                          0.0], grad=(0,)),
-            Case("hand values: the dual clip", [DUAL_LOG_RATIO, torch.zeros(2, 1, dtype=F64), DUAL_ADV[:, None].clone(),
-                                                torch.ones(2, 1, dtype=torch.long), 0.2, 3.0], grad=(0,))]
-    return loss_cases(seed, 14, lambda logp, old, ref, adv, token_adv, mask: [logp, old, token_adv, mask, 0.2],
-                      configs, grid)
+    grid = [Case("hand values: the clip grid", [GRID_LOG_RATIO, torch.zeros(3, 3, dtype=F64), grid_adv, ones],
+                 {"clip": (0.2, 0.2)}, grad=(0,)),
+            Case("on-policy, epsilon 0", [torch.zeros(3, 3, dtype=F64), torch.zeros(3, 3, dtype=F64), grid_adv, ones],
+                 {"clip": (0.0, 0.0)}, grad=(0,))]
+    return loss_cases(seed, 14, lambda logp, old, ref, adv, token_adv, mask: [logp, old, token_adv, mask],
+                      configs, grid, defaults={"clip": (0.2, 0.2)})
 
 
 def ppo_value_loss(seed):
@@ -693,6 +726,8 @@ CASES = {
     "common.py::completion_mask": completion_mask,
     "common.py::aggregate_loss": aggregate_loss,
     "common.py::reward_to_go": reward_to_go,
+    "common.py::clipped_surrogate": clipped_surrogate,
+    "common.py::clip_stats": clip_stats,
     "lab/corrections.py::truncated_is_weight": truncated_is_weight,
     "lab/corrections.py::geometric_sequence_mask": geometric_sequence_mask,
     "remax.py::remax_advantages": remax_advantages,

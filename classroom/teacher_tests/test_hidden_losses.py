@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+import common
 import dapo
 import grpo
 import ppo
@@ -14,6 +15,7 @@ import vapo
 from teacher_tests.batches import F64, GARBAGE, close, generator, lengths, padded, prefix_mask, token_weighted, widened
 
 B, T = 5, 6
+CLIP = common.Clip(0.2, 0.2)
 
 
 def rollout(salt):
@@ -72,7 +74,7 @@ def test_grpo_loss_statistics_ignore_the_padding_and_weigh_every_valid_token(fil
     adv_col = adv[:, None].expand(B, T).clone()
 
     def call(logp, old_logp, ref_logp, adv_col, mask):
-        return grpo.grpo_loss(logp, old_logp, ref_logp, adv_col[:, 0], mask, clip=0.2, beta=0.05,
+        return grpo.grpo_loss(logp, old_logp, ref_logp, adv_col[:, 0], mask, clip=CLIP, beta=0.05,
                               loss_agg="token-mean")
     _, stats = check_stats_and_loss(call, [logp, old_logp, ref_logp, adv_col], mask, n, fill)
     assert 0 < stats["clip_frac_low"] < 1 and 0 < stats["clip_frac_high"] < 1  # both clips bind somewhere
@@ -84,10 +86,10 @@ def test_grpo_loss_means_over_sequences_ignore_the_padding(loss_agg):
     adv_col = adv[:, None].expand(B, T).clone()
     if loss_agg == "seq-mean-token-sum-norm":  # a row alone has the same max_len
         def call(logp, old_logp, ref_logp, adv_col, mask):
-            return grpo.grpo_loss(logp, old_logp, ref_logp, adv_col[:, 0], mask, 0.2, 0.05, (loss_agg, 8))
+            return grpo.grpo_loss(logp, old_logp, ref_logp, adv_col[:, 0], mask, CLIP, 0.05, (loss_agg, 8))
     else:
         def call(logp, old_logp, ref_logp, adv_col, mask):
-            return grpo.grpo_loss(logp, old_logp, ref_logp, adv_col[:, 0], mask, 0.2, 0.05, loss_agg)
+            return grpo.grpo_loss(logp, old_logp, ref_logp, adv_col[:, 0], mask, CLIP, 0.05, loss_agg)
     check_stats_and_loss(call, [logp, old_logp, ref_logp, adv_col], mask, n, float("nan"), mean_over_rows=True)
 
 
@@ -97,7 +99,7 @@ def test_dapo_loss_statistics_ignore_the_padding_and_weigh_every_valid_token(fil
     adv_col = adv[:, None].expand(B, T).clone()
 
     def call(logp, old_logp, adv_col, mask):
-        return dapo.dapo_loss(logp, old_logp, adv_col[:, 0], mask, (0.2, 0.28))
+        return dapo.dapo_loss(logp, old_logp, adv_col[:, 0], mask, common.Clip(0.2, 0.28))
     _, stats = check_stats_and_loss(call, [logp, old_logp, adv_col], mask, n, fill)
     assert 0 < stats["clip_frac_low"] < 1 and 0 < stats["clip_frac_high"] < 1
 
@@ -108,7 +110,7 @@ def test_ppo_policy_loss_statistics_ignore_the_padding_and_weigh_every_valid_tok
     adv_tokens = adv[:, None] * torch.rand(B, T, dtype=F64, generator=generator(15)) + 0.0
 
     def call(logp, old_logp, adv, mask):
-        return ppo.ppo_policy_loss(logp, old_logp, adv, mask, epsilon=0.2)
+        return ppo.ppo_policy_loss(logp, old_logp, adv, mask, clip=CLIP)
     _, stats = check_stats_and_loss(call, [logp, old_logp, adv_tokens], mask, n, fill)
     assert 0 < stats["clip_frac_low"] < 1 and 0 < stats["clip_frac_high"] < 1
 
@@ -176,58 +178,37 @@ def test_rloo_loss_of_a_padded_batch_is_the_mean_of_its_rows(fill):
     assert (logp.grad[mask == 0] == 0).all()
 
 
-def test_rloo_loss_with_a_per_token_weight_is_the_mean_of_its_rows_and_weight_one_changes_nothing():
-    logp, _, _, adv, mask, n = rollout(19)
-    weight = padded(torch.rand(B, T, dtype=F64, generator=generator(20)) * 2, mask, float("nan"))
-    loss, stats = rloo.rloo_loss(padded(logp, mask, float("nan")), adv, mask, weight)
-    rows = [rloo.rloo_loss(logp[b:b + 1, :int(n[b])], adv[b:b + 1], mask[b:b + 1, :int(n[b])],
-                           weight[b:b + 1, :int(n[b])])[0] for b in range(B)]
-    close(loss, torch.stack(rows).mean())
-    close(rloo.rloo_loss(logp, adv, mask, torch.ones_like(logp))[0], rloo.rloo_loss(logp, adv, mask)[0])
-    close(stats["seq_logp_mean"], rloo.rloo_loss(logp, adv, mask)[1]["seq_logp_mean"])
-
-
 # The grid of hand values: advantages -0.5, 0, 0.5 by ratios 0.5, 1, 4 with epsilon 0.2 (DAPO: 0.2 and 0.28).
 # Clipped below: only A = -0.5 with rho = 0.5 (1 of 9); above: only A = 0.5 with rho = 4 (1 of 9).
 # approx_kl = mean of rho - 1 - log rho = 3 (0.5 - 1 + log 2 + 0 + 4 - 1 - log 4) / 9 = (2.5 - log 2) / 3.
 GRID_ADV = torch.tensor([-0.5, 0.0, 0.5], dtype=F64)
 GRID_LOG_RATIO = torch.log(torch.tensor([0.5, 1.0, 4.0], dtype=F64))
-# Dual clip c = 3: A = -0.5 at rho = 10 has surrogate min(-5, -0.6) = -5, bounded to 3 * -0.5 = -1.5; A = 0.5 at
-# rho = 0.1 has min(0.05, 0.4) = 0.05 and no bound: the token-mean loss is (1.5 - 0.05) / 2 = 0.725.
-DUAL_ADV = torch.tensor([-0.5, 0.5], dtype=F64)
-DUAL_LOG_RATIO = torch.log(torch.tensor([10.0, 0.1], dtype=F64))
 
 
 def clipped_losses():
-    """name -> loss(log_ratio (B, T), adv (B,), epsilon, dual_clip_c), over (B, T) with one advantage per row."""
-    def grpo_call(log_ratio, adv, epsilon, c):
+    """name -> loss(log_ratio (B, T), adv (B,), epsilon), over (B, T) with one advantage per row."""
+    def grpo_call(log_ratio, adv, epsilon):
         old = torch.zeros_like(log_ratio)
-        return grpo.grpo_loss(log_ratio, old, None, adv, torch.ones_like(log_ratio), (epsilon, epsilon, c), 0.0,
-                              "token-mean")
+        return grpo.grpo_loss(log_ratio, old, None, adv, torch.ones_like(log_ratio), common.Clip(epsilon, epsilon),
+                              0.0, "token-mean")
 
-    def dapo_call(log_ratio, adv, epsilon, c):
+    def dapo_call(log_ratio, adv, epsilon):
         old = torch.zeros_like(log_ratio)
-        return dapo.dapo_loss(log_ratio, old, adv, torch.ones_like(log_ratio), (epsilon, 1.4 * epsilon, c))
+        return dapo.dapo_loss(log_ratio, old, adv, torch.ones_like(log_ratio), common.Clip(epsilon, 1.4 * epsilon))
 
-    def ppo_call(log_ratio, adv, epsilon, c):
+    def ppo_call(log_ratio, adv, epsilon):
         old = torch.zeros_like(log_ratio)
         return ppo.ppo_policy_loss(log_ratio, old, adv[:, None].expand_as(log_ratio), torch.ones_like(log_ratio),
-                                   epsilon, c)
+                                   common.Clip(epsilon, epsilon))
     return {"grpo_loss": grpo_call, "dapo_loss": dapo_call, "ppo_policy_loss": ppo_call}
 
 
 @pytest.mark.parametrize("name", ["grpo_loss", "dapo_loss", "ppo_policy_loss"])
 def test_clip_statistics_count_only_where_the_clip_binds_hand_values(name):
     call = clipped_losses()[name]
-    _, stats = call(GRID_LOG_RATIO.expand(3, 3).clone(), GRID_ADV, 0.2, 0.0)
+    _, stats = call(GRID_LOG_RATIO.expand(3, 3).clone(), GRID_ADV, 0.2)
     assert stats["clip_frac_low"].item() == pytest.approx(1 / 9)
     assert stats["clip_frac_high"].item() == pytest.approx(1 / 9)
     assert stats["approx_kl"].item() == pytest.approx((2.5 - math.log(2)) / 3, rel=1e-12)
-    _, stats = call(torch.zeros(3, 3, dtype=F64), GRID_ADV, 0.0, 0.0)  # on-policy: rho = 1 exactly, epsilon 0
+    _, stats = call(torch.zeros(3, 3, dtype=F64), GRID_ADV, 0.0)  # on-policy: rho = 1 exactly, epsilon 0
     assert stats["clip_frac_low"].item() == 0 and stats["clip_frac_high"].item() == 0
-
-
-@pytest.mark.parametrize("name", ["grpo_loss", "dapo_loss", "ppo_policy_loss"])
-def test_dual_clip_bounds_a_negative_advantage_by_c_times_it_and_leaves_a_positive_one_hand_values(name):
-    loss, _ = clipped_losses()[name](DUAL_LOG_RATIO[:, None].clone(), DUAL_ADV, 0.2, 3.0)
-    assert loss.item() == pytest.approx(0.725, rel=1e-12)
