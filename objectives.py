@@ -1,6 +1,7 @@
 """The clipped-objective family beyond PPO's clip: CISPO, SAPO and GMPO, pure functions (tensors in, a loss and its
 statistics out) that the lab's GRPO loop composes with the lesson's advantages: `python lab/grpo.py --policy_loss
-cispo | sapo | gmpo`. PPO's clip, the dual clip and GSPO's sequence ratio stay in the lesson (grpo.grpo_loss).
+cispo | sapo | gmpo`. PPO's clip and GSPO's sequence ratio stay in the lesson (grpo.grpo_loss), the dual clip in
+lab/losses.py.
 
 Notation (docs/algorithms.md, "The clipped-objective family"): r_t = pi_theta(y_t) / pi_old(y_t), A the advantage of
 the token's sequence, sg the stop-gradient. Every loss below is minus its objective. The members differ in one thing:

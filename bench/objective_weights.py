@@ -2,7 +2,8 @@
 score, d objective / d log pi = w(r) A, against the token's ratio r = pi_theta / pi_old, for A > 0 and A < 0.
 
 The weights are not drawn from formulas: each is the gradient, by autograd, of the loss the code trains with
-(grpo.grpo_loss for PPO's clip and the dual clip, objectives.py for CISPO, SAPO and GMPO), on one token with A = +1
+(grpo.grpo_loss for PPO's clip, lab/losses.py's grpo_loss for the dual clip, objectives.py for CISPO, SAPO and
+GMPO), on one token with A = +1
 or -1, so the picture is of the code. GMPO's is a one-token sequence's (a longer one divides the weight among its
 tokens: docs/objectives.md).
 
@@ -21,14 +22,16 @@ sys.path.insert(0, str(ROOT))
 import common  # noqa: E402
 import objectives  # noqa: E402
 from grpo import grpo_loss  # noqa: E402
+from lab import losses  # noqa: E402
 
 EPSILON, DUAL_C, CISPO_CLIP, GMPO_CLIP = 0.2, 3.0, (0.2, 0.28), (0.4, 0.4)
+CLIP, NO_CLIP = common.Clip(EPSILON, EPSILON), common.Clip(1e9, 1e9)
 # name -> loss(logp, old_logp, adv, mask), each on (1, 1) tensors, mean over the one token
 OBJECTIVES = {
-    "unclipped ratio (w = r)": lambda logp, old, adv, mask: grpo_loss(logp, old, None, adv, mask, 1e9, 0.0)[0],
-    f"PPO clip (eps {EPSILON})": lambda logp, old, adv, mask: grpo_loss(logp, old, None, adv, mask, EPSILON, 0.0)[0],
-    f"dual clip (c {DUAL_C:g})": lambda logp, old, adv, mask: grpo_loss(
-        logp, old, None, adv, mask, common.Clip(EPSILON, EPSILON, DUAL_C), 0.0)[0],
+    "unclipped ratio (w = r)": lambda logp, old, adv, mask: grpo_loss(logp, old, None, adv, mask, NO_CLIP, 0.0)[0],
+    f"PPO clip (eps {EPSILON})": lambda logp, old, adv, mask: grpo_loss(logp, old, None, adv, mask, CLIP, 0.0)[0],
+    f"dual clip (c {DUAL_C:g})": lambda logp, old, adv, mask: losses.grpo_loss(
+        logp, old, None, adv, mask, CLIP, 0.0, dual_c=DUAL_C)[0],
     f"CISPO (clip {CISPO_CLIP[0]}, {CISPO_CLIP[1]})": lambda logp, old, adv, mask: objectives.cispo_loss(
         logp, old, adv, mask, CISPO_CLIP)[0],
     "SAPO (tau 1.0 / 1.05)": lambda logp, old, adv, mask: objectives.sapo_loss(logp, old, adv, mask)[0],

@@ -3,7 +3,7 @@ algorithm. The update itself is written out in each algorithm file, as nanoGPT w
 
     for mb in trainer.micro_batches(rollout, agg):             # rows of one forward/backward; mb.agg: agg, weighted
         logp, entropy = trainer.policy_logprobs(rollout, mb)  # (b, T), with gradient
-        loss, stats = grpo_loss(logp, mb.of(old_logp), ..., mb.agg)  # the loss over these rows, aggregated once
+        loss, stats = losses.grpo_loss(logp, mb.of(old_logp), ..., mb.agg)  # the loss over these rows, aggregated once
         trainer.backward(loss, mb, stats)                     # DDP syncs on the last one
     update = trainer.step(policy)                             # clip, check finite, optimizer step, zero_grad
 

@@ -171,8 +171,8 @@ def test_each_constant_is_defined_once():
 
 def test_the_engine_and_the_losses_stay_small_and_the_shared_config_sniffs_nothing():
     """The Trainer reads in one sitting (the viewer's state and the sampler live elsewhere); grpo_loss takes at most
-    10 parameters (GSPO's clip and the dual clip are a common.Clip, the KL term a common.KLTerm, the aggregation a
-    common.Aggregation); support/config.py asks no config object what fields it has: each script checks its own."""
+    10 parameters (GSPO's clip is a common.Clip, the aggregation a common.Aggregation; the dual clip, the corrections'
+    weights and the KL term's ratio weight are the lab's, lab/losses.py); support/config.py asks no config object what fields it has: each script checks its own."""
     tree = ast.parse((ROOT / "lab" / "engine.py").read_text())
     trainer = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Trainer")
     assert trainer.end_lineno - trainer.lineno + 1 <= 220
