@@ -1,7 +1,8 @@
 """VAPO (Yue et al., 2025, arXiv 2504.05118): PPO with a critic made reliable for long reasoning. Its pieces are
 flags of the lab's PPO (`python lab/ppo.py --vapo True`); this file holds its formulas, pure functions that
 lab/ppo.py calls: decoupled GAE (VC-PPO), the length-adaptive lambda, and the positive-example LM loss it adds to
-the policy loss in one line. Clip-higher is ppo_policy_loss's epsilon_high; value pretraining is lab/ppo.py's loop.
+the policy loss in one line. Clip-higher is the clip's high side (--epsilon_high); value pretraining is lab/ppo.py's
+loop.
 Equations: docs/algorithms.md, "VAPO".
 
     L_NLL = -(1 / N) sum_{i correct} sum_t logp_{i,t},   N = the number of the correct samples' tokens
