@@ -32,8 +32,8 @@ def rollout_sampler(trainer, policy, rollout_model, rollout_lag, sample):
 class RolloutSampler:
     """Samples with `policy` (a Trainable), unless `rollout_model` (its low-precision or stale copy) does, synced to
     it before each rollout: to this step's weights, or with `rollout_lag` k to those of k steps ago, or `engine`
-    (--sampler vllm's vllm_engine.Engine) does, with the policy's weights of the step. `sample` is fast.generate
-    (routed.generate on a mixture of experts) or common.generate; `trainer` gives the timer, the step running, the context the passes run in (`inference`) and,
+    (--sampler vllm's vllm_engine.Engine) does, with the policy's weights of the step. `sample` is decode.generate
+    or common.generate; `trainer` gives the timer, the step running, the context the passes run in (`inference`) and,
     when sampling fails, the check that stops a run whose weights broke. evaluation_sample: the held-out
     evaluation's sample function (the engine's, or the trainer's)."""
 

@@ -9,15 +9,17 @@ draws from the same seed) by tests/test_fast.py. Read the spec; this is how it i
 - sampling is a decode loop of its own (`decode`): the steps of transformers' generate for exactly the
   sampler's settings, in which a row that has emitted EOS leaves the batch, so the later steps run only
   the rows still going (fewer row-steps whenever completions end at different lengths), with the same
-  draws, since one draw is still made for every row; on a GPU, where a step costs its kernel launches more than
-  its rows, the same draws come from steps of fixed shapes captured once instead (support/static_decode.py);
+  draws, since one draw is still made for every row;
 - under DeepSpeed ZeRO-3 the weights are gathered once for a whole generate call, not once per token
   (`models.gathered_parameters`).
+
+What the lab's features need from each step (the drawn tokens' log-probs, the processed scores, the rows told to a
+routing record, steps of fixed shapes on a GPU) is the lab's own loop on these pieces: lab/decode.py.
 """
 import torch
 
 import common
-from support import models, static_decode
+from support import models
 
 # Rows of (C, V) fp32 logits that token_logprobs takes at once: 2**24 floats (64 MiB) bound the
 # temporary copies whatever the vocabulary; the embedded model's whole batch fits in one chunk.
@@ -82,18 +84,18 @@ def prompt_groups(input_ids, attention_mask, num_completion_tokens):
 
 
 def token_logprobs(model, input_ids, attention_mask, num_completion_tokens, temperature=1.0, with_entropy=False,
-                   top_k=0, top_p=1.0, kept_sizes=None):
+                   top_k=0, top_p=1.0):
     """common.token_logprobs, computed from `completion_logits` (a group's prompt once) by `logprobs_from_logits`.
-    Returns (B, C) fp32 log-probs (and entropies); `kept_sizes` receives each chunk's kept-set sizes."""
+    Returns (B, C) fp32 log-probs (and entropies)."""
     c = num_completion_tokens
     logits = completion_logits(model, input_ids, attention_mask, c)  # (B, C, V)
-    return logprobs_from_logits(logits, input_ids[:, -c:], temperature, with_entropy, top_k, top_p, kept_sizes)
+    return logprobs_from_logits(logits, input_ids[:, -c:], temperature, with_entropy, top_k, top_p)
 
 
-def logprobs_from_logits(logits, targets, temperature=1.0, with_entropy=False, top_k=0, top_p=1.0, kept_sizes=None):
+def logprobs_from_logits(logits, targets, temperature=1.0, with_entropy=False, top_k=0, top_p=1.0):
     """The (B, C) fp32 log-probs of `targets` (B, C) under their (B, C, V) logits, as common.token_logprobs takes
     them (and their entropies), a chunk of rows at a time: LOGPROB_CHUNK_ELEMENTS bounds each chunk, and no
-    (B, C, V) log-softmax copy is made. `kept_sizes` receives each chunk's kept-set sizes."""
+    (B, C, V) log-softmax copy is made."""
     rows = max(1, LOGPROB_CHUNK_ELEMENTS // (targets.shape[1] * logits.shape[-1]))
     logps, entropies = [], []
     for start in range(0, len(logits), rows):
@@ -104,8 +106,6 @@ def logprobs_from_logits(logits, targets, temperature=1.0, with_entropy=False, t
             kept = common.sampling_mask(chunk.detach(), top_k, top_p).isfinite()
             kept.scatter_(-1, chunk_targets, True)
             chunk = chunk.masked_fill(~kept, float("-inf"))
-            if kept_sizes is not None:
-                kept_sizes.append(kept.sum(-1))
         lse = torch.logsumexp(chunk, dim=-1)
         logps.append(chunk.gather(-1, chunk_targets).squeeze(-1) - lse)
         if with_entropy:
@@ -116,48 +116,35 @@ def logprobs_from_logits(logits, targets, temperature=1.0, with_entropy=False, t
     return (logps, torch.cat(entropies)) if with_entropy else logps
 
 
-@torch.no_grad()
-def drawn_logprob(scores, token):
-    """(B,) each row's drawn token's log-prob under the processed (B, V) scores it was drawn from: the behaviour
-    policy mu of the draw, which `decode` and agents.CachedTurns keep as they draw (async_sampling)."""
-    return scores.gather(1, token[:, None]).squeeze(1) - torch.logsumexp(scores, dim=-1)
-
-
-def decode(model, input_ids, attention_mask, cache, gen, scores=None, logprobs=False):
+def decode(model, input_ids, attention_mask, cache, gen):
     """The steps of transformers' generate (its `_sample`) for a GenerationConfig `gen` of common.generation_config:
     the last position's fp32 logits, EOS held back for gen.min_new_tokens, temperature, top-k, top-p
     (common.sampling_mask), one multinomial draw per row (greedy: argmax), until every row has emitted EOS or
     max_new_tokens. `cache` holds every prompt token but the last (None: the whole prompt runs first).
     A row that emitted EOS leaves the batch, its keys and values with it. Its draw is still made, from a
     placeholder distribution, and discarded: the random stream, and so every other row's draw, is generate's.
-    Returns (B, C) completion ids, padded after EOS (logprobs: and each drawn token's (B, C) log-prob under the
-    processed scores it was drawn from, 0 after EOS); `scores`, a list, receives (step, rows, processed scores)."""
+    Returns (B, C) completion ids, padded after EOS."""
     position_ids = common.position_ids_from_mask(attention_mask)
     tokens = torch.full((len(input_ids), gen.max_new_tokens), gen.pad_token_id, dtype=input_ids.dtype,
                         device=input_ids.device)
-    drawn_logp = torch.zeros(tokens.shape, device=input_ids.device) if logprobs else None
     rows = torch.arange(len(input_ids), device=input_ids.device)  # the rows still going
     inputs, positions = (input_ids[:, -1:], position_ids[:, -1:]) if cache is not None else (input_ids, position_ids)
     for t in range(gen.max_new_tokens):
         out = model(input_ids=inputs, attention_mask=attention_mask, position_ids=positions, cache=cache,
                     use_cache=True, logits_to_keep=1)
         cache = out.cache
-        token, logits = draw(out.logits[:, -1].float(), gen, t, rows, len(tokens))
-        if scores is not None:
-            scores.append((t, rows, logits))
-        if logprobs:  # the behaviour policy mu of what was drawn, at no extra pass (async_sampling)
-            drawn_logp[rows, t] = drawn_logprob(logits, token)
+        token, _ = draw(out.logits[:, -1].float(), gen, t, rows, len(tokens))
         tokens[rows, t] = token
         going = token != gen.eos_token_id
         if not going.any():
-            return (tokens[:, :t + 1], drawn_logp[:, :t + 1]) if logprobs else tokens[:, :t + 1]
+            return tokens[:, :t + 1]
         if not going.all():  # the finished rows leave the batch
             keep = going.nonzero().squeeze(1)
             cache.reorder_cache(keep)
             rows, token, attention_mask, positions = rows[keep], token[keep], attention_mask[keep], positions[keep]
         inputs, positions = token[:, None], positions[:, -1:] + 1
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(attention_mask), 1)], dim=1)
-    return (tokens, drawn_logp) if logprobs else tokens
+    return tokens
 
 
 def draw(logits, gen, t, rows, num_rows):
@@ -179,17 +166,12 @@ def draw(logits, gen, t, rows, num_rows):
 
 
 @torch.no_grad()
-def generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=1, greedy=False, scores=None,
-             logprobs=False, fixed_shape=None):
+def generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=1, greedy=False):
     """common.generate, with each prompt run once for its samples (`shared_prompt_cache`), which then
     continue it from copies of its keys and values in `decode`: the same draws as generate's own
     num_return_sequences, without K passes over the prompt and without the rows that have ended. Under
     ZeRO-3 the weights are gathered once for the whole call. Returns completion ids (B * num_samples, C),
-    each prompt's samples adjacent (`scores`: see `decode`, one list entry per step of each call); with logprobs,
-    also each drawn token's log-prob under what it was drawn from (B * num_samples, C), equal to
-    token_logprobs' scoring of the same completions (tests/test_fast.py) without its pass. fixed_shape (None: on
-    CUDA) decodes with static_decode.decode, in steps of fixed shapes, instead of `decode`."""
-    fixed_shape = prompt_ids.is_cuda if fixed_shape is None else fixed_shape
+    each prompt's samples adjacent."""
     num_samples = 1 if greedy else num_samples
     gen = common.generation_config(tokenizer, cfg, greedy)  # one sequence per row: the rows are the K copies
     n = max(1, cfg.generation_batch_size // num_samples) if cfg.generation_batch_size else len(prompt_ids)
@@ -199,9 +181,5 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=1, gree
             ids, mask = prompt_ids[i:i + n], prompt_mask[i:i + n]
             rows = torch.arange(len(ids), device=ids.device).repeat_interleave(num_samples)  # K adjacent
             cache = shared_prompt_cache(model, ids, mask, rows) if ids.shape[1] > 1 else None
-            decode_loop = static_decode.decode if fixed_shape else decode
-            chunks.append(decode_loop(model, ids[rows], mask[rows], cache, gen, scores, logprobs))
-    if logprobs:
-        return (common.pad_completions([ids for ids, _ in chunks], tokenizer.pad_token_id),
-                common.pad_completions([logp for _, logp in chunks], 0.0))
+            chunks.append(decode(model, ids[rows], mask[rows], cache, gen))
     return common.pad_completions(chunks, tokenizer.pad_token_id)

@@ -234,11 +234,11 @@ def test_a_resumed_run_trains_on_the_prompts_of_the_run_it_continues_from_the_ch
 
 def sampling_that_fails(*args):
     """The sampler process's target in the next test: serve, with a sampling that raises."""
-    from support import fast
+    from lab import decode
 
     def broken(*_, **__):
         raise RuntimeError("the sampling broke")
-    fast.generate = broken  # serve reads it when it starts
+    decode.generate = broken  # serve reads it when it starts
     async_sampling.serve(*args)
 
 

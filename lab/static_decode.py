@@ -1,4 +1,4 @@
-"""The decode loop the loops sample with on a GPU: support/fast.py's `decode` (the same signature, the same draws
+"""The decode loop the lab's loops sample with on a GPU: lab/decode.py's `decode` (the same signature, the same draws
 from the same seed, proven equal to common.generate by tests/test_fast.py), in steps of fixed shapes.
 
 On a GPU a decode step of a small model is bound by its kernel launches, not by its arithmetic: what saves work on
