@@ -29,9 +29,10 @@ import torch
 import torch.multiprocessing as mp
 
 import common
-from lab import decode, environments, tasks, tool_process, tree, vllm_engine
+from lab import decode, environments, routing, tasks, tool_process, tree, vllm_engine
 from support import models, reward_functions
-from support.rollout import Rollout, micro_batches
+from lab.rollout import LabRollout
+from support.rollout import micro_batches
 
 POLL_S = 0.05  # how often a waiting process checks the other one
 
@@ -43,7 +44,7 @@ def check(cfg):
               (getattr(cfg, "budget", "uniform") != "uniform", "--budget knapsack: it allocates from fresh outcomes"),
               (getattr(cfg, "sampler", "independent") == "tree", "--sampler tree: the process samples each "
                "completion on its own")]
-    refuse.append((models.names_moe(cfg.model_name_or_path),
+    refuse.append((routing.names_moe(cfg.model_name_or_path),
                    "a mixture-of-experts policy: its routing is not replayed across processes"))
     for refused, what in refuse:
         if refused:
@@ -129,9 +130,9 @@ class AsyncRolloutSampler:
         prompt_ids, prompt_mask, completion_ids, mask, token_mask = (batch[key].to(device) for key in (
             "prompt_ids", "prompt_mask", "completion_ids", "mask", "token_mask"))
         trainer.generated += len(completion_ids)
-        rollout = Rollout([ex for ex in examples for _ in range(num_samples)], prompt_ids, prompt_mask, completion_ids,
-                          mask, batch["completions"], group_size=num_samples, episodes=batch["episodes"],
-                          token_mask=None if batch["episodes"] is None else token_mask)
+        rollout = LabRollout([ex for ex in examples for _ in range(num_samples)], prompt_ids, prompt_mask,
+                             completion_ids, mask, batch["completions"], group_size=num_samples,
+                             episodes=batch["episodes"], token_mask=None if batch["episodes"] is None else token_mask)
         rewards = batch["rewards"]
         rollout.rewards = None if rewards is None else (rewards[0].to(device), rewards[1].to(device), *rewards[2:])
         return rollout

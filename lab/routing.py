@@ -61,6 +61,14 @@ def routers(model):
     return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
 
 
+def names_moe(model_name_or_path):
+    """Whether the checkpoint's config is a mixture of experts: read before any model loads."""
+    from transformers import AutoConfig
+
+    model_config = AutoConfig.from_pretrained(model_name_or_path)
+    return any(getattr(model_config, name, 0) for name in ("num_experts", "num_local_experts"))
+
+
 def is_moe(model):
     return len(routers(model)) > 0
 

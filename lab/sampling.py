@@ -15,7 +15,7 @@ import common
 from lab import async_sampling, routing, tasks, tree, vllm_engine
 from support import models, reward_functions
 from support.helpers import any_process
-from support.rollout import Rollout
+from lab.rollout import LabRollout
 
 
 def rollout_sampler(trainer, policy, rollout_model, rollout_lag, sample):
@@ -126,10 +126,10 @@ class RolloutSampler:
         if episodes is None:
             prompt_ids, prompt_mask = prompt_ids.repeat_interleave(k, dim=0), prompt_mask.repeat_interleave(k, dim=0)
         experts = recording.layout(torch.cat([prompt_mask, mask], 1)) if self.moe else None  # the sampler's
-        return Rollout([ex for ex in examples for _ in range(k)], prompt_ids, prompt_mask, completion_ids, mask,
-                       completions, experts, group_size=k, episodes=episodes,
-                       token_mask=None if episodes is None else token_mask,
-                       sampler_logp=None if greedy or drawn_logp is None else drawn_logp.clone())
+        return LabRollout([ex for ex in examples for _ in range(k)], prompt_ids, prompt_mask, completion_ids, mask,
+                          completions, experts, group_size=k, episodes=episodes,
+                          token_mask=None if episodes is None else token_mask,
+                          sampler_logp=None if greedy or drawn_logp is None else drawn_logp.clone())
 
 
 def play(model, tokenizer, environment, examples, cfg, num_samples=1, greedy=False, logprobs=False):

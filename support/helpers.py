@@ -148,7 +148,7 @@ def sample(policy, tokenizer, examples, cfg, accelerator, num_samples=1, greedy=
     mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
     return Rollout([ex for ex in examples for _ in range(k)], prompt_ids.repeat_interleave(k, 0),
                    prompt_mask.repeat_interleave(k, 0), completion_ids, mask,
-                   tasks.decode_completions(tokenizer, completion_ids, mask), group_size=k)
+                   tasks.decode_completions(tokenizer, completion_ids, mask))
 
 
 @torch.no_grad()
@@ -206,7 +206,8 @@ def fill_batch(rounds, cfg, accelerator, tokenizer, step):
                "train/reward_sampled": sampled.mean()}
     if n == 0:
         return None, None, None, reward_stats, metrics
-    rollout = Rollout.cat([rollout for rollout, _, _ in kept], tokenizer.pad_token_id, limit=n)
+    rollouts = [rollout for rollout, _, _ in kept]  # the rollouts' own cat: the lab's keep more of each row
+    rollout = type(rollouts[0]).cat(rollouts, tokenizer.pad_token_id, limit=n)
     rewards, correct = torch.cat([r for _, r, _ in kept])[:n], torch.cat([c for _, _, c in kept])[:n]
     return rollout, rewards, correct, reward_stats, metrics
 

@@ -185,14 +185,6 @@ def check_model_path(name, flag="--model_name_or_path"):
                                  "hf auth login), and not a local folder.") from None
 
 
-def names_moe(model_name_or_path):
-    """Whether the checkpoint's config is a mixture of experts: read before any model loads."""
-    from transformers import AutoConfig
-
-    model_config = AutoConfig.from_pretrained(model_name_or_path)
-    return any(getattr(model_config, name, 0) for name in ("num_experts", "num_local_experts"))
-
-
 def make_optimizer(model, cfg, learning_rate=None):
     """AdamW over the trainable weights at learning_rate (--learning_rate unless given), without weight
     decay, and the constant schedule after --warmup_steps."""

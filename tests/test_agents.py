@@ -384,11 +384,11 @@ def test_dapos_overlong_shaping_counts_an_episodes_environment_tokens_against_it
     is cut at the budget: -1, as a single-turn completion cut at 40; counting its 30 actions alone would say 0. An
     episode of 25 + 10 + 3 tokens ends at 38, one token into the last three: -1/3."""
     from dapo import overlong_penalty
-    from support.rollout import Rollout
+    from lab.rollout import LabRollout
     lengths, is_action = torch.tensor([[20, 10, 10], [25, 10, 3]]), torch.tensor([[True, False, True]] * 2)
     mask, token_mask = agents.episode_masks(lengths, is_action, 40)
-    episodes = Rollout([{}] * 2, None, None, None, mask, [], token_mask=token_mask)
-    single_turn = Rollout([{}], None, None, None, torch.ones(1, 40), [])
+    episodes = LabRollout([{}] * 2, None, None, None, mask, [], token_mask=token_mask)
+    single_turn = LabRollout([{}], None, None, None, torch.ones(1, 40), [])
     assert overlong_penalty(episodes.budget_used, 40, 3).tolist() == pytest.approx([-1.0, -1 / 3])
     assert overlong_penalty(single_turn.budget_used, 40, 3).tolist() == [-1.0]
     assert overlong_penalty(mask.sum(1), 40, 3).tolist() == [0.0, 0.0]  # the actions alone

@@ -1,7 +1,7 @@
 """Keep routing on a mixture-of-experts policy (lab/routing.py): the experts recorded at sampling (R3) or in the
 trainer's pi_old pass (R2) are laid out as the trainer's batch and replayed exactly in its forwards and in the
 recomputation of checkpointed layers; the router keeps its gradient; a batch laid out otherwise than recorded
-raises. The lab's fast path, which tells the routing its rows (lab/decode.py), draws and scores what support/fast.py does.
+raises. The lab's fast path, telling the routing its rows (lab/decode.py), draws and scores what support/fast.py does.
 Tiny random models of the transformers MoE families whose routers return (logits, weights, indices)."""
 import copy
 from contextlib import nullcontext
