@@ -32,7 +32,7 @@ import common
 from lab import decode, environments, routing, tasks, tool_process, tree, vllm_engine
 from support import models, reward_functions
 from lab.rollout import LabRollout
-from support.rollout import micro_batches
+from support.helpers import micro_batches
 
 POLL_S = 0.05  # how often a waiting process checks the other one
 

@@ -1,4 +1,4 @@
-"""The lab's sampling and scoring: support/fast.py's, built from its pieces, with what the lab's features need from
+"""The lab's sampling and scoring: support/models.py's, built from its pieces, with what the lab's features need from
 each step, which the lesson's loop does not keep:
 
 - the log-prob of each drawn token under the processed scores it was drawn from (`decode(logprobs=True)`): the
@@ -12,32 +12,32 @@ each step, which the lesson's loop does not keep:
 - on a GPU, steps of fixed shapes captured once (lab/static_decode.py), where a step costs its kernel launches
   more than its rows (never inside a routing record, which counts the columns of a growing mask).
 
-The same draws and the same log-probs as support/fast.py's (tests/test_routing.py, tests/test_fast.py), so the
+The same draws and the same log-probs as support/models.py's (tests/test_routing.py, tests/test_fast.py), so the
 lab's loops train what the lesson's do (tests/test_lesson_equals_lab.py).
 """
 import torch
 
 import common
 from lab import routing, static_decode
-from support import fast, models
+from support import models
 
 
 def token_logprobs(model, input_ids, attention_mask, num_completion_tokens, temperature=1.0, with_entropy=False,
                    top_k=0, top_p=1.0, kept_sizes=None):
-    """fast.token_logprobs, from `completion_logits`; `kept_sizes`, a list, receives the (B, C) size of the set each
+    """models.token_logprobs, from `completion_logits`; `kept_sizes`, a list, receives the (B, C) size of the set each
     token was drawn from under top-k / top-p (`kept_set_sizes`)."""
     c = num_completion_tokens
     logits = completion_logits(model, input_ids, attention_mask, c)  # (B, C, V)
     if kept_sizes is not None and (top_k > 0 or top_p < 1.0):
         kept_sizes.append(kept_set_sizes(logits, input_ids[:, -c:], temperature, top_k, top_p))
-    return fast.logprobs_from_logits(logits, input_ids[:, -c:], temperature, with_entropy, top_k, top_p)
+    return models.logprobs_from_logits(logits, input_ids[:, -c:], temperature, with_entropy, top_k, top_p)
 
 
 @torch.no_grad()
 def kept_set_sizes(logits, targets, temperature, top_k, top_p):
     """(B, C): how many tokens top-k / top-p kept where each target was drawn, the target counted in as
-    fast.logprobs_from_logits counts it, a chunk of rows at a time as it takes them."""
-    rows, sizes = max(1, fast.LOGPROB_CHUNK_ELEMENTS // (targets.shape[1] * logits.shape[-1])), []
+    models.logprobs_from_logits counts it, a chunk of rows at a time as it takes them."""
+    rows, sizes = max(1, models.LOGPROB_CHUNK_ELEMENTS // (targets.shape[1] * logits.shape[-1])), []
     for start in range(0, len(logits), rows):
         kept = common.sampling_mask(logits[start:start + rows].float() / temperature, top_k, top_p).isfinite()
         sizes.append(kept.scatter_(-1, targets[start:start + rows, :, None], True).sum(-1))
@@ -45,12 +45,12 @@ def kept_set_sizes(logits, targets, temperature, top_k, top_p):
 
 
 def completion_logits(model, input_ids, attention_mask, num_completion_tokens):
-    """fast.completion_logits, its shared prompt pass told its rows (`shared_prompt_cache`)."""
+    """models.completion_logits, its shared prompt pass told its rows (`shared_prompt_cache`)."""
     c = num_completion_tokens
-    if not fast.shares_prompt(model, input_ids, c):  # one pass over the block's own rows: nothing to tell
-        return fast.completion_logits(model, input_ids, attention_mask, c)
+    if not models.shares_prompt(model, input_ids, c):  # one pass over the block's own rows: nothing to tell
+        return models.completion_logits(model, input_ids, attention_mask, c)
     position_ids = common.position_ids_from_mask(attention_mask)
-    first, group = fast.prompt_groups(input_ids, attention_mask, c)
+    first, group = models.prompt_groups(input_ids, attention_mask, c)
     cache = shared_prompt_cache(model, input_ids[first, :-c], attention_mask[first, :-c], group)
     out = model(input_ids=input_ids[:, -c - 1:-1], attention_mask=attention_mask[:, :-1],
                 position_ids=position_ids[:, -c - 1:-1], cache=cache, logits_to_keep=c, use_cache=True)
@@ -58,13 +58,13 @@ def completion_logits(model, input_ids, attention_mask, num_completion_tokens):
 
 
 def shared_prompt_cache(model, prompt_ids, prompt_mask, rows):
-    """fast.shared_prompt_cache, its prompt pass told that row i of the block is prompt rows[i]."""
+    """models.shared_prompt_cache, its prompt pass told that row i of the block is prompt rows[i]."""
     with routing.rows(model, batch_rows=rows):
-        return fast.shared_prompt_cache(model, prompt_ids, prompt_mask, rows)
+        return models.shared_prompt_cache(model, prompt_ids, prompt_mask, rows)
 
 
 def decode(model, input_ids, attention_mask, cache, gen, scores=None, logprobs=False):
-    """fast.decode, each step told the rows still going. Returns (B, C) completion ids (logprobs: and each drawn
+    """models.decode, each step told the rows still going. Returns (B, C) completion ids (logprobs: and each drawn
     token's (B, C) log-prob under the processed scores it was drawn from, 0 after EOS); `scores`, a list, receives
     (step, rows, processed scores)."""
     position_ids = common.position_ids_from_mask(attention_mask)
@@ -78,7 +78,7 @@ def decode(model, input_ids, attention_mask, cache, gen, scores=None, logprobs=F
             out = model(input_ids=inputs, attention_mask=attention_mask, position_ids=positions, cache=cache,
                         use_cache=True, logits_to_keep=1)
         cache = out.cache
-        token, logits = fast.draw(out.logits[:, -1].float(), gen, t, rows, len(tokens))
+        token, logits = models.draw(out.logits[:, -1].float(), gen, t, rows, len(tokens))
         if scores is not None:
             scores.append((t, rows, logits))
         if logprobs:
@@ -106,7 +106,7 @@ def drawn_logprob(scores, token):
 @torch.no_grad()
 def generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=1, greedy=False, scores=None,
              logprobs=False, fixed_shape=None):
-    """fast.generate, from `shared_prompt_cache` and `decode` (`scores`: see `decode`, one list entry per step of
+    """models.generate, from `shared_prompt_cache` and `decode` (`scores`: see `decode`, one list entry per step of
     each call; logprobs: also each drawn token's (B * num_samples, C) log-prob, equal to token_logprobs' scoring of
     the same completions without its pass). fixed_shape (None: on CUDA, outside any routing context) decodes with
     static_decode.decode, in steps of fixed shapes, which no record can count the columns of."""

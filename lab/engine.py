@@ -12,7 +12,7 @@ The aggregation is said once, in the micro_batches call: each micro-batch carrie
 to its gradient (tests/test_micro_batches.py). Around the update: loading, sampling (`generate`), scoring (one
 method per role: `reference_logprobs`, `old_logprobs`, `sampler_logprobs`), and
 the end of a step (`end_step`: metrics, evaluation, learning-rate schedules, checkpoints). --fast picks the
-sampler and the scorer: lab/decode.py's (the default: support/fast.py's, with the drawn log-probs, the viewer's
+sampler and the scorer: lab/decode.py's (the default: support/models.py's, with the drawn log-probs, the viewer's
 scores, the routing told its rows, fixed shapes on a GPU), or the plain definitions in common.py, which both are
 tested equal to (tests/test_fast.py, tests/test_routing.py).
 """
@@ -31,7 +31,7 @@ from lab import async_sampling, checkpointer, corrections, decode, environments,
 from lab import sampling, tasks, view, vllm_engine
 from lab.step_metrics import StepTimer, rollout_metrics
 from support import helpers, models, run
-from support.rollout import micro_batches
+from support.helpers import micro_batches
 
 
 def load_data(cfg, accelerator):

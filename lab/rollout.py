@@ -1,11 +1,11 @@
-"""The lab's sampled batch: support/rollout.py's Rollout, with what the lab's features keep of each row (the routing
+"""The lab's sampled batch: support/helpers.py's Rollout, with what the lab's features keep of each row (the routing
 of a mixture of experts, a sampler process's log-probs and rewards, an episode's masks, ReMax's greedy rollout),
 carried through `select` and `cat` (DAPO's rounds of sampling joined) as the rows are."""
 from dataclasses import dataclass, fields
 
 import torch
 
-from support.rollout import Rollout, first_rows, pad, prompt_width
+from support.helpers import Rollout, first_rows, pad, prompt_width
 
 
 @dataclass

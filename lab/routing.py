@@ -26,8 +26,8 @@ Rows and columns. A forward of w tokens with an attention mask of width m runs c
 without a cache (a full pass, a group's prompt pass, a generate call's prefill) starts the next block of rows,
 after those of the previous block in the same context, so generate calls in chunks and micro-batches line up;
 a forward that continues a cache runs the same block. Code whose forward runs other rows than the block's says
-which with `routing.rows`: lab/decode.py, support/fast.py's scoring and sampling as the lab runs them, does for a
-group's shared prompt pass and for the rows still going in its decode loop (support/fast.py
+which with `routing.rows`: lab/decode.py, support/models.py's scoring and sampling as the lab runs them, does for a
+group's shared prompt pass and for the rows still going in its decode loop (support/models.py
 itself knows nothing of the routing). In a replay the blocks wrap around to row 0 after the last of the B rows:
 one context can hold the whole batch's indices around epochs of micro-batches taken in order, or a micro-batch's,
 indices[mb].

@@ -1,5 +1,5 @@
 """Sampling a rollout: the policy, or the sampler's copy of it (a lower precision, or the weights of k steps ago:
-`load_rollout_model`, `sync_rollout_model`), generates completions of a batch of prompts with support/fast.py's
+`load_rollout_model`, `sync_rollout_model`), generates completions of a batch of prompts with support/models.py's
 decode loop or the plain common.generate, and a mixture of experts' routing is recorded as it samples
 (lab/routing.py). The trainer (lab/engine.py) asks for a rollout once per step (DAPO: once per round of dynamic
 sampling; ReMax: with the greedy completions) and trains on it."""

@@ -1,10 +1,8 @@
 """The run's files in --output_dir: the metrics log (metrics.jsonl, a line on the console every --log_every steps),
 summary.json and curves.png; and resumable checkpoints (save_checkpoint, load_checkpoint, find_checkpoint), with the
 check that stops a run whose weights or logits are not finite. A resume loads no file in a way that can run code:
-weights as safetensors, the optimizers', schedulers' and RNG states through torch's weights-only unpickler
-(accelerate's default), and the rest as JSON, the objects registered with accelerator.register_for_checkpointing
-(PPO's KL controller) among them (`save_state`, `load_state`). The lab's lab/checkpointer.py also saves on a signal
-and names the last good state; its phase timer and rollout metrics are in lab/step_metrics.py."""
+weights as safetensors, the optimizers', schedulers' and RNG states through torch's weights-only unpickler, and the
+rest as JSON (`save_state`, `load_state`). The lab saves on a signal too: lab/checkpointer.py."""
 import hashlib
 import json
 import math
@@ -342,22 +340,18 @@ def save_checkpoint(cfg, accelerator, step, policy, tokenizer, sampler_state):
     return path
 
 
-def registered_objects(accelerator):
-    """The objects registered with accelerator.register_for_checkpointing, which save_state and load_state keep as
-    JSON (accelerate would pickle them, and load them with weights_only=False)."""
-    return accelerator._custom_objects
-
-
 @contextmanager
 def set_aside(accelerator):
-    """The registered objects, taken out of accelerate's list while the block runs (save_state, load_state) and put
-    back after it, however it ends."""
-    objects = list(registered_objects(accelerator))
-    registered_objects(accelerator).clear()
+    """The objects registered with accelerator.register_for_checkpointing, taken out of accelerate's list while the
+    block runs (save_state, load_state: they keep them as JSON; accelerate would pickle them, and load them with
+    weights_only=False) and put back after it, however it ends."""
+    registered = accelerator._custom_objects
+    objects = list(registered)
+    registered.clear()
     try:
         yield objects
     finally:
-        registered_objects(accelerator).extend(objects)
+        registered.extend(objects)
 
 
 def save_state(accelerator, path):

@@ -48,7 +48,7 @@ def runs(tmp_path_factory):
 def test_the_first_batch_is_the_synchronous_runs_and_the_sampler_scores_it_as_the_learner_does(runs):
     """Step 1: the sampler holds the initial weights and the learner's seed: the same completions, the same update
     (the reference's log-probs, scored in the sampler process, as the learner's own: the same KL), and the log-probs
-    of its draws are the learner's scoring of them to rounding (fast.generate's, tests/test_fast.py: 1e-5)."""
+    of its draws are the learner's scoring of them to rounding (models.generate's, tests/test_fast.py: 1e-5)."""
     for key in ("train/reward", "train/loss", "train/grad_norm", "train/kl_k3"):
         assert runs["K=1"][0][key] == runs["sync"][0][key], key
     assert runs["K=1"][0]["train/mismatch_k3"] < 1e-10

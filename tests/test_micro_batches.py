@@ -14,7 +14,7 @@ import ppo
 import remax
 import rloo
 from conftest import run_together
-from support.rollout import micro_batches
+from support.helpers import micro_batches
 from support.run import read_metrics
 
 B, T, V, D = 8, 5, 6, 4

@@ -1,7 +1,7 @@
 """Keep routing on a mixture-of-experts policy (lab/routing.py): the experts recorded at sampling (R3) or in the
 trainer's pi_old pass (R2) are laid out as the trainer's batch and replayed exactly in its forwards and in the
 recomputation of checkpointed layers; the router keeps its gradient; a batch laid out otherwise than recorded
-raises. The lab's fast path, telling the routing its rows (lab/decode.py), draws and scores what support/fast.py does.
+raises. The lab's fast path, telling the routing its rows (lab/decode.py), draws and scores what support/models.py does.
 Tiny random models of the transformers MoE families whose routers return (logits, weights, indices)."""
 import copy
 from contextlib import nullcontext
@@ -14,7 +14,7 @@ from transformers import (AutoModelForCausalLM, MixtralConfig, OlmoeConfig, Qwen
 import common
 from lab import config as lab_config
 from lab import decode, routing
-from support import config, fast, models
+from support import config, models
 
 VOCAB, PAD, EOS = 18, 0, 1  # the embedded tokenizer's ids
 K = 2  # samples per prompt
@@ -81,7 +81,7 @@ def recorded(model, batch, logprobs=common.token_logprobs, replay=None, live=Fal
 
 @pytest.mark.parametrize("greedy", [False, True])
 def test_the_labs_fast_path_draws_and_scores_what_support_fast_does(greedy):
-    """lab/decode.py is support/fast.py's generate and token_logprobs with each forward's rows told to the routing:
+    """lab/decode.py is support/models.py's generate and token_logprobs with each forward's rows told to the routing:
     outside any context and inside a record, the lesson's own draws, scores and gradients, bit for bit, and the
     same log-probs of the draws inside a record as outside."""
     model = tiny_moe()
@@ -94,7 +94,7 @@ def test_the_labs_fast_path_draws_and_scores_what_support_fast_does(greedy):
             return generate(model, Tokenizer, PROMPTS, prompt_mask, cfg, num_samples=K, greedy=greedy, logprobs=True)
     ids, logp = drawn(decode.generate, nullcontext())
     torch.manual_seed(5)
-    assert torch.equal(fast.generate(model, Tokenizer, PROMPTS, prompt_mask, cfg, num_samples=K, greedy=greedy), ids)
+    assert torch.equal(models.generate(model, Tokenizer, PROMPTS, prompt_mask, cfg, num_samples=K, greedy=greedy), ids)
     assert len(set(common.completion_mask(ids, EOS).sum(1).tolist())) > 1  # rows leave the decode loop
     assert all(map(torch.equal, drawn(decode.generate, routing.record(model)), (ids, logp)))
     n = 1 if greedy else K
@@ -108,7 +108,7 @@ def test_the_labs_fast_path_draws_and_scores_what_support_fast_does(greedy):
                            top_k=cfg.top_k)
             out[0].sum().backward()
         return [*out, *(p.grad for p in model.parameters() if p.grad is not None)]
-    lesson = scored(fast.token_logprobs, nullcontext())
+    lesson = scored(models.token_logprobs, nullcontext())
     for context in (nullcontext(), routing.record(model)):
         assert all(map(torch.equal, scored(decode.token_logprobs, context), lesson))
     with routing.record(model), pytest.raises(ValueError, match="growing attention mask"):

@@ -1,7 +1,7 @@
 """What is sampled is what is scored: generate samples from exactly the distribution that
 token_logprobs scores (temperature, top-k, top-p), whatever the checkpoint's own
 generation_config.json says, and in generate calls of any size. Each property holds for the
-definitions (common.py) and for the fast paths the loops run (support/fast.py)."""
+definitions (common.py) and for the fast paths the loops run (support/models.py)."""
 from dataclasses import dataclass
 
 import pytest
@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import common
 from lab import decode
-from support import config, fast, tasks
+from support import config, models, tasks
 
 
 @dataclass
@@ -32,7 +32,7 @@ def load():
     return model, tokenizer, prompt_ids, prompt_mask
 
 
-PATHS = pytest.mark.parametrize("path", [common, fast], ids=["common", "fast"])
+PATHS = pytest.mark.parametrize("path", [common, models], ids=["common", "fast"])
 
 
 def sample(path, model, tokenizer, prompt_ids, prompt_mask, cfg, seed=0, num_samples=4):
@@ -83,7 +83,7 @@ def test_the_samplers_processed_scores_are_the_scored_logprobs(path, top_k, top_
         return out.sequences
 
     model.generate = generate_with_scores
-    if path is fast:  # its decode loop, as the lab runs it, hands out its scores: (step, rows still going, scores)
+    if path is models:  # its decode loop, as the lab runs it, hands out its scores: (step, rows still going, scores)
         steps = []
         torch.manual_seed(0)
         completion_ids = decode.generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=4, scores=steps)
