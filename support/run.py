@@ -289,7 +289,7 @@ def find_checkpoint(cfg, world_size, script=None):
     return path, None
 
 
-def load_checkpoint(cfg, accelerator, sampler):
+def load_checkpoint(cfg, accelerator, prompts):
     """The step to start after: 0, or the step of the checkpoint find_checkpoint picks for --resume_from, whose
     state is then loaded (accelerate's: models, optimizers, schedulers, every rank's RNG states; and the prompt
     sampler's). The main process verifies the checkpoint (and sets cfg.resume_from to it); an error stops every
@@ -305,7 +305,7 @@ def load_checkpoint(cfg, accelerator, sampler):
         return 0
     load_state(accelerator, path)
     with open(os.path.join(path, f"sampler_rank{accelerator.process_index}.json")) as f:
-        sampler.load_state_dict(json.load(f))
+        prompts.load_state_dict(json.load(f))
     with open(os.path.join(path, "trainer_state.json")) as f:
         step = json.load(f)["step"]
     if accelerator.is_main_process:
@@ -313,7 +313,7 @@ def load_checkpoint(cfg, accelerator, sampler):
     return step
 
 
-def save_checkpoint(cfg, accelerator, step, policy, tokenizer, sampler_state):
+def save_checkpoint(cfg, accelerator, step, policy, tokenizer, prompts_state):
     """Write tmp-checkpoint-N (accelerate's state, each rank's prompt-sampler state, the policy as save_pretrained
     in model/, trainer_state.json last), rename it checkpoint-N when every rank is done, then drop the partial
     folders of killed runs and the checkpoints beyond --save_total_limit. Returns its path."""
@@ -325,7 +325,7 @@ def save_checkpoint(cfg, accelerator, step, policy, tokenizer, sampler_state):
     accelerator.wait_for_everyone()
     save_state(accelerator, tmp)
     with open(os.path.join(tmp, f"sampler_rank{accelerator.process_index}.json"), "w") as f:
-        json.dump(sampler_state, f)
+        json.dump(prompts_state, f)
     save_model(accelerator, policy, tokenizer, os.path.join(tmp, "model"))
     accelerator.wait_for_everyone()  # every rank's files are on disk
     if main:  # trainer_state.json, last, records the size and checksum of every other file
