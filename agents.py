@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 import common
-from support.fast import drawn_logprob
+from lab.decode import drawn_logprob
 
 
 @dataclass

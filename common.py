@@ -1,7 +1,7 @@
 """The math the five algorithms share, and the two model calls at its heart. KL estimators, masking, loss
 aggregation and reward-to-go are pure functions: tensors in, tensors out. `token_logprobs` scores completions and
 `generate` samples them, written plainly as the definition (same temperature, same masks: what is sampled is what
-is scored); the loops run support/fast.py's versions, tested equal. The plumbing lives in support/; the corrections
+is scored); the loops run support/models.py's versions, tested equal. The plumbing lives in support/; the corrections
 of a sampler that is not the learner, in lab/corrections.py. Equations and sign conventions: docs/algorithms.md."""
 from contextlib import contextmanager
 from typing import NamedTuple
@@ -251,7 +251,7 @@ def token_logprobs(model, input_ids, attention_mask, num_completion_tokens, temp
     temperature, in fp32: log softmax(logits / T) at each sampled token; with `with_entropy` also the (B, C)
     entropies (no gradient). With top_k / top_p, of the truncated, renormalised distribution the sampler drew from
     (DeepSeek-V3.2's "keep sampling mask", recomputed from the model scored; `kept_sizes`, a list, receives the
-    kept sets' sizes); the reference takes the defaults. The definition; the loops run support/fast.py's, equal."""
+    kept sets' sizes); the reference takes the defaults. The definition; the loops run support/models.py's, equal."""
     c = num_completion_tokens
     logits = model(input_ids=input_ids, attention_mask=attention_mask,
                    position_ids=position_ids_from_mask(attention_mask)).logits  # (B, T, V)
@@ -277,7 +277,7 @@ def generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=1, gree
     most --generation_batch_size sequences: (B * num_samples, C) ids, each prompt's samples adjacent, padded after
     EOS. The sampler is exactly temperature, top-k and top-p, as token_logprobs scores it: the generation config is
     built whole and the checkpoint's (its repetition penalty, min_p) set aside. A bare, unwrapped or peft model.
-    The definition; the loops run support/fast.py's, equal to it (tests/test_fast.py)."""
+    The definition; the loops run support/models.py's, equal to it (tests/test_fast.py)."""
     gen = generation_config(tokenizer, cfg, greedy, num_return_sequences=1 if greedy else num_samples)
     n = max(1, cfg.generation_batch_size // gen.num_return_sequences) if cfg.generation_batch_size else len(prompt_ids)
     with sampling_mode(model):

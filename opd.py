@@ -30,7 +30,7 @@ from accelerate.utils import set_seed
 
 import common
 from support import helpers
-from support.fast import token_logprobs  # common.token_logprobs, faster; equal (tests/test_fast.py)
+from support.models import token_logprobs  # common.token_logprobs, faster; equal (tests/test_fast.py)
 from support.helpers import arg
 
 
@@ -49,7 +49,7 @@ class Config(helpers.TrainConfig):
         helpers.check_rules(self, kl_coef=helpers.NON_NEGATIVE, reward_weight=helpers.NON_NEGATIVE)
         helpers.check(not self.full_vocab_kl or (self.top_k == 0 and self.top_p == 1.0), "--full_vocab_kl "
                       "sums over the whole vocabulary: sample with --top_k 0 --top_p 1.")
-        helpers.check_same_tokenizer(self.model_name_or_path, self.teacher)  # before models load
+        helpers.models.check_same_tokenizer(self.model_name_or_path, self.teacher)  # before models load
         helpers.check(self.micro_batch_size % self.num_generations == 0, "--micro_batch_size must be a "
                       "multiple of --num_generations: a micro-batch holds whole groups.")
 

@@ -33,7 +33,7 @@ from transformers import AutoModelForSequenceClassification
 
 import common
 from support import helpers
-from support.fast import token_logprobs  # common.token_logprobs, faster; equal (tests/test_fast.py)
+from support.models import token_logprobs  # common.token_logprobs, faster; equal (tests/test_fast.py)
 from support.helpers import arg
 
 
@@ -200,6 +200,26 @@ class ValueModel(torch.nn.Module):
         return model.score(hidden[:, -(c + 1):-1]).squeeze(-1).float()
 
 
+def load_critic(value_model, cfg, accelerator):
+    """(critic, its optimizer): the value model and its AdamW at --critic_learning_rate, prepared."""
+    optimizer, scheduler = helpers.models.make_optimizer(value_model, cfg, cfg.critic_learning_rate)
+    critic, optimizer, scheduler = accelerator.prepare(value_model, optimizer, scheduler)
+    return critic, optimizer
+
+
+@torch.no_grad()
+def critic_values(critic, rollout, cfg):
+    """(B, T) values of the critic before each completion token, --micro_batch_size rows at a time."""
+    return helpers.scoring_pass(rollout, cfg.micro_batch_size,
+                                lambda ids, mask: critic(ids, mask, rollout.mask.shape[1])).clone()
+
+
+def save_critic(cfg, accelerator, critic, tokenizer):
+    """The critic (under LoRA merged: a whole critic), saved with save_pretrained in output_dir/final/critic."""
+    helpers.models.save_model(accelerator, accelerator.unwrap_model(critic).model, tokenizer,
+                              f"{cfg.output_dir}/final/critic", merge_lora=True)
+
+
 class AdaptiveKLController:
     """Ziegler et al. (2019), section 2.2: move beta so that the KL per sequence tracks a target,
     beta
@@ -229,7 +249,7 @@ def main():
     policy, ref_model, optimizer = helpers.load_models(cfg, accelerator, reference=cfg.beta > 0)
     lora = helpers.models.lora_config(cfg, "SEQ_CLS") if cfg.lora_r > 0 else None
     value_model = ValueModel(cfg.model_name_or_path, lora=lora)  # the policy's backbone, a new head
-    critic, critic_optimizer = helpers.load_critic(value_model, cfg, accelerator)
+    critic, critic_optimizer = load_critic(value_model, cfg, accelerator)
     kl_ctl = AdaptiveKLController(cfg.beta, cfg.kl_target, cfg.kl_horizon)
     accelerator.register_for_checkpointing(kl_ctl)
     prompts = helpers.prompt_sampler(train_data, cfg.batch_size, cfg, accelerator)
@@ -248,7 +268,7 @@ def main():
         # ---- reward, and pi_old, V_old and pi_ref at rollout time, for every update below ----
         rewards, correct, reward_stats = reward_fn(rollout.examples, rollout.completions)  # (B,)
         old_logp = helpers.score(policy, rollout, cfg)
-        old_values = helpers.values(critic, rollout, cfg)  # (B, T)
+        old_values = critic_values(critic, rollout, cfg)  # (B, T)
         ref_logp = helpers.score(ref_model, rollout, cfg, truncated=False) if cfg.beta > 0 else None
 
         # ---- advantages: per-token reward, GAE (the critic is the baseline), whitened ----
@@ -335,7 +355,7 @@ def main():
         helpers.log_step(logger, step, metrics, rollout, rewards, started, evaluation)
         helpers.save_checkpoint(cfg, accelerator, step, policy, tokenizer, prompts)
 
-    helpers.save_critic(cfg, accelerator, critic, tokenizer)  # beside the policy, in final/critic
+    save_critic(cfg, accelerator, critic, tokenizer)  # beside the policy, in final/critic
     helpers.finish(cfg, accelerator, logger, policy, tokenizer, prompts)
 
 

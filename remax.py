@@ -25,7 +25,7 @@ from accelerate.utils import set_seed
 
 import common
 from support import helpers
-from support.fast import token_logprobs  # common.token_logprobs, faster; equal (tests/test_fast.py)
+from support.models import token_logprobs  # common.token_logprobs, faster; equal (tests/test_fast.py)
 from support.helpers import arg
 
 

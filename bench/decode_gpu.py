@@ -8,9 +8,9 @@ top-k, no top-p). Each method is called once to warm up (its first call's second
 the compiled ones), then timed over one call; milliseconds per decode step are the call's seconds over the
 completion width it returned, tokens per second its rows times that width over its seconds. The methods:
 
-- growing: `support.fast.generate(fixed_shape=False)`, the decode loop the CPU runs (the rows that end leave the
-  batch, a cache that grows, the end checked after every token);
-- fixed: `support.fast.generate(fixed_shape=True)`, what the loops run on CUDA (support/static_decode.py: a static
+- growing: `support.models.generate`, the decode loop the lesson files run everywhere and the lab's on the CPU (the rows
+  that end leave the batch, a cache that grows, the end checked after every token);
+- fixed: `lab.decode.generate(fixed_shape=True)`, what the lab's loops run on CUDA (lab/static_decode.py: a static
   cache, the ended rows kept behind the mask, the end checked every 8 steps, the forward compiled with CUDA graphs);
 - dynamic: transformers' `generate` with its dynamic cache (num_return_sequences = --samples);
 - static: transformers' `generate(cache_implementation="static")`, which it compiles (CUDA graphs) on a GPU;
@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from bench.gpu_check import QWEN25_05B, TINY  # noqa: E402
 
-METHODS = {"growing": "`support.fast.generate` (growing)", "fixed": "`support.fast.generate` (fixed shapes)",
+METHODS = {"growing": "`support.models.generate` (growing)", "fixed": "`lab.decode.generate` (fixed shapes)",
            "dynamic": "transformers `generate` (dynamic cache)",
            "static": "transformers `generate(cache_implementation=\"static\")`",
            "batch": "transformers `generate_batch`", "vllm": "vLLM (`--sampler vllm`)"}
@@ -63,14 +63,17 @@ def build(shape, device):
 def call(method, model, tokenizer, prompt_ids, prompt_mask, cfg, samples):
     """One sampling call of `method`: the (rows, width) of the completions it returned."""
     import common
-    from support import fast
+    from lab import decode
+    from support import models
 
     if method == "vllm":
         return tuple(engine(model, tokenizer, prompt_ids.shape[1], cfg).generate(
             model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=samples).shape)
-    if method in ("growing", "fixed"):
-        return tuple(fast.generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=samples,
-                                   fixed_shape=method == "fixed").shape)
+    if method == "growing":
+        return tuple(models.generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=samples).shape)
+    if method == "fixed":
+        return tuple(decode.generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=samples,
+                                     fixed_shape=True).shape)
     gen = common.generation_config(tokenizer, cfg, num_return_sequences=samples)
     with common.sampling_mode(model):
         if method == "batch":

@@ -150,7 +150,7 @@ def run_child(script, result_path, script_args):
 
     generation_config = common.generation_config
 
-    def generation_config_full_length(*args, **kwargs):  # what common.generate and fast.generate sample with
+    def generation_config_full_length(*args, **kwargs):  # what common.generate and models.generate sample with
         gen = generation_config(*args, **kwargs)
         gen.min_new_tokens = gen.max_new_tokens  # EOS held back until then
         return gen

@@ -3,7 +3,7 @@ batches while the learner trains on this one, at most K optimizer steps ahead. T
 shared memory after each step with a version (the steps done); the sampler reads the newest before each batch, and
 waits when it would sample batch t with weights older than those after step t - 1 - K. Each rollout comes back with
 the version that sampled it and the log-probs of its draws under the distribution they were drawn from (the sampling
-pass's own, fast.generate(logprobs=True); --fast False: a scoring pass): the behaviour policy mu of the decoupled
+pass's own, decode.generate(logprobs=True); --fast False: a scoring pass): the behaviour policy mu of the decoupled
 objective, which TIS, the geometric mask, the veto and M2PO correct as with --rollout_lag. With a KL term (beta > 0)
 the frozen reference lives in the sampler process too, which scores each batch with it (rollout.ref_logp): the
 learner keeps only its update. With an environment (--environment, --tools) the sampler process plays the episodes
@@ -29,9 +29,10 @@ import torch
 import torch.multiprocessing as mp
 
 import common
-from lab import environments, tasks, tool_process, tree, vllm_engine
-from support import fast, models, reward_functions
-from support.rollout import Rollout, micro_batches
+from lab import decode, environments, routing, tasks, tool_process, tree, vllm_engine
+from support import models, reward_functions
+from lab.rollout import LabRollout
+from support.helpers import micro_batches
 
 POLL_S = 0.05  # how often a waiting process checks the other one
 
@@ -43,7 +44,7 @@ def check(cfg):
               (getattr(cfg, "budget", "uniform") != "uniform", "--budget knapsack: it allocates from fresh outcomes"),
               (getattr(cfg, "sampler", "independent") == "tree", "--sampler tree: the process samples each "
                "completion on its own")]
-    refuse.append((models.names_moe(cfg.model_name_or_path),
+    refuse.append((routing.names_moe(cfg.model_name_or_path),
                    "a mixture-of-experts policy: its routing is not replayed across processes"))
     for refused, what in refuse:
         if refused:
@@ -129,9 +130,9 @@ class AsyncRolloutSampler:
         prompt_ids, prompt_mask, completion_ids, mask, token_mask = (batch[key].to(device) for key in (
             "prompt_ids", "prompt_mask", "completion_ids", "mask", "token_mask"))
         trainer.generated += len(completion_ids)
-        rollout = Rollout([ex for ex in examples for _ in range(num_samples)], prompt_ids, prompt_mask, completion_ids,
-                          mask, batch["completions"], group_size=num_samples, episodes=batch["episodes"],
-                          token_mask=None if batch["episodes"] is None else token_mask)
+        rollout = LabRollout([ex for ex in examples for _ in range(num_samples)], prompt_ids, prompt_mask,
+                             completion_ids, mask, batch["completions"], group_size=num_samples,
+                             episodes=batch["episodes"], token_mask=None if batch["episodes"] is None else token_mask)
         rewards = batch["rewards"]
         rollout.rewards = None if rewards is None else (rewards[0].to(device), rewards[1].to(device), *rewards[2:])
         return rollout
@@ -231,7 +232,7 @@ def serve(cfg, seed, weights, version, lock, requests, results, parent_pid, thre
             reference = models.load_reference(cfg, model).to(device)
         params, have = [dict(model.named_parameters())[name] for name in weights], -1
         weights = list(weights.values())
-        score = fast.token_logprobs if cfg.fast else common.token_logprobs
+        score = decode.token_logprobs if cfg.fast else common.token_logprobs
         environment = environments.load(cfg, tokenizer)  # --environment / --tools: the episodes are played here
         # --sampler vllm: the engine draws for this process, taking each version of the weights it publishes
         engine = vllm_engine.Engine(cfg, torch.device(device), seed - cfg.seed) if cfg.sampler == "vllm" else None
@@ -290,7 +291,7 @@ def draw_batch(model, tokenizer, environment, play, examples, num_samples, cfg, 
     """num_samples completions of each example's prompt (greedy: one greedy completion), or with an environment its
     episodes (play: sampling.play), each example's rows adjacent: a dict of per-row prompt_ids, prompt_mask,
     completion_ids, mask (the actions), token_mask, episodes (None without an environment) and logp, the log-probs
-    of the draws taken as they were drawn (fast.generate(logprobs=True), agents.CachedTurns, a vLLM engine's: mu at no
+    of the draws taken as they were drawn (decode.generate(logprobs=True), agents.CachedTurns, a vLLM engine's: mu at no
     extra pass), else None (--fast False: scored after; greedy: not needed). engine: --sampler vllm's, or None."""
     if environment is not None:  # logp: the actions' log-probs as drawn (None under --fast False; greedy: none)
         played = play(model, tokenizer, environment, examples, cfg, num_samples, greedy, logprobs=not greedy)
@@ -302,9 +303,9 @@ def draw_batch(model, tokenizer, environment, play, examples, num_samples, cfg, 
         completion_ids, logp = engine.generate(model, tokenizer, prompt_ids, prompt_mask, cfg, k, greedy, logprobs=True)
         logp = None if greedy else logp
     elif cfg.fast and not greedy:
-        completion_ids, logp = fast.generate(model, tokenizer, prompt_ids, prompt_mask, cfg, k, logprobs=True)
+        completion_ids, logp = decode.generate(model, tokenizer, prompt_ids, prompt_mask, cfg, k, logprobs=True)
     else:
-        sample = fast.generate if cfg.fast else common.generate
+        sample = decode.generate if cfg.fast else common.generate
         completion_ids, logp = sample(model, tokenizer, prompt_ids, prompt_mask, cfg, k, greedy=greedy), None
     mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
     return {"prompt_ids": prompt_ids.repeat_interleave(k, dim=0), "prompt_mask": prompt_mask.repeat_interleave(k, 0),

@@ -145,7 +145,7 @@ class BudgetSampler:
         return groups, self.subgroups(rollout, groups)
 
     def sample_with(self, independent):
-        """The rollouts' sample function (engine.Trainer asks for it once): `independent` (fast.generate or
+        """The rollouts' sample function (engine.Trainer asks for it once): `independent` (decode.generate or
         common.generate), or with --sampler tree TreePO's, each counting the tokens it decodes (tree.Sampling)."""
         self.sampling = tree.Sampling(self.cfg, independent)
         return self.sampling

@@ -50,7 +50,7 @@ class LabConfig(TrainConfig):
     save_model: bool = arg(True, "Save the final policy with save_pretrained (+ tokenizer) in output_dir/final.")
     async_rollouts: int = arg(0, "Sample in a process of its own, up to K optimizer steps ahead of the learner (0 = "
                               "in turn with the updates; docs/async.md).")
-    fast: bool = arg(True, "Sample and score with support/fast.py (False: the plain common.generate and "
+    fast: bool = arg(True, "Sample and score with the fast paths (lab/decode.py; False: the plain common.generate and "
                      "common.token_logprobs, the same draws and values, to read or step through).")
     keep_routing: str = arg("none", "Mixture-of-experts policy: the experts of the trainer's forwards. none: its "
                             "router's | r3: the sampler's, replayed | r2: the pi_old pass's, replayed in the updates "

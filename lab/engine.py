@@ -12,9 +12,9 @@ The aggregation is said once, in the micro_batches call: each micro-batch carrie
 to its gradient (tests/test_micro_batches.py). Around the update: loading, sampling (`generate`), scoring (one
 method per role: `reference_logprobs`, `old_logprobs`, `sampler_logprobs`), and
 the end of a step (`end_step`: metrics, evaluation, learning-rate schedules, checkpoints). --fast picks the
-sampler and the scorer: support/fast.py's (the default; on a mixture of experts lab/routed.py's, the same ones
-telling the routing their rows), or the plain definitions in common.py, which fast.py is tested equal to
-(tests/test_fast.py).
+sampler and the scorer: lab/decode.py's (the default: support/models.py's, with the drawn log-probs, the viewer's
+scores, the routing told its rows, fixed shapes on a GPU), or the plain definitions in common.py, which both are
+tested equal to (tests/test_fast.py, tests/test_routing.py).
 """
 import os
 import sys
@@ -27,11 +27,11 @@ from accelerate.utils import set_seed
 from tqdm.auto import tqdm
 
 import common
-from lab import async_sampling, checkpointer, corrections, environments, pass_at_k, priority, routed, routing
+from lab import async_sampling, checkpointer, corrections, decode, environments, pass_at_k, priority, routing
 from lab import sampling, tasks, view, vllm_engine
 from lab.step_metrics import StepTimer, rollout_metrics
-from support import fast, helpers, models, run
-from support.rollout import micro_batches
+from support import helpers, models, run
+from support.helpers import micro_batches
 
 
 def load_data(cfg, accelerator):
@@ -152,8 +152,8 @@ class Trainer:
         self.cfg, self.accelerator, self.tokenizer, self.eval_data = cfg, accelerator, tokenizer, eval_data
         self.policy, self.rollout_model, self.trainables = policy, rollout_model, (policy, *others)
         self.moe = routing.is_moe(policy.model)  # keep routing: docs/stability.md
-        # --fast False: the plain definitions (same draws, same values); a mixture of experts: lab/routed.py's
-        path = (routed if self.moe else fast) if cfg.fast else common
+        # --fast False: the plain definitions (same draws, same values)
+        path = decode if cfg.fast else common
         self.sample, self.score = path.generate, path.token_logprobs
         self.environment = environments.load(cfg, tokenizer)  # --environment, --tools
         self.rollout_sampler = sampling.rollout_sampler(self, policy, rollout_model, rollout_lag,

@@ -28,9 +28,9 @@ import types
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from lab import tool_process
+from lab import routing, tool_process
 from lab.calculator import Calculator
-from support import config, models
+from support import config
 from support.config import AT_LEAST_ONE, Rule, arg, check, check_rules
 
 AGENT_MODEL = os.path.join(config.ROOT, "embedded_model", "agent")
@@ -428,7 +428,7 @@ def load(cfg, tokenizer, examples=None):
 
 def refuse(cfg):
     """What episodes do not run with yet, one line each."""
-    moe = models.names_moe(cfg.model_name_or_path)
+    moe = routing.names_moe(cfg.model_name_or_path)
     for refused, what in ((cfg.async_rollouts > 0 and cfg.reward_model, "--async_rollouts and --reward_model: the "
                            "learner would reward episodes whose environments live in the sampler process"),
                           (getattr(cfg, "sampler", "independent") != "independent",

@@ -2,7 +2,7 @@
 import torch
 
 from support.models import check_model_path, prepare_frozen
-from support.rollout import micro_batches
+from support.helpers import micro_batches
 
 
 class RewardModel:

@@ -7,10 +7,10 @@ al. 2025, arXiv 2510.11370; docs/stability.md) makes the trainer use the experts
 R3 replays the sampler's, R2 those of the trainer's own pi_old pass.
 
     with routing.record(sampler) as rec:                  # around any forwards: a generation, a scoring pass
-        completion_ids = routed.generate(sampler, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=K)
+        completion_ids = decode.generate(sampler, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=K)
     indices, token_ids = rec.layout(attention_mask)       # (B, S, L, k), (B, S) in the trainer's layout
     with routing.replay(policy, indices, token_ids):      # around the forward AND the backward
-        logp = routed.token_logprobs(policy, input_ids, attention_mask, C)
+        logp = decode.token_logprobs(policy, input_ids, attention_mask, C)
         loss.backward()
     routing.mismatch(indices, other_indices, mask)        # fraction of (token, layer) pairs whose sets differ
 
@@ -26,8 +26,8 @@ Rows and columns. A forward of w tokens with an attention mask of width m runs c
 without a cache (a full pass, a group's prompt pass, a generate call's prefill) starts the next block of rows,
 after those of the previous block in the same context, so generate calls in chunks and micro-batches line up;
 a forward that continues a cache runs the same block. Code whose forward runs other rows than the block's says
-which with `routing.rows`: lab/routed.py, support/fast.py's scoring and sampling as the lab runs them on a mixture
-of experts, does for a group's shared prompt pass and for the rows still going in its decode loop (support/fast.py
+which with `routing.rows`: lab/decode.py, support/models.py's scoring and sampling as the lab runs them, does for a
+group's shared prompt pass and for the rows still going in its decode loop (support/models.py
 itself knows nothing of the routing). In a replay the blocks wrap around to row 0 after the last of the B rows:
 one context can hold the whole batch's indices around epochs of micro-batches taken in order, or a micro-batch's,
 indices[mb].
@@ -59,6 +59,14 @@ def is_open(model):
 def routers(model):
     """The top-k routers of a transformers mixture-of-experts model, in layer order ([] for a dense model)."""
     return [m for m in model.modules() if type(m).__name__.endswith("TopKRouter")]
+
+
+def names_moe(model_name_or_path):
+    """Whether the checkpoint's config is a mixture of experts: read before any model loads."""
+    from transformers import AutoConfig
+
+    model_config = AutoConfig.from_pretrained(model_name_or_path)
+    return any(getattr(model_config, name, 0) for name in ("num_experts", "num_local_experts"))
 
 
 def is_moe(model):

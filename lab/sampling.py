@@ -1,5 +1,5 @@
 """Sampling a rollout: the policy, or the sampler's copy of it (a lower precision, or the weights of k steps ago:
-`load_rollout_model`, `sync_rollout_model`), generates completions of a batch of prompts with support/fast.py's
+`load_rollout_model`, `sync_rollout_model`), generates completions of a batch of prompts with support/models.py's
 decode loop or the plain common.generate, and a mixture of experts' routing is recorded as it samples
 (lab/routing.py). The trainer (lab/engine.py) asks for a rollout once per step (DAPO: once per round of dynamic
 sampling; ReMax: with the greedy completions) and trains on it."""
@@ -15,7 +15,7 @@ import common
 from lab import async_sampling, routing, tasks, tree, vllm_engine
 from support import models, reward_functions
 from support.helpers import any_process
-from support.rollout import Rollout
+from lab.rollout import LabRollout
 
 
 def rollout_sampler(trainer, policy, rollout_model, rollout_lag, sample):
@@ -32,8 +32,8 @@ def rollout_sampler(trainer, policy, rollout_model, rollout_lag, sample):
 class RolloutSampler:
     """Samples with `policy` (a Trainable), unless `rollout_model` (its low-precision or stale copy) does, synced to
     it before each rollout: to this step's weights, or with `rollout_lag` k to those of k steps ago, or `engine`
-    (--sampler vllm's vllm_engine.Engine) does, with the policy's weights of the step. `sample` is fast.generate
-    (routed.generate on a mixture of experts) or common.generate; `trainer` gives the timer, the step running, the context the passes run in (`inference`) and,
+    (--sampler vllm's vllm_engine.Engine) does, with the policy's weights of the step. `sample` is decode.generate
+    or common.generate; `trainer` gives the timer, the step running, the context the passes run in (`inference`) and,
     when sampling fails, the check that stops a run whose weights broke. evaluation_sample: the held-out
     evaluation's sample function (the engine's, or the trainer's)."""
 
@@ -126,10 +126,10 @@ class RolloutSampler:
         if episodes is None:
             prompt_ids, prompt_mask = prompt_ids.repeat_interleave(k, dim=0), prompt_mask.repeat_interleave(k, dim=0)
         experts = recording.layout(torch.cat([prompt_mask, mask], 1)) if self.moe else None  # the sampler's
-        return Rollout([ex for ex in examples for _ in range(k)], prompt_ids, prompt_mask, completion_ids, mask,
-                       completions, experts, group_size=k, episodes=episodes,
-                       token_mask=None if episodes is None else token_mask,
-                       sampler_logp=None if greedy or drawn_logp is None else drawn_logp.clone())
+        return LabRollout([ex for ex in examples for _ in range(k)], prompt_ids, prompt_mask, completion_ids, mask,
+                          completions, experts, group_size=k, episodes=episodes,
+                          token_mask=None if episodes is None else token_mask,
+                          sampler_logp=None if greedy or drawn_logp is None else drawn_logp.clone())
 
 
 def play(model, tokenizer, environment, examples, cfg, num_samples=1, greedy=False, logprobs=False):

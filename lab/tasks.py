@@ -9,8 +9,8 @@ import random
 
 import torch
 
-from lab import environments
-from support import config, fast, reward_functions, tasks
+from lab import decode, environments
+from support import config, reward_functions, tasks
 from support.tasks import *  # noqa: F401,F403 (the shared task: what this module does not replace)
 
 # ----------------------------------------------------------------------------------------
@@ -247,7 +247,7 @@ class PromptSampler(tasks.PromptSampler):
     prompt's completions as a tree)."""
 
     def sample_with(self, independent):
-        """The rollouts' sample function: `independent` itself (fast.generate or common.generate), each prompt's
+        """The rollouts' sample function: `independent` itself (decode.generate or common.generate), each prompt's
         completions sampled on their own."""
         return independent
 
@@ -256,7 +256,7 @@ class PromptSampler(tasks.PromptSampler):
 def evaluate(model, tokenizer, examples, cfg, accelerator, batch_size=256, generate=None, play=None):
     """tasks.evaluate with the lab's checks (is_correct) and `play`: sampling.play's greedy episodes, with
     eval/tool_calls, the tool calls per episode, overall and per family."""
-    generate, unwrapped, counted = generate or fast.generate, accelerator.unwrap_model(model), []
+    generate, unwrapped, counted = generate or decode.generate, accelerator.unwrap_model(model), []
     for batch in tasks.eval_batches(examples, accelerator, batch_size):
         episodes = [None] * len(batch)
         if play is None:

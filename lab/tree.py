@@ -9,12 +9,12 @@ from dataclasses import dataclass
 import torch
 
 import common
-from lab import routed
+from lab import decode
 from support import models
 
 
 class Sampling:
-    """The rollouts' sample function, counting what it decodes: the independent sampler (fast.generate or
+    """The rollouts' sample function, counting what it decodes: the independent sampler (decode.generate or
     common.generate) or, with --sampler tree, `tree_generate` for the sampled groups (greedy decoding stays
     independent). `decoded`: the completion tokens decoded, `completions`: the completions made, since the last
     `metrics`."""
@@ -76,7 +76,7 @@ def grow(model, prompt_ids, prompt_mask, quotas, gen, forks, branching):
     device = prompt_ids.device
     branches = [Branch(p, (), q) for p, q in enumerate(quotas) if q > 0]
     index = torch.tensor([b.prompt for b in branches], device=device)
-    cache = routed.shared_prompt_cache(model, prompt_ids, prompt_mask, index)  # each prompt once (its routing told)
+    cache = decode.shared_prompt_cache(model, prompt_ids, prompt_mask, index)  # each prompt once (its routing told)
     attention_mask, tokens = prompt_mask[index], torch.zeros(len(index), 0, dtype=prompt_ids.dtype, device=device)
     inputs, positions = prompt_ids[index, -1:], common.position_ids_from_mask(prompt_mask)[index, -1:]
     found, missing, decoded = [[] for _ in quotas], [0] * len(quotas), 0

@@ -79,17 +79,11 @@ class TrainConfig:
     resume_from: str = arg("", "A checkpoint folder (output_dir/checkpoint-N) to continue from, or 'latest': "
                            "the newest checkpoint in --output_dir whose files verify (none: start at step 0).")
 
-    # the lab's flags (LabConfig's fields), at their defaults
+    # the lab's flags that the shared code reads (LabConfig's fields), at their defaults
     prompt_column, answer_column, answer_check, system_prompt = "question", "answer", "number", ""
-    prompt_template, format_reward_weight, eval_samples = "chat", 0.0, 0
     eval_size, train_size, use_chat_template, max_prompt_length = 200, 0, True, 512
-    torch_dtype, gradient_checkpointing, lora_alpha, lora_target_modules, merge_lora = "float32", False, 16, \
-        "all-linear", False
-    reward_model, reward_model_dtype, reward_model_weight, rule_reward_weight = "", "float32", 1.0, 1.0
-    reward_weights = ()
-    warmup_steps, generation_batch_size, log_rollouts, report_to = 0, 0, 0, "none"
-    save_total_limit, save_model, async_rollouts, fast, keep_routing = 2, True, 0, True, "none"
-    sampler, vllm_python, vllm_memory = "independent", "", None
+    torch_dtype, gradient_checkpointing, lora_alpha, lora_target_modules = "float32", False, 16, "all-linear"
+    warmup_steps, generation_batch_size, report_to, save_total_limit = 0, 0, "none", 2
 
     def __post_init__(self):
         check_rules(self, **{name: POSITIVE for name in ("num_steps", "batch_size", "learning_rate", "max_new_tokens",

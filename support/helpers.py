@@ -1,15 +1,15 @@
 """The plain helpers of the lesson files (remax.py, rloo.py, grpo.py, dapo.py, ppo.py): data in, data out. Loading
-(the accelerator, the data, the policy and its optimizer, the reference), sampling a batch of completions, scoring
-them with no gradient, the metrics of an update, evaluation, logging, checkpoints. None keeps state a loop does not
-see; the update itself (micro-batches, backward, clip, optimizer step) is written out in each loop. The lab's engine
-(lab/engine.py) runs on the same pieces."""
+(the accelerator, the data, the policy and its optimizer, the reference), the batch a step works on (`Rollout`, and
+its micro-batches), sampling it, scoring it with no gradient, the metrics of an update, evaluation, logging,
+checkpoints. None keeps state a loop does not see; the update itself (micro-batches, backward, clip, optimizer step)
+is written out in each loop. The lab's engine (lab/engine.py) runs on the same pieces."""
 import atexit
 import copy
 import logging
 import os
 import sys
 import time
-import types
+from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
@@ -19,8 +19,7 @@ from support import config, models, run, tasks
 from support.config import (  # noqa: F401 (the lessons')
     DTYPES, AT_LEAST_ONE, DUAL_CLIP, EMBEDDED_TEACHER, FRACTION, NON_NEGATIVE, POSITIVE, PROBABILITY,
     TrainConfig, arg, check, check_rules, one_of)
-from support.fast import generate, token_logprobs
-from support.rollout import Rollout, micro_batches
+from support.models import generate, token_logprobs
 from support.tasks import make_reward_fn  # noqa: F401 (the lessons')
 
 parse_config = config.parse_config
@@ -109,31 +108,89 @@ def load_teacher(cfg, accelerator):
     return models.prepare_frozen(accelerator, models.load_model(teacher_cfg, trainable=False))
 
 
-def check_same_tokenizer(student, teacher):
-    """Distillation compares the two models' log-probs of the same token ids: --teacher must share the student's
-    vocabulary (the same id for every token, the same EOS). Reads the two tokenizers only."""
-    models.check_model_path(teacher, "--teacher")
-    a, b = (models.load_tokenizer(types.SimpleNamespace(model_name_or_path=path)) for path in (student, teacher))
-    check(a.get_vocab() == b.get_vocab() and a.eos_token_id == b.eos_token_id, f"--teacher {teacher!r} has another "
-          f"tokenizer than the student {student!r}: distillation needs the same token ids; give a teacher of its family.")
-
-
-def load_critic(value_model, cfg, accelerator):
-    """(critic, its optimizer): PPO's value model and its AdamW at --critic_learning_rate, prepared."""
-    optimizer, scheduler = models.make_optimizer(value_model, cfg, cfg.critic_learning_rate)
-    critic, optimizer, scheduler = accelerator.prepare(value_model, optimizer, scheduler)
-    return critic, optimizer
-
-
-def save_critic(cfg, accelerator, critic, tokenizer):
-    """PPO's critic (under LoRA merged: a whole critic), saved with save_pretrained in output_dir/final/critic."""
-    models.save_model(accelerator, accelerator.unwrap_model(critic).model, tokenizer, f"{cfg.output_dir}/final/critic",
-                      merge_lora=True)
-
-
 def prompt_sampler(train_data, num_prompts, cfg, accelerator):
     """Endless shuffled batches of num_prompts examples (.next()), each process from its own shard."""
     return tasks.PromptSampler(train_data, num_prompts, cfg.seed, accelerator.process_index, accelerator.num_processes)
+
+
+# ---- the batch a step works on: the rollout, one row per completion, and its micro-batches ----
+@dataclass
+class Rollout:
+    """A sampled batch, one row per completion: its example, the prompt (left-padded) and the completion
+    (padded after its first EOS), as ids and as text."""
+    examples: list
+    prompt_ids: torch.Tensor      # (B, P)
+    prompt_mask: torch.Tensor     # (B, P), 0 on the left padding
+    completion_ids: torch.Tensor  # (B, T)
+    mask: torch.Tensor            # (B, T), 1 up to and including the first EOS (common.completion_mask)
+    completions: list
+
+    def __len__(self):
+        return len(self.examples)
+
+    @property
+    def input_ids(self):  # (B, P + T)
+        return torch.cat([self.prompt_ids, self.completion_ids], dim=1)
+
+    @property
+    def attention_mask(self):  # (B, P + T)
+        return torch.cat([self.prompt_mask, self.mask], dim=1)
+
+    @property
+    def prompts(self):
+        return [ex["prompt"] for ex in self.examples]
+
+    def select(self, keep):
+        """The rows where keep (a (B,) bool tensor) is True."""
+        rows = keep.nonzero().flatten()
+        return Rollout([self.examples[i] for i in rows.tolist()], self.prompt_ids[rows], self.prompt_mask[rows],
+                       self.completion_ids[rows], self.mask[rows], [self.completions[i] for i in rows.tolist()])
+
+    @staticmethod
+    def cat(rollouts, pad_token_id, limit=None):
+        """The first `limit` rows (default: all) of several rollouts in one, padded as if sampled together:
+        prompts on the left to the longest prompt, completions on the right to the widest completion."""
+        parts = first_rows(rollouts, limit)
+        width = prompt_width(parts)
+        return Rollout([ex for r in parts for ex in r.examples],
+                       pad([r.prompt_ids for r in parts], pad_token_id, width, left=True),
+                       pad([r.prompt_mask for r in parts], 0, width, left=True),
+                       pad([r.completion_ids for r in parts], pad_token_id), pad([r.mask for r in parts], 0),
+                       [c for r in parts for c in r.completions])
+
+
+def first_rows(rollouts, limit=None):
+    """The rollouts cut to their first `limit` rows in all (default: all), the empty ones left out."""
+    parts, remaining = [], sum(map(len, rollouts)) if limit is None else limit
+    for r in rollouts:
+        if remaining > 0 and len(r) > 0:
+            parts.append(r.select(torch.arange(len(r), device=r.mask.device) < remaining))
+            remaining -= len(parts[-1])
+    return parts
+
+
+def prompt_width(rollouts):
+    """The longest prompt of the rollouts, in tokens: the left padding no row needs goes."""
+    return max(int(r.prompt_mask.sum(1).max()) for r in rollouts)
+
+
+def pad(tensors, value, width=None, left=False):
+    """The tensors along dim 1, each padded with value to `width` (default: the widest) on the right (left: on the
+    left, cut to its last `width` columns), concatenated along the rows."""
+    width = width or max(t.shape[1] for t in tensors)
+    out = []
+    for t in tensors:
+        t = t[:, -width:] if left else t
+        out.append(t.new_full((len(t), width, *t.shape[2:]), value))
+        (out[-1][:, width - t.shape[1]:] if left else out[-1][:, :t.shape[1]]).copy_(t)
+    return torch.cat(out)
+
+
+def micro_batches(batch_size, micro_batch_size):
+    """Slices of consecutive rows that cover range(batch_size), micro_batch_size rows each (the last may be
+    smaller); 0 gives one slice, the whole batch."""
+    size = micro_batch_size or batch_size
+    return [slice(start, min(start + size, batch_size)) for start in range(0, batch_size, size)]
 
 
 # ---- sampling and scoring, with no gradient ----
@@ -148,7 +205,7 @@ def sample(policy, tokenizer, examples, cfg, accelerator, num_samples=1, greedy=
     mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
     return Rollout([ex for ex in examples for _ in range(k)], prompt_ids.repeat_interleave(k, 0),
                    prompt_mask.repeat_interleave(k, 0), completion_ids, mask,
-                   tasks.decode_completions(tokenizer, completion_ids, mask), group_size=k)
+                   tasks.decode_completions(tokenizer, completion_ids, mask))
 
 
 @torch.no_grad()
@@ -160,13 +217,6 @@ def score(model, rollout, cfg, truncated=True):
     num_tokens = rollout.mask.shape[1]
     return scoring_pass(rollout, cfg.micro_batch_size, lambda ids, mask: token_logprobs(
         model, ids, mask, num_tokens, cfg.temperature, **sampling)).clone()
-
-
-@torch.no_grad()
-def values(critic, rollout, cfg):
-    """(B, T) values of PPO's critic before each completion token, --micro_batch_size rows at a time."""
-    return scoring_pass(rollout, cfg.micro_batch_size,
-                        lambda ids, mask: critic(ids, mask, rollout.mask.shape[1])).clone()
 
 
 def scoring_pass(rollout, micro_batch_size, fn):
@@ -196,7 +246,8 @@ def fill_batch(rounds, cfg, accelerator, tokenizer, step):
     n = fewest(accelerator, min(held, cfg.batch_size))
     if held < cfg.batch_size:
         print(f"warning: step {step} (rank {accelerator.process_index}): --max_sampling_rounds "
-              f"{cfg.max_sampling_rounds} reached with {held // cfg.num_generations} groups kept; " + ("skipping the step" if n == 0 else "training on those") +
+              f"{cfg.max_sampling_rounds} reached with {held // cfg.num_generations} groups kept; " +
+              ("skipping the step" if n == 0 else "training on those") +
               ". Raise --max_sampling_rounds to fill the batch.", file=sys.stderr, flush=True)
     stats = [r[4] for r in rounds]
     reward_stats = {key: sum(s[key] for s in stats) / len(stats) for key in stats[0]}
@@ -206,7 +257,8 @@ def fill_batch(rounds, cfg, accelerator, tokenizer, step):
                "train/reward_sampled": sampled.mean()}
     if n == 0:
         return None, None, None, reward_stats, metrics
-    rollout = Rollout.cat([rollout for rollout, _, _ in kept], tokenizer.pad_token_id, limit=n)
+    rollouts = [rollout for rollout, _, _ in kept]  # the rollouts' own cat: the lab's keep more of each row
+    rollout = type(rollouts[0]).cat(rollouts, tokenizer.pad_token_id, limit=n)
     rewards, correct = torch.cat([r for _, r, _ in kept])[:n], torch.cat([c for _, _, c in kept])[:n]
     return rollout, rewards, correct, reward_stats, metrics
 
@@ -306,12 +358,10 @@ def launch(main):
 
     - One CPU thread for this process and those it starts, as `accelerate launch` and torchrun give every process
       they start, unless OMP_NUM_THREADS says otherwise: the process starts again (os.execv, the same command) with
-      OMP_NUM_THREADS=1, so `python remax.py` runs as `accelerate launch remax.py` does. The variable is read when
-      torch starts its thread pools, at import: torch.set_num_threads(1) after that ran slower
-      (docs/troubleshooting.md). torch's own default, a thread per core, ran 12-30x slower on 2 busy cores.
+      OMP_NUM_THREADS=1, read by torch at import (docs/troubleshooting.md: why, and what it measured).
     - The process group closed on every rank at the end, after an error too (close_process_group, registered with
       atexit so that it runs after the interpreter has printed the error); several processes then leave at once
-      (leave_run, os._exit: its docstring says why), with exit code 0 after main() returned, 1 after an error."""
+      (leave_run), with exit code 0 after main() returned, 1 after an error."""
     if not os.environ.get("OMP_NUM_THREADS"):
         os.environ["OMP_NUM_THREADS"] = "1"
         os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
@@ -330,11 +380,9 @@ def close_process_group(code):
 
 def leave_run(num_processes, code=0):
     """The last call of a run on every rank, after the process group is closed. One process returns. Several
-    leave at once (os._exit(code), after flushing what they printed) rather than tear the interpreter down: a
-    gloo worker thread can still be releasing the tensors of a finished collective (DeepSpeed's all-gathers
-    hold Python-owned views), which takes the GIL, and a thread that asks for it while the interpreter
-    finalizes is stopped inside a C++ destructor: the rank aborts (SIGABRT, "terminate called without an
-    active exception") after a complete run, about once in 50 two-process runs on 2 busy cores."""
+    leave at once (os._exit(code), after flushing what they printed) rather than tear the interpreter down, where a
+    gloo worker thread still releasing a finished collective's tensors aborts the rank (SIGABRT) after a complete
+    run, about once in 50 two-process runs on 2 busy cores (docs/scaling.md)."""
     if num_processes > 1:
         logging.shutdown()
         sys.stdout.flush()

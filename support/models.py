@@ -1,14 +1,21 @@
-"""Models: the tokenizer, the policy (full or LoRA), the frozen reference, the optimizer, saving with
-save_pretrained, and the ZeRO-3 weights gathered for generation. (The sampler's copy of the policy, in a lower
-precision or stale, is the lab's: lab/sampling.py.)"""
+"""The models: the tokenizer, the policy (full or LoRA), the frozen reference, the optimizer, saving with
+save_pretrained; and the fast log-probs and generation the loops run them with (a group's prompt run once for its
+rows, a chunked log-softmax, a decode loop the ended rows leave, ZeRO-3's weights gathered once per generate call),
+which have the signatures and results of their spec, `common.token_logprobs` and `common.generate`: read the spec
+(tests/test_fast.py proves them equal in values, gradients and draws). The lab's sampler (a lower precision or stale
+copy: lab/sampling.py) and what it keeps of each step (the draws' log-probs, the processed scores, routing, fixed
+shapes on a GPU: lab/decode.py) are the lab's, built on these pieces."""
 import copy
 import os
 import sys
+import types
 import warnings
 from contextlib import contextmanager
 
 import torch
 
+import common
+from support import config
 
 
 def disable_dropout(model):
@@ -55,6 +62,16 @@ def check_prompts_tokenize(tokenizer, examples, cfg, say=True, checked=2000):
               "the arithmetic task's characters alone (docs/embedded_model.md); give a model whose tokenizer reads "
               "--dataset.", file=sys.stderr,
               flush=True)
+
+
+def check_same_tokenizer(student, teacher):
+    """Distillation compares the two models' log-probs of the same token ids: --teacher must share the student's
+    vocabulary (the same id for every token, the same EOS). Reads the two tokenizers only."""
+    check_model_path(teacher, "--teacher")
+    a, b = (load_tokenizer(types.SimpleNamespace(model_name_or_path=path)) for path in (student, teacher))
+    config.check(a.get_vocab() == b.get_vocab() and a.eos_token_id == b.eos_token_id, f"--teacher {teacher!r} has "
+                 f"another tokenizer than the student {student!r}: distillation needs the same token ids; give a "
+                 "teacher of its family.")
 
 
 def load_model(cfg, trainable=True):
@@ -185,14 +202,6 @@ def check_model_path(name, flag="--model_name_or_path"):
                                  "hf auth login), and not a local folder.") from None
 
 
-def names_moe(model_name_or_path):
-    """Whether the checkpoint's config is a mixture of experts: read before any model loads."""
-    from transformers import AutoConfig
-
-    model_config = AutoConfig.from_pretrained(model_name_or_path)
-    return any(getattr(model_config, name, 0) for name in ("num_experts", "num_local_experts"))
-
-
 def make_optimizer(model, cfg, learning_rate=None):
     """AdamW over the trainable weights at learning_rate (--learning_rate unless given), without weight
     decay, and the constant schedule after --warmup_steps."""
@@ -267,3 +276,162 @@ def gathered_parameters(model):
             for hooks, original in saved:  # in place: the hooks' handles point at these dicts
                 hooks.clear()
                 hooks.update(original)
+
+
+# ---- running the models: the fast log-probs and generation ----
+LOGPROB_CHUNK_ELEMENTS = 2 ** 24  # (C, V) logits' rows token_logprobs takes at once: 64 MiB of fp32, any vocabulary
+
+
+def shared_prompt_cache(model, prompt_ids, prompt_mask, rows):
+    """The keys and values of each prompt's tokens but its last, computed once per prompt, then copied
+    to every row that continues it: row i of the cache is prompt rows[i]'s. The last prompt token and
+    what follows it then run row by row. Scoring a group's rows and sampling a prompt's K completions
+    both share their prompt this way."""
+    position_ids = common.position_ids_from_mask(prompt_mask)
+    cache = model(input_ids=prompt_ids[:, :-1], attention_mask=prompt_mask[:, :-1],
+                  position_ids=position_ids[:, :-1], logits_to_keep=1, use_cache=True).cache
+    cache.reorder_cache(rows)
+    return cache
+
+
+def completion_logits(model, input_ids, attention_mask, num_completion_tokens):
+    """The (B, C, V) logits that predict the last C tokens of each row (position t predicts t + 1).
+
+    Adjacent rows with the same prompt (a group of samples) share the prompt's forward pass: it runs once per group
+    and keeps its keys and values, each row gets its group's copy of them, and only the last prompt token and the
+    completion run row by row. Values and gradients are those of one pass over every full row (the copies' gradients
+    add up in the prompt's pass), for about 1 / G of the prompts' work. Rows that share nothing take the same two
+    passes at no extra cost, so the number of forward calls never depends on the data (under ZeRO-3 each is a
+    collective every rank must make). When `shares_prompt` says no, it is the one pass.
+    """
+    c = num_completion_tokens
+    position_ids = common.position_ids_from_mask(attention_mask)
+    if not shares_prompt(model, input_ids, c):
+        out = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                    logits_to_keep=c + 1, use_cache=False)
+        return out.logits[:, -(c + 1):-1, :]
+    first, group = prompt_groups(input_ids, attention_mask, c)
+    cache = shared_prompt_cache(model, input_ids[first, :-c], attention_mask[first, :-c], group)
+    out = model(input_ids=input_ids[:, -c - 1:-1], attention_mask=attention_mask[:, :-1],
+                position_ids=position_ids[:, -c - 1:-1], cache=cache, logits_to_keep=c, use_cache=True)
+    return out.logits
+
+
+def shares_prompt(model, input_ids, num_completion_tokens):
+    """Whether `completion_logits` runs each group's prompt once: when the rows hold a prompt token before the last,
+    and, with gradients, no layer is checkpointed (it keeps no cache) and no mixture-of-experts block is a leaf of
+    ZeRO-3's gathering (`zero3_moe_leaves`: its gradient is reduced once per forward). Else one pass."""
+    one_pass = torch.is_grad_enabled() and any(getattr(module, "gradient_checkpointing", False) or
+                                               getattr(module, "_z3_leaf", False) for module in model.modules())
+    return input_ids.shape[1] >= num_completion_tokens + 2 and not one_pass
+
+
+def prompt_groups(input_ids, attention_mask, num_completion_tokens):
+    """(first, group): the first row of each group of adjacent rows with the same prompt (the ids and mask before
+    the last C columns), and each row's group."""
+    c = num_completion_tokens
+    prompts = torch.cat([input_ids[:, :-c], attention_mask[:, :-c]], dim=1)
+    _, group, counts = torch.unique_consecutive(prompts, dim=0, return_inverse=True, return_counts=True)
+    return counts.cumsum(0) - counts, group
+
+
+def token_logprobs(model, input_ids, attention_mask, num_completion_tokens, temperature=1.0, with_entropy=False,
+                   top_k=0, top_p=1.0):
+    """common.token_logprobs, computed from `completion_logits` (a group's prompt once) by `logprobs_from_logits`.
+    Returns (B, C) fp32 log-probs (and entropies)."""
+    c = num_completion_tokens
+    logits = completion_logits(model, input_ids, attention_mask, c)  # (B, C, V)
+    return logprobs_from_logits(logits, input_ids[:, -c:], temperature, with_entropy, top_k, top_p)
+
+
+def logprobs_from_logits(logits, targets, temperature=1.0, with_entropy=False, top_k=0, top_p=1.0):
+    """The (B, C) fp32 log-probs of `targets` (B, C) under their (B, C, V) logits, as common.token_logprobs takes
+    them (and their entropies), a chunk of rows at a time: LOGPROB_CHUNK_ELEMENTS bounds each chunk, and no
+    (B, C, V) log-softmax copy is made."""
+    rows = max(1, LOGPROB_CHUNK_ELEMENTS // (targets.shape[1] * logits.shape[-1]))
+    logps, entropies = [], []
+    for start in range(0, len(logits), rows):
+        chunk = logits[start:start + rows].float() / temperature  # (rows, C, V)
+        chunk_targets = targets[start:start + rows, :, None]
+        if top_k > 0 or top_p < 1.0:
+            # the sampled token stays in: a rounding difference from generate() must not give log 0
+            kept = common.sampling_mask(chunk.detach(), top_k, top_p).isfinite()
+            kept.scatter_(-1, chunk_targets, True)
+            chunk = chunk.masked_fill(~kept, float("-inf"))
+        lse = torch.logsumexp(chunk, dim=-1)
+        logps.append(chunk.gather(-1, chunk_targets).squeeze(-1) - lse)
+        if with_entropy:
+            with torch.no_grad():
+                probs = torch.softmax(chunk, -1)
+                entropies.append(lse - (probs * chunk.masked_fill(probs == 0, 0)).sum(-1))
+    logps = torch.cat(logps)
+    return (logps, torch.cat(entropies)) if with_entropy else logps
+
+
+def decode(model, input_ids, attention_mask, cache, gen):
+    """The steps of transformers' generate (its `_sample`) for a GenerationConfig `gen` of common.generation_config:
+    the last position's fp32 logits, EOS held back for gen.min_new_tokens, temperature, top-k, top-p
+    (common.sampling_mask), one multinomial draw per row (greedy: argmax), until every row has emitted EOS or
+    max_new_tokens. `cache` holds every prompt token but the last (None: the whole prompt runs first).
+    A row that emitted EOS leaves the batch, its keys and values with it. Its draw is still made, from a
+    placeholder distribution, and discarded: the random stream, and so every other row's draw, is generate's.
+    Returns (B, C) completion ids, padded after EOS."""
+    position_ids = common.position_ids_from_mask(attention_mask)
+    tokens = torch.full((len(input_ids), gen.max_new_tokens), gen.pad_token_id, dtype=input_ids.dtype,
+                        device=input_ids.device)
+    rows = torch.arange(len(input_ids), device=input_ids.device)  # the rows still going
+    inputs, positions = (input_ids[:, -1:], position_ids[:, -1:]) if cache is not None else (input_ids, position_ids)
+    for t in range(gen.max_new_tokens):
+        out = model(input_ids=inputs, attention_mask=attention_mask, position_ids=positions, cache=cache,
+                    use_cache=True, logits_to_keep=1)
+        cache = out.cache
+        token, _ = draw(out.logits[:, -1].float(), gen, t, rows, len(tokens))
+        tokens[rows, t] = token
+        going = token != gen.eos_token_id
+        if not going.any():
+            return tokens[:, :t + 1]
+        if not going.all():  # the finished rows leave the batch
+            keep = going.nonzero().squeeze(1)
+            cache.reorder_cache(keep)
+            rows, token, attention_mask, positions = rows[keep], token[keep], attention_mask[keep], positions[keep]
+        inputs, positions = token[:, None], positions[:, -1:] + 1
+        attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(attention_mask), 1)], dim=1)
+    return tokens
+
+
+def draw(logits, gen, t, rows, num_rows):
+    """The tokens the rows still going (`rows`, of num_rows) draw at step t from their (n, V) fp32 logits, as
+    transformers' generate draws them (EOS held back for gen.min_new_tokens, temperature, top-k, top-p; greedy:
+    argmax), and the processed scores. The finished rows draw too, from a placeholder (their pad token), and their
+    draws are discarded: the random stream, and so every other row's draw, is generate's."""
+    if t < (gen.min_new_tokens or 0):
+        logits[:, gen.eos_token_id] = float("-inf")
+    if not gen.do_sample:
+        return logits.argmax(dim=-1), logits
+    logits = common.sampling_mask(logits / gen.temperature, gen.top_k or 0, gen.top_p)
+    probs = torch.softmax(logits, dim=-1)
+    if len(rows) < num_rows:
+        placeholder = torch.zeros(num_rows, probs.shape[-1], device=probs.device)
+        placeholder[:, gen.pad_token_id] = 1.0
+        probs = placeholder.index_copy(0, rows, probs)
+    return torch.multinomial(probs, num_samples=1).squeeze(1)[rows], logits
+
+
+@torch.no_grad()
+def generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=1, greedy=False):
+    """common.generate, with each prompt run once for its samples (`shared_prompt_cache`), which then
+    continue it from copies of its keys and values in `decode`: the same draws as generate's own
+    num_return_sequences, without K passes over the prompt and without the rows that have ended. Under
+    ZeRO-3 the weights are gathered once for the whole call. Returns completion ids (B * num_samples, C),
+    each prompt's samples adjacent."""
+    num_samples = 1 if greedy else num_samples
+    gen = common.generation_config(tokenizer, cfg, greedy)  # one sequence per row: the rows are the K copies
+    n = max(1, cfg.generation_batch_size // num_samples) if cfg.generation_batch_size else len(prompt_ids)
+    with common.sampling_mode(model), gathered_parameters(model):
+        chunks = []
+        for i in range(0, len(prompt_ids), n):
+            ids, mask = prompt_ids[i:i + n], prompt_mask[i:i + n]
+            rows = torch.arange(len(ids), device=ids.device).repeat_interleave(num_samples)  # K adjacent
+            cache = shared_prompt_cache(model, ids, mask, rows) if ids.shape[1] > 1 else None
+            chunks.append(decode(model, ids[rows], mask[rows], cache, gen))
+    return common.pad_completions(chunks, tokenizer.pad_token_id)

@@ -1,10 +1,8 @@
 """The run's files in --output_dir: the metrics log (metrics.jsonl, a line on the console every --log_every steps),
 summary.json and curves.png; and resumable checkpoints (save_checkpoint, load_checkpoint, find_checkpoint), with the
 check that stops a run whose weights or logits are not finite. A resume loads no file in a way that can run code:
-weights as safetensors, the optimizers', schedulers' and RNG states through torch's weights-only unpickler
-(accelerate's default), and the rest as JSON, the objects registered with accelerator.register_for_checkpointing
-(PPO's KL controller) among them (`save_state`, `load_state`). The lab's lab/checkpointer.py also saves on a signal
-and names the last good state; its phase timer and rollout metrics are in lab/step_metrics.py."""
+weights as safetensors, the optimizers', schedulers' and RNG states through torch's weights-only unpickler, and the
+rest as JSON (`save_state`, `load_state`). The lab saves on a signal too: lab/checkpointer.py."""
 import hashlib
 import json
 import math
@@ -291,7 +289,7 @@ def find_checkpoint(cfg, world_size, script=None):
     return path, None
 
 
-def load_checkpoint(cfg, accelerator, sampler):
+def load_checkpoint(cfg, accelerator, prompts):
     """The step to start after: 0, or the step of the checkpoint find_checkpoint picks for --resume_from, whose
     state is then loaded (accelerate's: models, optimizers, schedulers, every rank's RNG states; and the prompt
     sampler's). The main process verifies the checkpoint (and sets cfg.resume_from to it); an error stops every
@@ -307,7 +305,7 @@ def load_checkpoint(cfg, accelerator, sampler):
         return 0
     load_state(accelerator, path)
     with open(os.path.join(path, f"sampler_rank{accelerator.process_index}.json")) as f:
-        sampler.load_state_dict(json.load(f))
+        prompts.load_state_dict(json.load(f))
     with open(os.path.join(path, "trainer_state.json")) as f:
         step = json.load(f)["step"]
     if accelerator.is_main_process:
@@ -315,7 +313,7 @@ def load_checkpoint(cfg, accelerator, sampler):
     return step
 
 
-def save_checkpoint(cfg, accelerator, step, policy, tokenizer, sampler_state):
+def save_checkpoint(cfg, accelerator, step, policy, tokenizer, prompts_state):
     """Write tmp-checkpoint-N (accelerate's state, each rank's prompt-sampler state, the policy as save_pretrained
     in model/, trainer_state.json last), rename it checkpoint-N when every rank is done, then drop the partial
     folders of killed runs and the checkpoints beyond --save_total_limit. Returns its path."""
@@ -327,7 +325,7 @@ def save_checkpoint(cfg, accelerator, step, policy, tokenizer, sampler_state):
     accelerator.wait_for_everyone()
     save_state(accelerator, tmp)
     with open(os.path.join(tmp, f"sampler_rank{accelerator.process_index}.json"), "w") as f:
-        json.dump(sampler_state, f)
+        json.dump(prompts_state, f)
     save_model(accelerator, policy, tokenizer, os.path.join(tmp, "model"))
     accelerator.wait_for_everyone()  # every rank's files are on disk
     if main:  # trainer_state.json, last, records the size and checksum of every other file
@@ -342,22 +340,18 @@ def save_checkpoint(cfg, accelerator, step, policy, tokenizer, sampler_state):
     return path
 
 
-def registered_objects(accelerator):
-    """The objects registered with accelerator.register_for_checkpointing, which save_state and load_state keep as
-    JSON (accelerate would pickle them, and load them with weights_only=False)."""
-    return accelerator._custom_objects
-
-
 @contextmanager
 def set_aside(accelerator):
-    """The registered objects, taken out of accelerate's list while the block runs (save_state, load_state) and put
-    back after it, however it ends."""
-    objects = list(registered_objects(accelerator))
-    registered_objects(accelerator).clear()
+    """The objects registered with accelerator.register_for_checkpointing, taken out of accelerate's list while the
+    block runs (save_state, load_state: they keep them as JSON; accelerate would pickle them, and load them with
+    weights_only=False) and put back after it, however it ends."""
+    registered = accelerator._custom_objects
+    objects = list(registered)
+    registered.clear()
     try:
         yield objects
     finally:
-        registered_objects(accelerator).extend(objects)
+        registered.extend(objects)
 
 
 def save_state(accelerator, path):

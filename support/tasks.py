@@ -11,7 +11,7 @@ import re
 import torch
 
 import common
-from support import config, fast, reward_functions
+from support import config, models, reward_functions
 
 # ----------------------------------------------------------------------------------------
 # The built-in task: arithmetic in families of different difficulty
@@ -367,9 +367,9 @@ class PromptSampler:
 
 @torch.no_grad()
 def evaluate(model, tokenizer, examples, cfg, accelerator, batch_size=256, generate=None):
-    """Held-out greedy accuracy per family and overall, sharded over ranks and summed (`generate`: fast.generate by
+    """Held-out greedy accuracy per family and overall, sharded over ranks and summed (`generate`: models.generate by
     default, or the plain common.generate it equals)."""
-    generate, unwrapped, counted = generate or fast.generate, accelerator.unwrap_model(model), []
+    generate, unwrapped, counted = generate or models.generate, accelerator.unwrap_model(model), []
     for batch in eval_batches(examples, accelerator, batch_size):
         texts = greedy_texts(unwrapped, tokenizer, batch, cfg, accelerator.device, generate)
         counted += [(ex["family"], is_correct(text, ex["answer"], ex.get("check", "exact")), 1)

@@ -14,7 +14,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 import agents
 import common
-from support import config, fast
+from support import config, models
 
 PROMPTS = ["12+3=", "7*8=", "123+45=", "9-2=", "5+5=", "60-7="]
 
@@ -134,7 +134,7 @@ def test_cached_turns_keep_the_log_probs_of_the_actions_as_drawn(tokenizer, rand
                                                                               plain=False)[:3])] == [True] * 3
     logp = sample_turn.drawn_logprobs(mask)
     assert any(e.truncated for e in episodes) and (token_mask - mask).sum() > 0  # cut turns, replies in context
-    scored = fast.token_logprobs(random_model, torch.cat([prompt_ids, ids], 1), torch.cat([prompt_mask, token_mask], 1),
+    scored = models.token_logprobs(random_model, torch.cat([prompt_ids, ids], 1), torch.cat([prompt_mask, token_mask], 1),
                                  ids.shape[1], sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p)
     torch.testing.assert_close(logp[mask.bool()], scored[mask.bool()], rtol=0, atol=1e-5)
     assert (logp[~mask.bool()] == 0).all()
@@ -161,7 +161,7 @@ def test_an_episode_of_one_turn_is_todays_completion(tokenizer):
     spec = ToySpec(tokenizer, stop=None)  # the arithmetic model never ends a turn with a call: one turn each
     _, prompt_ids, prompt_mask = prompts(tokenizer)
     torch.manual_seed(5)
-    single = fast.generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=1)
+    single = models.generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=1)
     for plain in (True, False):
         ids, mask, token_mask, episodes = play(model, tokenizer, spec, cfg, plain=plain, max_turns=1)
         assert torch.equal(ids, single)
@@ -178,7 +178,7 @@ def test_the_loss_has_gradient_at_every_model_token_and_at_no_environment_token(
     _, prompt_ids, prompt_mask = prompts(tokenizer)
     assert (token_mask - mask).sum() > 0
     input_ids, attention_mask = torch.cat([prompt_ids, ids], 1), torch.cat([prompt_mask, token_mask], 1)
-    logp = fast.token_logprobs(random_model, input_ids, attention_mask, ids.shape[1]).detach().requires_grad_()
+    logp = models.token_logprobs(random_model, input_ids, attention_mask, ids.shape[1]).detach().requires_grad_()
     adv = torch.linspace(-1, 1, len(ids)) + 0.05
     for mode in common.LOSS_AGG_MODES:
         logp.grad = None
@@ -384,11 +384,11 @@ def test_dapos_overlong_shaping_counts_an_episodes_environment_tokens_against_it
     is cut at the budget: -1, as a single-turn completion cut at 40; counting its 30 actions alone would say 0. An
     episode of 25 + 10 + 3 tokens ends at 38, one token into the last three: -1/3."""
     from dapo import overlong_penalty
-    from support.rollout import Rollout
+    from lab.rollout import LabRollout
     lengths, is_action = torch.tensor([[20, 10, 10], [25, 10, 3]]), torch.tensor([[True, False, True]] * 2)
     mask, token_mask = agents.episode_masks(lengths, is_action, 40)
-    episodes = Rollout([{}] * 2, None, None, None, mask, [], token_mask=token_mask)
-    single_turn = Rollout([{}], None, None, None, torch.ones(1, 40), [])
+    episodes = LabRollout([{}] * 2, None, None, None, mask, [], token_mask=token_mask)
+    single_turn = LabRollout([{}], None, None, None, torch.ones(1, 40), [])
     assert overlong_penalty(episodes.budget_used, 40, 3).tolist() == pytest.approx([-1.0, -1 / 3])
     assert overlong_penalty(single_turn.budget_used, 40, 3).tolist() == [-1.0]
     assert overlong_penalty(mask.sum(1), 40, 3).tolist() == [0.0, 0.0]  # the actions alone

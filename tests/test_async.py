@@ -48,7 +48,7 @@ def runs(tmp_path_factory):
 def test_the_first_batch_is_the_synchronous_runs_and_the_sampler_scores_it_as_the_learner_does(runs):
     """Step 1: the sampler holds the initial weights and the learner's seed: the same completions, the same update
     (the reference's log-probs, scored in the sampler process, as the learner's own: the same KL), and the log-probs
-    of its draws are the learner's scoring of them to rounding (fast.generate's, tests/test_fast.py: 1e-5)."""
+    of its draws are the learner's scoring of them to rounding (models.generate's, tests/test_fast.py: 1e-5)."""
     for key in ("train/reward", "train/loss", "train/grad_norm", "train/kl_k3"):
         assert runs["K=1"][0][key] == runs["sync"][0][key], key
     assert runs["K=1"][0]["train/mismatch_k3"] < 1e-10
@@ -234,11 +234,11 @@ def test_a_resumed_run_trains_on_the_prompts_of_the_run_it_continues_from_the_ch
 
 def sampling_that_fails(*args):
     """The sampler process's target in the next test: serve, with a sampling that raises."""
-    from support import fast
+    from lab import decode
 
     def broken(*_, **__):
         raise RuntimeError("the sampling broke")
-    fast.generate = broken  # serve reads it when it starts
+    decode.generate = broken  # serve reads it when it starts
     async_sampling.serve(*args)
 
 

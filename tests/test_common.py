@@ -5,7 +5,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import common
 from lab import config as lab_config
-from support import config, fast, tasks
+from support import config, models, tasks
 from common import aggregate_loss, completion_mask, masked_mean, masked_sum, masked_whiten, reward_to_go
 
 EOS = 1
@@ -228,7 +228,7 @@ def test_evaluate_counts_greedy_answers_per_family(monkeypatch):
                 {"prompt": "3+2=", "answer": "5", "family": "add"}, {"prompt": "3*2=", "answer": "6", "family": "mul"}]
     answers = ["3", "4", "6", "7"]  # add: 2 of 3 right, mul: 0 of 1
     greedy = torch.tensor([tok(a + "<eos>", add_special_tokens=False)["input_ids"] for a in answers])
-    monkeypatch.setattr(fast, "generate", lambda *args, **kwargs: greedy)
+    monkeypatch.setattr(models, "generate", lambda *args, **kwargs: greedy)
     metrics = tasks.evaluate(None, tok, examples, lab_config.LabConfig(), OneProcess())
     assert metrics == {"eval/accuracy": 0.5, "eval/acc_add": 2 / 3, "eval/acc_mul": 0.0}
 

@@ -152,7 +152,7 @@ def worker(out_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     sys.path.insert(0, str(ROOT))
-    from support import config, fast, helpers, models, tasks
+    from support import config, helpers, models, tasks
 
     deepspeed.init_distributed("gloo")
     allgathers = [0]
@@ -183,7 +183,7 @@ def worker(out_dir):
         models.gathered_parameters = gather
         torch.manual_seed(0)
         allgathers[0] = 0
-        ids = fast.generate(zero3.module, never_eos, prompt_ids, prompt_mask, cfg)
+        ids = models.generate(zero3.module, never_eos, prompt_ids, prompt_mask, cfg)
         result[name] = {"allgathers": allgathers[0], "tokens": ids.tolist(), "completion_len": ids.shape[1]}
     models.gathered_parameters = gathered_parameters
     allgathers[0] = 0

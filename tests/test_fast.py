@@ -1,6 +1,8 @@
-"""The fast paths (support/fast.py) equal their definitions (common.py): fast.token_logprobs gives
-common.token_logprobs' log-probs, entropies and parameter gradients, and fast.generate gives
-common.generate's draws and the sampler's processed scores from the same seed.
+"""The fast paths (support/models.py) equal their definitions (common.py): models.token_logprobs gives
+common.token_logprobs' log-probs, entropies and parameter gradients, and models.generate gives
+common.generate's draws from the same seed; so does the lab's loop on the same pieces (lab/decode.py), which also
+keeps the sampler's processed scores and the draws' log-probs, and on a GPU decodes in steps of fixed shapes
+(lab/static_decode.py, run here uncompiled).
 
 Tolerances, fp32 throughout, where the two paths add the same terms in another order: log-probs and
 entropies to 1e-5 absolute (observed: at most 2.1e-6, on log-probs as large as 20, about 1e-7
@@ -20,7 +22,8 @@ import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Qwen2Config
 
 import common
-from support import config, fast, tasks
+from lab import decode, static_decode
+from support import config, models, tasks
 
 VOCAB = 18  # the embedded model's; the tiny random models use the same ids
 C = 4  # completion tokens
@@ -67,7 +70,7 @@ def logprobs_and_gradients(token_logprobs, model, input_ids, attention_mask, **k
 
 
 def assert_fast_equals_definition(model, input_ids, attention_mask, **kwargs):
-    logp, entropy, grads = logprobs_and_gradients(fast.token_logprobs, model, input_ids, attention_mask, **kwargs)
+    logp, entropy, grads = logprobs_and_gradients(models.token_logprobs, model, input_ids, attention_mask, **kwargs)
     spec_logp, spec_entropy, spec_grads = logprobs_and_gradients(common.token_logprobs, model, input_ids,
                                                                  attention_mask, **kwargs)
     assert logp.dtype == entropy.dtype == torch.float32 and logp.shape == (len(input_ids), C)
@@ -89,7 +92,7 @@ def test_fast_logprobs_equal_the_definition_in_values_and_gradients(name, shared
 def test_fast_logprobs_in_row_chunks_equal_the_definition(name, monkeypatch):
     """Chunks of 2 rows (2, 2, 2, 1 for B = 7) give the whole batch's values and gradients."""
     model = load_model(name)
-    monkeypatch.setattr(fast, "LOGPROB_CHUNK_ELEMENTS", 2 * C * VOCAB)
+    monkeypatch.setattr(models, "LOGPROB_CHUNK_ELEMENTS", 2 * C * VOCAB)
     rows_per_mask, sampling_mask = [], common.sampling_mask
 
     def counting_sampling_mask(logits, top_k, top_p):
@@ -128,7 +131,7 @@ def test_fast_logprobs_without_gradients_share_the_prompt_under_gradient_checkpo
                                     with_kwargs=True)
     input_ids, attention_mask = batch(shared=True)
     with mode():
-        logp = fast.token_logprobs(model, input_ids, attention_mask, C, 0.7, top_k=5)
+        logp = models.token_logprobs(model, input_ids, attention_mask, C, 0.7, top_k=5)
         spec_logp = common.token_logprobs(model, input_ids, attention_mask, C, 0.7, top_k=5)
     assert rows_per_pass == [(4, 4), (7, C), input_ids.shape]  # fast (the prompts, then the rows), definition
     torch.testing.assert_close(logp, spec_logp, rtol=0, atol=1e-5)
@@ -142,7 +145,7 @@ def test_a_groups_prompt_runs_once_then_every_row_continues_it():
     model.register_forward_pre_hook(lambda module, args, kwargs: rows_per_pass.append(kwargs["input_ids"].shape),
                                     with_kwargs=True)
     input_ids, attention_mask = batch(shared=True)
-    fast.token_logprobs(model, input_ids, attention_mask, C)
+    models.token_logprobs(model, input_ids, attention_mask, C)
     assert rows_per_pass == [(4, 4), (7, C)]
 
 
@@ -186,16 +189,20 @@ def capture_scores(model):
 @pytest.mark.parametrize("cfg", [Sampling(), Sampling(generation_batch_size=8), Sampling(top_k=0, top_p=1.0)],
                          ids=["one_call", "calls_of_8", "untruncated"])
 def test_fast_generate_draws_what_the_definition_draws(cfg):
-    """From the same seed, fast.generate (each prompt once, its K samples continuing copies of its keys and
+    """From the same seed, models.generate (each prompt once, its K samples continuing copies of its keys and
     values, the rows that have ended leaving the batch) gives common.generate's draws (num_return_sequences:
-    the prompt K times, every row to the end) exactly, uses up the same random stream, and gives the same
+    the prompt K times, every row to the end) exactly, and uses up the same random stream; the lab's
+    decode.generate, the same loop keeping each step's processed scores, draws the same and gives the same
     processed scores to 1e-5 for the rows still going: row i continues prompt i // K, at its positions."""
     model, tokenizer, prompt_ids, prompt_mask = load()
     assert prompt_mask.sum(1).unique().numel() > 1  # left padding of more than one width
     torch.manual_seed(0)
     fast_scores = []  # (step, rows still going, their processed scores), call after call
-    drawn = fast.generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=4, scores=fast_scores)
+    drawn = models.generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=4)
     after_fast = torch.rand(4)
+    torch.manual_seed(0)
+    assert torch.equal(decode.generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=4,
+                                       scores=fast_scores), drawn)
     captured = capture_scores(model)
     torch.manual_seed(0)
     spec = common.generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=4)
@@ -220,14 +227,14 @@ def test_fast_generate_draws_what_the_definition_draws(cfg):
 @pytest.mark.parametrize("cfg", [Sampling(), Sampling(generation_batch_size=8), Sampling(top_k=0, top_p=1.0)],
                          ids=["one_call", "calls_of_8", "untruncated"])
 def test_the_log_probs_of_the_draws_are_the_definitions_scoring_of_them(cfg):
-    """fast.generate(logprobs=True), the sampler process's behaviour log-probs (lab/async_sampling.py): the
-    same draws as without them, and for every token up to EOS the log-prob that common.token_logprobs gives the
+    """decode.generate(logprobs=True), the sampler process's behaviour log-probs (lab/async_sampling.py): the
+    same draws as models.generate's, and for every token up to EOS the log-prob that common.token_logprobs gives the
     completion under the same temperature, top-k and top-p, to 1e-5; 0 after EOS."""
     model, tokenizer, prompt_ids, prompt_mask = load()
     torch.manual_seed(0)
-    drawn, logp = fast.generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=4, logprobs=True)
+    drawn, logp = decode.generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=4, logprobs=True)
     torch.manual_seed(0)
-    assert torch.equal(drawn, fast.generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=4))
+    assert torch.equal(drawn, models.generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=4))
     mask = common.completion_mask(drawn, tokenizer.eos_token_id)
     assert logp.shape == drawn.shape and (mask == 0).any() and (mask.sum(1) < mask.shape[1]).any()
     scored = common.token_logprobs(model, torch.cat([prompt_ids.repeat_interleave(4, 0), drawn], 1),
@@ -241,26 +248,26 @@ def test_fast_generate_greedy_and_one_token_prompts_equal_the_definition():
     """Greedy decoding, and prompts of one token (nothing before the last token to share)."""
     model, tokenizer, prompt_ids, prompt_mask = load()
     for ids, mask in ((prompt_ids, prompt_mask), (prompt_ids[:, -1:], prompt_mask[:, -1:])):
-        greedy = fast.generate(model, tokenizer, ids, mask, Sampling(), greedy=True)
+        greedy = models.generate(model, tokenizer, ids, mask, Sampling(), greedy=True)
         assert torch.equal(greedy, common.generate(model, tokenizer, ids, mask, Sampling(), greedy=True))
         torch.manual_seed(0)
-        drawn = fast.generate(model, tokenizer, ids, mask, Sampling(), num_samples=3)
+        drawn = models.generate(model, tokenizer, ids, mask, Sampling(), num_samples=3)
         torch.manual_seed(0)
         assert torch.equal(drawn, common.generate(model, tokenizer, ids, mask, Sampling(), num_samples=3))
 
 
-# ---- the fixed-shape decode loop (support/static_decode.py): the GPU's, run here uncompiled ----
+# ---- the fixed-shape decode loop (lab/static_decode.py): the lab's on a GPU, run here uncompiled ----
 @pytest.mark.parametrize("cfg", [Sampling(), Sampling(generation_batch_size=8), Sampling(top_k=0, top_p=1.0)],
                          ids=["one_call", "calls_of_8", "untruncated"])
 def test_fixed_shape_generate_draws_what_the_definition_draws_and_keeps_their_log_probs(cfg):
-    """fast.generate(fixed_shape=True), the ended rows kept in the batch: common.generate's draws exactly from the
+    """decode.generate(fixed_shape=True), the ended rows kept in the batch: common.generate's draws exactly from the
     same seed, the same random stream used up, the processed scores of every row at every step (the ended rows'
     too: both feed them their pad token) to 1e-5, and the drawn log-probs equal to common.token_logprobs' scoring."""
     model, tokenizer, prompt_ids, prompt_mask = load()
     torch.manual_seed(0)
     fixed_scores = []
-    drawn, logp = fast.generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=4, scores=fixed_scores,
-                                logprobs=True, fixed_shape=True)
+    drawn, logp = decode.generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=4, scores=fixed_scores,
+                                  logprobs=True, fixed_shape=True)
     after_fixed = torch.rand(4)
     captured = capture_scores(model)
     torch.manual_seed(0)
@@ -283,10 +290,10 @@ def test_fixed_shape_generate_draws_what_the_definition_draws_and_keeps_their_lo
 def test_fixed_shape_greedy_and_one_token_prompts_equal_the_definition():
     model, tokenizer, prompt_ids, prompt_mask = load()
     for ids, mask in ((prompt_ids, prompt_mask), (prompt_ids[:, -1:], prompt_mask[:, -1:])):
-        greedy = fast.generate(model, tokenizer, ids, mask, Sampling(), greedy=True, fixed_shape=True)
+        greedy = decode.generate(model, tokenizer, ids, mask, Sampling(), greedy=True, fixed_shape=True)
         assert torch.equal(greedy, common.generate(model, tokenizer, ids, mask, Sampling(), greedy=True))
         torch.manual_seed(0)
-        drawn = fast.generate(model, tokenizer, ids, mask, Sampling(), num_samples=3, fixed_shape=True)
+        drawn = decode.generate(model, tokenizer, ids, mask, Sampling(), num_samples=3, fixed_shape=True)
         torch.manual_seed(0)
         assert torch.equal(drawn, common.generate(model, tokenizer, ids, mask, Sampling(), num_samples=3))
 
@@ -297,8 +304,6 @@ def test_fixed_shape_steps_have_one_shape_and_the_steps_past_the_end_draw_nothin
     and the random stream after are common.generate's. Every forward after a call's first has the same shapes, and
     two calls whose prompts differ in width by one token reuse one static cache."""
     from types import SimpleNamespace
-
-    from support import static_decode
 
     model, tokenizer = tiny_model("qwen2"), SimpleNamespace(pad_token_id=0, eos_token_id=1)
     cfg = Sampling(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=40)
@@ -314,7 +319,7 @@ def test_fixed_shape_steps_have_one_shape_and_the_steps_past_the_end_draw_nothin
     for width in (9, 8):  # the prompt and completion of batch(), cut to widths 9 and 8
         ids, mask = input_ids[:, :width], attention_mask[:, :width]
         torch.manual_seed(1)
-        drawn = fast.generate(model, tokenizer, ids, mask, cfg, num_samples=2, fixed_shape=True)
+        drawn = decode.generate(model, tokenizer, ids, mask, cfg, num_samples=2, fixed_shape=True)
         after_fixed, steps = torch.rand(4), shapes[1:]  # after the shared prompts' pass: the decode steps
         assert len(steps) % static_decode.END_CHECK_EVERY == 0 and len(steps) > drawn.shape[1]  # run past the end
         assert drawn.shape[1] < 40 and len(set(steps[1:])) == 1 and steps[1] == ((14, 1), (14, 1, 1, 64))
@@ -340,12 +345,12 @@ def test_fast_paths_print_no_deprecation_warning():
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            completion_ids = fast.generate(model, tokenizer, prompt_ids, prompt_mask, Sampling(), num_samples=2)
-            fast.generate(model, tokenizer, prompt_ids, prompt_mask, Sampling(), num_samples=2, fixed_shape=True)
+            completion_ids = models.generate(model, tokenizer, prompt_ids, prompt_mask, Sampling(), num_samples=2)
+            decode.generate(model, tokenizer, prompt_ids, prompt_mask, Sampling(), num_samples=2, fixed_shape=True)
             mask = common.completion_mask(completion_ids, tokenizer.eos_token_id)
             input_ids = torch.cat([prompt_ids.repeat_interleave(2, 0), completion_ids], 1)
             attention_mask = torch.cat([prompt_mask.repeat_interleave(2, 0), mask], 1)
-            fast.token_logprobs(model, input_ids, attention_mask, completion_ids.shape[1], 0.7, with_entropy=True)
+            models.token_logprobs(model, input_ids, attention_mask, completion_ids.shape[1], 0.7, with_entropy=True)
     finally:
         logger.removeHandler(handler)
     assert [record.getMessage() for record in records] == []
@@ -353,7 +358,7 @@ def test_fast_paths_print_no_deprecation_warning():
 
 @pytest.mark.parametrize("script, flags", [("remax", []), ("grpo", ["--num_epochs", "2"])])
 def test_a_loop_with_fast_false_trains_as_the_default(script, flags, tmp_path, monkeypatch):
-    """--fast False (common.generate and common.token_logprobs in the loop) against the default (support/fast.py)
+    """--fast False (common.generate and common.token_logprobs in the loop) against the default (support/models.py)
     over three steps: the same samples, so the same rewards and lengths, exactly, and the same losses, gradient
     norms and KL to float rounding (1e-5; observed at most 2.4e-7 on the loss over 4 steps of remax.py). A path
     that drew other tokens would change the rewards; one that scored other log-probs, the losses."""

@@ -15,7 +15,7 @@ import remax
 import rloo
 from conftest import run_together
 from lab import losses
-from support.rollout import micro_batches
+from support.helpers import micro_batches
 from support.run import read_metrics
 
 B, T, V, D = 8, 5, 6, 4

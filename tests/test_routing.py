@@ -1,7 +1,7 @@
 """Keep routing on a mixture-of-experts policy (lab/routing.py): the experts recorded at sampling (R3) or in the
 trainer's pi_old pass (R2) are laid out as the trainer's batch and replayed exactly in its forwards and in the
 recomputation of checkpointed layers; the router keeps its gradient; a batch laid out otherwise than recorded
-raises. The fast path that tells the routing its rows (lab/routed.py) draws and scores what support/fast.py does.
+raises. The lab's fast path, telling the routing its rows (lab/decode.py), draws and scores what support/models.py does.
 Tiny random models of the transformers MoE families whose routers return (logits, weights, indices)."""
 import copy
 from contextlib import nullcontext
@@ -13,8 +13,8 @@ from transformers import (AutoModelForCausalLM, MixtralConfig, OlmoeConfig, Qwen
 
 import common
 from lab import config as lab_config
-from lab import routed, routing
-from support import config, fast, models
+from lab import decode, routing
+from support import config, models
 
 VOCAB, PAD, EOS = 18, 0, 1  # the embedded tokenizer's ids
 K = 2  # samples per prompt
@@ -53,7 +53,7 @@ def moved(model, scale=1.0, seed=1):
     return other
 
 
-def sample(model, generate=routed.generate, greedy=False, seed=3):
+def sample(model, generate=decode.generate, greedy=False, seed=3):
     """K completions of each prompt, in generate calls of 2 prompts (two blocks of rows), recorded. Returns the
     trainer's (input_ids, attention_mask, C) and the recorded (indices, token_ids)."""
     cfg = lab_config.LabConfig(max_new_tokens=6, generation_batch_size=2 * K)
@@ -80,10 +80,10 @@ def recorded(model, batch, logprobs=common.token_logprobs, replay=None, live=Fal
 
 
 @pytest.mark.parametrize("greedy", [False, True])
-def test_the_routed_fast_path_draws_and_scores_what_support_fast_does(greedy):
-    """lab/routed.py is support/fast.py's generate and token_logprobs with each forward's rows told to the routing:
-    outside any context and inside a record, the draws, their log-probs, the scores and their gradients of the
-    lesson's own, bit for bit."""
+def test_the_labs_fast_path_draws_and_scores_what_support_fast_does(greedy):
+    """lab/decode.py is support/models.py's generate and token_logprobs with each forward's rows told to the routing:
+    outside any context and inside a record, the lesson's own draws, scores and gradients, bit for bit, and the
+    same log-probs of the draws inside a record as outside."""
     model = tiny_moe()
     cfg = lab_config.LabConfig(max_new_tokens=6, generation_batch_size=2 * K, temperature=0.8, top_k=12)
     prompt_mask = (PROMPTS != PAD).long()
@@ -92,10 +92,11 @@ def test_the_routed_fast_path_draws_and_scores_what_support_fast_does(greedy):
         torch.manual_seed(5)
         with context:
             return generate(model, Tokenizer, PROMPTS, prompt_mask, cfg, num_samples=K, greedy=greedy, logprobs=True)
-    ids, logp = drawn(fast.generate, nullcontext())
+    ids, logp = drawn(decode.generate, nullcontext())
+    torch.manual_seed(5)
+    assert torch.equal(models.generate(model, Tokenizer, PROMPTS, prompt_mask, cfg, num_samples=K, greedy=greedy), ids)
     assert len(set(common.completion_mask(ids, EOS).sum(1).tolist())) > 1  # rows leave the decode loop
-    for context in (nullcontext(), routing.record(model)):
-        assert all(map(torch.equal, drawn(routed.generate, context), (ids, logp)))
+    assert all(map(torch.equal, drawn(decode.generate, routing.record(model)), (ids, logp)))
     n = 1 if greedy else K
     input_ids = torch.cat([PROMPTS.repeat_interleave(n, 0), ids], 1)
     attention_mask = torch.cat([prompt_mask.repeat_interleave(n, 0), common.completion_mask(ids, EOS)], 1)
@@ -107,11 +108,11 @@ def test_the_routed_fast_path_draws_and_scores_what_support_fast_does(greedy):
                            top_k=cfg.top_k)
             out[0].sum().backward()
         return [*out, *(p.grad for p in model.parameters() if p.grad is not None)]
-    lesson = scored(fast.token_logprobs, nullcontext())
+    lesson = scored(models.token_logprobs, nullcontext())
     for context in (nullcontext(), routing.record(model)):
-        assert all(map(torch.equal, scored(routed.token_logprobs, context), lesson))
+        assert all(map(torch.equal, scored(decode.token_logprobs, context), lesson))
     with routing.record(model), pytest.raises(ValueError, match="growing attention mask"):
-        routed.generate(model, Tokenizer, PROMPTS, prompt_mask, cfg, num_samples=K, fixed_shape=True)
+        decode.generate(model, Tokenizer, PROMPTS, prompt_mask, cfg, num_samples=K, fixed_shape=True)
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +140,7 @@ def test_routing_recorded_at_sampling_is_laid_out_as_the_trainers_batch(kind):
     assert torch.equal(greedy_indices, recorded(model, greedy_batch))
 
 
-@pytest.mark.parametrize("logprobs", [routed.token_logprobs, common.token_logprobs])
+@pytest.mark.parametrize("logprobs", [decode.token_logprobs, common.token_logprobs])
 def test_r3_replay_uses_the_samplers_experts_after_the_weights_moved(sampled, logprobs):
     model, batch, replay = sampled
     trainer = moved(model)
@@ -154,9 +155,9 @@ def test_replaying_a_models_own_routing_gives_its_own_logprobs(kind):
     model = tiny_moe(kind)
     input_ids, attention_mask = PROMPTS, (PROMPTS != PAD).long()
     with torch.no_grad(), routing.record(model) as rec:
-        logp = routed.token_logprobs(model, input_ids, attention_mask, 3)
+        logp = decode.token_logprobs(model, input_ids, attention_mask, 3)
     with torch.no_grad(), routing.replay(model, *rec.layout(attention_mask)):
-        replayed = routed.token_logprobs(model, input_ids, attention_mask, 3)
+        replayed = decode.token_logprobs(model, input_ids, attention_mask, 3)
     assert torch.equal(replayed, logp)  # the experts' weights are each router's own formula, bit for bit
 
 
@@ -167,7 +168,7 @@ def update_gradients(model, batch, replay, checkpointing):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     input_ids, attention_mask, c = batch
     with routing.replay(model, *replay), routing.record(model) as rec:
-        loss = sum(routed.token_logprobs(model, input_ids[mb], attention_mask[mb], c).sum()
+        loss = sum(decode.token_logprobs(model, input_ids[mb], attention_mask[mb], c).sum()
                    for mb in (slice(0, 3), slice(3, 6)))
         loss.backward()
     assert torch.equal(rec.layout(attention_mask)[0], replay[0])
@@ -194,14 +195,14 @@ def test_r2_routing_of_the_scoring_pass_is_replayed_in_the_update(sampled):
     input_ids, attention_mask, c = batch
     policy = copy.deepcopy(model).train()
     with torch.no_grad(), routing.record(policy) as rec:  # the pi_old pass
-        old_logp = routed.token_logprobs(policy, input_ids, attention_mask, c)
+        old_logp = decode.token_logprobs(policy, input_ids, attention_mask, c)
     old_routing = rec.layout(attention_mask)
     optimizer = torch.optim.SGD(policy.parameters(), lr=30.0)
     with routing.replay(policy, *old_routing):
-        (-routed.token_logprobs(policy, input_ids, attention_mask, c).sum()).backward()
+        (-decode.token_logprobs(policy, input_ids, attention_mask, c).sum()).backward()
     optimizer.step()
-    assert routing.mismatch(recorded(policy, batch, routed.token_logprobs), old_routing[0]).item() > 0.05
-    assert torch.equal(recorded(policy, batch, routed.token_logprobs, replay=old_routing), old_routing[0])
+    assert routing.mismatch(recorded(policy, batch, decode.token_logprobs), old_routing[0]).item() > 0.05
+    assert torch.equal(recorded(policy, batch, decode.token_logprobs, replay=old_routing), old_routing[0])
     assert old_logp.shape == (len(input_ids), c)
 
 
@@ -210,7 +211,7 @@ def test_replay_refuses_a_batch_laid_out_otherwise_than_recorded(sampled):
     input_ids, attention_mask, c = batch
     shuffled = torch.tensor([2, 3, 0, 1, 4, 5])  # two groups swapped
     with pytest.raises(RuntimeError, match="token ids differ"):
-        recorded(model, batch, routed.token_logprobs, replay=(indices[shuffled], token_ids[shuffled]))
+        recorded(model, batch, decode.token_logprobs, replay=(indices[shuffled], token_ids[shuffled]))
     within_group = torch.tensor([1, 0, 2, 3, 4, 5])  # the samples of one prompt swapped: caught at the completion
     with pytest.raises(RuntimeError, match="token ids differ"):
         recorded(model, batch, common.token_logprobs, replay=(indices[within_group], token_ids[within_group]))
@@ -261,4 +262,4 @@ def test_replay_reaches_the_routers_under_a_lora_adapter(sampled):
     model, batch, replay = sampled
     policy = models.add_lora(moved(model), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     assert routing.is_moe(policy)
-    assert torch.equal(recorded(policy, batch, routed.token_logprobs, replay=replay), replay[0])
+    assert torch.equal(recorded(policy, batch, decode.token_logprobs, replay=replay), replay[0])

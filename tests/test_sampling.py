@@ -1,7 +1,7 @@
 """What is sampled is what is scored: generate samples from exactly the distribution that
 token_logprobs scores (temperature, top-k, top-p), whatever the checkpoint's own
 generation_config.json says, and in generate calls of any size. Each property holds for the
-definitions (common.py) and for the fast paths the loops run (support/fast.py)."""
+definitions (common.py) and for the fast paths the loops run (support/models.py)."""
 from dataclasses import dataclass
 
 import pytest
@@ -9,7 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import common
-from support import config, fast, tasks
+from lab import decode
+from support import config, models, tasks
 
 
 @dataclass
@@ -31,7 +32,7 @@ def load():
     return model, tokenizer, prompt_ids, prompt_mask
 
 
-PATHS = pytest.mark.parametrize("path", [common, fast], ids=["common", "fast"])
+PATHS = pytest.mark.parametrize("path", [common, models], ids=["common", "fast"])
 
 
 def sample(path, model, tokenizer, prompt_ids, prompt_mask, cfg, seed=0, num_samples=4):
@@ -66,7 +67,7 @@ def test_the_checkpoints_generation_config_does_not_change_the_samples(path):
 @pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (5, 1.0), (0, 0.8), (6, 0.9)])
 def test_the_samplers_processed_scores_are_the_scored_logprobs(path, top_k, top_p):
     """The sampler's own processed scores (logits after temperature, top-k and top-p: generate's output_scores,
-    or fast.decode's), as log-probs of the sampled tokens, equal token_logprobs at the sampling temperature with
+    or the decode loop's, kept by lab/decode.py's), as log-probs of the sampled tokens, equal token_logprobs at the sampling temperature with
     the same truncation, to 1e-5 in fp32, with a hostile checkpoint generation config on the model."""
     model, tokenizer, prompt_ids, prompt_mask = load()
     make_hostile(model)
@@ -82,10 +83,10 @@ def test_the_samplers_processed_scores_are_the_scored_logprobs(path, top_k, top_
         return out.sequences
 
     model.generate = generate_with_scores
-    if path is fast:  # its own decode loop hands out its scores: (step, rows still going, their scores)
+    if path is models:  # its decode loop, as the lab runs it, hands out its scores: (step, rows still going, scores)
         steps = []
         torch.manual_seed(0)
-        completion_ids = fast.generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=4, scores=steps)
+        completion_ids = decode.generate(model, tokenizer, prompt_ids, prompt_mask, cfg, num_samples=4, scores=steps)
         captured["scores"] = torch.zeros(*completion_ids.shape, steps[0][2].shape[-1])  # ended rows: never read
         for step, rows, scores in steps:
             captured["scores"][rows, step] = scores

@@ -17,7 +17,7 @@ from lab import config as lab_config
 from lab import tasks
 from lab.checkpointer import Checkpointer
 from lab.reward_model import RewardModel
-from support import config, fast, models
+from support import config, models
 from support.run import read_metrics
 from conftest import ROOT, run_together
 
@@ -184,21 +184,21 @@ def test_lora_run_saves_the_adapter_and_merges_on_request(tmp_path):
     assert max((a - b).abs().max().item() for a, b in zip(merged.parameters(), base.parameters())) > 0
 
 
-@pytest.mark.parametrize("path", [common, fast], ids=["common", "fast"])
+@pytest.mark.parametrize("path", [common, models], ids=["common", "fast"])
 def test_logprobs_are_fp32_under_bf16_autocast(path, monkeypatch):
     """Under bf16 autocast the logits come out in bfloat16; the log-softmax must then be taken in
     float32. A dtype check alone passes for a bf16 log-softmax cast at the end (`.float()` last),
     so compare the values: they match the fp32 log-softmax of the same bf16 logits to 1e-6, while
     a bf16 log-softmax is off by more than 1e-3 (bf16 keeps 8 bits of mantissa). The definition
-    (common.py) and the fast path (support/fast.py) alike, each against the logits it computed itself:
+    (common.py) and the fast path (support/models.py) alike, each against the logits it computed itself:
     the fast path runs a group's prompt once, and its bf16 logits need not be a separate full forward's
     (they are not on a processor without AVX-512, or under ATEN_CPU_CAPABILITY=avx2)."""
     model = AutoModelForCausalLM.from_pretrained(config.EMBEDDED_MODEL)
     ids, mask = torch.tensor([[4, 5, 13, 6, 16, 7, 9, 12]]), torch.ones(1, 8, dtype=torch.long)
     seen = []  # the (1, 5, V) logits the path scores
-    if path is fast:
-        completion_logits = fast.completion_logits
-        monkeypatch.setattr(fast, "completion_logits", lambda *args: seen.append(completion_logits(*args)) or seen[-1])
+    if path is models:
+        completion_logits = models.completion_logits
+        monkeypatch.setattr(models, "completion_logits", lambda *args: seen.append(completion_logits(*args)) or seen[-1])
     else:
         model.register_forward_hook(lambda module, args, out: seen.append(out.logits[:, -6:-1]))
     with torch.autocast("cpu", dtype=torch.bfloat16):

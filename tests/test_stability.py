@@ -12,7 +12,7 @@ from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsW
 import common
 from lab import corrections, dapo, grpo, rloo  # the lab's loops: --rollout_lag, --rollout_dtype and the corrections
 from lab import sampling
-from support import config, fast, tasks
+from support import config, models, tasks
 from support.run import read_metrics
 
 F64 = torch.float64
@@ -198,7 +198,7 @@ def test_sampling_mask_matches_the_transformers_warpers(top_k, top_p):
     assert torch.equal(common.sampling_mask(logits, top_k, top_p), expected)
 
 
-@pytest.mark.parametrize("path", [common, fast], ids=["common", "fast"])
+@pytest.mark.parametrize("path", [common, models], ids=["common", "fast"])
 def test_token_logprobs_with_top_k_and_top_p_are_the_samplers_processed_scores(path):
     """generate(output_scores=True) returns the scores after temperature, top-k and top-p: the
     distribution each token was drawn from. token_logprobs (the definition and the fast path) must score

@@ -112,13 +112,13 @@ def test_a_second_forward_while_a_routing_pass_is_open_is_refused():
     meanwhile would record into the first one's, so it is refused; once the first closes, the next opens."""
     from transformers import AutoModelForCausalLM
 
-    from support.rollout import Rollout
+    from lab.rollout import LabRollout
 
     model = AutoModelForCausalLM.from_pretrained(MOE)
     ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
     layers, top_k = model.config.num_hidden_layers, model.config.num_experts_per_tok
-    rollout = Rollout([{}, {}], ids[:, :2], torch.ones(2, 2, dtype=torch.long), ids[:, 2:],
-                      torch.ones(2, 2, dtype=torch.long), ["", ""], (torch.full((2, 4, layers, top_k), -1), ids))
+    rollout = LabRollout([{}, {}], ids[:, :2], torch.ones(2, 2, dtype=torch.long), ids[:, 2:],
+                         torch.ones(2, 2, dtype=torch.long), ["", ""], (torch.full((2, 4, layers, top_k), -1), ids))
     first = routing.Pass(model, rollout, torch.tensor([0]))
     model(input_ids=ids[:1])
     with pytest.raises(RuntimeError, match="still open"):

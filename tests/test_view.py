@@ -103,13 +103,13 @@ def test_a_single_turn_record_is_written_as_before(tmp_path):
 def episode_rollout():
     """Two episodes laid out by agents.episode_tensors: row 0 the model's "1+2=", the environment's "2\\n", the
     model's "1<eos>"; row 1 one turn, " the<eos>" (token mask = action mask). FakeTokenizer's ids."""
-    from support.rollout import Rollout
+    from lab.rollout import LabRollout
 
     segments = [[([4, 6, 5, 7], True), ([5, 3], False), ([4, 1], True)], [([8, 1], True)]]
     completion_ids, mask, token_mask = agents.episode_tensors(segments, pad_token_id=0)
     examples = [{"prompt": "1+2=", "answer": "3"}, {"prompt": "2=", "answer": "2"}]
-    return Rollout(examples, torch.ones(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.long), completion_ids,
-                   mask, ["", ""], group_size=1, token_mask=token_mask, episodes=[None, None])
+    return LabRollout(examples, torch.ones(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.long),
+                      completion_ids, mask, ["", ""], group_size=1, token_mask=token_mask, episodes=[None, None])
 
 
 def test_an_episode_shows_the_environments_tokens_without_the_updates_values(tmp_path):

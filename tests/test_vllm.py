@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import common
 from conftest import ROOT, launch_two_processes, run_together
 from lab import vllm_engine
-from support import config, fast, tasks
+from support import config, models, tasks
 
 HAS_ENGINE = os.access(vllm_engine.ENGINE_PYTHON, os.X_OK)
 needs_engine = pytest.mark.skipif(not HAS_ENGINE and os.environ.get("VLLM_REQUIRED") != "1",
@@ -86,10 +86,10 @@ def trainer_logprobs(model, prompt_ids, prompt_mask, completion_ids, cfg, k):
 
 @needs_engine
 def test_greedy_decoding_equals_our_greedy_decode_token_for_token(engine, policy, tokenizer, tmp_path):
-    """250 held-out prompts: the engine's greedy completions are fast.generate's (and so common.generate's)."""
+    """250 held-out prompts: the engine's greedy completions are models.generate's (and so common.generate's)."""
     cfg = settings(tmp_path)
     prompt_ids, prompt_mask = held_out(tokenizer, 250)
-    ours = fast.generate(policy, tokenizer, prompt_ids, prompt_mask, cfg, greedy=True)
+    ours = models.generate(policy, tokenizer, prompt_ids, prompt_mask, cfg, greedy=True)
     theirs = engine.generate(policy, tokenizer, prompt_ids, prompt_mask, cfg, greedy=True)
     assert theirs.equal(ours)
 

@@ -1,4 +1,4 @@
-"""The decode loop the loops sample with on a GPU: support/fast.py's `decode` (the same signature, the same draws
+"""The decode loop the lab's loops sample with on a GPU: lab/decode.py's `decode` (the same signature, the same draws
 from the same seed, proven equal to common.generate by tests/test_fast.py), in steps of fixed shapes.
 
 On a GPU a decode step of a small model is bound by its kernel launches, not by its arithmetic: what saves work on
@@ -21,7 +21,7 @@ more there than it saves. Here every step has the same shapes, so it can be capt
 What transformers' `generate(cache_implementation="static")` does not give, and why this loop exists at all: the
 log-prob of each drawn token under the exact distribution it was drawn from (after temperature, top-k and top-p),
 kept as it is drawn (the behaviour policy of lab/async_sampling.py, without a scoring pass or every step's
-(B, V) scores kept); and a group's prompt run once for its samples (`fast.shared_prompt_cache`) rather than once
+(B, V) scores kept); and a group's prompt run once for its samples (`models.shared_prompt_cache`) rather than once
 per sample. The rest (the cache, the compiled forward, the masks) is transformers'.
 
 The first step (the last prompt token, on top of the shared prompt's keys and values) runs uncompiled and fills the
@@ -100,7 +100,7 @@ def set_generator_state(device, state):
 
 
 def decode(model, input_ids, attention_mask, cache, gen, scores=None, logprobs=False, compiled=None):
-    """fast.decode's draws, in steps of fixed shapes: (B, C) completion ids padded after EOS (logprobs: and the
+    """models.decode's draws, in steps of fixed shapes: (B, C) completion ids padded after EOS (logprobs: and the
     (B, C) log-probs of the drawn tokens under the processed scores they were drawn from, 0 after EOS). `cache`
     holds every prompt token but the last (None: the whole prompt runs first). `scores`, a list, receives
     (step, rows, processed scores) for every row, the ended ones included. compiled (None: on CUDA, but not under
