@@ -146,8 +146,8 @@ def main():
             rewards, correct, reward_stats = reward_fn(rollout.examples, rollout.completions)
             keep = dynamic_sampling_filter(correct, G).repeat_interleave(G)  # (B,) whole groups
             rounds.append((rollout, rewards, correct, keep, reward_stats))
-        rollout, rewards, correct, reward_stats, metrics = helpers.fill_batch(rounds, cfg, accelerator,
-                                                                              tokenizer, step)
+        n = helpers.fewest(accelerator, min(cfg.batch_size, sum(int(keep.sum()) for *_, keep, _ in rounds)))
+        rollout, rewards, correct, reward_stats, metrics = helpers.fill_batch(rounds, n, cfg, tokenizer, step)
         if rollout is None:  # no process kept a group: log what dynamic sampling did, and go on
             helpers.log_step(logger, step, metrics, None, None, started)
             continue

@@ -66,8 +66,8 @@ MiB = 2 ** 20
 # child: bench/cost.py's, with a random reward
 # ----------------------------------------------------------------------------------------
 def random_reward_scorer(cfg, device, reward_model=None):
-    """A reward of 0 or 1 at random per completion, in place of tasks.reward_scorer: the learner's reward_fn and
-    (--async_rollouts) the sampler process's."""
+    """A reward of 0 or 1 at random per completion, in place of the lab's tasks.reward_scorer: the learner's
+    reward_fn and (--async_rollouts) the sampler process's."""
     import torch
 
     def score(examples, completions, episodes=None):
@@ -77,16 +77,22 @@ def random_reward_scorer(cfg, device, reward_model=None):
     return score
 
 
+def random_reward_fn(cfg, accelerator):
+    """The lesson's reward_fn (helpers.make_reward_fn's) with random_reward_scorer's values."""
+    score = random_reward_scorer(cfg, accelerator.device)
+    return lambda examples, completions: score(examples, completions)[:3]
+
+
 def run_child(script, result_path, script_args):
     import torch
 
     from bench.cost import run_child as run_cost_child
     from lab import tasks as lab_tasks
-    from support import tasks
+    from support import helpers
 
     if torch.cuda.is_available():  # this process's GPU before run_child touches one: else every rank opens GPU 0
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    tasks.reward_scorer = lab_tasks.reward_scorer = random_reward_scorer  # the lesson's and the lab's
+    helpers.make_reward_fn, lab_tasks.reward_scorer = random_reward_fn, random_reward_scorer  # the lesson's, the lab's
     run_cost_child(script, f"{result_path}.rank{os.environ.get('RANK', '0')}", script_args)
 
 

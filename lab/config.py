@@ -4,8 +4,10 @@ defaults). Each lab/<script>.py subclasses one of them with what its algorithm a
 import importlib.util
 from dataclasses import dataclass, field
 
-from support.config import (DTYPES, FRACTION, NON_NEGATIVE, POSITIVE, Rule, TrainConfig, arg, check, check_rules,
-                            one_of, say)
+from support.config import FRACTION, NON_NEGATIVE, POSITIVE, Rule, TrainConfig, arg, check, check_rules, one_of, say
+
+DTYPES = ("float32", "bfloat16", "float16")  # the precisions a flag may name, each a torch dtype's name
+DUAL_CLIP = Rule(lambda v: v == 0 or v > 1, "0 (off) or > 1")
 
 
 @dataclass

@@ -47,7 +47,7 @@ class Config(environments.AgentConfig, budget.ExplorationConfig, lab_config.Grou
     def __post_init__(self):
         self.reuses_batch = self.num_epochs > 1
         super().__post_init__()
-        config.check_rules(self, dual_clip_c=config.DUAL_CLIP, num_epochs=config.AT_LEAST_ONE)
+        config.check_rules(self, dual_clip_c=lab_config.DUAL_CLIP, num_epochs=config.AT_LEAST_ONE)
         config.check_rules(self, epsilon_low=config.FRACTION, epsilon_high=config.POSITIVE,
                            max_sampling_rounds=config.AT_LEAST_ONE,
                            dynamic_sampling_metric=config.one_of("correct", "reward"))
@@ -87,8 +87,8 @@ def main():
             keep = dynamic_sampling_filter(values, group_size) if cfg.budget == "uniform" else \
                 ~exploration.all_equal(values, groups)  # (num_groups,) mixed groups
             rounds.append((rollout, rewards, correct, keep[groups], reward_stats))
-        rollout, rewards, correct, reward_stats, metrics = helpers.fill_batch(rounds, cfg, accelerator, tokenizer,
-                                                                              step)  # as many rows on every process
+        n = helpers.fewest(accelerator, min(cfg.batch_size, sum(int(keep.sum()) for *_, keep, _ in rounds)))
+        rollout, rewards, correct, reward_stats, metrics = helpers.fill_batch(rounds, n, cfg, tokenizer, step)
         if rollout is None:
             if trainer.end_step(step, metrics):  # a skipped step logs only what dynamic sampling did
                 break

@@ -62,7 +62,7 @@ class Config(environments.AgentConfig, budget.ExplorationConfig, lab_config.Grou
         self.reuses_batch = self.num_epochs > 1
         super().__post_init__()
         config.check_rules(self, beta=config.NON_NEGATIVE)
-        config.check_rules(self, dual_clip_c=config.DUAL_CLIP, num_epochs=config.AT_LEAST_ONE)
+        config.check_rules(self, dual_clip_c=lab_config.DUAL_CLIP, num_epochs=config.AT_LEAST_ONE)
         config.check_rules(self, kl_estimator=config.one_of("k1", "k2", "k3"), epsilon=config.FRACTION, epsilon_high=
                            config.POSITIVE, importance_sampling_level=config.one_of("token", "sequence"), scale_rewards=
                            config.one_of("group", "batch", "none"), loss_agg=config.one_of(*common.LOSS_AGG_MODES))

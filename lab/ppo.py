@@ -89,7 +89,7 @@ class Config(environments.AgentConfig, lab_config.CorrectionConfig):
                            epsilon_high=config.POSITIVE)
         config.check(self.value_pretrain_steps == 0 or self.async_rollouts == 0, "--value_pretrain_steps samples "
                      "from the initial policy in the learner: give --async_rollouts 0.")
-        config.check_rules(self, dual_clip_c=config.DUAL_CLIP, num_epochs=config.AT_LEAST_ONE)
+        config.check_rules(self, dual_clip_c=lab_config.DUAL_CLIP, num_epochs=config.AT_LEAST_ONE)
         config.check_rules(self, beta=config.NON_NEGATIVE, gamma=config.PROBABILITY, lam=config.PROBABILITY,
                            lam_critic=config.PROBABILITY, lam_alpha=config.NON_NEGATIVE, epsilon=config.FRACTION,
                            **{name: config.POSITIVE for name in ("num_steps", "learning_rate", "critic_learning_rate",

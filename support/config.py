@@ -16,7 +16,6 @@ from typing import NamedTuple
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EMBEDDED_MODEL = os.path.join(ROOT, "embedded_model")
 EMBEDDED_TEACHER = os.path.join(EMBEDDED_MODEL, "teacher")  # opd.py's (embedded_model/build.py --teacher)
-DTYPES = ("float32", "bfloat16", "float16")  # the precisions a flag may name, each a torch dtype's name
 # Flags a resumed run may change: they decide how long to run, what to write and how much memory a step
 # takes (the steps stay the same up to rounding), not the steps themselves. Any other difference from the
 # checkpoint's flags is refused (the optimizer state would also silently restore its --learning_rate).
@@ -45,7 +44,6 @@ NON_NEGATIVE = Rule(lambda v: v >= 0, ">= 0")
 FRACTION = Rule(lambda v: 0 < v < 1, "in (0, 1)")
 PROBABILITY = Rule(lambda v: 0 <= v <= 1, "in [0, 1]")
 AT_LEAST_ONE = Rule(lambda v: v >= 1, ">= 1")
-DUAL_CLIP = Rule(lambda v: v == 0 or v > 1, "0 (off) or > 1")
 
 
 @dataclass

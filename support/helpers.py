@@ -17,8 +17,8 @@ from tqdm.auto import tqdm
 import common
 from support import config, models, run, tasks
 from support.config import (  # noqa: F401 (the lessons')
-    DTYPES, AT_LEAST_ONE, DUAL_CLIP, EMBEDDED_TEACHER, FRACTION, NON_NEGATIVE, POSITIVE, PROBABILITY,
-    TrainConfig, arg, check, check_rules, one_of)
+    AT_LEAST_ONE, EMBEDDED_TEACHER, FRACTION, NON_NEGATIVE, POSITIVE, PROBABILITY, TrainConfig, arg, check,
+    check_rules, one_of)
 from support.models import generate, token_logprobs
 from support.tasks import make_reward_fn  # noqa: F401 (the lessons')
 
@@ -235,18 +235,17 @@ def fewest(accelerator, n):
     return min(accelerator.gather(torch.tensor([n], device=accelerator.device)).tolist())
 
 
-def fill_batch(rounds, cfg, accelerator, tokenizer, step):
-    """DAPO's dynamic sampling: the rows each round kept, as one (rollout, rewards, correct), as many on every
-    process (the fewest kept, at most --batch_size: they step together), padded as if sampled together, or
-    three Nones when a process kept nothing (every process skips the step); the rounds' mean reward_stats; and the
-    metrics of the sampling. rounds: (rollout, rewards, correct, keep: (B,) bool, reward_stats) of each round.
-    Warns when --max_sampling_rounds ended before the batch was full."""
+def fill_batch(rounds, n, cfg, tokenizer, step):
+    """DAPO's dynamic sampling: the first n rows the rounds kept (n: as many on every process, the fewest any kept,
+    at most --batch_size: they step together), as one (rollout, rewards, correct) padded as if sampled together, or
+    three Nones when n is 0 (every process skips the step); the rounds' mean reward_stats; and the metrics of the
+    sampling. rounds: (rollout, rewards, correct, keep: (B,) bool, reward_stats) of each round. Warns when
+    --max_sampling_rounds ended before this process's batch was full."""
     kept = [(rollout.select(keep), rewards[keep], correct[keep]) for rollout, rewards, correct, keep, _ in rounds]
     held, sampled = sum(len(rollout) for rollout, _, _ in kept), torch.cat([r[1] for r in rounds])
-    n = fewest(accelerator, min(held, cfg.batch_size))
     if held < cfg.batch_size:
-        print(f"warning: step {step} (rank {accelerator.process_index}): --max_sampling_rounds "
-              f"{cfg.max_sampling_rounds} reached with {held // cfg.num_generations} groups kept; " +
+        print(f"warning: step {step}: --max_sampling_rounds {cfg.max_sampling_rounds} reached with "
+              f"{held // cfg.num_generations} groups kept on this process; " +
               ("skipping the step" if n == 0 else "training on those") +
               ". Raise --max_sampling_rounds to fill the batch.", file=sys.stderr, flush=True)
     stats = [r[4] for r in rounds]
@@ -294,15 +293,8 @@ def check_finite(accelerator, loss, grad_norm, step):
 
 
 # ---- the run: steps, evaluation, logging, checkpoints ----
-def resume(cfg, accelerator, prompts):
-    """The step to start after: 0, or that of the checkpoint --resume_from names (its weights, optimizer, every
-    rank's random state and prompt order loaded)."""
-    return run.load_checkpoint(cfg, accelerator, prompts)
-
-
-def open_log(cfg, accelerator, start_step):
-    """The metrics log (output_dir/metrics.jsonl: a resumed run keeps its rows up to its step)."""
-    return run.MetricLogger(cfg, accelerator, start_step)
+resume = run.load_checkpoint  # the step to start after: 0, or --resume_from's, its state and prompt order loaded
+open_log = run.MetricLogger  # output_dir/metrics.jsonl: a resumed run keeps its rows up to its step
 
 
 def steps(cfg, start_step, accelerator):
@@ -311,9 +303,7 @@ def steps(cfg, start_step, accelerator):
     return tqdm(range(start_step + 1, cfg.num_steps + 1), desc=name, disable=accelerator.process_index > 0)
 
 
-def evaluate(policy, tokenizer, eval_data, cfg, accelerator):
-    """Held-out greedy accuracy of the policy, overall and per family (eval/accuracy, eval/acc_<family>)."""
-    return tasks.evaluate(policy, tokenizer, eval_data, cfg, accelerator, generate=generate)
+evaluate = tasks.evaluate  # held-out greedy accuracy of the policy, overall and per family (eval/acc_<family>)
 
 
 def log_step(logger, step, metrics, rollout, rewards, started, evaluation=None):

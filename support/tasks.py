@@ -24,11 +24,8 @@ FAMILIES = {
     "mul_2x1": ((2, 1), "*"),
     "add_3x3": ((3, 3), "+"),
 }
-# reward for (wrong, right) per family under --reward_scales hetero: one offset and scale per
-# family, as a learned reward model puts different prompt kinds on different scales.
-# Same gap (1) between right and wrong everywhere, offsets from -5 to +5: a baseline removes the
-# offsets exactly; plain REINFORCE pushes up whatever it samples on the positive families and
-# down on the negative ones. All within ReMax's advantage clip of 5.
+# reward for (wrong, right) per family under --reward_scales hetero (docs/baselines.md): one offset per family, as
+# a learned reward model puts prompt kinds on different scales; the same gap of 1, within ReMax's advantage clip of 5.
 HETERO_SCALES = {"add_2x1": (4.0, 5.0), "sub_2x2": (-5.0, -4.0), "add_2x2": (2.0, 3.0), "mul_2x1": (-3.0, -2.0),
                  "add_3x3": (0.0, 1.0)}
 HELD_OUT_FRACTION = 5  # one prompt in 5 (by hash) is held out: never trained on
@@ -266,23 +263,11 @@ def make_reward_fn(cfg, accelerator):
     """reward_fn(examples, completions) -> (rewards, correct, stats) on the accelerator's device: the rule reward plus
     each --reward_fn function's values (None counts 0); stats holds each function's mean over the rows it scored, as
     train/reward/<name>. A reward that raises, or a value that is not a finite number, stops every rank before any
-    update, naming what and where."""
-    score = reward_scorer(cfg, accelerator.device)
-
-    def reward_fn(examples, completions):
-        rewards, correct, stats, error = score(examples, completions)
-        stop_on_reward_error(accelerator, error)
-        return rewards, correct, stats
-
-    return reward_fn
-
-
-def reward_scorer(cfg, device):
-    """score(examples, completions) -> (rewards, correct, stats, error): reward_fn's values in one process, on
-    `device`, with no agreement between ranks; error: the line to stop with, or None."""
+    update, naming what and where (`score`: the values and the error in this process; then every rank agrees)."""
     functions = [(spec.rpartition(":")[2], config.reward_function(spec), 1.0) for spec in cfg.reward_fn]
     if functions:
         reward_functions.trainer_state().max_steps = cfg.num_steps
+    device = accelerator.device
 
     def score(examples, completions):
         try:
@@ -297,7 +282,12 @@ def reward_scorer(cfg, device):
                 return rewards, correct, stats, error
         return rewards, correct, stats, non_finite(rewards, examples, completions)
 
-    return score
+    def reward_fn(examples, completions):
+        rewards, correct, stats, error = score(examples, completions)
+        stop_on_reward_error(accelerator, error)
+        return rewards, correct, stats
+
+    return reward_fn
 
 
 def reward_raised(e, examples, completions, device):
