@@ -31,7 +31,13 @@ from dataclasses import dataclass, field
 import torch
 
 import common
-from lab.decode import drawn_logprob
+
+
+@torch.no_grad()
+def drawn_logprob(scores, token):
+    """(B,) each row's drawn token's log-prob under the processed (B, V) scores it was drawn from: the behaviour
+    policy mu of the draw."""
+    return scores.gather(1, token[:, None]).squeeze(1) - torch.logsumexp(scores, dim=-1)
 
 
 @dataclass

@@ -18,6 +18,7 @@ lab's loops train what the lesson's do (tests/test_lesson_equals_lab.py).
 import torch
 
 import common
+from agents import drawn_logprob
 from lab import routing, static_decode
 from support import models
 
@@ -94,13 +95,6 @@ def decode(model, input_ids, attention_mask, cache, gen, scores=None, logprobs=F
         inputs, positions = token[:, None], positions[:, -1:] + 1
         attention_mask = torch.cat([attention_mask, attention_mask.new_ones(len(attention_mask), 1)], dim=1)
     return (tokens, drawn_logp) if logprobs else tokens
-
-
-@torch.no_grad()
-def drawn_logprob(scores, token):
-    """(B,) each row's drawn token's log-prob under the processed (B, V) scores it was drawn from: the behaviour
-    policy mu of the draw."""
-    return scores.gather(1, token[:, None]).squeeze(1) - torch.logsumexp(scores, dim=-1)
 
 
 @torch.no_grad()
