@@ -122,6 +122,26 @@ def test_two_process_run_killed_and_resumed_matches_the_uninterrupted_one(tmp_pa
     assert summary["num_processes"] == 2 and len(set(summary["replica_weight_checksums"])) == 1
 
 
+def in_process(capsys, script, *args):
+    """`python script args` as this process's call of the script's main() (sys.argv patched): its exit status,
+    stdout and stderr as a CompletedProcess would hold them (a SystemExit with a message: status 1, the message
+    as stderr's last line, as Python prints it). An exception other than SystemExit fails the test with its
+    traceback. The runs here need no process of their own: one cost ~13 s of start-up against ~2 s of run."""
+    module = importlib.import_module(script[:-len(".py")].replace("/", "."))
+    capsys.readouterr()
+    code = 0
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sys, "argv", [script, *map(str, args)])
+        try:
+            module.main()
+        except SystemExit as stopped:
+            code = stopped.code
+    out, err = capsys.readouterr()
+    if isinstance(code, str):
+        code, err = 1, err + code + "\n"
+    return subprocess.CompletedProcess([script, *args], code or 0, out, err)
+
+
 @pytest.fixture(scope="module")
 def parts():
     """A CPU accelerator with the embedded policy prepared, its tokenizer and a prompt sampler."""
@@ -394,25 +414,24 @@ def test_a_damaged_file_is_named(parts, tmp_path, monkeypatch, damage, message):
                     "checkpoint (--resume_from latest skips damaged ones)."
 
 
-def test_damaged_checkpoints_are_an_error_by_path_and_skipped_by_latest(tmp_path):
+def test_damaged_checkpoints_are_an_error_by_path_and_skipped_by_latest(tmp_path, capsys):
     """A real run's checkpoints: a missing optimizer.bin given by path is one error line naming it, not a
     FileNotFoundError; a truncated model.safetensors (accelerate's copy of the weights, a SafetensorError
     when loaded) in the newest checkpoint makes --resume_from latest resume from the one before."""
     out_dir = tmp_path / "run"
-    cmd = [sys.executable, "lab/remax.py", *CHAOS_ARGS, "--num_steps", "2", "--output_dir", str(out_dir)]
-    first = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True)
+    cmd = ["lab/remax.py", *CHAOS_ARGS, "--num_steps", "2", "--output_dir", str(out_dir)]
+    first = in_process(capsys, *cmd)
     assert first.returncode == 0, first.stderr[-3000:]
     newest = out_dir / "checkpoint-2"
     (newest / "optimizer.bin").rename(tmp_path / "optimizer.bin")
-    out = subprocess.run(cmd + ["--resume_from", str(newest)], cwd=ROOT, env=ENV, capture_output=True, text=True)
+    out = in_process(capsys, *cmd, "--resume_from", str(newest))
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
     assert out.stderr.strip().splitlines()[-1] == f"error: --resume_from {str(newest)!r} is damaged: " \
         f"{newest / 'optimizer.bin'} is missing. Give another checkpoint (--resume_from latest skips damaged ones)."
     (tmp_path / "optimizer.bin").rename(newest / "optimizer.bin")
     weights = newest / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:4])
-    out = subprocess.run(cmd[:-4] + ["--num_steps", "3", "--output_dir", str(out_dir), "--resume_from", "latest"],
-                         cwd=ROOT, env=ENV, capture_output=True, text=True)
+    out = in_process(capsys, *cmd[:-4], "--num_steps", "3", "--output_dir", str(out_dir), "--resume_from", "latest")
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"warning: --resume_from latest: skipping the damaged checkpoint-2: {weights} has 4 bytes" in out.stderr
     assert f"resumed from {out_dir / 'checkpoint-1'} at step 1" in out.stdout
@@ -426,25 +445,24 @@ PAYLOAD = "import os, pickle\nclass P:\n    def __reduce__(self):\n        retur
 
 
 @pytest.mark.parametrize("script", ["ppo.py", "lab/ppo.py"])
-def test_ppos_kl_controller_is_saved_as_json_and_a_resume_runs_no_pickle(tmp_path, script):
+def test_ppos_kl_controller_is_saved_as_json_and_a_resume_runs_no_pickle(tmp_path, script, capsys):
     """The KL controller (registered with accelerate) is saved as plain JSON, not a pickle, and restored from it; a
     checkpoint given a pickle where accelerate keeps registered objects, its checksums rewritten to verify, is refused
     with one line and the pickle never runs (accelerate loads them with weights_only=False); a state that is not the
     controller's is one line too."""
     out_dir = tmp_path / "run"
-    cmd = [sys.executable, script, "--num_steps", "2", "--batch_size", "4", "--num_mini_batches", "2",
+    cmd = [script, "--num_steps", "2", "--batch_size", "4", "--num_mini_batches", "2",
            "--max_new_tokens", "4", "--eval_every", "100000", "--save_steps", "1", "--adaptive_kl", "True",
            "--output_dir", str(out_dir)]
-    first = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    first = in_process(capsys, *cmd)
     assert first.returncode == 0, first.stderr[-3000:]
     last = out_dir / "checkpoint-2"
     betas = [json.loads(line)["train/beta"] for line in open(out_dir / "metrics.jsonl") if "train/beta" in line]
     assert sorted(p.name for p in last.glob("custom_*")) == ["custom_state_0.json"]
     assert json.loads((last / "custom_state_0.json").read_text())["value"] != betas[0]  # moved by step 2's update
     if script == "ppo.py":  # (the lab's saves and loads through the same functions)
-        resumed = subprocess.run(cmd + ["--resume_from", str(out_dir / "checkpoint-1"), "--output_dir",
-                                        str(tmp_path / "resumed")], cwd=ROOT, env=ENV, capture_output=True,
-                                 text=True, timeout=600)
+        resumed = in_process(capsys, *cmd, "--resume_from", str(out_dir / "checkpoint-1"), "--output_dir",
+                             str(tmp_path / "resumed"))
         assert resumed.returncode == 0, resumed.stderr[-3000:]
         again = [json.loads(line)["train/beta"] for line in open(tmp_path / "resumed" / "metrics.jsonl")
                  if "train/beta" in line]
@@ -454,8 +472,7 @@ def test_ppos_kl_controller_is_saved_as_json_and_a_resume_runs_no_pickle(tmp_pat
     subprocess.run([sys.executable, "-c", PAYLOAD.format(sentinel=sentinel, file=str(crafted))], check=True)
     state = json.loads((last / "trainer_state.json").read_text())
     (last / "trainer_state.json").write_text(json.dumps({**state, "files": run.file_records(last)}))
-    refused = subprocess.run(cmd + ["--resume_from", str(last)], cwd=ROOT, env=ENV, capture_output=True, text=True,
-                             timeout=600)
+    refused = in_process(capsys, *cmd, "--resume_from", str(last))
     assert not sentinel.exists()
     assert refused.returncode != 0 and refused.stderr.strip().splitlines()[-1].startswith(
         f"error: --resume_from {str(last)!r} holds custom_checkpoint_0.pkl"), refused.stderr[-3000:]
@@ -464,7 +481,6 @@ def test_ppos_kl_controller_is_saved_as_json_and_a_resume_runs_no_pickle(tmp_pat
     crafted.unlink()
     (last / "custom_state_0.json").write_text('{"value": "0.1"}')
     (last / "trainer_state.json").write_text(json.dumps({**state, "files": run.file_records(last)}))
-    refused = subprocess.run(cmd + ["--resume_from", str(last)], cwd=ROOT, env=ENV, capture_output=True, text=True,
-                             timeout=600)
+    refused = in_process(capsys, *cmd, "--resume_from", str(last))
     assert refused.stderr.strip().splitlines()[-1].startswith(f"error: --resume_from {str(last)!r}: ") and \
         "is not the state of AdaptiveKLController" in refused.stderr, refused.stderr[-3000:]

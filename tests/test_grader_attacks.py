@@ -27,9 +27,11 @@ import make_student_copy as msc  # noqa: E402
 ENV = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 # The time limit of one exercise in these runs, seconds. An attack that must stop for a reason of its own (a crash, a
 # limit, a refusal) runs under a limit it does not meet on a loaded machine (at a load of 12 on 2 cores one took more
-# than 10 s to crash); only the hangs, graded apart, meet the short one (three run at once: they mostly wait).
+# than 10 s to crash); only the hangs, graded apart, meet the short one (three run at once: they mostly wait). The
+# fork bomb (rloo_loss) is one: its processes wait for the process limit to let them fork again and never stop on
+# their own, so under the long limit it held the test for the whole 300 s.
 TIMEOUT, HANG_TIMEOUT = 300, 10
-HANGS = ("grpo_advantages", "overlong_penalty")
+HANGS = ("grpo_advantages", "overlong_penalty", "rloo_loss")
 
 # (category, exercise, body). {root}: the teacher's tree, {sentinel}: a path outside the student's folder,
 # {results}: the results.json the teacher asked for, {port}: a port this test listens on. No body holds
@@ -321,7 +323,7 @@ def test_every_attack_scores_zero_and_touches_nothing_outside_its_sandbox(tmp_pa
     assert accepted == []
     # each one stopped for its own reason, not for a failure of the grader
     assert all("grader error" not in output for _, output in scores.values()), scores
-    assert "time limit" in scores["overlong_penalty"][1] and "time limit" in scores["grpo_advantages"][1]
+    assert all("time limit" in scores[name][1] for name in HANGS), scores
     assert "SIGSEGV" in scores["softmax_optimal_baseline"][1] and "File too large" in scores["dapo_loss"][1]
     assert "is a Lying" in scores["aggregate_loss"][1] and "is a Anything" in scores["truncated_is_weight"][1]
 
