@@ -246,12 +246,12 @@ def sampling_mask(logits, top_k=0, top_p=1.0):
 
 
 def token_logprobs(model, input_ids, attention_mask, num_completion_tokens, temperature=1.0, with_entropy=False,
-                   top_k=0, top_p=1.0, kept_sizes=None):
+                   top_k=0, top_p=1.0):
     """(B, C) log-probs of the last C = num_completion_tokens tokens of `input_ids` under `model`, at the sampling
     temperature, in fp32: log softmax(logits / T) at each sampled token; with `with_entropy` also the (B, C)
     entropies (no gradient). With top_k / top_p, of the truncated, renormalised distribution the sampler drew from
-    (DeepSeek-V3.2's "keep sampling mask", recomputed from the model scored; `kept_sizes`, a list, receives the
-    kept sets' sizes); the reference takes the defaults. The definition; the loops run support/models.py's, equal."""
+    (DeepSeek-V3.2's "keep sampling mask", recomputed from the model scored); the reference takes the defaults. The
+    definition; the loops run support/models.py's, equal."""
     c = num_completion_tokens
     logits = model(input_ids=input_ids, attention_mask=attention_mask,
                    position_ids=position_ids_from_mask(attention_mask)).logits  # (B, T, V)
@@ -261,8 +261,6 @@ def token_logprobs(model, input_ids, attention_mask, num_completion_tokens, temp
         # the sampled token stays in: a rounding difference from generate() must not give log 0
         kept = sampling_mask(logits.detach(), top_k, top_p).isfinite().scatter(-1, targets, True)  # (B, C, V)
         logits = logits.masked_fill(~kept, float("-inf"))
-        if kept_sizes is not None:
-            kept_sizes.append(kept.sum(-1))
     logprobs = torch.log_softmax(logits, -1)  # (B, C, V)
     logp = logprobs.gather(-1, targets).squeeze(-1)  # (B, C)
     if not with_entropy:
