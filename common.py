@@ -58,21 +58,12 @@ def kl_k3(logp, ref_logp):
     # END SOLUTION
 
 
-def kl_penalty(logp, ref_logp, estimator="k3", old_logp=None):
-    """Per-token KL term for a loss, gradient through logp: k1, k2 or k3 of (logp, ref_logp). With old_logp (the
-    tokens were sampled by pi_old) the term is multiplied by the ratio pi_theta / pi_old WITH its gradient
-    (DeepSeek-V3.2): E_old[ratio * k] = E_theta[k] as a function of theta, so k1 and k3 give the per-state
-    reverse-KL gradient (grad(ratio * k3) = ratio * k1 * score); a detached ratio would keep k3's forward-KL
-    gradient. ratio * k3 keeps that gradient in fp32 below: the plain product would give autograd ratio * k1 as the
-    difference of two terms of size ref / pi_old, which cancel to nothing once log(ref / pi) passes about 20."""
+def kl_penalty(logp, ref_logp, estimator="k3"):
+    """Per-token KL term for a loss, gradient through logp: k1, k2 or k3 of (logp, ref_logp), by the estimator's
+    name. The lab weights it by the ratio pi_theta / pi_old (lab/losses.py, ratio_weighted_kl)."""
     # BEGIN SOLUTION
     kl = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}[estimator]
-    if old_logp is None:
-        return kl(logp, ref_logp)
-    ratio = torch.exp(logp - old_logp)
-    if estimator == "k3":  # ratio * (ref/pi - log(ref/pi) - 1) with ratio * ref/pi = ref/pi_old: d/dlogp = ratio * k1
-        return torch.exp(ref_logp - old_logp) - ratio * (ref_logp - logp + 1)
-    return ratio * kl(logp, ref_logp)
+    return kl(logp, ref_logp)
     # END SOLUTION
 
 
@@ -246,12 +237,12 @@ def sampling_mask(logits, top_k=0, top_p=1.0):
 
 
 def token_logprobs(model, input_ids, attention_mask, num_completion_tokens, temperature=1.0, with_entropy=False,
-                   top_k=0, top_p=1.0, kept_sizes=None):
+                   top_k=0, top_p=1.0):
     """(B, C) log-probs of the last C = num_completion_tokens tokens of `input_ids` under `model`, at the sampling
     temperature, in fp32: log softmax(logits / T) at each sampled token; with `with_entropy` also the (B, C)
     entropies (no gradient). With top_k / top_p, of the truncated, renormalised distribution the sampler drew from
-    (DeepSeek-V3.2's "keep sampling mask", recomputed from the model scored; `kept_sizes`, a list, receives the
-    kept sets' sizes); the reference takes the defaults. The definition; the loops run support/models.py's, equal."""
+    (DeepSeek-V3.2's "keep sampling mask", recomputed from the model scored); the reference takes the defaults. The
+    definition; the loops run support/models.py's, equal."""
     c = num_completion_tokens
     logits = model(input_ids=input_ids, attention_mask=attention_mask,
                    position_ids=position_ids_from_mask(attention_mask)).logits  # (B, T, V)
@@ -261,8 +252,6 @@ def token_logprobs(model, input_ids, attention_mask, num_completion_tokens, temp
         # the sampled token stays in: a rounding difference from generate() must not give log 0
         kept = sampling_mask(logits.detach(), top_k, top_p).isfinite().scatter(-1, targets, True)  # (B, C, V)
         logits = logits.masked_fill(~kept, float("-inf"))
-        if kept_sizes is not None:
-            kept_sizes.append(kept.sum(-1))
     logprobs = torch.log_softmax(logits, -1)  # (B, C, V)
     logp = logprobs.gather(-1, targets).squeeze(-1)  # (B, C)
     if not with_entropy:

@@ -71,7 +71,7 @@ class Result:
 
 def student_files(root=ROOT):
     """The files the exercises' modules are imported from: the project's top-level Python files, support/, and
-    each exercise's own file in a folder (lab/corrections.py) with its folder's __init__.py."""
+    each exercise's own file in a folder (lab/corrections.py, lab/losses.py) with its folder's __init__.py."""
     nested = {file for file in (key.split("::")[0] for key in msc.EXERCISES) if "/" in file}
     nested |= {f"{Path(file).parent}/__init__.py" for file in nested}
     return [rel for rel in msc.project_files(root) if rel.endswith(".py") and (rel in nested or (

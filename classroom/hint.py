@@ -61,13 +61,9 @@ HINTS = {
                "k3 = r - log r - 1: non-negative, zero when the two agree.",
                "Check: E_pi[r] = 1, so E_pi[k3] = E_pi[-log r] = KL(pi || ref)."]),
     "kl_penalty": Hint(
-        "the per-token KL term of a loss: k1, k2 or k3 by name, optionally times the ratio pi / pi_old",
-        KL + " (the ratio-weighted estimators)",
-        "(B, T) log-probs in, (B, T) out; old_logp None means no ratio",
-        traps=["the ratio must keep its gradient through logp (a detached ratio keeps k3's forward-KL gradient)"],
-        steps=["Pick kl_k1, kl_k2 or kl_k3 by the estimator's name and apply it to (logp, ref_logp).",
-               "Without old_logp, that is the answer.",
-               "With it, multiply by exp(logp - old_logp) and do not detach that factor."]),
+        "the per-token KL term of a loss: k1, k2 or k3, chosen by name", KL,
+        "(B, T) log-probs in, (B, T) out",
+        steps=["Pick kl_k1, kl_k2 or kl_k3 by the estimator's name.", "Apply it to (logp, ref_logp)."]),
     "masked_sum": Hint(
         "the sum of x over the entries where mask is 1, over everything or along one dim", MASKS,
         "x and mask of one shape; a scalar for dim=None, else x's shape without dim",
@@ -154,6 +150,19 @@ HINTS = {
         steps=["drift_i = masked mean over t of (old_logp - logp), detached: one number per row.",
                "Drop row i (0.0) when adv_i < 0 and drift_i > delta; keep it (1.0) otherwise.",
                "Return it in logp's dtype."]),
+    "ratio_weighted_kl": Hint(
+        "the per-token KL term of a loss on tokens sampled by pi_old: the named estimator times the ratio pi / pi_old",
+        KL + " (the ratio-weighted estimators)",
+        "(B, T) log-probs in, (B, T) out",
+        traps=["the ratio must keep its gradient through logp (a detached ratio keeps k3's forward-KL gradient)"],
+        work="for k3, the ratio times ref / pi is ref / pi_old: write the product so that float32 keeps its "
+             "gradient where the reference is far more likely than the policy",
+        steps=["ratio = exp(logp - old_logp), not detached.",
+               "For k1 and k2: the ratio times common.kl_penalty(logp, ref_logp, estimator).",
+               "For k3: ratio * ref/pi is ref/pi_old, which has no gradient through logp, so ratio * k3 expands to "
+               "ref/pi_old - ratio * (log(ref/pi) + 1): the same value, written from the log-probs, with nothing "
+               "large left to cancel in float32 (the plain product's gradient is two such terms that do).",
+               "Check: on-policy (old_logp = logp's value) the value is k3's and the gradient k2's."]),
     "remax_advantages": Hint(
         "ReMax's advantage: each sampled reward against the greedy completion's reward",
         "docs/algorithms.md, ReMax", "(B,) and (B,) in, (B,) out",

@@ -55,10 +55,7 @@ VISIBLE_TESTS = {
         "test_k1_and_k3_are_unbiased_for_reverse_kl", "test_k3_is_nonnegative_per_sample_and_k1_is_not",
         "test_k3_loss_gradient_is_forward_kl", "test_k2_and_k3_reward_penalties_give_wrong_gradients",
         "test_estimators_hand_computed_values"]),
-    "common.py::kl_penalty": ("tests/test_kl.py", [
-        "test_kl_penalty_with_the_ratio_in_the_graph_gives_the_reverse_kl_gradient_off_policy",
-        "test_ratio_weighted_k3_on_a_sequence_is_the_per_state_reverse_kl_over_the_samplers_states",
-        "test_kl_is_weight_on_policy_gives_k3_the_gradient_of_k2"]),
+    "common.py::kl_penalty": ("tests/test_kl.py", ["test_kl_penalty_is_the_estimator_it_names_and_k3_by_default"]),
     "common.py::masked_sum": ("tests/test_common.py", [
         "test_masked_sum_and_mean_ignore_masked_values_even_nan"]),
     "common.py::masked_mean": ("tests/test_common.py", [
@@ -86,6 +83,10 @@ VISIBLE_TESTS = {
     "lab/corrections.py::geometric_sequence_mask": ("tests/test_stability.py", [
         "test_geometric_sequence_mask_uses_the_mean_log_ratio_over_valid_tokens_and_spares_a_positive_advantage",
         "test_geometric_mask_in_rollout_correction_plays_pi_old_with_the_samplers_log_probs"]),
+    "lab/losses.py::ratio_weighted_kl": ("tests/test_kl.py", [
+        "test_ratio_weighted_kl_with_the_ratio_in_the_graph_gives_the_reverse_kl_gradient_off_policy",
+        "test_ratio_weighted_k3_on_a_sequence_is_the_per_state_reverse_kl_over_the_samplers_states",
+        "test_kl_is_weight_on_policy_gives_k3_the_gradient_of_k2"]),
     "remax.py::remax_advantages": ("tests/test_remax.py", [
         "test_remax_advantage_subtracts_the_greedy_reward",
         "test_remax_advantage_is_invariant_to_a_per_prompt_reward_offset"]),

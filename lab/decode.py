@@ -4,7 +4,8 @@ each step, which the lesson's loop does not keep:
 - the log-prob of each drawn token under the processed scores it was drawn from (`decode(logprobs=True)`): the
   behaviour policy mu of lab/async_sampling.py and agents.CachedTurns, at no scoring pass;
 - each step's processed scores (`decode(scores=[...])`) and each token's kept-set size under top-k / top-p
-  (`token_logprobs(kept_sizes=[...])`): the viewer's (lab/view.py);
+  (`token_logprobs(kept_sizes=[...])`, and `plain_token_logprobs`, common.token_logprobs's, under --fast False):
+  the viewer's (lab/view.py);
 - on a mixture-of-experts policy, each forward tells an open routing record or replay (lab/routing.py) which rows
   of its block it computes: a group's shared prompt pass runs one row per prompt, which reorder_cache then copies
   to the group's rows (`shared_prompt_cache`), and the decode loop runs only the rows still going (`decode`);
@@ -32,6 +33,23 @@ def token_logprobs(model, input_ids, attention_mask, num_completion_tokens, temp
     if kept_sizes is not None and (top_k > 0 or top_p < 1.0):
         kept_sizes.append(kept_set_sizes(logits, input_ids[:, -c:], temperature, top_k, top_p))
     return models.logprobs_from_logits(logits, input_ids[:, -c:], temperature, with_entropy, top_k, top_p)
+
+
+def plain_token_logprobs(model, input_ids, attention_mask, num_completion_tokens, temperature=1.0,
+                         with_entropy=False, top_k=0, top_p=1.0, kept_sizes=None):
+    """common.token_logprobs, the definition (--fast False), with token_logprobs' `kept_sizes`: counted from the
+    logits of its own forward, kept on the way (no second forward: a routing record or replay counts each one)."""
+    c, seen = num_completion_tokens, []
+
+    def forward(**inputs):  # the model's forward, its logits kept
+        out = model(**inputs)
+        seen.append(out.logits[:, -c - 1:-1])
+        return out
+
+    scored = common.token_logprobs(forward, input_ids, attention_mask, c, temperature, with_entropy, top_k, top_p)
+    if kept_sizes is not None and (top_k > 0 or top_p < 1.0):
+        kept_sizes.append(kept_set_sizes(seen[0], input_ids[:, -c:], temperature, top_k, top_p))
+    return scored
 
 
 @torch.no_grad()

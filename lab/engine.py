@@ -153,8 +153,8 @@ class Trainer:
         self.policy, self.rollout_model, self.trainables = policy, rollout_model, (policy, *others)
         self.moe = routing.is_moe(policy.model)  # keep routing: docs/stability.md
         # --fast False: the plain definitions (same draws, same values)
-        path = decode if cfg.fast else common
-        self.sample, self.score = path.generate, path.token_logprobs
+        self.sample = decode.generate if cfg.fast else common.generate
+        self.score = decode.token_logprobs if cfg.fast else decode.plain_token_logprobs
         self.environment = environments.load(cfg, tokenizer)  # --environment, --tools
         self.rollout_sampler = sampling.rollout_sampler(self, policy, rollout_model, rollout_lag,
                                                         sampler.sample_with(self.sample))  # --sampler tree: trees

@@ -102,8 +102,10 @@ def objective_loss(cfg, logp, old_logp, ref_logp, adv, mask, agg, pg_weight):
     if ref_logp is None:
         return loss, stats
     ref_logp = torch.where(mask.bool(), ref_logp, logp.detach())
-    weight = old_logp if cfg.kl_is_weight else None  # DeepSeek-V3.2's ratio weight
-    kl = common.kl_penalty(logp, ref_logp, cfg.kl_estimator, weight)
+    if cfg.kl_is_weight:  # DeepSeek-V3.2's ratio weight
+        kl = losses.ratio_weighted_kl(logp, ref_logp, old_logp, cfg.kl_estimator)
+    else:
+        kl = common.kl_penalty(logp, ref_logp, cfg.kl_estimator)
     kl_term = common.masked_mean(kl.detach(), mask)
     return loss + common.aggregate_loss(cfg.beta * kl, mask, agg), {**stats, "kl_term": kl_term}
 

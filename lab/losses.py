@@ -6,7 +6,8 @@ common.clip_stats, common.kl_penalty, common.aggregate_loss), with what only the
 - pg_weight (B, T), detached: the weights of lab/corrections.py's rollout_correction (truncated importance sampling,
   the masks of a stale or low-precision sampler) multiply the surrogate, not the KL term. A padding weight may hold
   anything (NaN): it is set to 0 first, so it never reaches the loss or the gradient.
-- ratio_weight: the KL term weighted by pi_theta / pi_old (DeepSeek-V3.2), common.kl_penalty given old_logp.
+- ratio_weight: the KL term weighted by pi_theta / pi_old with its gradient (DeepSeek-V3.2), ratio_weighted_kl:
+  common.kl_penalty's estimator times the ratio, its k3 written so that fp32 keeps the gradient.
 - GSPO's sequence level (a common.Clip's level) as the lesson's grpo_loss computes it, the dual clip and the weights
   applied to the sequence's ratio on each of its tokens.
 
@@ -27,6 +28,21 @@ def weighted(x, mask, pg_weight):
     return x if pg_weight is None else torch.where(mask.bool(), pg_weight, 0.0) * x
 
 
+def ratio_weighted_kl(logp, ref_logp, old_logp, estimator="k3"):
+    """Per-token KL term for a loss, gradient through logp, of tokens sampled by pi_old: common.kl_penalty's k1, k2
+    or k3 of (logp, ref_logp) times the ratio pi_theta / pi_old WITH its gradient (DeepSeek-V3.2):
+    E_old[ratio * k] = E_theta[k] as a function of theta, so k1 and k3 give the per-state reverse-KL gradient
+    (grad(ratio * k3) = ratio * k1 * score); a detached ratio would keep k3's forward-KL gradient. ratio * k3 keeps
+    that gradient in fp32 below: the plain product would give autograd ratio * k1 as the difference of two terms of
+    size ref / pi_old, which cancel to nothing once log(ref / pi) passes about 20."""
+    # BEGIN SOLUTION
+    ratio = torch.exp(logp - old_logp)
+    if estimator == "k3":  # ratio * (ref/pi - log(ref/pi) - 1) with ratio * ref/pi = ref/pi_old: d/dlogp = ratio * k1
+        return torch.exp(ref_logp - old_logp) - ratio * (ref_logp - logp + 1)
+    return ratio * common.kl_penalty(logp, ref_logp, estimator)
+    # END SOLUTION
+
+
 def surrogate(logp, old_logp, adv, mask, clip, dual_c=0.0, pg_weight=None):
     """The per-token surrogate (B, T) the policy maximises, with its ratio and the tokens' log-ratio: the lesson's
     common.clipped_surrogate of rho = exp(logp - old_logp) (clip.level "sequence": GSPO's exp(mean_t log rho_t) on
@@ -44,14 +60,18 @@ def surrogate(logp, old_logp, adv, mask, clip, dual_c=0.0, pg_weight=None):
 def grpo_loss(logp, old_logp, ref_logp, adv, mask, clip, beta, loss_agg="seq-mean-token-mean", kl_estimator="k3",
               ratio_weight=False, dual_c=0.0, pg_weight=None):
     """grpo.grpo_loss with the lab's dual clip, pg_weight (the surrogate's, not the KL term's) and the KL term's
-    ratio weight (common.kl_penalty with old_logp). Arguments and (loss, stats) as the lesson's."""
+    ratio weight (ratio_weighted_kl). Arguments and (loss, stats) as the lesson's."""
     clip = common.Clip(*clip)
     old_logp = torch.where(mask.bool(), old_logp, logp.detach())  # the padding: logp's value, no NaN gradient
     ref_logp = None if ref_logp is None else torch.where(mask.bool(), ref_logp, logp.detach())
     adv = adv[:, None]
     per_token, ratio, log_ratio = surrogate(logp, old_logp, adv, mask, clip, dual_c, pg_weight)
-    kl = torch.zeros_like(logp) if ref_logp is None else \
-        common.kl_penalty(logp, ref_logp, kl_estimator, old_logp if ratio_weight else None)
+    if ref_logp is None:
+        kl = torch.zeros_like(logp)
+    elif ratio_weight:  # DeepSeek-V3.2's ratio weight
+        kl = ratio_weighted_kl(logp, ref_logp, old_logp, kl_estimator)
+    else:
+        kl = common.kl_penalty(logp, ref_logp, kl_estimator)
     if clip.level == "sequence":  # GSPO: the surrogate once per sequence, the KL term per token
         loss = common.aggregate_loss(-per_token, mask, common.per_sequence(loss_agg)) + \
             common.aggregate_loss(beta * kl, mask, loss_agg)

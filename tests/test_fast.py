@@ -88,6 +88,25 @@ def test_fast_logprobs_equal_the_definition_in_values_and_gradients(name, shared
     assert_fast_equals_definition(model, *batch(shared), top_k=top_k, top_p=top_p)
 
 
+@pytest.mark.parametrize("top_k, top_p", [(5, 1.0), (0, 0.8), (6, 0.9)])
+def test_plain_scoring_is_the_definition_and_counts_the_fast_paths_kept_sets(top_k, top_p):
+    """--fast False scores with decode.plain_token_logprobs: common.token_logprobs' values and gradients exactly,
+    and the kept-set sizes the viewer records (lab/view.py) as decode.token_logprobs counts them."""
+    model, (input_ids, attention_mask) = load_model("embedded"), batch(shared=True)
+    plain_sizes, fast_sizes = [], []
+    logp, entropy, grads = logprobs_and_gradients(decode.plain_token_logprobs, model, input_ids, attention_mask,
+                                                  top_k=top_k, top_p=top_p, kept_sizes=plain_sizes)
+    spec_logp, spec_entropy, spec_grads = logprobs_and_gradients(common.token_logprobs, model, input_ids,
+                                                                 attention_mask, top_k=top_k, top_p=top_p)
+    assert torch.equal(logp, spec_logp) and torch.equal(entropy, spec_entropy)
+    assert all(torch.equal(g, spec_g) for g, spec_g in zip(grads, spec_grads))
+    decode.token_logprobs(model, input_ids, attention_mask, C, 0.7, top_k=top_k, top_p=top_p, kept_sizes=fast_sizes)
+    (sizes,), (fast,) = plain_sizes, fast_sizes
+    assert sizes.shape == (len(input_ids), C) and torch.equal(sizes, fast) and (sizes > 1).any()
+    if top_k > 0:  # the scored token counted in, kept or not (these completions were not drawn)
+        assert (sizes <= top_k + 1).all()
+
+
 @pytest.mark.parametrize("name", ["embedded", "qwen2"])
 def test_fast_logprobs_in_row_chunks_equal_the_definition(name, monkeypatch):
     """Chunks of 2 rows (2, 2, 2, 1 for B = 7) give the whole batch's values and gradients."""

@@ -65,7 +65,7 @@ ATTACKS = [
         spec = importlib.util.spec_from_file_location("reference", "{root}/common.py")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        return module.kl_penalty(logp, ref_logp, estimator, old_logp)"""),
+        return module.kl_penalty(logp, ref_logp, estimator)"""),
     ("escape", "length_adaptive_lam", """
         # libc's system through ctypes, then the reference's module from the teacher's path
         import ctypes
@@ -242,8 +242,8 @@ SIBLINGS = {"masked_mean": "masked_sum", "kl_penalty": "kl_k", "remax_loss": "re
 
 
 def write_copy(out, bodies):
-    """The reference's top-level modules, support/ and lab/corrections.py (what grade.py copies of a student's),
-    with the bodies given (by exercise name)."""
+    """The reference's top-level modules, support/, lab/corrections.py and lab/losses.py (what grade.py copies of a
+    student's), with the bodies given (by exercise name)."""
     out.mkdir()
     nested = {key.split("::")[0] for key in msc.EXERCISES if "/" in key.split("::")[0]}
     nested |= {f"{pathlib.Path(file).parent}/__init__.py" for file in nested}

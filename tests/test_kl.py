@@ -6,6 +6,7 @@ import itertools
 import torch
 
 from common import aggregate_loss, kl_k1, kl_k2, kl_k3, kl_penalty, reward_to_go
+from lab.losses import ratio_weighted_kl
 
 D = torch.float64
 
@@ -111,6 +112,17 @@ def test_estimators_hand_computed_values():
     assert torch.allclose(kl_k2(logp, ref_logp), torch.tensor([0.5], dtype=D))
     # k3 = exp(-1) - (-1) - 1 = exp(-1)
     assert torch.allclose(kl_k3(logp, ref_logp), torch.exp(torch.tensor([-1.0], dtype=D)))
+
+
+def test_kl_penalty_is_the_estimator_it_names_and_k3_by_default():
+    """GRPO's --kl_estimator: the term is the named estimator's, in value and in gradient through logp."""
+    theta, ref_logp = setup()
+    logq = torch.log_softmax(theta, 0)
+    for name, estimator in (("k1", kl_k1), ("k2", kl_k2), ("k3", kl_k3)):
+        term = kl_penalty(logq, ref_logp, name)
+        assert close(term, estimator(logq, ref_logp)), name
+        assert close(grad(term.sum(), theta), grad(estimator(logq, ref_logp).sum(), theta)), name
+    assert close(kl_penalty(logq, ref_logp), kl_k3(logq, ref_logp))
 
 
 def test_k3_of_a_truncated_policy_underestimates_the_kl_by_the_reference_mass_outside_the_kept_set():
@@ -293,16 +305,16 @@ def test_ratio_weighted_k1_and_k3_are_unbiased_kl_values_off_policy():
     assert not torch.allclose((P_mu[:, None] * kl_k3(logp, ref_logp)).sum(), true, atol=1e-3)  # without w
 
 
-def test_kl_penalty_with_the_ratio_in_the_graph_gives_the_reverse_kl_gradient_off_policy():
+def test_ratio_weighted_kl_with_the_ratio_in_the_graph_gives_the_reverse_kl_gradient_off_policy():
     """grad E_mu[w k] = grad E_pi[k] as a function of theta: k1 and k3 give grad KL(pi || ref)
-    (DeepSeek-V3.2's weighted k3, common.kl_penalty with old_logp); k2 does not."""
+    (DeepSeek-V3.2's weighted k3, lab/losses.py's ratio_weighted_kl); k2 does not."""
     m = Sequences(T=1)
     logp, ref_logp, mu_logp, _, P_mu = m.logps()
     reverse = grad(m.sequence_kl(), m.theta)
     for estimator in ("k1", "k3"):
-        g = grad((P_mu[:, None] * kl_penalty(logp, ref_logp, estimator, old_logp=mu_logp)).sum(), m.theta)
+        g = grad((P_mu[:, None] * ratio_weighted_kl(logp, ref_logp, mu_logp, estimator)).sum(), m.theta)
         assert close(g, reverse), estimator
-    g = grad((P_mu[:, None] * kl_penalty(logp, ref_logp, "k2", old_logp=mu_logp)).sum(), m.theta)
+    g = grad((P_mu[:, None] * ratio_weighted_kl(logp, ref_logp, mu_logp, "k2")).sum(), m.theta)
     assert not torch.allclose(g, reverse, atol=1e-3)
 
 
@@ -330,7 +342,7 @@ def test_unweighted_k1_off_policy_pushes_away_from_the_sampler_and_k3_gives_neit
 def test_ratio_weighted_k3_on_a_sequence_is_the_per_state_reverse_kl_over_the_samplers_states():
     m = Sequences()
     logp, ref_logp, mu_logp, _, P_mu = m.logps()
-    g = grad((P_mu[:, None] * kl_penalty(logp, ref_logp, "k3", old_logp=mu_logp)).sum(), m.theta)
+    g = grad((P_mu[:, None] * ratio_weighted_kl(logp, ref_logp, mu_logp, "k3")).sum(), m.theta)
     assert close(g, grad(m.per_state_kl(states=m.mu), m.theta))
     assert (g - grad(m.sequence_kl(), m.theta)).norm() > 0.05
 
@@ -341,14 +353,14 @@ def test_kl_is_weight_on_policy_gives_k3_the_gradient_of_k2():
     the gradient is the per-state reverse KL's."""
     logp = torch.tensor([-0.3, -2.0, -1.1], dtype=D, requires_grad=True)
     ref_logp = torch.tensor([-1.0, -0.5, -1.1], dtype=D)
-    weighted = kl_penalty(logp, ref_logp, "k3", old_logp=logp.detach())
+    weighted = ratio_weighted_kl(logp, ref_logp, logp.detach(), "k3")
     assert close(weighted, kl_k3(logp, ref_logp))
     assert close(grad(weighted.sum(), logp), grad(kl_k2(logp, ref_logp).sum(), logp))
     assert close(grad(kl_penalty(logp, ref_logp, "k3").sum(), logp), 1 - torch.exp(ref_logp - logp))
 
 
 def test_ratio_weighted_k3_gradient_is_exact_in_fp32_where_the_reference_is_far_more_likely():
-    """d(ratio * k3)/dlogp = ratio * k1. At log(ref / pi) = 18 .. 40, in fp32, kl_penalty's gradient agrees
+    """d(ratio * k3)/dlogp = ratio * k1. At log(ref / pi) = 18 .. 40, in fp32, ratio_weighted_kl's gradient agrees
     with that fp64 closed form to 1e-6, and its value with ratio * k3 in fp64. Written as ratio * k3,
     autograd forms ratio * k3 + ratio * (1 - ref / pi), two terms of size ref / pi_old whose sum is
     ratio * k1: in fp32 that sum is off by more than 10% at 18 and is exactly 0 from about 20 on."""
@@ -356,7 +368,7 @@ def test_ratio_weighted_k3_gradient_is_exact_in_fp32_where_the_reference_is_far_
     ref_logp = torch.full((5,), -0.5)
     logp = (ref_logp - log_ref_over_pi).requires_grad_()
     old_logp = logp.detach() + torch.tensor([0.3, -0.2, 0.0, 0.1, -0.4])  # off-policy, and on it (0.0)
-    kl = kl_penalty(logp, ref_logp, "k3", old_logp=old_logp)
+    kl = ratio_weighted_kl(logp, ref_logp, old_logp, "k3")
     (g,) = torch.autograd.grad(kl.sum(), logp)
     logp64, ref64, old64 = logp.detach().double(), ref_logp.double(), old_logp.double()
     ratio64 = torch.exp(logp64 - old64)

@@ -253,21 +253,25 @@ def test_cispo_and_gmpo_clip_defaults():
     assert Config().clip[:2] == (0.2, 0.2)
 
 
+@pytest.mark.parametrize("kl_is_weight", [False, True])
 @pytest.mark.parametrize("policy_loss, loss_agg", [("sapo", "seq-mean-token-mean"), ("gmpo", "seq-mean-token-mean"),
                                                    ("cispo", "token-mean")])
-def test_the_labs_composition_adds_grpos_kl_term(policy_loss, loss_agg):
+def test_the_labs_composition_adds_grpos_kl_term(policy_loss, loss_agg, kl_is_weight):
     """lab/grpo.py's objective_loss: the objective plus beta times the KL term, per token, aggregated as grpo_loss adds
     it. On-policy the objectives' gradients are the policy gradient, so with a reference (k3, beta 0.1, its padding
-    NaN) the whole gradient and the kl_term statistic are grpo_loss's."""
+    NaN; --kl_is_weight: weighted by the ratio) the whole gradient and the kl_term statistic are the lab's grpo_loss's
+    (the lesson's without the ratio weight)."""
     from lab.grpo import Config, objective_loss
+    from lab.losses import grpo_loss as lab_grpo_loss
 
     logp, ref, adv, mask = random_batch(8)
     ref = torch.where(mask.bool(), ref, NAN)
-    cfg = Config(policy_loss=policy_loss, beta=0.1, loss_agg=loss_agg)
+    cfg = Config(policy_loss=policy_loss, beta=0.1, loss_agg=loss_agg, kl_is_weight=kl_is_weight)
     a, b = logp.clone().requires_grad_(True), logp.clone().requires_grad_(True)
     _, stats = objective_loss(cfg, a, a.detach(), ref, adv, mask, loss_agg, None)
     objective_loss(cfg, a, a.detach(), ref, adv, mask, loss_agg, None)[0].backward()
-    _, peer_stats = grpo_loss(b, b.detach(), ref, adv, mask, CLIP, 0.1, loss_agg)
-    grpo_loss(b, b.detach(), ref, adv, mask, CLIP, 0.1, loss_agg)[0].backward()
+    peer = (lambda *args: lab_grpo_loss(*args, ratio_weight=True)) if kl_is_weight else grpo_loss
+    _, peer_stats = peer(b, b.detach(), ref, adv, mask, CLIP, 0.1, loss_agg)
+    peer(b, b.detach(), ref, adv, mask, CLIP, 0.1, loss_agg)[0].backward()
     torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-15)
     assert stats["kl_term"].item() == pytest.approx(peer_stats["kl_term"].item(), rel=1e-12)

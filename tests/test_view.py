@@ -494,6 +494,23 @@ def test_grpo_records_what_its_update_computed(tmp_path, monkeypatch):
     assert_recorded(rows, "kept_set", kept.scatter(-1, rollout.completion_ids[..., None], True).sum(-1), mask)
 
 
+def test_the_plain_scoring_of_fast_false_records_the_kept_sets_too(tmp_path, monkeypatch):
+    """--fast False (the plain common.token_logprobs, lab/decode.py's plain_token_logprobs): the recorded kept sets
+    are those of the update's forward, the sampled token counted in, as the fast path records them."""
+    from lab import remax  # the lab's loop: --fast, --log_rollouts
+
+    rows, seen = recorded_step(remax, ["--fast", "False", "--top_p", "0.9", "--batch_size", "8", "--micro_batch_size",
+                                       "3", "--log_rollouts", "8"], tmp_path, monkeypatch)
+    rollout, mask = seen["rollout"], seen["rollout"].mask
+    with torch.no_grad():
+        logits = seen["last"](input_ids=rollout.input_ids, attention_mask=rollout.attention_mask,
+                              position_ids=common.position_ids_from_mask(rollout.attention_mask)).logits
+    kept = common.sampling_mask(logits[:, -mask.shape[1] - 1:-1].float(), top_p=0.9).isfinite()
+    sizes = kept.scatter(-1, rollout.completion_ids[..., None], True).sum(-1)
+    assert (sizes[mask.bool()] > 1).any()  # not a trivial case
+    assert_recorded(rows, "kept_set", sizes, mask)
+
+
 @pytest.mark.parametrize("loss_scale", [None, 1024.0], ids=["fp32", "fp16_loss_scaling"])
 def test_remax_push_is_the_reward_to_go_return_its_loss_used(tmp_path, monkeypatch, loss_scale):
     """ReMax's loss is -G_t log pi(y_t) with G_t = A - beta sum_{t' >= t} k1_t', token-mean over the batch: the

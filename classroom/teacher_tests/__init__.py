@@ -7,8 +7,6 @@ AGENTS = "classroom/teacher_tests/test_hidden_agents.py"
 CORRECTIONS = "classroom/teacher_tests/test_hidden_corrections.py"
 
 TEACHER_TESTS = {
-    "common.py::kl_penalty": (COMMON, [
-        "test_ratio_weighted_k3_keeps_its_gradient_in_float32_far_from_the_reference"]),
     "common.py::masked_sum": (COMMON, [
         "test_masked_sum_of_a_padded_batch_ignores_the_padding_and_sums_each_row_alone"]),
     "common.py::masked_mean": (COMMON, ["test_masked_mean_of_a_padded_batch_weighs_every_valid_token_once"]),
@@ -29,6 +27,8 @@ TEACHER_TESTS = {
     "lab/corrections.py::geometric_sequence_mask": (CORRECTIONS, [
         "test_geometric_mask_sees_drifts_of_both_signs_through_the_mean_over_valid_tokens",
         "test_geometric_mask_keeps_a_drift_of_exactly_delta"]),
+    "lab/losses.py::ratio_weighted_kl": (LOSSES, [
+        "test_ratio_weighted_k3_keeps_its_gradient_in_float32_far_from_the_reference"]),
     "remax.py::remax_loss": (LOSSES, [
         "test_remax_loss_and_return_mean_of_a_padded_batch_weigh_every_valid_token"]),
     "rloo.py::rloo_advantages": (ADVANTAGES, [

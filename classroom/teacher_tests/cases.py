@@ -67,17 +67,9 @@ def kl_penalty(seed):
     g = generator(seed, 2)
     logp = -torch.rand(3, 5, dtype=F64, generator=g) * 3
     ref = logp + torch.randn(3, 5, dtype=F64, generator=g)
-    old = logp + torch.randn(3, 5, dtype=F64, generator=g) * 0.5
-    cases = []
-    for estimator in ("k1", "k2", "k3"):
-        cases.append(Case(f"{estimator}, on-policy", [logp, ref], {"estimator": estimator}, grad=(0,)))
-        cases.append(Case(f"{estimator} weighted by the ratio", [logp, ref], {"estimator": estimator,
-                                                                              "old_logp": old}, grad=(0,)))
+    cases = [Case(estimator, [logp, ref], {"estimator": estimator}, grad=(0,)) for estimator in ("k1", "k2", "k3")]
     cases.append(Case("the default estimator", [logp, ref], grad=(0,)))
-    for far in (5.0, 25.0, 40.0):  # float32: the ratio-weighted k3 must keep its gradient far from the reference
-        logp32 = torch.tensor([-1.0, -2.0]) - torch.rand(2, generator=g)
-        cases.append(Case(f"float32 k3 weighted by the ratio, log(ref / pi) = {far:g}", [logp32, logp32 + far],
-                          {"estimator": "k3", "old_logp": logp32.clone()}, grad=(0,)))
+    cases.append(Case("float32, the default estimator", [logp.float(), ref.float()], grad=(0,)))
     return cases
 
 
@@ -212,6 +204,26 @@ def geometric_sequence_mask(seed):
     cases.append(Case("a drift of exactly delta", [zeros, padded(zeros + 0.125, exact, 9.0),
                                                     -torch.ones(3, dtype=F64), exact, 0.125]))
     cases.append(Case("float32", [logp.float(), old.float(), adv.float(), mask, delta]))
+    return cases
+
+
+# ---------------------------------------------------------------------------------------------- lab/losses.py
+
+def ratio_weighted_kl(seed):
+    g = generator(seed, 11)
+    logp = -torch.rand(3, 5, dtype=F64, generator=g) * 3
+    ref = logp + torch.randn(3, 5, dtype=F64, generator=g)
+    old = logp + torch.randn(3, 5, dtype=F64, generator=g) * 0.5
+    cases = []
+    for estimator in ("k1", "k2", "k3"):
+        cases.append(Case(f"{estimator} weighted by the ratio", [logp, ref, old], {"estimator": estimator}, grad=(0,)))
+        cases.append(Case(f"{estimator}, on-policy (old_logp = logp's value)", [logp, ref, logp.clone()],
+                          {"estimator": estimator}, grad=(0,)))
+    cases.append(Case("the default estimator", [logp, ref, old], grad=(0,)))
+    for far in (5.0, 25.0, 40.0):  # float32: the ratio-weighted k3 must keep its gradient far from the reference
+        logp32 = torch.tensor([-1.0, -2.0]) - torch.rand(2, generator=g)
+        cases.append(Case(f"float32 k3 weighted by the ratio, log(ref / pi) = {far:g}",
+                          [logp32, logp32 + far, logp32.clone()], {"estimator": "k3"}, grad=(0,)))
     return cases
 
 
@@ -730,6 +742,7 @@ CASES = {
     "common.py::clip_stats": clip_stats,
     "lab/corrections.py::truncated_is_weight": truncated_is_weight,
     "lab/corrections.py::geometric_sequence_mask": geometric_sequence_mask,
+    "lab/losses.py::ratio_weighted_kl": ratio_weighted_kl,
     "remax.py::remax_advantages": remax_advantages,
     "remax.py::remax_loss": remax_loss,
     "rloo.py::rloo_advantages": rloo_advantages,

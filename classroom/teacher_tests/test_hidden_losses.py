@@ -1,5 +1,6 @@
 """Hidden tests of the losses: statistics and losses on padded batches of several rows whose padding
-holds NaN, inf or huge ratios (clipped padding tokens), against the same function on each row alone."""
+holds NaN, inf or huge ratios (clipped padding tokens), against the same function on each row alone; and the
+lab's ratio-weighted KL term (lab/losses.py), its gradient in float32 far from the reference."""
 import math
 
 import pytest
@@ -12,6 +13,7 @@ import ppo
 import remax
 import rloo
 import vapo
+from lab import losses as lab_losses
 from teacher_tests.batches import F64, GARBAGE, close, generator, lengths, padded, prefix_mask, token_weighted, widened
 
 B, T = 5, 6
@@ -212,3 +214,13 @@ def test_clip_statistics_count_only_where_the_clip_binds_hand_values(name):
     assert stats["approx_kl"].item() == pytest.approx((2.5 - math.log(2)) / 3, rel=1e-12)
     _, stats = call(torch.zeros(3, 3, dtype=F64), GRID_ADV, 0.0)  # on-policy: rho = 1 exactly, epsilon 0
     assert stats["clip_frac_low"].item() == 0 and stats["clip_frac_high"].item() == 0
+
+
+@pytest.mark.parametrize("log_ref_over_pi", [5.0, 25.0, 40.0])
+def test_ratio_weighted_k3_keeps_its_gradient_in_float32_far_from_the_reference(log_ref_over_pi):
+    """grad of ratio * k3 is ratio * k1 (docs/algorithms.md, KL estimators): on-policy, ratio = 1 and the
+    gradient is log(pi / ref). Written as ratio * k3, float32 loses it once ref / pi passes e^20."""
+    logp = torch.tensor([-1.0, -2.0], requires_grad=True)
+    ref_logp = logp.detach() + log_ref_over_pi
+    lab_losses.ratio_weighted_kl(logp, ref_logp, logp.detach(), "k3").sum().backward()
+    torch.testing.assert_close(logp.grad, torch.full((2,), -log_ref_over_pi), rtol=1e-5, atol=1e-5)
