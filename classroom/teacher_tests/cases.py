@@ -376,6 +376,9 @@ def clip_stats(seed):
     sides = torch.tensor([[0.5], [-0.5]], dtype=F64)
     cases.append(Case("ratios between the two clips, clip 0.2 / 0.28",
                       [between, torch.log(between), sides, torch.ones(2, 3, dtype=torch.long), (0.2, 0.28)]))
+    edges = torch.tensor([[0.75, 1.25, 1.0], [0.75, 1.25, 1.0]], dtype=F64)  # exactly 1 -+ 0.25: not clipped
+    cases.append(Case("ratios exactly on the clip's edges, clip 0.25",
+                      [edges, torch.log(edges), sides, torch.ones(2, 3, dtype=torch.long), (0.25, 0.25)]))
     cases.append(Case("no valid token", [grid, torch.log(grid), GRID_ADV[:, None].clone(),
                                          torch.zeros(3, 3, dtype=torch.long), (0.2, 0.2)]))
     return cases
