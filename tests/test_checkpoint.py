@@ -19,7 +19,7 @@ import torch
 from lab import config as lab_config
 from lab.checkpointer import MAX_SKIPPED_STEPS, Checkpointer
 from support import config, models, run, tasks
-from conftest import ROOT, free_port
+from conftest import ROOT, free_port, run_main
 
 CHAOS_ARGS = ["--num_steps", "6", "--batch_size", "2", "--max_new_tokens", "4", "--eval_every", "100000",
               "--save_steps", "1", "--save_model", "False"]
@@ -127,15 +127,12 @@ def in_process(capsys, script, *args):
     stdout and stderr as a CompletedProcess would hold them (a SystemExit with a message: status 1, the message
     as stderr's last line, as Python prints it). An exception other than SystemExit fails the test with its
     traceback. The runs here need no process of their own: one cost ~13 s of start-up against ~2 s of run."""
-    module = importlib.import_module(script[:-len(".py")].replace("/", "."))
     capsys.readouterr()
     code = 0
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(sys, "argv", [script, *map(str, args)])
-        try:
-            module.main()
-        except SystemExit as stopped:
-            code = stopped.code
+    try:
+        run_main([script, *args])
+    except SystemExit as stopped:
+        code = stopped.code
     out, err = capsys.readouterr()
     if isinstance(code, str):
         code, err = 1, err + code + "\n"

@@ -1,7 +1,6 @@
 """Exploration budgets (docs/algorithms.md, "Exploration budgets"): the knapsack value and allocation against brute
 force, the group baselines by group id against the fixed-G ones, TreePO's advantage on hand-built trees, the
 sampler, and runs of the three group methods with --budget knapsack."""
-import importlib
 import itertools
 import math
 import random
@@ -19,7 +18,7 @@ import dapo  # noqa: E402
 import exploration  # noqa: E402
 import grpo  # noqa: E402
 import rloo  # noqa: E402
-from conftest import launch_two_processes  # noqa: E402
+from conftest import launch_two_processes, run_main  # noqa: E402
 from lab import grpo as lab_grpo  # noqa: E402  (the lab's Config: --budget and --sampler)
 from exploration import knapsack_allocation, knapsack_value  # noqa: E402
 from lab import budget, tree
@@ -363,9 +362,7 @@ def test_a_bad_budget_is_one_error_line_naming_the_flag(script, args, flag):
 def run_lab_in_process(name, *args):
     """`python lab/<name>.py args` as this process's call of its main() (sys.argv patched): the runs need no process
     of their own. A failure raises here."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(sys, "argv", [f"lab/{name}.py", *map(str, args)])
-        importlib.import_module(f"lab.{name}").main()
+    run_main([f"lab/{name}.py", *args])
 
 
 def test_the_three_group_methods_train_with_knapsack_groups_of_different_sizes(tmp_path):

@@ -4,7 +4,6 @@ fails, unless LAB_ONLY names it) and the same final weights, in one process, and
 micro-batches; and with the flags that change the update: several epochs, GSPO's sequence ratio, no reference,
 top-k / top-p sampling, LoRA. opd.py has no lab twin: distillation's teacher scores what the student samples, and
 none of the lab's samplers (stale, an inference engine, trees) has been made to carry a teacher."""
-import importlib
 import json
 import os
 import subprocess
@@ -13,7 +12,7 @@ import sys
 import pytest
 from safetensors.torch import load_file
 
-from conftest import ROOT, launch_two_processes
+from conftest import ROOT, launch_two_processes, run_main
 
 ALGORITHMS = ("remax", "rloo", "grpo", "dapo", "ppo", "reinforce_pp")
 # five steps of a small batch each (PPO's step is num_epochs x num_mini_batches = 4 optimizer steps)
@@ -41,13 +40,8 @@ VARIANTS = [("grpo", ["--num_epochs", "2"]),
 
 
 def run_in_process(script, args, out_dir):
-    """`python script args --output_dir out_dir`, as this process's call of the script's main() (sys.argv patched):
-    the single-process runs here need no process of their own, and a process of their own cost ~13 s of start-up
-    per run (the imports, the tokenizer) against ~2 s of run."""
-    module = importlib.import_module(script[:-len(".py")].replace("/", "."))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(sys, "argv", [script, *args, "--output_dir", str(out_dir)])
-        module.main()
+    """`python script args --output_dir out_dir`, in this process (conftest.run_main)."""
+    run_main([script, *args, "--output_dir", out_dir])
 
 
 def run_both(name, args, tmp_path):

@@ -6,12 +6,12 @@ import importlib.util
 import itertools
 import json
 import random
-import sys
 
 import pytest
 import torch
 from transformers import AutoTokenizer
 
+from conftest import run_main
 from lab.pass_at_k import pass_at_k, reported
 from lab import config as lab_config
 from lab import tasks
@@ -156,12 +156,9 @@ def test_the_reported_pass_at_j_are_the_powers_of_two_and_k():
 
 
 def run_in_process(argv):
-    """`python *argv`, as this process's call of the script's main() (sys.argv patched; the main thread, where the
-    math answers' time limit runs): a process of its own cost ~13 s of start-up per run, the run itself ~2 s."""
-    module = importlib.import_module(argv[0][:-len(".py")].replace("/", "."))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(sys, "argv", argv)
-        module.main()
+    """`python *argv` in this process (conftest.run_main), in the main thread, where the math answers' time limit
+    runs."""
+    run_main(argv)
 
 
 def test_lab_grpo_trains_on_a_math500_file_with_the_verified_reward_and_logs_pass_at_k(tmp_path):

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from lab import config as lab_config
 from lab import tasks
 from support import config
-from conftest import ROOT
+from conftest import ROOT, run_main
 
 PAGE = (ROOT / "docs" / "your_task.md").read_text()
 BLOCKS = re.findall(r"```(\w+)\n(.*?)```", PAGE, re.S)  # (language, code) in page order
@@ -46,12 +46,9 @@ def test_the_pages_reward_function_runs_as_a_flag_would_call_it(tmp_path):
 def train(out_dir, *args):
     """Two steps whose advantages are never all 0 (rewards with per-family offsets, no baseline), so the
     weights move."""
-    from lab import remax  # run in this process (sys.argv patched): the run needs no process of its own
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(sys, "argv", ["lab/remax.py", "--num_steps", "2", "--batch_size", "8", "--max_new_tokens", "4",
-                                 "--eval_every", "100", "--reward_scales", "hetero", "--baseline", "none",
-                                 "--learning_rate", "1e-2", "--output_dir", str(out_dir), *args])
-        remax.main()
+    run_main(["lab/remax.py", "--num_steps", "2", "--batch_size", "8", "--max_new_tokens", "4", "--eval_every", "100",
+              "--reward_scales", "hetero", "--baseline", "none", "--learning_rate", "1e-2", "--output_dir", out_dir,
+              *args])  # in this process (conftest.run_main): the run needs no process of its own
     return out_dir / "final"
 
 
